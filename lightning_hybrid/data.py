@@ -1,0 +1,301 @@
+"""Byte-level text data: one byte = one token (vocabulary of 256).
+
+The default corpus is the Python standard library's own ``*.py`` sources, which
+exist on every machine that runs this package, so examples and tests need no
+download. Third-party code (``site-packages`` / ``dist-packages``) is excluded
+because it differs between environments.
+
+Shape legend: ``T`` = ``block_size``, ``B`` = ``batch_size``.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from pathlib import Path
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+__all__ = [
+    "EXCLUDED_DIRS",
+    "ByteBlockDataset",
+    "ByteCorpusDataModule",
+    "collect_text_files",
+    "default_corpus_files",
+    "looks_binary",
+    "read_corpus",
+]
+
+PathLike = Union[str, os.PathLike]
+
+#: directory names never descended into by :func:`default_corpus_files`.
+EXCLUDED_DIRS: Tuple[str, ...] = ("site-packages", "dist-packages")
+
+_SEPARATOR = b"\n"
+_BINARY_SNIFF_BYTES = 1024
+
+
+def looks_binary(path: PathLike) -> bool:
+    """True if the file has a NUL byte in its first 1 KiB."""
+    with open(path, "rb") as f:
+        return b"\0" in f.read(_BINARY_SNIFF_BYTES)
+
+
+def collect_text_files(
+    root: PathLike,
+    suffixes: Optional[Sequence[str]] = None,
+    exclude_dirs: Iterable[str] = (),
+    skip_hidden: bool = True,
+    skip_binary: bool = True,
+) -> List[Path]:
+    """List the regular files under ``root``, recursively, in a deterministic order.
+
+    Args:
+        root: directory to walk (symlinked directories are not followed).
+        suffixes: if given, keep only files whose name ends with one of them (e.g. ``(".py",)``).
+        exclude_dirs: directory names that are pruned wherever they occur.
+        skip_hidden: skip files and directories whose name starts with ``"."``.
+        skip_binary: skip files that look binary (see :func:`looks_binary`).
+
+    Returns:
+        The files, sorted by their path relative to ``root`` in posix form.
+    """
+    root = Path(root)
+    if not root.exists():
+        raise FileNotFoundError(f"path does not exist: {str(root)!r}")
+    if not root.is_dir():
+        raise NotADirectoryError(f"not a directory: {str(root)!r}")
+    excluded = set(exclude_dirs)
+    found: List[Tuple[str, Path]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Prune in place so os.walk does not descend into excluded directories.
+        dirnames[:] = [
+            d for d in dirnames if d not in excluded and not (skip_hidden and d.startswith("."))
+        ]
+        for name in filenames:
+            if skip_hidden and name.startswith("."):
+                continue
+            if suffixes is not None and not name.endswith(tuple(suffixes)):
+                continue
+            path = Path(dirpath) / name
+            if not path.is_file():
+                continue
+            found.append((path.relative_to(root).as_posix(), path))
+    found.sort(key=lambda item: item[0])
+    files = [path for _, path in found]
+    if skip_binary:
+        files = [path for path in files if not looks_binary(path)]
+    return files
+
+
+def default_corpus_files(stdlib: Optional[PathLike] = None) -> List[Path]:
+    """The ``*.py`` files of the standard library, without third-party packages.
+
+    Args:
+        stdlib: root to walk; defaults to ``sysconfig.get_paths()["stdlib"]``.
+
+    Returns:
+        Files sorted by relative posix path; anything under a ``site-packages`` or
+        ``dist-packages`` directory is excluded.
+    """
+    root = Path(stdlib) if stdlib is not None else Path(sysconfig.get_paths()["stdlib"])
+    return collect_text_files(
+        root, suffixes=(".py",), exclude_dirs=EXCLUDED_DIRS, skip_hidden=True, skip_binary=False
+    )
+
+
+def _concat(files: Iterable[Path], max_bytes: Optional[int]) -> bytes:
+    """Concatenate file contents with ``b"\\n"`` separators, truncated to ``max_bytes``."""
+    parts: List[bytes] = []
+    total = 0
+    for path in files:
+        if parts:
+            parts.append(_SEPARATOR)
+            total += len(_SEPARATOR)
+        data = path.read_bytes()
+        parts.append(data)
+        total += len(data)
+        if max_bytes is not None and total >= max_bytes:
+            break
+    corpus = b"".join(parts)
+    return corpus[:max_bytes] if max_bytes is not None else corpus
+
+
+def read_corpus(
+    paths: Union[None, PathLike, Sequence[PathLike]] = None,
+    max_bytes: Optional[int] = 2_000_000,
+) -> bytes:
+    """Read a text corpus as raw bytes.
+
+    Args:
+        paths: ``None`` for the standard-library corpus (:func:`default_corpus_files`);
+            otherwise a path or a list of paths. Files are read as they are;
+            directories are read recursively via :func:`collect_text_files`
+            (hidden and binary-looking files skipped).
+        max_bytes: truncate the corpus to this many bytes (``None``: no limit).
+
+    Returns:
+        The contents joined with ``b"\\n"``, at most ``max_bytes`` long.
+
+    Raises:
+        FileNotFoundError: a given path does not exist (the message names it).
+        ValueError: the corpus is empty.
+    """
+    if paths is None:
+        files = default_corpus_files()
+    else:
+        if isinstance(paths, (str, os.PathLike)):
+            paths = [paths]
+        files = []
+        for p in paths:
+            path = Path(p)
+            if not path.exists():
+                raise FileNotFoundError(f"corpus path does not exist: {str(p)!r}")
+            files.extend(collect_text_files(path) if path.is_dir() else [path])
+    corpus = _concat(files, max_bytes)
+    if not corpus:
+        raise ValueError(f"empty corpus (paths={paths!r}, {len(files)} files)")
+    return corpus
+
+
+class ByteBlockDataset(Dataset):
+    """Non-overlapping next-token windows over a 1-D token tensor.
+
+    Item ``i`` is ``(x, y)`` with ``x = tokens[i*T : i*T + T]`` and
+    ``y = tokens[i*T + 1 : i*T + T + 1]``, both ``LongTensor (T,)``.
+    ``len = (len(tokens) - 1) // T``.
+    """
+
+    def __init__(self, tokens: torch.Tensor, block_size: int) -> None:
+        if tokens.dim() != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.tokens = tokens
+        self.block_size = block_size
+
+    def __len__(self) -> int:
+        return max(0, (len(self.tokens) - 1) // self.block_size)
+
+    def __getitem__(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"index {i} out of range for {n} windows")
+        start = i * self.block_size
+        x = self.tokens[start : start + self.block_size].long()  # (T,)
+        y = self.tokens[start + 1 : start + self.block_size + 1].long()  # (T,)
+        return x, y
+
+
+class ByteCorpusDataModule(L.LightningDataModule):
+    """Byte-level language-modelling data (vocabulary 256) with a held-out tail.
+
+    Args:
+        paths: ``None`` for the standard-library corpus, or a path / list of paths
+            (files or directories); see :func:`read_corpus`.
+        block_size: sequence length ``T`` of each sample.
+        batch_size: per-process batch size ``B``.
+        val_fraction: the last ``val_fraction`` of the bytes is the validation
+            (and test) split; the rest is training data.
+        max_bytes: truncate the corpus to this many bytes.
+        num_workers: DataLoader workers.
+        shuffle: shuffle the training set (with a generator seeded by ``seed``).
+        seed: seed of the shuffling generator.
+
+    Batches are ``(x, y)`` pairs of ``LongTensor (B, T)`` with ``y`` = ``x`` shifted by one.
+    No ``DistributedSampler`` is created here: Lightning injects it when needed.
+    """
+
+    vocab_size = 256
+
+    def __init__(
+        self,
+        paths: Union[None, PathLike, Sequence[PathLike]] = None,
+        block_size: int = 64,
+        batch_size: int = 8,
+        val_fraction: float = 0.05,
+        max_bytes: int = 2_000_000,
+        num_workers: int = 0,
+        shuffle: bool = False,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        if block_size <= 0 or batch_size <= 0:
+            raise ValueError(f"block_size and batch_size must be positive, got {block_size}, {batch_size}")
+        self.paths = paths
+        self.block_size = block_size
+        self.batch_size = batch_size
+        self.val_fraction = val_fraction
+        self.max_bytes = max_bytes
+        self.num_workers = num_workers
+        self.shuffle = shuffle
+        self.seed = seed
+        self._corpus: Optional[bytes] = None
+        self.train_dataset: Optional[ByteBlockDataset] = None
+        self.val_dataset: Optional[ByteBlockDataset] = None
+
+    def prepare_data(self) -> None:
+        """Nothing to download: the corpus is read from local files in :meth:`setup`."""
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        """Read the corpus and build the train / validation datasets (once)."""
+        if self._corpus is not None:
+            return
+        corpus = read_corpus(self.paths, self.max_bytes)
+        tokens = torch.frombuffer(bytearray(corpus), dtype=torch.uint8)  # (N,)
+        n = len(tokens)
+        n_val = int(n * self.val_fraction)
+        n_train = n - n_val
+        need = self.block_size + 1
+        if n_train < need or n_val < need:
+            raise ValueError(
+                f"corpus of {n} bytes is too small: train split has {n_train} bytes and "
+                f"validation split {n_val} bytes (val_fraction={self.val_fraction}); each "
+                f"needs at least block_size + 1 = {need} bytes"
+            )
+        self.train_dataset = ByteBlockDataset(tokens[:n_train], self.block_size)
+        self.val_dataset = ByteBlockDataset(tokens[n_train:], self.block_size)
+        self._corpus = corpus
+
+    def corpus_bytes(self) -> bytes:
+        """The loaded corpus (calls :meth:`setup` if needed)."""
+        self.setup()
+        assert self._corpus is not None
+        return self._corpus
+
+    def _require(self, dataset: Optional[ByteBlockDataset]) -> ByteBlockDataset:
+        if dataset is None:
+            raise RuntimeError("call setup() before requesting a dataloader")
+        return dataset
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator()
+        generator.manual_seed(self.seed)
+        return DataLoader(
+            self._require(self.train_dataset),
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            generator=generator,
+            drop_last=True,
+            num_workers=self.num_workers,
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(
+            self._require(self.val_dataset),
+            batch_size=self.batch_size,
+            shuffle=False,
+            drop_last=True,
+            num_workers=self.num_workers,
+        )
+
+    def test_dataloader(self) -> DataLoader:
+        """The test split is the validation split."""
+        return self.val_dataloader()

@@ -1,0 +1,53 @@
+"""The global gradient norm across TP shards and ZeRO shards, and clipping by it.
+
+Each local gradient is tagged with whether it is a TP shard (its squares are summed over the TP group) and
+whether it is a DP shard (summed over the DP group); a replicated gradient is counted once. The result is
+the norm of the one-device gradient, on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def _local(t: Tensor) -> Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+@torch.no_grad()
+def global_grad_norm(
+    grads: Sequence[tuple[Tensor, bool, bool]],
+    tp_group: dist.ProcessGroup | None,
+    dp_group: dist.ProcessGroup | None,
+) -> Tensor:
+    """L2 norm of the full gradient. ``grads``: ``(grad, is_tp_shard, is_dp_shard)``; collective over both groups.
+
+    Returns a float32 scalar on the gradients' device, identical on every rank of both groups.
+    """
+    device = _local(grads[0][0]).device if grads else torch.device("cpu")
+    # sums[tp_shard][dp_shard]
+    sums = torch.zeros(2, 2, dtype=torch.float32, device=device)
+    for grad, tp_shard, dp_shard in grads:
+        sums[int(tp_shard), int(dp_shard)] += _local(grad).detach().float().pow(2).sum()
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dp_sharded = sums[:, 1].contiguous()
+        dist.all_reduce(dp_sharded, group=dp_group)
+        sums[:, 1] = dp_sharded
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        tp_sharded = sums[1].contiguous()
+        dist.all_reduce(tp_sharded, group=tp_group)
+        sums[1] = tp_sharded
+    return sums.sum().sqrt()
+
+
+@torch.no_grad()
+def clip_grads_(grads: Sequence[Tensor], max_norm: float, total_norm: Tensor) -> None:
+    """Scale ``grads`` in place as ``torch.nn.utils.clip_grad_norm_`` does, given the global ``total_norm``."""
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for grad in grads:
+        local = _local(grad)
+        local.mul_(coef.to(local.dtype))

@@ -1,0 +1,73 @@
+"""The 3D device mesh: sizes, their validation, and the `DeviceMesh` built from them.
+
+`ParallelDims` is the one place where layout sizes are checked. It is a frozen value: the strategy builds it
+once it knows the world size, builds the mesh from it, and hands sub-meshes (or their process groups) to
+the tensor-parallel layers, the ZeRO optimizer and the pipeline executor. Nothing here is global.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIM_NAMES = ("pp", "dp", "tp")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the mesh dimensions ``(pp, dp, tp)``; TP innermost (adjacent ranks), PP outermost.
+
+    ``dp=-1`` means "whatever the world size leaves": ``world_size // (tp * pp)``.
+    """
+
+    dp: int
+    tp: int
+    pp: int
+    world_size: int
+
+    @classmethod
+    def resolve(cls, dp: int, tp: int, pp: int, world_size: int) -> "ParallelDims":
+        """Validate the requested sizes against ``world_size`` and infer ``dp=-1``. Raises ``ValueError``."""
+        for name, value in (("tp", tp), ("pp", pp)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer.")
+        if not isinstance(dp, int) or (dp < 1 and dp != -1):
+            raise ValueError(f"dp={dp!r} is invalid: it must be a positive integer or -1 (infer from the world size).")
+        if dp == -1:
+            if world_size % (tp * pp) != 0:
+                raise ValueError(
+                    f"The world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}, so dp cannot be"
+                    f" inferred. Valid tp*pp for this world size are its divisors: {_divisors(world_size)}."
+                )
+            dp = world_size // (tp * pp)
+        if dp * tp * pp != world_size:
+            raise ValueError(
+                f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} does not equal the world size {world_size}."
+                f" Choose sizes whose product is {world_size} (or dp=-1 to infer dp)."
+            )
+        return cls(dp=dp, tp=tp, pp=pp, world_size=world_size)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.pp, self.dp, self.tp)
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """Create the ``(pp, dp, tp)`` mesh over the default process group (which must be initialised)."""
+        if not dist.is_initialized():
+            raise RuntimeError("The default process group must be initialised before the device mesh is built.")
+        if dist.get_world_size() != self.world_size:
+            raise RuntimeError(f"Process group has {dist.get_world_size()} ranks, the layout expects {self.world_size}.")
+        return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIM_NAMES)
+
+
+def validate_zero_stage(stage: int) -> int:
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"zero_stage={stage!r} is invalid: valid stages are {list(ZERO_STAGES)}.")
+    return stage
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,364 @@
+"""`HybridStrategy`: the seam between Lightning and the parallel dimensions.
+
+It composes, in one fixed order, what the other modules implement:
+1. `ParallelDims.resolve` validates the layout against the world size (before any process group exists),
+2. the process group and the ``(pp, dp, tp)`` `DeviceMesh` are built from Lightning's accelerator,
+3. after ``configure_model``: `resolve_tp_plan` + `apply_tp` (TP by module replacement), then
+   `apply_fsdp` for ZeRO-3,
+4. the user's optimizers are created (they see the split parameters) and wrapped by `ZeroOptimizer` for
+   ZeRO-1/2,
+5. during training: gradients reduced over DP once per optimizer step, clipping by the global norm, metrics
+   and ``self.log(..., sync_dist=True)`` reduced over the DP group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_hybrid.grad_norm import clip_grads_, global_grad_norm
+from lightning_hybrid.mesh import ParallelDims, validate_zero_stage
+from lightning_hybrid.tensor_parallel import (
+    apply_tp,
+    gather_full_state_dict,
+    load_full_state_dict,
+    resolve_tp_plan,
+    tp_sharded_parameter_names,
+)
+from lightning_hybrid.zero import ZeroOptimizer, allreduce_gradients, apply_fsdp
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
+
+_OPTIMIZER_STATE_NOT_SAVED = "lightning_hybrid: optimizer state of a TP/ZeRO layout is not in this checkpoint"
+
+
+class HybridStrategy(ParallelStrategy):
+    """Data x tensor x pipeline parallelism with ZeRO on one ``(pp, dp, tp)`` device mesh.
+
+    Args:
+        dp: data-parallel size; ``-1`` infers it as ``world_size // (tp * pp)``.
+        tp: tensor-parallel size (adjacent ranks). ``nn.Linear``/``nn.Embedding`` layers are replaced by
+            column/row/vocab-parallel layers according to ``tp_plan``.
+        pp: pipeline-parallel size. Only ``1`` is available in this release.
+        zero_stage: ZeRO stage over the DP dimension: 0 (DDP), 1 (optimizer state sharded), 2 (+ gradients),
+            3 (+ parameters; FSDP2).
+        tp_plan: ``"auto"`` or a dict of glob patterns over module names -> ``"colwise" | "rowwise" |
+            "replicate"`` that overrides the auto plan where it matches (first match wins).
+        micro_batches, schedule, virtual_stages: pipeline settings, reserved for ``pp > 1``.
+        process_group_backend: overrides the backend chosen from the accelerator (gloo on CPU, nccl on CUDA).
+        timeout: process group timeout.
+    """
+
+    strategy_name = "hybrid"
+
+    def __init__(
+        self,
+        dp: int = -1,
+        tp: int = 1,
+        pp: int = 1,
+        zero_stage: int = 0,
+        tp_plan: Union[str, dict[str, str]] = "auto",
+        micro_batches: Optional[int] = None,
+        schedule: str = "1f1b",
+        virtual_stages: int = 1,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Any] = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if pp != 1:
+            raise ValueError(
+                f"pp={pp}: pipeline parallelism is not available in this release of lightning_hybrid yet;"
+                " use pp=1 (combine dp, tp and zero_stage)."
+            )
+        if not (tp_plan == "auto" or isinstance(tp_plan, Mapping)):
+            raise ValueError(f"tp_plan={tp_plan!r} is invalid: use 'auto' or a dict of glob pattern -> style.")
+        self._requested = {"dp": dp, "tp": tp, "pp": pp}
+        ParallelDims.resolve(dp, tp, pp, world_size=(dp if dp > 0 else 1) * tp * pp)  # sizes alone are valid
+        self.zero_stage = validate_zero_stage(zero_stage)
+        self.tp_plan = dict(tp_plan) if isinstance(tp_plan, Mapping) else tp_plan
+        self.micro_batches, self.schedule, self.virtual_stages = micro_batches, schedule, virtual_stages
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.num_nodes = 1
+        self._dims: Optional[ParallelDims] = None
+        self._device_mesh: Optional["DeviceMesh"] = None
+        self._parallelized_module: Optional[torch.nn.Module] = None
+        self._tp_sharded_names: set[str] = set()
+        self._fsdp_roots: list[torch.nn.Module] = []
+        self._sync_blocked = False
+        self.last_grad_norm: Optional[Tensor] = None
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        if self._dims is None:
+            raise RuntimeError("The layout is resolved once the processes have started (in `setup_environment`).")
+        return self._dims
+
+    @property
+    def device_mesh(self) -> "DeviceMesh":
+        if self._device_mesh is None:
+            raise RuntimeError("Accessing the device mesh before processes have initialized is not allowed.")
+        return self._device_mesh
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.device_mesh["dp"].get_group()
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return self.device_mesh["tp"].get_group()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.device_mesh["dp"].get_local_rank()
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Only DP ranks see different samples; a TP group (and a pipeline) shares them.
+        return {"num_replicas": self.parallel_dims.dp, "rank": self.dp_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    # ------------------------------------------------------------------ processes
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        self._set_world_ranks()
+        # Validate before the process group exists: every rank raises the same error, none hangs.
+        self._dims = ParallelDims.resolve(**self._requested, world_size=self.world_size)
+        super().setup_environment()
+        reset_seed()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        assert self.cluster_environment is not None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+        self._device_mesh = self._dims.build_mesh(self.root_device.type)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------------ model and optimizers
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.model_to_device()
+        self._parallelize()
+        assert self.model is not None
+        self.model = self.precision_plugin.convert_module(self.model)
+        if trainer.state.fn == "fit":
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        # Lightning's precision plugins clip by the local norm; under TP/ZeRO the norm is a cross-rank one.
+        self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_norm  # type: ignore[method-assign]
+        self._sync_metrics_over_dp()
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def _parallelize(self) -> None:
+        """TP by module replacement, then ZeRO-3 sharding; once per module (a second fit/validate reuses it)."""
+        module = self.lightning_module
+        assert module is not None
+        if self._parallelized_module is module:
+            return
+        dims = self.parallel_dims
+        if dims.tp > 1:
+            plan = resolve_tp_plan(module, dims.tp, self.tp_plan)
+            apply_tp(module, self.tp_group, plan)
+            rank_zero_info(plan.summary())
+        self._tp_sharded_names = tp_sharded_parameter_names(module)
+        if self.zero_stage == 3 and dims.dp > 1:
+            self._fsdp_roots = apply_fsdp(module, self.device_mesh["dp"])
+        self._parallelized_module = module
+
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+        if self.zero_stage in (1, 2) and self.parallel_dims.dp > 1:
+            assert self.lightning_module is not None
+            tp_sharded = {id(p) for n, p in self.lightning_module.named_parameters() if n in self._tp_sharded_names}
+            self.optimizers = [ZeroOptimizer(opt, self.dp_group, self.zero_stage, tp_sharded) for opt in self.optimizers]
+
+    # ------------------------------------------------------------------ gradients
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if not self._sync_blocked:
+            self.reduce_gradients()
+
+    def reduce_gradients(self) -> None:
+        """Reduce the accumulated gradients over DP (ZeRO-3: FSDP2 already did, in backward)."""
+        if self.parallel_dims.dp == 1 or self.zero_stage == 3:
+            return
+        if self.zero_stage == 0:
+            assert self.lightning_module is not None
+            allreduce_gradients(self.lightning_module.parameters(), self.dp_group)
+        else:
+            for optimizer in self.optimizers:
+                optimizer.reduce_gradients()
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning enters this for the backward passes of an accumulation window but the last one."""
+        self._sync_blocked = True
+        for root in self._fsdp_roots:
+            root.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self._sync_blocked = False
+            for root in self._fsdp_roots:
+                root.set_requires_gradient_sync(True)
+
+    def grad_norm(self, optimizer: Optimizer) -> Tensor:
+        """The global L2 norm of the gradients of ``optimizer``'s parameters (equal to one device's)."""
+        if isinstance(optimizer, ZeroOptimizer):
+            grads = [(g, tp_shard, True) for g, tp_shard in optimizer.grad_shards()]
+        else:
+            assert self.lightning_module is not None
+            wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            dp_shard = bool(self._fsdp_roots)
+            grads = [
+                (p.grad, name in self._tp_sharded_names, dp_shard)
+                for name, p in self.lightning_module.named_parameters()
+                if id(p) in wanted and p.grad is not None
+            ]
+        return global_grad_norm(grads, self.tp_group, self.dp_group)
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        """Clip by the global norm across TP and ZeRO shards; the norm is kept in ``last_grad_norm``."""
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+        self.last_grad_norm = self.grad_norm(optimizer)
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        clip_grads_(grads, float(clip_val), self.last_grad_norm)
+
+    # ------------------------------------------------------------------ collectives for Lightning
+    def _sync_metrics_over_dp(self) -> None:
+        from torchmetrics import Metric
+
+        assert self.lightning_module is not None
+        for module in self.lightning_module.modules():
+            if isinstance(module, Metric):
+                module.process_group = self.dp_group
+
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean"
+    ) -> Union[Tensor, Any]:
+        """Reduce over the DP group by default: TP/PP ranks hold copies of the same value."""
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group if group is not None else self.dp_group, reduce_op=reduce_op)
+        return tensor
+
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        return super().all_gather(tensor, group=group if group is not None else self.dp_group, sync_grads=sync_grads)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        flag = torch.tensor(int(decision), device=self.root_device)
+        flag = _sync_ddp_if_available(flag, _group.WORLD, reduce_op="sum")
+        return bool(flag == self.world_size) if all else bool(flag)
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not dist.is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not dist.is_initialized():
+            return obj
+        objects = [obj]
+        dist.broadcast_object_list(objects, src, group=_group.WORLD)
+        return objects[0]
+
+    # ------------------------------------------------------------------ checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full (unsplit) state dict, gathered over TP (and ZeRO-3): loadable by the plain module."""
+        assert self.lightning_module is not None
+        return gather_full_state_dict(self.lightning_module)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        if self._fsdp_roots:
+            raise NotImplementedError("Loading a checkpoint into a zero_stage=3 model after setup is not supported yet.")
+        load_full_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self.parallel_dims.tp == 1 and (self.zero_stage == 0 or self.parallel_dims.dp == 1):
+            return super().optimizer_state(optimizer)
+        rank_zero_warn(
+            "HybridStrategy saves the full model weights but not the optimizer state of a tp>1 or ZeRO layout:"
+            " resuming from this checkpoint restarts the optimizer state."
+        )
+        return {"lightning_hybrid": _OPTIMIZER_STATE_NOT_SAVED}
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        states = checkpoint.get("optimizer_states", [])
+        if any(isinstance(s, dict) and s.get("lightning_hybrid") == _OPTIMIZER_STATE_NOT_SAVED for s in states):
+            rank_zero_warn("The checkpoint holds no optimizer state (saved under a tp>1 or ZeRO layout); starting fresh.")
+            return
+        super().load_optimizer_state_dict(checkpoint)
+
+    def teardown(self) -> None:
+        super().teardown()

@@ -1,0 +1,105 @@
+"""One helper that launches N real processes with a gloo process group the way torchrun does, and helpers
+to record what a Lightning run produced (losses, grad norms, full weights, memory) for parity checks."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import traceback
+from typing import Any, Callable
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_hybrid import HybridStrategy
+
+WORKER_TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world_size),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        NODE_RANK="0",
+        GROUP_RANK="0",
+    )
+    torch.set_num_threads(1)
+    try:
+        # By value (plain pickle): tensors sent through shared memory would die with this process.
+        queue.put((rank, "ok", pickle.dumps(fn(*args))))
+    except BaseException:  # report every failure to the parent, which stops the other ranks
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        queue.close()
+        queue.join_thread()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` spawned ranks (torchrun-style env); return results by rank.
+
+    If a rank fails, the others are killed and the first traceback is raised: no test hangs on a
+    collective that a failed rank will never join.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    env_threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True) for r in range(world_size)]
+    try:
+        for p in procs:
+            p.start()
+        results: dict[int, Any] = {}
+        while len(results) < world_size:
+            try:
+                rank, status, value = queue.get(timeout=WORKER_TIMEOUT_S)
+            except Exception as err:
+                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} gave no result") from err
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = pickle.loads(value)
+        return [results[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        if env_threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env_threads
+
+
+class Recorder(L.Callback):
+    """Records, per optimizer step, the synced ``train_loss`` and the global gradient norm before clipping."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.grad_norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if not isinstance(trainer.strategy, HybridStrategy):  # one device: the plain norm is the global one
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            self.grad_norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(trainer.callback_metrics["train_loss"].item())
+        strategy = trainer.strategy
+        if isinstance(strategy, HybridStrategy) and strategy.last_grad_norm is not None:
+            self.grad_norms.append(strategy.last_grad_norm.item())
+            strategy.last_grad_norm = None
