@@ -1,0 +1,35 @@
+"""Run as a script: Lightning's own launcher starts the other ranks (`devices=N` re-runs this file).
+
+    python tests/scripts/fit_with_lightning_launcher.py --devices 2 --tp 2
+"""
+
+import argparse
+
+import lightning as L
+
+from lightning_hybrid import HybridStrategy
+from lightning_hybrid.data import ByteCorpusDataModule
+from lightning_hybrid.models import GPTLightningModule
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--zero-stage", type=int, default=0)
+    args = parser.parse_args()
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=HybridStrategy(tp=args.tp, zero_stage=args.zero_stage),
+        max_steps=3,
+        limit_val_batches=1,
+        val_check_interval=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(GPTLightningModule(n_layer=1, n_embd=32, block_size=32), ByteCorpusDataModule(max_bytes=30_000, block_size=32, batch_size=4))
+    if trainer.is_global_zero:
+        print(f"world={trainer.world_size} dp={trainer.strategy.parallel_dims.dp} tp={trainer.strategy.parallel_dims.tp}"
+              f" val_loss={trainer.callback_metrics['val_loss'].item():.4f}")

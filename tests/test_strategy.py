@@ -1,0 +1,83 @@
+"""HybridStrategy's contract with Lightning and with the user: launchers, and clear errors raised before any
+process could hang."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+
+from lightning_hybrid import HybridStrategy, ParallelDims
+from lightning_hybrid.data import ByteCorpusDataModule
+from lightning_hybrid.models import GPTLightningModule
+from tests.helpers import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(zero_stage=4), r"zero_stage=4 is invalid: valid stages are \[0, 1, 2, 3\]"),
+        (dict(tp=0), r"tp=0 is invalid"),
+        (dict(dp=0), r"dp=0 is invalid"),
+        (dict(pp=2), r"pp=2: pipeline parallelism is not available"),
+        (dict(tp_plan="everything"), r"tp_plan='everything' is invalid"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        HybridStrategy(**kwargs)
+
+
+def test_layout_must_fit_the_world():
+    assert ParallelDims.resolve(dp=-1, tp=2, pp=1, world_size=8).dp == 4
+    with pytest.raises(ValueError, match=r"dp\*tp\*pp = 4\*1\*1 = 4 does not equal the world size 2"):
+        ParallelDims.resolve(dp=4, tp=1, pp=1, world_size=2)
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by tp\*pp = 4\*1 = 4.*\[1, 2, 3, 6\]"):
+        ParallelDims.resolve(dp=-1, tp=4, pp=1, world_size=6)
+
+
+def _fit_expecting_errors() -> dict[str, str]:
+    """Each case fails on every rank with the same error; the next case reuses the surviving processes."""
+    cases = {
+        "world size": (HybridStrategy(dp=4), {}),
+        "heads": (HybridStrategy(tp=2), dict(n_head=3, n_embd=48)),
+        "plan pattern": (HybridStrategy(tp=2, tp_plan={"*.nonexistent": "colwise"}), {}),
+        "kv heads": (HybridStrategy(tp=2), dict(n_head=4, n_kv_head=1)),
+    }
+    errors = {}
+    for name, (strategy, overrides) in cases.items():
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        try:
+            trainer.fit(GPTLightningModule(n_layer=1, block_size=16, **overrides),
+                        ByteCorpusDataModule(max_bytes=20_000, block_size=16, batch_size=2))
+            errors[name] = "no error"
+        except ValueError as err:
+            errors[name] = str(err)
+    return errors
+
+
+def test_bad_layouts_fail_on_every_rank_without_hanging():
+    for errors in run_distributed(_fit_expecting_errors, 2):
+        assert re.search(r"dp\*tp\*pp = 4\*1\*1 = 4 does not equal the world size 2", errors["world size"])
+        assert re.search(r"tp=2 does not divide model\.blocks\.0\.attn\.n_head = 3", errors["heads"])
+        assert re.search(r"tp_plan pattern '\*\.nonexistent' matches no nn\.Linear", errors["plan pattern"])
+        assert re.search(r"tp=2 does not divide model\.blocks\.0\.attn\.n_kv_head = 1", errors["kv heads"])
+
+
+def test_lightning_launcher_starts_the_ranks():
+    """`Trainer(devices=2)` from a plain script: Lightning's subprocess launcher starts rank 1."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    script = ROOT / "tests" / "scripts" / "fit_with_lightning_launcher.py"
+    done = subprocess.run([sys.executable, str(script), "--devices", "2", "--tp", "2"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"world=2 dp=1 tp=2 val_loss=\d+\.\d+", done.stdout), done.stdout[-2000:]
