@@ -28,14 +28,19 @@ class ParallelDims:
     pp: int
     world_size: int
 
-    @classmethod
-    def resolve(cls, dp: int, tp: int, pp: int, world_size: int) -> "ParallelDims":
-        """Validate the requested sizes against ``world_size`` and infer ``dp=-1``. Raises ``ValueError``."""
+    @staticmethod
+    def check_sizes(dp: int, tp: int, pp: int) -> None:
+        """Each size on its own (no world size yet): positive integers, ``dp`` may be -1. Raises ``ValueError``."""
         for name, value in (("tp", tp), ("pp", pp)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer.")
         if not isinstance(dp, int) or (dp < 1 and dp != -1):
             raise ValueError(f"dp={dp!r} is invalid: it must be a positive integer or -1 (infer from the world size).")
+
+    @classmethod
+    def resolve(cls, dp: int, tp: int, pp: int, world_size: int) -> "ParallelDims":
+        """Validate the requested sizes against ``world_size`` and infer ``dp=-1``. Raises ``ValueError``."""
+        cls.check_sizes(dp, tp, pp)
         if dp == -1:
             if world_size % (tp * pp) != 0:
                 raise ValueError(

@@ -98,6 +98,7 @@ class HybridStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
+        ParallelDims.check_sizes(dp, tp, pp)
         if pp != 1:
             raise ValueError(
                 f"pp={pp}: pipeline parallelism is not available in this release of lightning_hybrid yet;"
@@ -106,7 +107,6 @@ class HybridStrategy(ParallelStrategy):
         if not (tp_plan == "auto" or isinstance(tp_plan, Mapping)):
             raise ValueError(f"tp_plan={tp_plan!r} is invalid: use 'auto' or a dict of glob pattern -> style.")
         self._requested = {"dp": dp, "tp": tp, "pp": pp}
-        ParallelDims.resolve(dp, tp, pp, world_size=(dp if dp > 0 else 1) * tp * pp)  # sizes alone are valid
         self.zero_stage = validate_zero_stage(zero_stage)
         self.tp_plan = dict(tp_plan) if isinstance(tp_plan, Mapping) else tp_plan
         self.micro_batches, self.schedule, self.virtual_stages = micro_batches, schedule, virtual_stages
@@ -359,6 +359,3 @@ class HybridStrategy(ParallelStrategy):
             rank_zero_warn("The checkpoint holds no optimizer state (saved under a tp>1 or ZeRO layout); starting fresh.")
             return
         super().load_optimizer_state_dict(checkpoint)
-
-    def teardown(self) -> None:
-        super().teardown()

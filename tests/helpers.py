@@ -17,6 +17,8 @@ import torch.multiprocessing as mp
 from lightning_hybrid import HybridStrategy
 
 WORKER_TIMEOUT_S = 600
+# Trainer settings for tests: no files written, no console noise.
+QUIET_TRAINER = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 
 
 def _free_port() -> int:

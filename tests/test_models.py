@@ -7,6 +7,7 @@ import torch
 from lightning_hybrid.data import ByteCorpusDataModule
 from lightning_hybrid.models import GPT, GPTConfig, GPTLightningModule
 from lightning_hybrid.models.gpt import CausalSelfAttention
+from tests.helpers import QUIET_TRAINER
 
 TINY = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32)
 
@@ -196,10 +197,7 @@ def test_tiny_fit_loss_decreases_and_validates():
         limit_val_batches=2,
         val_check_interval=5,
         num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         callbacks=[rec],
     )
     trainer.fit(model, datamodule=dm)

@@ -15,7 +15,7 @@ import pytest
 from lightning_hybrid import HybridStrategy, ParallelDims
 from lightning_hybrid.data import ByteCorpusDataModule
 from lightning_hybrid.models import GPTLightningModule
-from tests.helpers import run_distributed
+from tests.helpers import QUIET_TRAINER, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,8 +53,7 @@ def _fit_expecting_errors() -> dict[str, str]:
     }
     errors = {}
     for name, (strategy, overrides) in cases.items():
-        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, **QUIET_TRAINER)
         try:
             trainer.fit(GPTLightningModule(n_layer=1, block_size=16, **overrides),
                         ByteCorpusDataModule(max_bytes=20_000, block_size=16, batch_size=2))

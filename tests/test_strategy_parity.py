@@ -19,7 +19,7 @@ from lightning_hybrid import HybridStrategy
 from lightning_hybrid.data import ByteCorpusDataModule
 from lightning_hybrid.models import GPTConfig, GPTLightningModule
 from lightning_hybrid.tensor_parallel import gather_full_state_dict
-from tests.helpers import Recorder, run_distributed
+from tests.helpers import QUIET_TRAINER, Recorder, run_distributed
 
 STEPS = 10
 GLOBAL_BATCH = 8
@@ -53,10 +53,7 @@ def fit_and_record(strategy, devices: int, make_module, dp: int = 1, **trainer_k
         gradient_clip_val=CLIP,
         limit_val_batches=2,
         num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         callbacks=[recorder],
         **{"val_check_interval": STEPS * trainer_kwargs.get("accumulate_grad_batches", 1), **trainer_kwargs},
     )

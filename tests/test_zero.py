@@ -14,7 +14,7 @@ from lightning_hybrid.data import ByteCorpusDataModule
 from lightning_hybrid.models import GPTConfig, GPTLightningModule
 from lightning_hybrid.tensor_parallel import tp_sharded_parameter_names
 from lightning_hybrid.zero import ZeroOptimizer
-from tests.helpers import run_distributed
+from tests.helpers import QUIET_TRAINER, run_distributed
 
 DP, TP = 2, 2
 # (params, grads, optimizer state) in units of the TP-local model size; AdamW keeps two moments.
@@ -78,10 +78,7 @@ def _measure_all_stages() -> dict[int, dict]:
             strategy=HybridStrategy(dp=DP, tp=TP, zero_stage=stage),
             max_steps=1,
             limit_val_batches=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
+            **QUIET_TRAINER,
             callbacks=[measure],
         )
         trainer.fit(module, ByteCorpusDataModule(max_bytes=40_000, block_size=32, batch_size=2))
