@@ -124,6 +124,9 @@ def _auto_styles(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
     embeddings = {n: m for n, m in modules.items() if isinstance(m, nn.Embedding)}
     unpaired = {n: m for n, m in linears.items() if n not in styles}
     for ename, emb in embeddings.items():
+        if _unsupported_embedding_options(emb):
+            reasons[ename] = f"{_unsupported_embedding_options(emb)} not supported by VocabParallelEmbedding"
+            continue
         heads = [n for n, m in unpaired.items() if m.out_features == emb.num_embeddings and m.in_features == emb.embedding_dim]
         if heads or _TOKEN_EMBEDDING.search(_leaf(ename)):
             styles[ename] = "rowwise"
@@ -179,6 +182,11 @@ def resolve_tp_plan(model: nn.Module, tp: int, tp_plan: str | dict[str, str] = "
                     f"tp_plan gives embedding {name!r} the style {style!r}: embeddings can be 'rowwise'"
                     " (vocabulary split) or 'replicate'."
                 )
+            if _unsupported_embedding_options(module):
+                raise ValueError(
+                    f"Embedding {name!r} uses {_unsupported_embedding_options(module)}, which VocabParallelEmbedding does"
+                    " not support: mark it 'replicate' in tp_plan."
+                )
             _check_divides(name, "num_embeddings (vocabulary)", module.num_embeddings, tp)
             plan.layers[name] = LayerPlan("rowwise")
         elif style == "colwise":
@@ -212,18 +220,29 @@ def _plan_heads(plan: TPPlan, modules: dict[str, nn.Module], tp: int) -> None:
             continue
         parent = modules[parent_name]
         attrs = []
-        for names in (HEAD_ATTRS, KV_HEAD_ATTRS):
-            found = _int_attr(parent, names)
-            if found:
-                attr, value = found
-                if value % tp != 0:
-                    raise ValueError(
-                        f"tp={tp} does not divide {parent_name or 'the model'}.{attr} = {value}: each TP rank must hold"
-                        f" whole attention heads. Valid tp sizes divide {value}: {[d for d in range(1, value + 1) if value % d == 0]}."
-                    )
-                attrs.append(attr)
+        # Head counts on the module are divided by tp later; those on a shared `config` (Hugging Face models,
+        # which reshape by -1) are only checked.
+        for owner, owner_name, divide in ((parent, parent_name or "the model", True), (getattr(parent, "config", None), f"{parent_name}.config", False)):
+            if owner is None:
+                continue
+            for names in (HEAD_ATTRS, KV_HEAD_ATTRS):
+                found = _int_attr(owner, names)
+                if found:
+                    attr, value = found
+                    if value % tp != 0:
+                        raise ValueError(
+                            f"tp={tp} does not divide {owner_name}.{attr} = {value}: each TP rank must hold whole"
+                            f" attention heads. Valid tp sizes divide {value}: {[d for d in range(1, value + 1) if value % d == 0]}."
+                        )
+                    if divide:
+                        attrs.append(attr)
         if attrs:
             plan.head_attrs[parent_name] = tuple(attrs)
+
+
+def _unsupported_embedding_options(embedding: nn.Embedding) -> str:
+    options = [opt for opt in ("max_norm", "scale_grad_by_freq", "sparse") if getattr(embedding, opt)]
+    return ", ".join(options)
 
 
 def _check_divides(module: str, what: str, size: int, tp: int) -> None:
