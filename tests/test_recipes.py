@@ -1,0 +1,168 @@
+"""Hydra recipes: config composition (every named config, typo'd fields failing), the pretrain recipe end to
+end (one run, a 2-job multirun with 2 ranks per job and its sweep summary), and bad configs giving one error
+line with exit code 2."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from lightning_hybrid.config import register_configs, world_layout
+from lightning_hybrid.models import GPTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+RECIPE = ROOT / "recipes" / "pretrain.py"
+LAYOUTS = {"single": (1, 1, 0), "dp": (2, 1, 0), "tp": (1, 2, 0), "dp_tp": (2, 2, 0),
+           "zero1": (2, 1, 1), "zero2": (2, 1, 2), "zero3": (2, 1, 3)}
+TINY = ["trainer.max_steps=3", "data.max_bytes=30000", "data.batch_size=4", "trainer.limit_val_batches=1",
+        "trainer.enable_progress_bar=false"]
+TIMEOUT_S = 240
+
+
+def _compose(*overrides: str):
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return compose(config_name="pretrain", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_every_named_layout_composes(name):
+    cfg = _compose(f"parallel={name}")
+    dp, tp, zero = LAYOUTS[name]
+    assert (cfg.parallel.name, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.zero_stage) == (
+        name, dp, tp, 1, zero)
+    assert world_layout(cfg)["devices"] == dp * tp  # trainer.devices=null -> dp*tp*pp
+
+
+@pytest.mark.parametrize("model", ["tiny", "small"])
+@pytest.mark.parametrize("data", ["stdlib", "text"])
+@pytest.mark.parametrize("trainer", ["cpu", "gpu"])
+def test_model_data_trainer_configs_compose(model, data, trainer, tmp_path):
+    overrides = [f"model={model}", f"data={data}", f"trainer={trainer}", "max_steps=7"]
+    if data == "text":
+        overrides.append(f"data.paths=[{tmp_path}]")
+    cfg = _compose(*overrides)
+    GPTConfig(**OmegaConf.to_container(cfg.model, resolve=True))  # every model field is a GPTConfig field
+    assert cfg.data.block_size == cfg.model.block_size
+    assert cfg.trainer.max_steps == 7 and cfg.trainer.val_check_interval == 7
+    assert cfg.trainer.accelerator == {"cpu": "cpu", "gpu": "cuda"}[trainer]
+    if trainer == "gpu":
+        assert cfg.trainer.precision == "bf16-mixed"
+    assert (cfg.data.paths is None) == (data == "stdlib")
+
+
+def test_layout_fields_are_overridable():
+    cfg = _compose("parallel=dp_tp", "parallel.tp=4", "parallel.zero_stage=2", "trainer.devices=8")
+    assert world_layout(cfg) == {"devices": 8, "num_nodes": 1, "dp": 2, "tp": 4, "pp": 1}
+
+
+@pytest.mark.parametrize("typo", ["parallel.tpp=2", "model.n_layers=3", "trainer.max_step=3", "lrr=1e-3"])
+def test_typod_field_fails_at_composition(typo):
+    with pytest.raises(ConfigCompositionException):
+        _compose(typo)
+
+
+def test_layout_not_fitting_world_size_is_a_value_error():
+    with pytest.raises(ValueError, match="does not equal the world size 2"):
+        world_layout(_compose("parallel=dp_tp", "trainer.devices=2"))
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+def _run(args, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for k in ("LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "NODE_RANK", "HYDRA_FULL_ERROR"):
+        env.pop(k, None)
+    return subprocess.run([sys.executable, str(RECIPE), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+
+
+def _check_metrics(path: Path, layout: str, world_size: int) -> dict:
+    m = json.loads(path.read_text())
+    assert m["layout"] == layout and m["world_size"] == world_size and m["steps"] == 3
+    assert 0 < m["val_loss"] < 10 and m["tokens_per_s"] > 0
+    assert len(m["peak_rss_mib_per_rank"]) == world_size and all(x > 0 for x in m["peak_rss_mib_per_rank"])
+    return m
+
+
+def test_recipe_single_run_tp2(tmp_path):
+    run_dir = tmp_path / "run"
+    res = _run(["parallel=tp", "parallel.tp=2", *TINY, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    _check_metrics(run_dir / "metrics.json", "dp1xtp2", 2)
+    final = [ln for ln in res.stdout.splitlines() if "final val_loss=" in ln]
+    assert len(final) == 1 and "tokens/s=" in final[0] and "peak_rss_mib/rank=" in final[0]
+    assert (run_dir / "csv" / "metrics.csv").exists()
+    assert (run_dir / "checkpoints" / "last.ckpt").exists()
+
+
+def test_recipe_multirun_two_layouts_and_summary(tmp_path):
+    # No hang and no leaked rank: subprocess.run reads stdout/stderr to EOF, so it would block (and time out)
+    # while any launched rank that inherited the pipes were still alive.
+    sweep = tmp_path / "sweep"
+    res = _run(["-m", "parallel=dp,tp", *TINY, f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    _check_metrics(sweep / "0" / "metrics.json", "dp2xtp1", 2)
+    _check_metrics(sweep / "1" / "metrics.json", "dp1xtp2", 2)
+    # Each job ran exactly 2 ranks (rank 0 + one launched child in RUN mode), not a nested sweep.
+    assert sorted(p.name for p in (sweep / "0").glob("*.log")) == ["pretrain.log", "train_ddp_process_1.log"]
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
+    with open(sweep / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["layout"] for r in rows] == ["dp2xtp1", "dp1xtp2"] and sum(int(r["fastest"]) for r in rows) == 1
+    md = (sweep / "summary.md").read_text()
+    assert "(fastest)" in md and "dp2xtp1" in md and "dp1xtp2" in md
+    pytest.importorskip("matplotlib")
+    assert (sweep / "summary.png").stat().st_size > 1000
+
+
+def test_sweep_module_cli(tmp_path):
+    for i, (layout, speed) in enumerate([("dp2xtp1", 10.0), ("dp1xtp2", 20.0)]):
+        (tmp_path / str(i)).mkdir()
+        (tmp_path / str(i) / "metrics.json").write_text(json.dumps(
+            {"layout": layout, "name": layout, "world_size": 2, "tokens_per_s": speed, "peak_rss_mib_max": 1.0}))
+    res = subprocess.run([sys.executable, "-m", "lightning_hybrid.sweep", str(tmp_path)], capture_output=True,
+                         text=True, timeout=60, env=dict(os.environ, MPLBACKEND="Agg"))
+    assert res.returncode == 0, res.stderr
+    assert "**dp1xtp2** (fastest)" in (tmp_path / "summary.md").read_text()
+
+
+def test_sweep_summary_without_matplotlib(tmp_path, monkeypatch, capsys):
+    from lightning_hybrid.sweep import write_summary
+
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "metrics.json").write_text(json.dumps({"layout": "dp1xtp1", "tokens_per_s": 1.0}))
+    for name in [k for k in sys.modules if k == "matplotlib" or k.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    written = write_summary(tmp_path)
+    assert "skipping summary.png" in capsys.readouterr().out
+    assert not (tmp_path / "summary.png").exists() and (tmp_path / "summary.md").exists()
+    assert written["fastest"] == "0"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["parallel=dp_tp", "trainer.devices=2"], "does not equal the world size 2"),
+        (["parallel.pp=2"], "pipeline parallelism is not available"),
+        (["parallel.tpp=2"], "Key 'tpp' not in 'ParallelConfig'"),
+        (["data=text", "data.paths=[/no/such/corpus]"], "'/no/such/corpus' does not exist"),
+        (["data=text"], "data.paths is required"),
+    ],
+)
+def test_bad_config_is_one_error_line_exit_2(args, message, tmp_path):
+    res = _run([*args, *TINY, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], res.stderr
+    assert "Traceback" not in res.stdout + res.stderr
