@@ -23,10 +23,12 @@ def global_grad_norm(
     grads: Sequence[tuple[Tensor, bool, bool]],
     tp_group: dist.ProcessGroup | None,
     dp_group: dist.ProcessGroup | None,
+    pp_group: dist.ProcessGroup | None = None,
 ) -> Tensor:
-    """L2 norm of the full gradient. ``grads``: ``(grad, is_tp_shard, is_dp_shard)``; collective over both groups.
+    """L2 norm of the full gradient. ``grads``: ``(grad, is_tp_shard, is_dp_shard)``; pipeline stages hold
+    disjoint parameters, so the squares are summed over ``pp_group`` too. Collective over all three groups.
 
-    Returns a float32 scalar on the gradients' device, identical on every rank of both groups.
+    Returns a float32 scalar on the gradients' device, identical on every rank of the groups.
     """
     device = _local(grads[0][0]).device if grads else torch.device("cpu")
     # sums[tp_shard][dp_shard]
@@ -41,7 +43,10 @@ def global_grad_norm(
         tp_sharded = sums[1].contiguous()
         dist.all_reduce(tp_sharded, group=tp_group)
         sums[1] = tp_sharded
-    return sums.sum().sqrt()
+    total = sums.sum()
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total, group=pp_group)
+    return total.sqrt()
 
 
 @torch.no_grad()

@@ -38,6 +38,8 @@ from torch.optim import Optimizer
 
 from lightning_hybrid.grad_norm import clip_grads_, global_grad_norm
 from lightning_hybrid.mesh import ParallelDims, validate_zero_stage
+from lightning_hybrid.pipeline import PipelineExecutor, check_protocol, resolve_schedule, stage_module
+from lightning_hybrid.pipeline.stages import StageLayout, bind_evaluation, bind_training, keep_local_layers, plan_stages
 from lightning_hybrid.tensor_parallel import (
     apply_tp,
     gather_full_state_dict,
@@ -45,7 +47,7 @@ from lightning_hybrid.tensor_parallel import (
     resolve_tp_plan,
     tp_sharded_parameter_names,
 )
-from lightning_hybrid.zero import ZeroOptimizer, allreduce_gradients, apply_fsdp
+from lightning_hybrid.zero import ZeroOptimizer, allreduce_gradients, apply_fsdp, apply_fsdp_units
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -61,12 +63,18 @@ class HybridStrategy(ParallelStrategy):
         dp: data-parallel size; ``-1`` infers it as ``world_size // (tp * pp)``.
         tp: tensor-parallel size (adjacent ranks). ``nn.Linear``/``nn.Embedding`` layers are replaced by
             column/row/vocab-parallel layers according to ``tp_plan``.
-        pp: pipeline-parallel size. Only ``1`` is available in this release.
+        pp: pipeline-parallel size. The LightningModule must implement the pipeline protocol
+            (`lightning_hybrid.pipeline.PROTOCOL_HELP`).
         zero_stage: ZeRO stage over the DP dimension: 0 (DDP), 1 (optimizer state sharded), 2 (+ gradients),
             3 (+ parameters; FSDP2).
         tp_plan: ``"auto"`` or a dict of glob patterns over module names -> ``"colwise" | "rowwise" |
             "replicate"`` that overrides the auto plan where it matches (first match wins).
-        micro_batches, schedule, virtual_stages: pipeline settings, reserved for ``pp > 1``.
+        micro_batches: micro-batches per training batch under ``pp > 1`` (default ``2 * pp``).
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` (``virtual_stages >= 2``) or ``"zero_bubble"``
+            (ZB-V: two stages per rank).
+        virtual_stages: stages per rank for the interleaved schedule.
+        split_points: explicit pipeline split: indices of the layers that start stages 1..n-1 (default: stages
+            balanced by parameter count).
         process_group_backend: overrides the backend chosen from the accelerator (gloo on CPU, nccl on CUDA).
         timeout: process group timeout.
     """
@@ -83,6 +91,7 @@ class HybridStrategy(ParallelStrategy):
         micro_batches: Optional[int] = None,
         schedule: str = "1f1b",
         virtual_stages: int = 1,
+        split_points: Optional[list[int]] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -99,11 +108,10 @@ class HybridStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         ParallelDims.check_sizes(dp, tp, pp)
-        if pp != 1:
-            raise ValueError(
-                f"pp={pp}: pipeline parallelism is not available in this release of lightning_hybrid yet;"
-                " use pp=1 (combine dp, tp and zero_stage)."
-            )
+        self._schedule_spec, self._stages_per_rank, micro_batches = (
+            resolve_schedule(schedule, pp, micro_batches, virtual_stages) if pp > 1 else (None, 1, micro_batches)
+        )
+        self.split_points = list(split_points) if split_points is not None else None
         if not (tp_plan == "auto" or isinstance(tp_plan, Mapping)):
             raise ValueError(f"tp_plan={tp_plan!r} is invalid: use 'auto' or a dict of glob pattern -> style.")
         self._requested = {"dp": dp, "tp": tp, "pp": pp}
@@ -118,6 +126,9 @@ class HybridStrategy(ParallelStrategy):
         self._parallelized_module: Optional[torch.nn.Module] = None
         self._tp_sharded_names: set[str] = set()
         self._fsdp_roots: list[torch.nn.Module] = []
+        self._pipeline: Optional[PipelineExecutor] = None
+        self._remote_prefixes: list[str] = []
+        self._stashed_grads: list[tuple[torch.nn.Parameter, Optional[Tensor]]] = []
         self._sync_blocked = False
         self.last_grad_norm: Optional[Tensor] = None
 
@@ -141,6 +152,10 @@ class HybridStrategy(ParallelStrategy):
     @property
     def tp_group(self) -> dist.ProcessGroup:
         return self.device_mesh["tp"].get_group()
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.device_mesh["pp"].get_group()
 
     @property
     def dp_rank(self) -> int:
@@ -202,8 +217,10 @@ class HybridStrategy(ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        self.model_to_device()
         self._parallelize()
+        self.model_to_device()
+        if self._pipeline is not None:  # the schedule runs the backward: it applies accumulation's 1/k itself
+            self._pipeline.loss_scale = 1.0 / trainer.accumulate_grad_batches
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
         if trainer.state.fn == "fit":
@@ -224,14 +241,108 @@ class HybridStrategy(ParallelStrategy):
         if self._parallelized_module is module:
             return
         dims = self.parallel_dims
-        if dims.tp > 1:
-            plan = resolve_tp_plan(module, dims.tp, self.tp_plan)
+        # The plan is made on the whole model (before a pipeline cuts it), so it is the same for every pp.
+        plan = resolve_tp_plan(module, dims.tp, self.tp_plan) if dims.tp > 1 else None
+        if dims.pp > 1:
+            check_protocol(module)
+            assert self._schedule_spec is not None
+            layout = plan_stages(
+                module, dims.pp, self.device_mesh["pp"].get_local_rank(), self._stages_per_rank,
+                self._schedule_spec.style, self.split_points,
+            )
+            keep_local_layers(module, layout, self.root_device)
+            self._remote_prefixes = layout.remote_prefixes
+        if plan is not None:
             apply_tp(module, self.tp_group, plan)
             rank_zero_info(plan.summary())
         self._tp_sharded_names = tp_sharded_parameter_names(module)
-        if self.zero_stage == 3 and dims.dp > 1:
+        if dims.pp > 1:
+            self._pipeline = self._build_pipeline(module, layout)
+        elif self.zero_stage == 3 and dims.dp > 1:
             self._fsdp_roots = apply_fsdp(module, self.device_mesh["dp"])
         self._parallelized_module = module
+
+    def _build_pipeline(self, module: "pl.LightningModule", layout: StageLayout) -> PipelineExecutor:
+        layers = module.pipeline_layers()
+        stages = {s: stage_module([layers[i] for i in layout.ranges[s]]) for s in layout.local_stages}
+        if self.zero_stage == 3 and self.parallel_dims.dp > 1:
+            # Each stage is an FSDP2 root (the pipeline stage drives its gradient sync), each layer a unit.
+            self._fsdp_roots = [apply_fsdp_units(list(stage), stage, self.device_mesh["dp"]) for stage in stages.values()]
+        assert self._schedule_spec is not None
+        rank_zero_info(
+            f"pipeline: {len(layout.ranges)} stages over pp={self.parallel_dims.pp} ({self.schedule},"
+            f" {self.micro_batches} micro-batches), layers per stage {[len(r) for r in layout.ranges]}"
+        )
+        return PipelineExecutor(
+            stages, len(layout.ranges), layout.owners, self._schedule_spec, self.micro_batches, module.loss_fn,
+            self.pp_group, self.root_device,
+        )
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """Under ``pp > 1`` a module that can initialise single pipeline layers is built on the meta device:
+        each rank then materialises only its own layers."""
+        module = self.lightning_module
+        if self._requested["pp"] > 1 and callable(getattr(module, "init_pipeline_layer", None)):
+            with torch.device("meta"), self.precision_plugin.tensor_init_context():
+                yield
+        else:
+            with super().tensor_init_context(empty_init):
+                yield
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # A pipelined module only has its layers once `setup` has cut and materialised them.
+        return self._requested["pp"] > 1
+
+    # ------------------------------------------------------------------ steps
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().training_step(*args, **kwargs)
+        module = self.lightning_module
+        assert module is not None
+        # Lightning zeroes gradients between training_step and backward; the schedule runs the backward inside
+        # training_step. So: zero where Lightning would (first batch of an accumulation window), run the
+        # schedule, and keep its gradients away from Lightning's zero_grad until `backward` puts them back.
+        if module.trainer.fit_loop.epoch_loop.batch_idx % module.trainer.accumulate_grad_batches == 0:
+            for p in module.parameters():
+                p.grad = None
+        with bind_training(module, self._pipeline):
+            output = super().training_step(*args, **kwargs)
+        self._stashed_grads = [(p, p.grad) for p in module.parameters()]
+        for p in module.parameters():
+            p.grad = None
+        return output
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._evaluation():
+            return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._evaluation():
+            return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._evaluation():
+            return super().predict_step(*args, **kwargs)
+
+    @contextmanager
+    def _evaluation(self) -> Generator[None, None, None]:
+        if self._pipeline is None:
+            yield
+            return
+        assert self.lightning_module is not None
+        with bind_evaluation(self.lightning_module, self._pipeline):
+            yield
+
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        for p, grad in self._stashed_grads:  # the schedule already ran the backward inside training_step
+            p.grad = grad
+        self._stashed_grads = []
+        self.post_backward(closure_loss)
+        return closure_loss
 
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         self._reset_optimizers_and_schedulers()
@@ -283,7 +394,7 @@ class HybridStrategy(ParallelStrategy):
                 for name, p in self.lightning_module.named_parameters()
                 if id(p) in wanted and p.grad is not None
             ]
-        return global_grad_norm(grads, self.tp_group, self.dp_group)
+        return global_grad_norm(grads, self.tp_group, self.dp_group, self.pp_group)
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         """Clip by the global norm across TP and ZeRO shards; the norm is kept in ``last_grad_norm``."""
@@ -333,22 +444,35 @@ class HybridStrategy(ParallelStrategy):
         return objects[0]
 
     # ------------------------------------------------------------------ checkpoints
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full (unsplit) state dict, gathered over TP (and ZeRO-3): loadable by the plain module."""
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The full (unsplit) state dict on every rank: gathered over TP, ZeRO-3 and the pipeline stages.
+        Collective over the whole mesh; the plain (one-device) module loads it with ``load_state_dict``."""
         assert self.lightning_module is not None
-        return gather_full_state_dict(self.lightning_module)
+        state = gather_full_state_dict(self.lightning_module)
+        if self.parallel_dims.pp > 1:
+            parts: list[Any] = [None] * self.parallel_dims.pp
+            dist.all_gather_object(parts, {k: v.cpu() for k, v in state.items()}, group=self.pp_group)
+            state = {k: v for part in parts for k, v in part.items()}
+        return state
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.full_state_dict()
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
         if self._fsdp_roots:
             raise NotImplementedError("Loading a checkpoint into a zero_stage=3 model after setup is not supported yet.")
-        load_full_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
+        state = {
+            k: v for k, v in checkpoint["state_dict"].items() if not any(k.startswith(p + ".") for p in self._remote_prefixes)
+        }
+        load_full_state_dict(self.lightning_module, state, strict=strict)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self.parallel_dims.tp == 1 and (self.zero_stage == 0 or self.parallel_dims.dp == 1):
+        dims = self.parallel_dims
+        if dims.tp == 1 and dims.pp == 1 and (self.zero_stage == 0 or dims.dp == 1):
             return super().optimizer_state(optimizer)
         rank_zero_warn(
-            "HybridStrategy saves the full model weights but not the optimizer state of a tp>1 or ZeRO layout:"
+            "HybridStrategy saves the full model weights but not the optimizer state of a tp>1, pp>1 or ZeRO layout:"
             " resuming from this checkpoint restarts the optimizer state."
         )
         return {"lightning_hybrid": _OPTIMIZER_STATE_NOT_SAVED}
@@ -359,3 +483,12 @@ class HybridStrategy(ParallelStrategy):
             rank_zero_warn("The checkpoint holds no optimizer state (saved under a tp>1 or ZeRO layout); starting fresh.")
             return
         super().load_optimizer_state_dict(checkpoint)
+
+    def teardown(self) -> None:
+        # As Lightning's ModelParallelStrategy: the module stays where it is. (Moving it to the CPU would also
+        # fail on a pipelined module whose setup stopped before its layers left the meta device, and hide
+        # the error that stopped it.)
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()

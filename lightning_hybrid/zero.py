@@ -184,23 +184,30 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh) -> list[nn.Module]:
 
     Parameters held directly by ``module`` itself cannot be sharded this way and are an error.
     """
-    from torch.distributed.fsdp import fully_shard
-
     direct = [name for name, _ in module.named_parameters(recurse=False)]
     if direct:
         raise ValueError(
             f"zero_stage=3 shards parameters per submodule, but {type(module).__name__} holds {direct} directly."
             " Move them into a submodule (e.g. an nn.Module attribute)."
         )
-    for sub in module.modules():
-        if isinstance(sub, nn.ModuleList):
-            for layer in sub:
-                if any(True for _ in layer.parameters()):
-                    fully_shard(layer, mesh=dp_mesh, reshard_after_forward=True)
+    layers = [layer for sub in module.modules() if isinstance(sub, nn.ModuleList) for layer in sub]
     roots = [child for child in module.children() if any(True for _ in child.parameters())]
-    for root in roots:
-        fully_shard(root, mesh=dp_mesh, reshard_after_forward=True)
-    return roots
+    return [apply_fsdp_units([layer for layer in layers if _holds(layer, root)], root, dp_mesh) for root in roots]
+
+
+def apply_fsdp_units(units: list[nn.Module], root: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    """``fully_shard`` each unit that has parameters (gathered one at a time), then ``root`` (the rest)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for unit in units:
+        if any(True for _ in unit.parameters()):
+            fully_shard(unit, mesh=dp_mesh, reshard_after_forward=True)
+    fully_shard(root, mesh=dp_mesh, reshard_after_forward=True)
+    return root
+
+
+def _holds(module: nn.Module, root: nn.Module) -> bool:
+    return any(module is sub for sub in root.modules())
 
 
 def _unique(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:

@@ -89,8 +89,8 @@ def test_swiglu():
 
 def test_init():
     model = GPT(GPTConfig(**{**TINY, "n_layer": 8, "n_embd": 64}))
-    assert model.lm_head.bias is None
-    assert model.lm_head.weight.data_ptr() != model.tok_emb.weight.data_ptr()
+    assert model.head.lm_head.bias is None
+    assert model.head.lm_head.weight.data_ptr() != model.embed.tok_emb.weight.data_ptr()
     b = model.blocks[0]
     assert torch.all(b.attn.q_proj.bias == 0)
     # Residual projections use the scaled std 0.02 / sqrt(2 * n_layer) = 0.005.
@@ -137,7 +137,7 @@ def test_lightning_module_same_seed_same_weights():
     assert a.model is model
     c = GPTLightningModule(**TINY, init_seed=4)
     c.configure_model()
-    assert not torch.equal(c.model.lm_head.weight, a.model.lm_head.weight)
+    assert not torch.equal(c.model.head.lm_head.weight, a.model.head.lm_head.weight)
     torch.random.set_rng_state(rng_before)
 
 

@@ -26,7 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
         (dict(zero_stage=4), r"zero_stage=4 is invalid: valid stages are \[0, 1, 2, 3\]"),
         (dict(tp=0), r"tp=0 is invalid"),
         (dict(dp=0), r"dp=0 is invalid"),
-        (dict(pp=2), r"pp=2: pipeline parallelism is not available"),
+        (dict(pp=2, schedule="round_robin"), r"schedule='round_robin' is unknown: valid schedules are \['1f1b', 'gpipe', 'interleaved_1f1b', 'zero_bubble'\]"),
+        (dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, micro_batches=3), r"multiple of pp \(2\), got 3"),
+        (dict(pp=2, schedule="interleaved_1f1b"), r"needs virtual_stages >= 2"),
+        (dict(pp=2, schedule="gpipe", virtual_stages=2), r"schedule='gpipe' runs 1 stage\(s\) per rank"),
+        (dict(pp=4, schedule="1f1b", micro_batches=2), r"needs micro_batches >= pp \(4\), got 2"),
         (dict(tp_plan="everything"), r"tp_plan='everything' is invalid"),
     ],
 )
@@ -43,6 +47,10 @@ def test_layout_must_fit_the_world():
         ParallelDims.resolve(dp=-1, tp=4, pp=1, world_size=6)
 
 
+class WithoutPipelineProtocol(GPTLightningModule):
+    pipeline_layers = None  # a LightningModule that does not list its layers
+
+
 def _fit_expecting_errors() -> dict[str, str]:
     """Each case fails on every rank with the same error; the next case reuses the surviving processes."""
     cases = {
@@ -50,15 +58,17 @@ def _fit_expecting_errors() -> dict[str, str]:
         "heads": (HybridStrategy(tp=2), dict(n_head=3, n_embd=48)),
         "plan pattern": (HybridStrategy(tp=2, tp_plan={"*.nonexistent": "colwise"}), {}),
         "kv heads": (HybridStrategy(tp=2), dict(n_head=4, n_kv_head=1)),
+        "no pipeline protocol": (HybridStrategy(pp=2), None),
+        "too few layers": (HybridStrategy(pp=2, schedule="zero_bubble"), dict(n_layer=1)),
     }
     errors = {}
     for name, (strategy, overrides) in cases.items():
+        module = WithoutPipelineProtocol(n_layer=1, block_size=16) if overrides is None else GPTLightningModule(block_size=16, **{"n_layer": 1, **overrides})
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, **QUIET_TRAINER)
         try:
-            trainer.fit(GPTLightningModule(n_layer=1, block_size=16, **overrides),
-                        ByteCorpusDataModule(max_bytes=20_000, block_size=16, batch_size=2))
+            trainer.fit(module, ByteCorpusDataModule(max_bytes=20_000, block_size=16, batch_size=2))
             errors[name] = "no error"
-        except ValueError as err:
+        except (ValueError, TypeError) as err:
             errors[name] = str(err)
     return errors
 
@@ -69,6 +79,8 @@ def test_bad_layouts_fail_on_every_rank_without_hanging():
         assert re.search(r"tp=2 does not divide model\.blocks\.0\.attn\.n_head = 3", errors["heads"])
         assert re.search(r"tp_plan pattern '\*\.nonexistent' matches no nn\.Linear", errors["plan pattern"])
         assert re.search(r"tp=2 does not divide model\.blocks\.0\.attn\.n_kv_head = 1", errors["kv heads"])
+        assert re.search(r"WithoutPipelineProtocol does not implement \['pipeline_layers'\]", errors["no pipeline protocol"])
+        assert re.search(r"4 pipeline stages need at least 4 layers; the model has 3", errors["too few layers"])
 
 
 def test_lightning_launcher_starts_the_ranks():

@@ -18,7 +18,6 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_hybrid import HybridStrategy
 from lightning_hybrid.data import ByteCorpusDataModule
 from lightning_hybrid.models import GPTConfig, GPTLightningModule
-from lightning_hybrid.tensor_parallel import gather_full_state_dict
 from tests.helpers import QUIET_TRAINER, Recorder, run_distributed
 
 STEPS = 10
@@ -58,7 +57,7 @@ def fit_and_record(strategy, devices: int, make_module, dp: int = 1, **trainer_k
         **{"val_check_interval": STEPS * trainer_kwargs.get("accumulate_grad_batches", 1), **trainer_kwargs},
     )
     trainer.fit(module, data)
-    full = gather_full_state_dict(module)
+    full = trainer.strategy.full_state_dict() if isinstance(trainer.strategy, HybridStrategy) else module.state_dict()
     return {
         "losses": recorder.losses,
         "grad_norms": recorder.grad_norms,

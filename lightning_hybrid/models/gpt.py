@@ -178,56 +178,93 @@ class Block(nn.Module):
         return x
 
 
+class Embedding(nn.Module):
+    """Token + position embeddings; ``idx (B, T) -> (B, T, C)``. The first pipeline layer."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.block_size = config.block_size
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)  # V -> C
+        self.pos_emb = nn.Embedding(config.block_size, config.n_embd)  # block_size -> C
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.size(1)
+        if T > self.block_size:
+            raise ValueError(f"sequence length T={T} exceeds block_size={self.block_size}")
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
+
+
+class Head(nn.Module):
+    """Final norm + LM head; ``(B, T, C) -> logits (B, T, V)``. The last pipeline layer."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)  # C -> V (not tied)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))  # (B, T, V)
+
+
 class GPT(nn.Module):
-    """Decoder-only transformer language model.
+    """Decoder-only transformer language model: ``embed``, ``blocks``, ``head`` applied in sequence.
 
     ``forward(idx: LongTensor (B, T)) -> logits (B, T, V)`` with ``T <= block_size``.
+    `layers()` lists those pieces in order (what pipeline parallelism splits into stages), and
+    `init_layer(i)` initialises piece ``i`` from ``(init_seed, i)`` alone, so a rank that materialises
+    only some pieces gets exactly the weights a one-device init gives.
     """
 
     #: names of output projections that write into the residual stream; they get
     #: the GPT-2 scaled init ``0.02 / sqrt(2 * n_layer)``.
     RESIDUAL_PROJECTIONS = ("o_proj", "fc2", "down_proj")
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, init_seed: int = 0) -> None:
         super().__init__()
         self.config = config
-        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)  # V -> C
-        self.pos_emb = nn.Embedding(config.block_size, config.n_embd)  # block_size -> C
-        self.drop = nn.Dropout(config.dropout)
+        self.init_seed = init_seed
+        self.embed = Embedding(config)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)  # C -> V (not tied)
+        self.head = Head(config)
         self.reset_parameters()
+
+    def layers(self) -> list[nn.Module]:
+        """The model as a sequence: ``embed, *blocks, head``."""
+        return [self.embed, *self.blocks, self.head]
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """nanoGPT init: N(0, 0.02) weights, zero biases, scaled residual projections."""
+        for index in range(len(self.layers())):
+            self.init_layer(index)
+
+    @torch.no_grad()
+    def init_layer(self, index: int, layer: nn.Module | None = None) -> None:
+        """nanoGPT init of piece ``index`` (N(0, 0.02) weights, zero biases, scaled residual projections),
+        seeded by ``(init_seed, index)``; ``layer`` defaults to ``self.layers()[index]``."""
+        layer = self.layers()[index] if layer is None else layer
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
+        generator = torch.Generator(device="cpu").manual_seed(self.init_seed * 100_003 + index)
+        for name, module in layer.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                if module.weight.is_meta:  # built on the meta device: a pipeline rank initialises its own layers
+                    continue
                 std = residual_std if name.rsplit(".", 1)[-1] in self.RESIDUAL_PROJECTIONS else 0.02
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.bias is not None:
+                values = torch.empty(module.weight.shape).normal_(0.0, std, generator=generator)
+                module.weight.copy_(values)
+                if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
             elif isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(
-                f"sequence length T={T} exceeds block_size={self.config.block_size}"
-            )
-        pos = torch.arange(T, device=idx.device)  # (T,)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)  # (B, T, C)
-        x = self.ln_f(x)  # (B, T, C)
-        return self.lm_head(x)  # (B, T, V)
+        x = idx
+        for layer in self.layers():
+            x = layer(x)  # (B, T) -> (B, T, C) -> ... -> (B, T, V)
+        return x
 
     def num_parameters(self) -> int:
         """Total number of parameters."""

@@ -85,15 +85,21 @@ class GPTLightningModule(L.LightningModule):
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
-        """Build the inner :class:`GPT` (once) with weights seeded by ``init_seed``.
-
-        The global RNG state is left untouched (``fork_rng``).
-        """
+        """Build the inner :class:`GPT` (once) with weights seeded by ``init_seed`` (a private generator: the
+        global RNG state is left untouched)."""
         if self.model is not None:
             return
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.init_seed)
-            self.model = GPT(self.config)
+        with torch.random.fork_rng(devices=[]):  # nn.Linear's own default init draws from the global RNG
+            self.model = GPT(self.config, init_seed=self.init_seed)
+
+    # ------------------------------------------------------------------ pipeline protocol
+    def pipeline_layers(self) -> list[torch.nn.Module]:
+        """The model in order (``embed, *blocks, head``): ``forward(x)`` applies them in sequence."""
+        return self.model.layers()
+
+    def init_pipeline_layer(self, index: int, layer: torch.nn.Module) -> None:
+        """Initialise pipeline layer ``index`` (materialised from the meta device) as a one-device init would."""
+        self.model.init_layer(index, layer)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """``idx: LongTensor (B, T) -> logits (B, T, V)``."""

@@ -19,14 +19,15 @@ def apply_tp(model: nn.Module, group: dist.ProcessGroup, plan: TPPlan) -> None:
 
     Also divides the head-count attributes of split attention modules by the TP size, so model code that
     reads them sees this rank's heads, and re-ties weights the unsplit model shared (e.g. tied embeddings).
-    Idempotent: modules that are already TP layers are left alone.
+    Idempotent: modules that are already TP layers are left alone; modules the plan names but ``model`` no
+    longer holds (layers of other pipeline stages) are skipped.
     """
     tp = dist.get_world_size(group)
     modules = dict(model.named_modules())
     tied = _tied_weight_owners(model)
     for name, layer_plan in plan.layers.items():
-        original = modules[name]
-        if isinstance(original, TP_LAYERS):
+        original = modules.get(name)
+        if original is None or isinstance(original, TP_LAYERS):  # held by another pipeline rank, or done
             continue
         if isinstance(original, nn.Embedding):
             replacement: nn.Module = VocabParallelEmbedding(original, group)
@@ -36,8 +37,8 @@ def apply_tp(model: nn.Module, group: dist.ProcessGroup, plan: TPPlan) -> None:
             replacement = RowParallelLinear(original, group, layer_plan.input_is_parallel)
         _set_submodule(model, name, replacement)
     for parent_name, attrs in plan.head_attrs.items():
-        parent = model.get_submodule(parent_name) if parent_name else model
-        if getattr(parent, "_tp_heads_divided", False):
+        parent = modules.get(parent_name)
+        if parent is None or getattr(parent, "_tp_heads_divided", False):
             continue
         for attr in attrs:
             setattr(parent, attr, getattr(parent, attr) // tp)

@@ -1,0 +1,170 @@
+"""The pipeline executor: this rank's `PipelineStage`s, a `torch.distributed.pipelining` schedule, and the
+forward-only path used by validation, test and predict.
+
+Training (`train_step`) runs the whole schedule (forward and backward of every micro-batch) and returns
+the mean micro-batch loss on every pipeline rank. Evaluation (`eval_forward`) sends the whole batch through
+the stages in order and gives the last stage's output to every pipeline rank, so the user's validation code
+(loss, torchmetrics) runs unchanged on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    cls: type
+    stages_per_rank: int  # 0: given by virtual_stages (>= 2)
+    style: str  # stage -> rank mapping: "loop" or "v"
+
+
+SCHEDULES = {
+    "gpipe": ScheduleSpec(ScheduleGPipe, 1, "loop"),
+    "1f1b": ScheduleSpec(Schedule1F1B, 1, "loop"),
+    "interleaved_1f1b": ScheduleSpec(ScheduleInterleaved1F1B, 0, "loop"),
+    "zero_bubble": ScheduleSpec(ScheduleZBVZeroBubble, 2, "v"),
+}
+
+
+def resolve_schedule(schedule: str, pp: int, micro_batches: int | None, virtual_stages: int) -> tuple[ScheduleSpec, int, int]:
+    """Validate a schedule choice; returns ``(spec, stages per rank, micro-batches)``. Raises ``ValueError``."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is unknown: valid schedules are {sorted(SCHEDULES)}.")
+    spec = SCHEDULES[schedule]
+    if spec.stages_per_rank == 0:
+        if virtual_stages < 2:
+            raise ValueError(f"schedule='{schedule}' needs virtual_stages >= 2 (stages per rank), got {virtual_stages}.")
+        per_rank = virtual_stages
+    else:
+        if virtual_stages not in (1, spec.stages_per_rank):
+            raise ValueError(
+                f"schedule='{schedule}' runs {spec.stages_per_rank} stage(s) per rank; virtual_stages={virtual_stages}"
+                f" is not supported (leave it at 1{' or 2' if spec.stages_per_rank == 2 else ''})."
+            )
+        per_rank = spec.stages_per_rank
+    micro_batches = micro_batches if micro_batches is not None else 2 * pp
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches!r} is invalid: it must be a positive integer.")
+    if schedule == "1f1b" and micro_batches < pp:
+        raise ValueError(f"schedule='1f1b' needs micro_batches >= pp ({pp}), got {micro_batches}.")
+    if schedule == "interleaved_1f1b" and micro_batches % pp != 0:
+        raise ValueError(f"schedule='interleaved_1f1b' needs micro_batches to be a multiple of pp ({pp}), got {micro_batches}.")
+    return spec, per_rank, micro_batches
+
+
+class _StageSequence(nn.Sequential):
+    """The layers of one stage (shared with the LightningModule, which keeps owning them)."""
+
+
+class PipelineExecutor:
+    """Runs this rank's stages over the PP ``group``.
+
+    Args:
+        stage_modules: stage index -> module of that stage (this rank's stages only).
+        num_stages: stages in the whole pipeline; ``owners[s]`` is the PP rank that runs stage ``s``.
+        loss_fn: ``(output, target) -> mean loss of one micro-batch`` (called on the last stage).
+    """
+
+    def __init__(
+        self,
+        stage_modules: dict[int, nn.Module],
+        num_stages: int,
+        owners: list[int],
+        spec: ScheduleSpec,
+        micro_batches: int,
+        loss_fn: Callable[[Tensor, Tensor], Tensor],
+        group: dist.ProcessGroup,
+        device: torch.device,
+    ) -> None:
+        self.group, self.device, self.owners, self.num_stages = group, device, owners, num_stages
+        self.micro_batches = micro_batches
+        self.rank = dist.get_rank(group)
+        self.stage_modules = dict(sorted(stage_modules.items()))
+        self.user_loss_fn = loss_fn
+        self.loss_scale = 1.0  # 1 / accumulate_grad_batches: the schedule runs the backward itself
+        self.stages = [
+            PipelineStage(module, index, num_stages, device, group=group) for index, module in self.stage_modules.items()
+        ]
+        stages = self.stages[0] if spec.stages_per_rank == 1 else self.stages
+        self.schedule = spec.cls(stages, n_microbatches=micro_batches, loss_fn=self._loss)
+
+    def _loss(self, output: Tensor, target: Tensor) -> Tensor:
+        return self.user_loss_fn(output, target) * self.loss_scale
+
+    def train_step(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        """Forward and backward of every micro-batch; the mean loss (float32 scalar) on every PP rank."""
+        if inputs.size(0) % self.micro_batches != 0:
+            raise ValueError(
+                f"The batch of {inputs.size(0)} samples does not split into micro_batches={self.micro_batches}:"
+                " choose a batch size that is a multiple of micro_batches."
+            )
+        losses: list[Tensor] = []  # filled on the last stage: one (scaled) loss per micro-batch
+        self.schedule.step(inputs, target=targets, losses=losses)
+        if losses:
+            loss = torch.stack([l.detach() for l in losses]).float().mean() / self.loss_scale
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        dist.broadcast(loss, src=dist.get_global_rank(self.group, self.owners[-1]), group=self.group)
+        return loss
+
+    @torch.no_grad()
+    def eval_forward(self, inputs: Tensor) -> Tensor:
+        """The whole batch through the stages in order (no micro-batches); the output on every PP rank."""
+        x = inputs
+        for index in range(self.num_stages):
+            owner = self.owners[index]
+            if owner == self.rank:
+                if index > 0 and self.owners[index - 1] != self.rank:
+                    x = self._recv(self.owners[index - 1])
+                x = self.stage_modules[index](x)
+                if index + 1 < self.num_stages and self.owners[index + 1] != self.rank:
+                    self._send(x, self.owners[index + 1])
+        return self._broadcast(x if self.owners[-1] == self.rank else None, self.owners[-1])
+
+    # Tensors of unknown shape travel as a header (dtype, ndim, shape) followed by the data.
+    _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
+
+    def _header(self, t: Tensor) -> Tensor:
+        return torch.tensor([self._DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (8 - t.dim()), dtype=torch.int64, device=self.device)
+
+    def _from_header(self, header: Tensor) -> Tensor:
+        dtype, ndim = self._DTYPES[int(header[0])], int(header[1])
+        return torch.empty([int(v) for v in header[2 : 2 + ndim]], dtype=dtype, device=self.device)
+
+    def _send(self, t: Tensor, dst: int) -> None:
+        global_dst = dist.get_global_rank(self.group, dst)
+        dist.send(self._header(t), dst=global_dst, group=self.group)
+        dist.send(t.contiguous(), dst=global_dst, group=self.group)
+
+    def _recv(self, src: int) -> Tensor:
+        global_src = dist.get_global_rank(self.group, src)
+        header = torch.empty(10, dtype=torch.int64, device=self.device)
+        dist.recv(header, src=global_src, group=self.group)
+        t = self._from_header(header)
+        dist.recv(t, src=global_src, group=self.group)
+        return t
+
+    def _broadcast(self, t: Tensor | None, src: int) -> Tensor:
+        global_src = dist.get_global_rank(self.group, src)
+        header = self._header(t) if t is not None else torch.empty(10, dtype=torch.int64, device=self.device)
+        dist.broadcast(header, src=global_src, group=self.group)
+        out = t.contiguous() if t is not None else self._from_header(header)
+        dist.broadcast(out, src=global_src, group=self.group)
+        return out
+
+
+def stage_module(layers: list[nn.Module]) -> nn.Module:
+    return _StageSequence(*layers)

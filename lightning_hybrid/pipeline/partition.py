@@ -1,0 +1,74 @@
+"""Which layers form which pipeline stage, and which rank runs which stage.
+
+A LightningModule takes part in pipeline parallelism through a small protocol (see `check_protocol`):
+``pipeline_layers()`` lists its layers in order (``forward(x)`` applies them in sequence) and
+``loss_fn(output, target)`` gives the mean loss of one micro-batch. ``init_pipeline_layer(index, layer)`` is
+optional: with it, the model is built on the meta device and each rank materialises only its own layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+PROTOCOL_HELP = (
+    "To train with pp > 1, the LightningModule must implement `pipeline_layers(self) -> list[nn.Module]` (its"
+    " layers in order: forward(x) == layers[-1](...layers[0](x))) and `loss_fn(self, output, target) -> Tensor`"
+    " (the mean loss of one micro-batch); training_step must compute its loss as `self.loss_fn(self(x), y)`."
+    " Optionally `init_pipeline_layer(self, index, layer)` lets each rank build only its own layers."
+)
+
+
+def check_protocol(module: nn.Module) -> None:
+    """Raise ``TypeError`` naming what a module lacks for pipeline parallelism."""
+    missing = [name for name in ("pipeline_layers", "loss_fn") if not callable(getattr(module, name, None))]
+    if missing:
+        raise TypeError(f"{type(module).__name__} does not implement {missing}. {PROTOCOL_HELP}")
+
+
+def partition_layers(sizes: Sequence[int], num_stages: int, split_points: Sequence[int] | None = None) -> list[range]:
+    """Contiguous layer ranges, one per stage.
+
+    ``split_points``: indices of the layers that start stages 1..num_stages-1 (explicit split). Otherwise the
+    stages are balanced by ``sizes`` (e.g. parameter counts): the split minimising the largest stage.
+    """
+    n = len(sizes)
+    if num_stages > n:
+        raise ValueError(f"{num_stages} pipeline stages need at least {num_stages} layers; the model has {n}.")
+    if split_points is not None:
+        points = list(split_points)
+        if len(points) != num_stages - 1 or points != sorted(set(points)) or not all(0 < p < n for p in points):
+            raise ValueError(
+                f"split_points={points} is invalid: give {num_stages - 1} increasing layer indices in 1..{n - 1}."
+            )
+        bounds = [0, *points, n]
+        return [range(bounds[i], bounds[i + 1]) for i in range(num_stages)]
+    # Minimise the largest stage (dynamic programming over prefix sums; n and num_stages are small).
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0
+    for s in range(1, num_stages + 1):
+        for end in range(s, n + 1):
+            for start in range(s - 1, end):
+                cost = max(best[s - 1][start], prefix[end] - prefix[start])
+                if cost < best[s][end]:
+                    best[s][end], cut[s][end] = cost, start
+    ranges, end = [], n
+    for s in range(num_stages, 0, -1):
+        start = cut[s][end]
+        ranges.append(range(start, end))
+        end = start
+    return ranges[::-1]
+
+
+def stage_ranks(num_stages: int, pp: int, style: str) -> list[int]:
+    """The pipeline rank of each stage: ``"loop"`` (stage s on rank s % pp) or ``"v"`` (zero-bubble V shape:
+    rank r holds stages r and 2*pp-1-r)."""
+    if style == "v":
+        return [s if s < pp else 2 * pp - 1 - s for s in range(num_stages)]
+    return [s % pp for s in range(num_stages)]

@@ -1,0 +1,132 @@
+"""Cut a LightningModule into this rank's pipeline stages, in place, and bind its steps to the executor."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from lightning_hybrid.pipeline.executor import PipelineExecutor
+from lightning_hybrid.pipeline.partition import PROTOCOL_HELP, partition_layers, stage_ranks
+
+
+class RemoteLayer(nn.Module):
+    """Stands in the module tree for a layer that another pipeline rank holds (it has no parameters)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"pipeline layer {self.index} lives on another pipeline rank")
+
+
+@dataclass
+class StageLayout:
+    """Which pipeline layers this rank holds, grouped by stage, and the PP rank of every stage."""
+
+    ranges: list[range]  # stage -> layer indices
+    owners: list[int]  # stage -> PP rank
+    local_stages: list[int]
+    remote_prefixes: list[str]  # module-tree names of the layers held elsewhere
+
+    def local_layers(self) -> list[int]:
+        return [i for s in self.local_stages for i in self.ranges[s]]
+
+
+def plan_stages(
+    module: nn.Module, pp: int, pp_rank: int, stages_per_rank: int, style: str, split_points: list[int] | None
+) -> StageLayout:
+    layers = module.pipeline_layers()
+    sizes = [sum(p.numel() for p in layer.parameters()) or 1 for layer in layers]
+    num_stages = pp * stages_per_rank
+    ranges = partition_layers(sizes, num_stages, split_points)
+    owners = stage_ranks(num_stages, pp, style)
+    local = [s for s in range(num_stages) if owners[s] == pp_rank]
+    local_layers = {i for s in local for i in ranges[s]}
+    names = {id(m): n for n, m in module.named_modules()}
+    remote = [names[id(layer)] for i, layer in enumerate(layers) if i not in local_layers]
+    return StageLayout(ranges, owners, local, remote)
+
+
+def keep_local_layers(module: nn.Module, layout: StageLayout, device: torch.device) -> None:
+    """Replace the layers other ranks hold by `RemoteLayer`s, and materialise the local ones on ``device``.
+
+    A model built on the meta device gets each local layer initialised by ``module.init_pipeline_layer``, which
+    must give the values a one-device init gives; a materialised model is moved as it is.
+    """
+    layers = module.pipeline_layers()
+    for name in layout.remote_prefixes:
+        index = next(i for i, layer in enumerate(layers) if layer is module.get_submodule(name))
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(module.get_submodule(parent_name) if parent_name else module, leaf, RemoteLayer(index))
+    for index in layout.local_layers():
+        layer = layers[index]
+        if any(t.is_meta for t in [*layer.parameters(), *layer.buffers()]):
+            if not callable(getattr(module, "init_pipeline_layer", None)):
+                raise TypeError(f"Layer {index} was built on the meta device but the module has no `init_pipeline_layer`. {PROTOCOL_HELP}")
+            layer.to_empty(device=device)
+            module.init_pipeline_layer(index, layer)
+        else:
+            layer.to(device)
+    leftover = [n for n, p in module.named_parameters() if p.is_meta]
+    if leftover:
+        raise TypeError(
+            f"Parameters {leftover[:5]} are outside the layers listed by `pipeline_layers()`, so no pipeline stage"
+            " owns them. Every parameter must belong to exactly one pipeline layer."
+        )
+
+
+class _PipelineInput:
+    """What ``self(x)`` returns in a pipelined training step: only ``self.loss_fn(self(x), y)`` may use it."""
+
+    def __init__(self, inputs: Tensor) -> None:
+        self.inputs = inputs
+
+    def __getattr__(self, name):
+        raise TypeError(f"Under pp > 1 the model output of a training step is not a tensor. {PROTOCOL_HELP}")
+
+
+@contextmanager
+def bind_training(module: nn.Module, executor: PipelineExecutor) -> Iterator[None]:
+    """During a training step, ``self(x)`` defers and ``self.loss_fn(output, y)`` runs the whole schedule."""
+
+    def forward(inputs, *args, **kwargs):
+        return _PipelineInput(inputs)
+
+    def loss_fn(output, target):
+        if not isinstance(output, _PipelineInput):
+            raise TypeError(f"loss_fn received {type(output).__name__}, not the output of self(x). {PROTOCOL_HELP}")
+        return executor.train_step(output.inputs, target)
+
+    with _instance_attributes(module, forward=forward, loss_fn=loss_fn):
+        yield
+
+
+@contextmanager
+def bind_evaluation(module: nn.Module, executor: PipelineExecutor) -> Iterator[None]:
+    """During validation/test/predict, ``self(x)`` is the pipeline's output, on every pipeline rank."""
+
+    def forward(inputs, *args, **kwargs):
+        return executor.eval_forward(inputs)
+
+    with _instance_attributes(module, forward=forward):
+        yield
+
+
+@contextmanager
+def _instance_attributes(module: nn.Module, **attributes) -> Iterator[None]:
+    saved = {name: module.__dict__[name] for name in attributes if name in module.__dict__}
+    for name, value in attributes.items():
+        object.__setattr__(module, name, value)
+    try:
+        yield
+    finally:
+        for name in attributes:
+            if name in saved:
+                object.__setattr__(module, name, saved[name])
+            else:
+                object.__delattr__(module, name)
