@@ -36,6 +36,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_hybrid.activation_checkpointing import apply_activation_checkpointing, checkpoint_targets
 from lightning_hybrid.grad_norm import clip_grads_, global_grad_norm
 from lightning_hybrid.mesh import ParallelDims, validate_zero_stage
 from lightning_hybrid.pipeline import PipelineExecutor, check_protocol, resolve_schedule, stage_module
@@ -75,6 +76,8 @@ class HybridStrategy(ParallelStrategy):
         virtual_stages: stages per rank for the interleaved schedule.
         split_points: explicit pipeline split: indices of the layers that start stages 1..n-1 (default: stages
             balanced by parameter count).
+        activation_checkpointing: ``True`` recomputes every layer's activations in backward (the pipeline
+            layers, or the elements of ``nn.ModuleList``s); a glob pattern picks modules by name.
         process_group_backend: overrides the backend chosen from the accelerator (gloo on CPU, nccl on CUDA).
         timeout: process group timeout.
     """
@@ -92,6 +95,7 @@ class HybridStrategy(ParallelStrategy):
         schedule: str = "1f1b",
         virtual_stages: int = 1,
         split_points: Optional[list[int]] = None,
+        activation_checkpointing: Union[bool, str] = False,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -112,6 +116,7 @@ class HybridStrategy(ParallelStrategy):
             resolve_schedule(schedule, pp, micro_batches, virtual_stages) if pp > 1 else (None, 1, micro_batches)
         )
         self.split_points = list(split_points) if split_points is not None else None
+        self.activation_checkpointing = activation_checkpointing
         if not (tp_plan == "auto" or isinstance(tp_plan, Mapping)):
             raise ValueError(f"tp_plan={tp_plan!r} is invalid: use 'auto' or a dict of glob pattern -> style.")
         self._requested = {"dp": dp, "tp": tp, "pp": pp}
@@ -243,6 +248,7 @@ class HybridStrategy(ParallelStrategy):
         dims = self.parallel_dims
         # The plan is made on the whole model (before a pipeline cuts it), so it is the same for every pp.
         plan = resolve_tp_plan(module, dims.tp, self.tp_plan) if dims.tp > 1 else None
+        checkpointed = checkpoint_targets(module, self.activation_checkpointing) if self.activation_checkpointing else []
         if dims.pp > 1:
             check_protocol(module)
             assert self._schedule_spec is not None
@@ -256,6 +262,7 @@ class HybridStrategy(ParallelStrategy):
             apply_tp(module, self.tp_group, plan)
             rank_zero_info(plan.summary())
         self._tp_sharded_names = tp_sharded_parameter_names(module)
+        apply_activation_checkpointing(module, [n for n in checkpointed if not _is_under(n, self._remote_prefixes)])
         if dims.pp > 1:
             self._pipeline = self._build_pipeline(module, layout)
         elif self.zero_stage == 3 and dims.dp > 1:
@@ -301,16 +308,19 @@ class HybridStrategy(ParallelStrategy):
             return super().training_step(*args, **kwargs)
         module = self.lightning_module
         assert module is not None
-        # Lightning zeroes gradients between training_step and backward; the schedule runs the backward inside
-        # training_step. So: zero where Lightning would (first batch of an accumulation window), run the
-        # schedule, and keep its gradients away from Lightning's zero_grad until `backward` puts them back.
-        if module.trainer.fit_loop.epoch_loop.batch_idx % module.trainer.accumulate_grad_batches == 0:
-            for p in module.parameters():
-                p.grad = None
+        # Lightning zeroes gradients between training_step and backward, but the schedule runs the backward
+        # inside training_step, and rescales every gradient it finds by 1/micro_batches. So the schedule starts
+        # from no gradients; what earlier batches of an accumulation window left is added back afterwards;
+        # and the sum is kept away from Lightning's zero_grad until `backward` puts it back.
+        first_in_window = module.trainer.fit_loop.epoch_loop.batch_idx % module.trainer.accumulate_grad_batches == 0
+        params = list(module.parameters())
+        carried = [None if first_in_window else p.grad for p in params]
+        for p in params:
+            p.grad = None
         with bind_training(module, self._pipeline):
             output = super().training_step(*args, **kwargs)
-        self._stashed_grads = [(p, p.grad) for p in module.parameters()]
-        for p in module.parameters():
+        self._stashed_grads = [(p, new if old is None else (old if new is None else old + new)) for p, old, new in zip(params, carried, [p.grad for p in params])]
+        for p in params:
             p.grad = None
         return output
 
@@ -462,9 +472,7 @@ class HybridStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         if self._fsdp_roots:
             raise NotImplementedError("Loading a checkpoint into a zero_stage=3 model after setup is not supported yet.")
-        state = {
-            k: v for k, v in checkpoint["state_dict"].items() if not any(k.startswith(p + ".") for p in self._remote_prefixes)
-        }
+        state = {k: v for k, v in checkpoint["state_dict"].items() if not _is_under(k, self._remote_prefixes)}
         load_full_state_dict(self.lightning_module, state, strict=strict)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -492,3 +500,8 @@ class HybridStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+
+def _is_under(name: str, prefixes: list[str]) -> bool:
+    """Whether ``name`` is one of ``prefixes`` or inside one of them (``a.b`` is under ``a``)."""
+    return any(name == p or name.startswith(p + ".") for p in prefixes)

@@ -105,3 +105,14 @@ class Recorder(L.Callback):
         if isinstance(strategy, HybridStrategy) and strategy.last_grad_norm is not None:
             self.grad_norms.append(strategy.last_grad_norm.item())
             strategy.last_grad_norm = None
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once; DTensors by their
+    local shard)."""
+    storages = {}
+    for t in tensors:
+        if t is not None:
+            s = (t._local_tensor if hasattr(t, "_local_tensor") else t).untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values())

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_hybrid import HybridStrategy
 from lightning_hybrid.data import ByteCorpusDataModule
 from lightning_hybrid.models import GPTConfig, GPTLightningModule
-from tests.helpers import QUIET_TRAINER, Recorder, run_distributed
+from tests.helpers import QUIET_TRAINER, Recorder, run_distributed, storage_bytes
 
 STEPS = 10
 GLOBAL_BATCH = 8
@@ -62,6 +62,7 @@ def fit_and_record(strategy, devices: int, make_module, dp: int = 1, **trainer_k
         "losses": recorder.losses,
         "grad_norms": recorder.grad_norms,
         "grad_reductions": getattr(trainer.strategy, "_test_reductions", None),
+        "param_bytes": storage_bytes(module.parameters()),
         "val_loss": trainer.callback_metrics["val_loss"].item(),
         "val_acc": trainer.callback_metrics["val_acc"].item(),
         "state": {k: v.cpu() for k, v in full.items()},
@@ -108,7 +109,7 @@ def _fit_runs(runs: dict[str, tuple]) -> dict[str, dict]:
     world = int(os.environ["WORLD_SIZE"])
     results = {}
     for name, (kwargs, make_module, trainer_kwargs, *_) in runs.items():
-        dp = world // (kwargs.get("tp", 1) * kwargs.get("pp", 1))
+        dp = kwargs.get("dp", world // (kwargs.get("tp", 1) * kwargs.get("pp", 1)))
         results[name] = fit_and_record(CountingHybridStrategy(**kwargs), world, make_module, dp=dp, **trainer_kwargs)
     return results
 
@@ -171,3 +172,42 @@ def test_accumulation_foreign_model_and_bf16_match_one_device():
         "llama-dp2xtp2-zero1": (dict(dp=2, tp=2, zero_stage=1), partial(TinyLlama, lr=5e-4), {}),
         "bf16-dp2xtp2-zero3": (dict(dp=2, tp=2, zero_stage=3), gpt(), {"precision": "bf16-mixed"}, (2e-2, 1e-2)),
     })
+
+
+def test_pipeline_schedules_match_one_device():
+    """pp2 under every schedule; 1F1B also with activation checkpointing and gradient accumulation."""
+    model = gpt(n_layer=2)  # 4 pipeline layers: embed, 2 blocks, head -> 2 or 4 stages
+    check_world(2, {
+        "pp2-gpipe": (dict(pp=2, schedule="gpipe"), model, {}),
+        "pp2-1f1b": (dict(pp=2, schedule="1f1b"), model, {}),
+        "pp2-interleaved": (dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2), model, {}),
+        "pp2-zero-bubble": (dict(pp=2, schedule="zero_bubble"), model, {}),
+        "pp2-1f1b-ac-accumulate2": (
+            dict(pp=2, activation_checkpointing=True, micro_batches=2), model, {"accumulate_grad_batches": 2}
+        ),
+    })
+
+
+def test_pipeline_with_dp_and_tp_match_one_device():
+    model = gpt(n_layer=2, n_kv_head=4, mlp="gelu")
+    check_world(4, {
+        "pp4-1f1b": (dict(pp=4, schedule="1f1b"), model, {}),
+        "pp2xdp2": (dict(pp=2, dp=2), model, {}),
+        "pp2xtp2": (dict(pp=2, tp=2, split_points=[2]), model, {}),
+    })
+
+
+def test_3d_with_every_zero_stage_matches_one_device():
+    """pp2 x dp2 x tp2 on 8 ranks with ZeRO 0-3; each rank holds about 1/(pp*tp) of the model (1/dp more
+    under ZeRO-3)."""
+    config = gpt(n_layer=2, n_embd=64)
+    results = check_world(8, {f"3d-zero{stage}": (dict(pp=2, dp=2, tp=2, zero_stage=stage), config, {}) for stage in range(4)})
+    one_device = config()
+    one_device.configure_model()
+    total = sum(p.numel() * p.element_size() for p in one_device.parameters())
+    for rank, per_run in enumerate(results):
+        for stage in range(4):
+            share = per_run[f"3d-zero{stage}"]["param_bytes"] / (total / (2 * 2))
+            # Norms, position embeddings and row-parallel biases are replicated over TP: a few percent more.
+            expected = 0.5 if stage == 3 else 1.0
+            assert expected * 0.9 <= share <= expected * 1.15, (rank, stage, share)

@@ -14,7 +14,7 @@ from lightning_hybrid.data import ByteCorpusDataModule
 from lightning_hybrid.models import GPTConfig, GPTLightningModule
 from lightning_hybrid.tensor_parallel import tp_sharded_parameter_names
 from lightning_hybrid.zero import ZeroOptimizer
-from tests.helpers import QUIET_TRAINER, run_distributed
+from tests.helpers import QUIET_TRAINER, run_distributed, storage_bytes
 
 DP, TP = 2, 2
 # (params, grads, optimizer state) in units of the TP-local model size; AdamW keeps two moments.
@@ -24,20 +24,6 @@ EXPECTED = {
     2: (1.0, 1.0 / DP, 2.0 / DP),
     3: (1.0 / DP, 1.0 / DP, 2.0 / DP),
 }
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
-
-
-def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
-    storages = {}
-    for t in tensors:
-        if t is not None:
-            s = _local(t).untyped_storage()
-            storages[s.data_ptr()] = s.nbytes()
-    return sum(storages.values())
 
 
 class MeasureAfterFirstStep(L.Callback):
@@ -56,9 +42,9 @@ class MeasureAfterFirstStep(L.Callback):
         # A ZeRO-3 DTensor's global shape is the TP-local one: numel() is the TP-local size in every stage.
         tp_local_bytes = sum(p.numel() * p.element_size() for p in params)
         self.measured = {
-            "params": _storage_bytes(params),
-            "grads": _storage_bytes(grads),
-            "optim": _storage_bytes(states),
+            "params": storage_bytes(params),
+            "grads": storage_bytes(grads),
+            "optim": storage_bytes(states),
             "tp_local_model": tp_local_bytes,
             "sharded_names": len(sharded),
         }
