@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install test bench clean
+.PHONY: install run test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,11 +15,16 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# The small GPT on the standard-library corpus, 3D layout (dp2 x tp2 x pp2) on 8 CPU processes.
+run: $(VENV)/.installed
+	OMP_NUM_THREADS=1 $(PY) recipes/pretrain.py parallel=3d model=small max_steps=80 trainer.val_check_interval=20
+
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_strategies.py
+	$(PY) benchmarks/bench_pipeline.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

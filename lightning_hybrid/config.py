@@ -86,6 +86,8 @@ class ParallelConfig:
     micro_batches: Optional[int] = None
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    split_points: Optional[List[int]] = None
+    activation_checkpointing: Any = False  # true, false, or a glob pattern over module names
 
 
 @dataclass
@@ -216,6 +218,20 @@ def _throughput_callback(tokens_per_step: int):
             return tokens_per_step * steps / seconds if seconds > 0 else float("nan")
 
     return Throughput()
+
+
+def _validation_printer():
+    import lightning as L
+
+    class PrintValidation(L.Callback):
+        """One line per validation on rank 0, so a run shows its validation loss falling."""
+
+        def on_validation_epoch_end(self, trainer, pl_module) -> None:
+            val = trainer.callback_metrics.get("val_loss")
+            if trainer.is_global_zero and val is not None and not trainer.sanity_checking:
+                print(f"step {trainer.global_step}: val_loss={float(val):.4f}", flush=True)
+
+    return PrintValidation()
 
 
 def _peak_rss_mib() -> float:
@@ -353,6 +369,8 @@ def run_pretrain(cfg: DictConfig) -> Dict[str, Any]:
         micro_batches=par.micro_batches,
         schedule=par.schedule,
         virtual_stages=int(par.virtual_stages),
+        split_points=list(par.split_points) if par.split_points is not None else None,
+        activation_checkpointing=par.activation_checkpointing,
     )
     model = GPTLightningModule(
         config=dict(OmegaConf.to_container(cfg.model, resolve=True)),
@@ -381,7 +399,11 @@ def run_pretrain(cfg: DictConfig) -> Dict[str, Any]:
             devices=layout["devices"],
             strategy=strategy,
             logger=CSVLogger(save_dir=str(out_dir), name="csv", version=""),
-            callbacks=[ModelCheckpoint(dirpath=str(out_dir / "checkpoints"), save_last=True), throughput],
+            callbacks=[
+                ModelCheckpoint(dirpath=str(out_dir / "checkpoints"), save_last=True),
+                throughput,
+                _validation_printer(),
+            ],
             **build_trainer_kwargs(cfg),
         )
         trainer.fit(model, datamodule=data)

@@ -22,8 +22,9 @@ from lightning_hybrid.models import GPTConfig
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 RECIPE = ROOT / "recipes" / "pretrain.py"
-LAYOUTS = {"single": (1, 1, 0), "dp": (2, 1, 0), "tp": (1, 2, 0), "dp_tp": (2, 2, 0),
-           "zero1": (2, 1, 1), "zero2": (2, 1, 2), "zero3": (2, 1, 3)}
+LAYOUTS = {"single": (1, 1, 1, 0), "dp": (2, 1, 1, 0), "tp": (1, 2, 1, 0), "dp_tp": (2, 2, 1, 0),
+           "zero1": (2, 1, 1, 1), "zero2": (2, 1, 1, 2), "zero3": (2, 1, 1, 3),
+           "dp_pp": (2, 1, 2, 0), "tp_pp": (1, 2, 2, 0), "3d": (2, 2, 2, 0)}
 TINY = ["trainer.max_steps=3", "data.max_bytes=30000", "data.batch_size=4", "trainer.limit_val_batches=1",
         "trainer.enable_progress_bar=false"]
 TIMEOUT_S = 240
@@ -38,10 +39,10 @@ def _compose(*overrides: str):
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_every_named_layout_composes(name):
     cfg = _compose(f"parallel={name}")
-    dp, tp, zero = LAYOUTS[name]
+    dp, tp, pp, zero = LAYOUTS[name]
     assert (cfg.parallel.name, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.zero_stage) == (
-        name, dp, tp, 1, zero)
-    assert world_layout(cfg)["devices"] == dp * tp  # trainer.devices=null -> dp*tp*pp
+        name, dp, tp, pp, zero)
+    assert world_layout(cfg)["devices"] == dp * tp * pp  # trainer.devices=null -> dp*tp*pp
 
 
 @pytest.mark.parametrize("model", ["tiny", "small"])
@@ -154,7 +155,7 @@ def test_sweep_summary_without_matplotlib(tmp_path, monkeypatch, capsys):
     "args, message",
     [
         (["parallel=dp_tp", "trainer.devices=2"], "does not equal the world size 2"),
-        (["parallel.pp=2"], "pipeline parallelism is not available"),
+        (["parallel=dp_pp", "parallel.schedule=round_robin"], "schedule='round_robin' is unknown"),
         (["parallel.tpp=2"], "Key 'tpp' not in 'ParallelConfig'"),
         (["data=text", "data.paths=[/no/such/corpus]"], "'/no/such/corpus' does not exist"),
         (["data=text"], "data.paths is required"),
