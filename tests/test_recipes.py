@@ -167,3 +167,11 @@ def test_bad_config_is_one_error_line_exit_2(args, message, tmp_path):
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], res.stderr
     assert "Traceback" not in res.stdout + res.stderr
+
+
+def test_slurm_launcher_config_composes():
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose(config_name="pretrain", overrides=["hydra/launcher=slurm", "parallel=3d"], return_hydra_config=True)
+    assert cfg.hydra.launcher._target_.endswith("submitit_launcher.SlurmLauncher")
+    assert cfg.hydra.launcher.tasks_per_node * cfg.hydra.launcher.nodes == world_layout(cfg)["devices"]
