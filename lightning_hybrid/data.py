@@ -192,6 +192,28 @@ class ByteBlockDataset(Dataset):
         return x, y
 
 
+class ResumableDataLoader(DataLoader):
+    """A DataLoader whose first pass skips ``skip_batches`` batches: where a resumed run left off.
+
+    ``skip_batches`` is an ``__init__`` argument so that it survives Lightning re-creating the loader with
+    a distributed sampler.
+    """
+
+    def __init__(self, *args, skip_batches: int = 0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.skip_batches = skip_batches
+
+    def __iter__(self):
+        iterator = super().__iter__()
+        skip, self.skip_batches = self.skip_batches, 0
+        for _ in range(skip):
+            next(iterator)
+        return iterator
+
+    def __len__(self) -> int:
+        return super().__len__() - self.skip_batches
+
+
 class ByteCorpusDataModule(L.LightningDataModule):
     """Byte-level language-modelling data (vocabulary 256) with a held-out tail.
 
@@ -275,11 +297,25 @@ class ByteCorpusDataModule(L.LightningDataModule):
             raise RuntimeError("call setup() before requesting a dataloader")
         return dataset
 
+    # The data position: a checkpoint records how many batches of the current epoch were trained on, and a
+    # run resumed from it starts that epoch's loader after them (same sampler order: same seed and epoch).
+    def state_dict(self) -> dict:
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return {}
+        loop = trainer.fit_loop
+        return {"epoch": loop.epoch_progress.current.completed, "batches": loop.epoch_loop.batch_progress.current.processed}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._resume_batches = int(state_dict.get("batches", 0))
+
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator()
         generator.manual_seed(self.seed)
-        return DataLoader(
-            self._require(self.train_dataset),
+        skip, self._resume_batches = getattr(self, "_resume_batches", 0), 0
+        return ResumableDataLoader(
+            skip_batches=skip,
+            dataset=self._require(self.train_dataset),
             batch_size=self.batch_size,
             shuffle=self.shuffle,
             generator=generator,

@@ -31,12 +31,14 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_hybrid.activation_checkpointing import apply_activation_checkpointing, checkpoint_targets
+from lightning_hybrid.checkpoint import load_sharded, save_sharded
+from lightning_hybrid.checkpoint import remove as remove_checkpoint_path
 from lightning_hybrid.grad_norm import clip_grads_, global_grad_norm
 from lightning_hybrid.mesh import ParallelDims, validate_zero_stage
 from lightning_hybrid.pipeline import PipelineExecutor, check_protocol, resolve_schedule, stage_module
@@ -44,7 +46,6 @@ from lightning_hybrid.pipeline.stages import StageLayout, bind_evaluation, bind_
 from lightning_hybrid.tensor_parallel import (
     apply_tp,
     gather_full_state_dict,
-    load_full_state_dict,
     resolve_tp_plan,
     tp_sharded_parameter_names,
 )
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
 
-_OPTIMIZER_STATE_NOT_SAVED = "lightning_hybrid: optimizer state of a TP/ZeRO layout is not in this checkpoint"
 
 
 class HybridStrategy(ParallelStrategy):
@@ -297,11 +297,6 @@ class HybridStrategy(ParallelStrategy):
             with super().tensor_init_context(empty_init):
                 yield
 
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        # A pipelined module only has its layers once `setup` has cut and materialised them.
-        return self._requested["pp"] > 1
-
     # ------------------------------------------------------------------ steps
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
@@ -454,6 +449,9 @@ class HybridStrategy(ParallelStrategy):
         return objects[0]
 
     # ------------------------------------------------------------------ checkpoints
+    # Sharded, reshardable, crash-safe folders (lightning_hybrid.checkpoint): weights and optimizer state are
+    # written from the live model in `save_checkpoint` and read into it in `load_checkpoint`, so Lightning's
+    # own state-dict hooks have nothing to do.
     def full_state_dict(self) -> dict[str, Tensor]:
         """The full (unsplit) state dict on every rank: gathered over TP, ZeRO-3 and the pipeline stages.
         Collective over the whole mesh; the plain (one-device) module loads it with ``load_state_dict``."""
@@ -465,32 +463,37 @@ class HybridStrategy(ParallelStrategy):
             state = {k: v for part in parts for k, v in part.items()}
         return state
 
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self.full_state_dict()
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the checkpoint is read into the parallelised model and the wrapped optimizers
 
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        assert self.lightning_module is not None
-        if self._fsdp_roots:
-            raise NotImplementedError("Loading a checkpoint into a zero_stage=3 model after setup is not supported yet.")
-        state = {k: v for k, v in checkpoint["state_dict"].items() if not _is_under(k, self._remote_prefixes)}
-        load_full_state_dict(self.lightning_module, state, strict=strict)
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        dims = self.parallel_dims
-        if dims.tp == 1 and dims.pp == 1 and (self.zero_stage == 0 or dims.dp == 1):
-            return super().optimizer_state(optimizer)
-        rank_zero_warn(
-            "HybridStrategy saves the full model weights but not the optimizer state of a tp>1, pp>1 or ZeRO layout:"
-            " resuming from this checkpoint restarts the optimizer state."
-        )
-        return {"lightning_hybrid": _OPTIMIZER_STATE_NOT_SAVED}
+        return {}
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # done in load_checkpoint
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        states = checkpoint.get("optimizer_states", [])
-        if any(isinstance(s, dict) and s.get("lightning_hybrid") == _OPTIMIZER_STATE_NOT_SAVED for s in states):
-            rank_zero_warn("The checkpoint holds no optimizer state (saved under a tp>1 or ZeRO layout); starting fresh.")
-            return
-        super().load_optimizer_state_dict(checkpoint)
+        pass  # done in load_checkpoint
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError("HybridStrategy.save_checkpoint(..., storage_options=...) is not supported.")
+        save_sharded(self.broadcast(str(filepath)), self, checkpoint)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return load_sharded(self.broadcast(str(checkpoint_path)), self)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            remove_checkpoint_path(filepath)
 
     def teardown(self) -> None:
         # As Lightning's ModelParallelStrategy: the module stays where it is. (Moving it to the CPU would also

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue as queue_module
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -67,11 +69,17 @@ def run_distributed(fn: Callable, world_size: int, *args: Any) -> list[Any]:
         for p in procs:
             p.start()
         results: dict[int, Any] = {}
+        deadline = time.monotonic() + WORKER_TIMEOUT_S
         while len(results) < world_size:
             try:
-                rank, status, value = queue.get(timeout=WORKER_TIMEOUT_S)
-            except Exception as err:
-                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} gave no result") from err
+                rank, status, value = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} gave no result") from None
+                continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             results[rank] = pickle.loads(value)

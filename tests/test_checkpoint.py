@@ -1,0 +1,152 @@
+"""Sharded checkpoints: exact resume, resharding across layouts, consolidation to one plain file, crash
+safety, and clear errors. Every run is a real Lightning Trainer on real process groups."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_hybrid import HybridStrategy
+from lightning_hybrid.checkpoint import CheckpointError, consolidate, read_meta
+from lightning_hybrid.data import ByteCorpusDataModule
+from tests.helpers import QUIET_TRAINER, Recorder, run_distributed
+from tests.test_strategy_parity import BLOCK, GLOBAL_BATCH, OneDeviceInDistributedOrder, gpt
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = gpt(n_layer=2)
+SAVED_LAYOUT = dict(dp=2, tp=2, pp=2, zero_stage=1)
+# Each changes every dimension it can: pp 2 -> 1 and dp 2 -> 4 and ZeRO 1 -> 0; tp 2 -> 1, pp 2 -> 4, ZeRO 1 -> 3.
+RESHARDED = {"dp4xtp2-zero0": dict(dp=4, tp=2, zero_stage=0), "pp4xdp2-zero3": dict(dp=2, pp=4, zero_stage=3, micro_batches=4)}
+
+
+def _fit(world: int, layout: dict, steps: int, ckpt_in=None, ckpt_out=None, make_module=MODEL, **trainer_kwargs) -> dict:
+    L.seed_everything(0, verbose=False)
+    recorder = Recorder()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=HybridStrategy(**layout), max_steps=steps, callbacks=[recorder],
+        **{"limit_val_batches": 0, **QUIET_TRAINER, **trainer_kwargs},
+    )
+    data = ByteCorpusDataModule(max_bytes=80_000, block_size=BLOCK, batch_size=GLOBAL_BATCH // layout.get("dp", 1))
+    trainer.fit(make_module(), data, ckpt_path=ckpt_in)
+    if ckpt_out:
+        trainer.save_checkpoint(ckpt_out)
+    val = trainer.callback_metrics.get("val_loss")
+    return {"losses": recorder.losses, "val_loss": None if val is None else val.item()}
+
+
+def _train_then_save(ckpt: str) -> dict:
+    full = _fit(8, SAVED_LAYOUT, 20)
+    first = _fit(8, SAVED_LAYOUT, 10, ckpt_out=ckpt, limit_val_batches=2, val_check_interval=10)
+    return {"full": full["losses"], "first": first["losses"], "val_loss": first["val_loss"]}
+
+
+def _resume_under_each_layout(ckpt: str) -> dict:
+    layouts = {"same": SAVED_LAYOUT, **RESHARDED}
+    return {name: _fit(8, layout, 20, ckpt_in=ckpt)["losses"] for name, layout in layouts.items()}
+
+
+def test_resume_is_exact_and_reshards_to_other_layouts(tmp_path):
+    ckpt = str(tmp_path / "step10.ckpt")
+    saved = run_distributed(_train_then_save, 8, ckpt)[0]
+    assert saved["first"] == saved["full"][:10]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step10.ckpt"]  # no partial folder left behind
+    assert read_meta(ckpt)["lightning_hybrid"]["layout"] == {"dp": 2, "tp": 2, "pp": 2, "zero_stage": 1}
+
+    resumed = run_distributed(_resume_under_each_layout, 8, ckpt)[0]
+    expected = torch.tensor(saved["full"][10:])
+    torch.testing.assert_close(torch.tensor(resumed["same"]), expected, rtol=1e-6, atol=0)
+    for name in RESHARDED:
+        torch.testing.assert_close(torch.tensor(resumed[name]), expected, rtol=1e-5, atol=0, msg=name)
+
+    # One plain file that the unparallelised module loads; it gives the sharded run's validation loss.
+    out = tmp_path / "plain.pt"
+    done = subprocess.run([sys.executable, "-m", "lightning_hybrid.checkpoint", "consolidate", ckpt, str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    module = MODEL()
+    module.configure_model()
+    module.load_state_dict(torch.load(out, weights_only=True))
+    trainer = L.Trainer(accelerator="cpu", devices=1, limit_val_batches=2, **QUIET_TRAINER)
+    metrics = trainer.validate(module, OneDeviceInDistributedOrder(max_bytes=80_000, block_size=BLOCK, batch_size=GLOBAL_BATCH), verbose=False)
+    assert metrics[0]["val_loss"] == pytest.approx(saved["val_loss"], rel=1e-5)
+
+
+class DiesDuringSave(HybridStrategy):
+    """The third save (step 6; steps 3 wrote the step-3 and the last checkpoint) is killed after the shards
+    are written and before the checkpoint is committed."""
+
+    saves = 0
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
+        DiesDuringSave.saves += 1
+        if DiesDuringSave.saves == 3:
+            import lightning_hybrid.checkpoint as ckpt_module
+
+            ckpt_module.commit = lambda *args: os._exit(9)  # the process dies where the rename would be
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+
+def _train_and_die_in_third_save(root: str) -> None:
+    checkpointing = ModelCheckpoint(dirpath=root, save_last=True, every_n_train_steps=3, save_top_k=-1)
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=DiesDuringSave(dp=2, zero_stage=2), max_steps=6,
+                        callbacks=[checkpointing], limit_val_batches=0, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(MODEL(), ByteCorpusDataModule(max_bytes=80_000, block_size=BLOCK, batch_size=4))
+
+
+def _resume_last(root: str) -> dict:
+    L.seed_everything(0, verbose=False)
+    recorder = Recorder()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=HybridStrategy(dp=2, zero_stage=2), max_steps=5,
+                        callbacks=[recorder, ModelCheckpoint(dirpath=root, save_last=True, every_n_train_steps=100)],
+                        limit_val_batches=0, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(MODEL(), ByteCorpusDataModule(max_bytes=80_000, block_size=BLOCK, batch_size=4), ckpt_path="last")
+    return {"steps": trainer.global_step, "losses": recorder.losses}
+
+
+def _errors(root: str) -> dict:
+    errors = {}
+    for name, (path, module) in {
+        "another model": (f"{root}/good.ckpt", gpt(n_layer=2, n_embd=64)),
+        "not a checkpoint": (f"{root}/empty", MODEL),
+    }.items():
+        try:
+            _fit(2, dict(dp=2), 4, ckpt_in=path, make_module=module)
+            errors[name] = "no error"
+        except CheckpointError as err:
+            errors[name] = str(err)
+    return errors
+
+
+def test_killed_save_keeps_previous_checkpoint_and_errors_are_clear(tmp_path):
+    root = tmp_path / "ckpts"
+    # Rank 0 dies where it would commit; rank 1 then fails in the barrier (gloo: connection reset), no hang.
+    with pytest.raises(RuntimeError, match=r"rank 0 died with exit code 9|rank 1 failed"):
+        run_distributed(_train_and_die_in_third_save, 2, str(root))
+    names = sorted(p.name for p in root.iterdir())
+    assert "last.ckpt" in names and "epoch=0-step=3.ckpt" in names
+    assert any(".partial-" in n for n in names), names  # what the killed save left: never a checkpoint
+    assert read_meta(root / "last.ckpt")["global_step"] == 3
+    with pytest.raises(CheckpointError, match="did not finish"):
+        read_meta(root / next(n for n in names if ".partial-" in n))
+
+    resumed = run_distributed(_resume_last, 2, str(root))[0]
+    assert resumed["steps"] == 5 and len(resumed["losses"]) == 2  # steps 4 and 5, after the whole step-3 one
+
+    # A checkpoint of another model, and a folder that is not a checkpoint: errors that name the problem.
+    os.rename(root / "last.ckpt", tmp_path / "good.ckpt")
+    (tmp_path / "empty").mkdir()
+    errors = run_distributed(_errors, 2, str(tmp_path))[0]
+    assert "The checkpoint is of another model" in errors["another model"]
+    assert "model.blocks.0.attn.q_proj.weight: checkpoint [32, 32] vs model [64, 64]" in errors["another model"]
+    assert "is not a lightning_hybrid checkpoint" in errors["not a checkpoint"]
+    with pytest.raises(CheckpointError, match="is not a lightning_hybrid checkpoint"):
+        consolidate(tmp_path / "empty", tmp_path / "x.pt")
