@@ -24,12 +24,17 @@ import resource
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import MISSING, DictConfig, OmegaConf
+
+from lightning_hybrid.models.gpt import GPTConfig
 
 __all__ = [
     "DataConfig",
@@ -44,20 +49,15 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------------- schemas
-@dataclass
-class ModelConfig:
-    """Fields of :class:`lightning_hybrid.models.GPTConfig`."""
+def _schema_of(config_class: type, name: str) -> type:
+    """A plain dataclass with ``config_class``'s fields and defaults, without its ``__post_init__`` (which
+    would fill derived values such as ``n_kv_head`` at schema time, before the overrides are applied)."""
+    hints = typing.get_type_hints(config_class)
+    return make_dataclass(name, [(f.name, hints[f.name], field(default=f.default)) for f in fields(config_class)])
 
-    vocab_size: int = 256
-    block_size: int = 64
-    n_layer: int = 2
-    n_head: int = 4
-    n_kv_head: Optional[int] = None
-    n_embd: int = 64
-    mlp: str = "gelu"
-    mlp_ratio: int = 4
-    bias: bool = True
-    dropout: float = 0.0
+
+#: Fields of :class:`lightning_hybrid.models.GPTConfig` (one definition: the model's own).
+ModelConfig = _schema_of(GPTConfig, "ModelConfig")
 
 
 @dataclass
@@ -262,7 +262,6 @@ def _multirun_child_cmd(local_rank: int):
     (``-m parallel=dp,tp``), so every child rank would start a sweep of its own. Here the child gets only
     this job's overrides (``hydra.overrides.task``) and this job's output dir.
     """
-    from hydra.core.hydra_config import HydraConfig
     from hydra.utils import get_original_cwd, to_absolute_path
 
     import __main__
@@ -292,17 +291,11 @@ def _fresh_launch_environment() -> Iterator[None]:
 
     saved = {k: os.environ.get(k) for k in _LAUNCH_ENV}
     patched = None
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        import lightning.pytorch.strategies.launchers.subprocess_script as launcher_mod
 
-        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-            import lightning.pytorch.strategies.launchers.subprocess_script as launcher_mod
-
-            patched = (launcher_mod, launcher_mod._hydra_subprocess_cmd)
-            launcher_mod._hydra_subprocess_cmd = _multirun_child_cmd
-    except ImportError:  # pragma: no cover
-        pass
+        patched = (launcher_mod, launcher_mod._hydra_subprocess_cmd)
+        launcher_mod._hydra_subprocess_cmd = _multirun_child_cmd
     try:
         yield
     finally:
@@ -318,25 +311,11 @@ def _fresh_launch_environment() -> Iterator[None]:
 
 
 def _output_dir() -> Path:
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        if HydraConfig.initialized():
-            return Path(HydraConfig.get().runtime.output_dir)
-    except ImportError:  # pragma: no cover
-        pass
-    return Path.cwd()
+    return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path.cwd()
 
 
 def _job_overrides() -> str:
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        if HydraConfig.initialized():
-            return " ".join(shlex.quote(o) for o in HydraConfig.get().overrides.task)
-    except ImportError:  # pragma: no cover
-        pass
-    return ""
+    return " ".join(shlex.quote(o) for o in HydraConfig.get().overrides.task) if HydraConfig.initialized() else ""
 
 
 # ---------------------------------------------------------------------------------------------- the recipe

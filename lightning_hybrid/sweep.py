@@ -17,10 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-try:
-    from hydra.experimental.callback import Callback as _HydraCallback
-except ImportError:  # pragma: no cover
-    _HydraCallback = object  # type: ignore[assignment,misc]
+from hydra.experimental.callback import Callback as _HydraCallback
 
 __all__ = ["SweepSummaryCallback", "collect_metrics", "main", "write_summary"]
 
