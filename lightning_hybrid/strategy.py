@@ -309,14 +309,11 @@ class HybridStrategy(ParallelStrategy):
         # and the sum is kept away from Lightning's zero_grad until `backward` puts it back.
         first_in_window = module.trainer.fit_loop.epoch_loop.batch_idx % module.trainer.accumulate_grad_batches == 0
         params = list(module.parameters())
-        carried = [None if first_in_window else p.grad for p in params]
-        for p in params:
-            p.grad = None
+        earlier = _take_grads(params)
         with bind_training(module, self._pipeline):
             output = super().training_step(*args, **kwargs)
-        self._stashed_grads = [(p, new if old is None else (old if new is None else old + new)) for p, old, new in zip(params, carried, [p.grad for p in params])]
-        for p in params:
-            p.grad = None
+        now = _take_grads(params)
+        self._stashed_grads = [(p, g if first_in_window else _add(e, g)) for p, e, g in zip(params, earlier, now)]
         return output
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -508,3 +505,15 @@ class HybridStrategy(ParallelStrategy):
 def _is_under(name: str, prefixes: list[str]) -> bool:
     """Whether ``name`` is one of ``prefixes`` or inside one of them (``a.b`` is under ``a``)."""
     return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _take_grads(params: list[torch.nn.Parameter]) -> list[Optional[Tensor]]:
+    """The parameters' gradients; the parameters are left without any."""
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return grads
+
+
+def _add(a: Optional[Tensor], b: Optional[Tensor]) -> Optional[Tensor]:
+    return b if a is None else a if b is None else a + b
