@@ -220,6 +220,18 @@ def _throughput_callback(tokens_per_step: int):
     return Throughput()
 
 
+def _loggers(out_dir: Path) -> list:
+    """A CSV logger always; TensorBoard too when it is installed."""
+    import importlib.util
+
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    loggers = [CSVLogger(save_dir=str(out_dir), name="csv", version="")]
+    if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX"):
+        loggers.append(TensorBoardLogger(save_dir=str(out_dir), name="tensorboard", version=""))
+    return loggers
+
+
 def _validation_printer():
     import lightning as L
 
@@ -331,7 +343,6 @@ def run_pretrain(cfg: DictConfig) -> Dict[str, Any]:
 
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.loggers import CSVLogger
 
     from lightning_hybrid import HybridStrategy
     from lightning_hybrid.data import ByteCorpusDataModule
@@ -377,7 +388,7 @@ def run_pretrain(cfg: DictConfig) -> Dict[str, Any]:
         trainer = L.Trainer(
             devices=layout["devices"],
             strategy=strategy,
-            logger=CSVLogger(save_dir=str(out_dir), name="csv", version=""),
+            logger=_loggers(out_dir),
             callbacks=[
                 ModelCheckpoint(dirpath=str(out_dir / "checkpoints"), save_last=True),
                 throughput,
