@@ -171,6 +171,7 @@ def test_accumulation_foreign_model_and_bf16_match_one_device():
         "dp2xtp2-zero0-accumulate2": (dict(dp=2, tp=2), gpt(), {"accumulate_grad_batches": 2}),
         "llama-dp2xtp2-zero1": (dict(dp=2, tp=2, zero_stage=1), partial(TinyLlama, lr=5e-4), {}),
         "bf16-dp2xtp2-zero3": (dict(dp=2, tp=2, zero_stage=3), gpt(), {"precision": "bf16-mixed"}, (2e-2, 1e-2)),
+        "bf16-pp2xtp2": (dict(pp=2, tp=2), gpt(), {"precision": "bf16-mixed"}, (2e-2, 1e-2)),
     })
 
 
