@@ -17,7 +17,7 @@ install: $(VENV)/.installed
 
 # The small GPT on the standard-library corpus, 3D layout (dp2 x tp2 x pp2) on 8 CPU processes.
 run: $(VENV)/.installed
-	OMP_NUM_THREADS=1 $(PY) recipes/pretrain.py parallel=3d model=small max_steps=80 trainer.val_check_interval=20
+	OMP_NUM_THREADS=1 $(PY) recipes/pretrain.py parallel=3d model=small max_steps=200 trainer.val_check_interval=40
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
