@@ -34,8 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint import FileSystemReader
 
-from lightning_hybrid.tensor_parallel.comm import gather_parts, split_parts
-from lightning_hybrid.tensor_parallel.layers import _shard_specs_by_name
+from lightning_hybrid.tensor_parallel.layers import load_full_state_dict, local_piece, tp_shard_specs, unsplit, unsplit_shape
 
 META_FILE = "meta.pt"
 PARTIAL_MARK = ".partial-"
@@ -50,33 +49,9 @@ def _local(t: Tensor) -> Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
-def _full(t: Tensor) -> Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def owner_of(key: str, holders: int) -> int:
     """Which of ``holders`` replicas writes ``key`` (stable across processes and Python runs)."""
     return zlib.crc32(key.encode()) % holders
-
-
-def _unsplit(name: str, tensor: Tensor, specs: dict) -> Tensor:
-    """A TP-local tensor (DTensors made full first) -> the unsplit tensor (collective over the TP group)."""
-    tensor = _full(tensor.detach())
-    if name in specs:
-        spec, group = specs[name]
-        tensor = gather_parts(tensor, spec.dim, spec.part_sizes, group)
-    return tensor
-
-
-def _split_like(name: str, full: Tensor, target: Tensor, specs: dict) -> Tensor:
-    """The piece of the unsplit ``full`` that ``target`` (TP-local, maybe a ZeRO-3 DTensor) holds."""
-    if name in specs:
-        spec, group = specs[name]
-        full = split_parts(full, spec.dim, spec.part_sizes, dist.get_rank(group), dist.get_world_size(group))
-    if hasattr(target, "_local_tensor"):  # FSDP2: rows chunked over the DP mesh, as torch.chunk does
-        mesh = target.device_mesh
-        full = full.chunk(mesh.size(), dim=0)[mesh.get_local_rank()]
-    return full
 
 
 def _param_names(module: nn.Module) -> dict[int, str]:
@@ -131,12 +106,12 @@ def save_sharded(path: str | Path, strategy, checkpoint: dict[str, Any]) -> None
     # Replicas of a tensor across (dp, tp) of one pipeline rank: the holder that writes it.
     holders = dims.dp * dims.tp
     me = mesh["dp"].get_local_rank() * dims.tp + mesh["tp"].get_local_rank()
-    specs = _shard_specs_by_name(module)
+    specs = tp_shard_specs(module)
 
     state: dict[str, Tensor] = {}
     shapes: dict[str, list[int]] = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
-        full = _unsplit(name, tensor, specs)
+        full = unsplit(name, tensor, specs)
         shapes[name] = list(full.shape)
         if owner_of(name, holders) == me:
             state[f"model/{name}"] = full.cpu()
@@ -147,7 +122,7 @@ def save_sharded(path: str | Path, strategy, checkpoint: dict[str, Any]) -> None
             for key, value in param_state.items():
                 if not torch.is_tensor(value):
                     continue
-                value = _unsplit(name, value, specs) if value.dim() > 0 else _full(value)
+                value = unsplit(name, value, specs if value.dim() > 0 else {})  # scalars (step) are not split
                 if owner_of(name, holders) == me:
                     state[f"optim/{index}/{name}/{key}"] = value.cpu()
         optimizers.append({"param_groups": _group_settings(optimizer)})
@@ -229,28 +204,17 @@ def load_sharded(path: str | Path, strategy) -> dict[str, Any]:
     path = Path(path)
     meta = read_meta(path)
     module = strategy.lightning_module
-    specs = _shard_specs_by_name(module)
+    specs = tp_shard_specs(module)
     saved_shapes = meta["lightning_hybrid"]["model_shapes"]
 
     # The model's unsplit names and shapes, over every pipeline stage.
-    local = {}
-    for name, tensor in module.state_dict(keep_vars=True).items():
-        shape = list(_full(tensor).shape)
-        if name in specs:
-            spec, group = specs[name]
-            shape[spec.dim] *= dist.get_world_size(group)
-        local[name] = shape
+    targets = module.state_dict(keep_vars=True)
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, local)
+    dist.all_gather_object(everyone, {name: unsplit_shape(name, t, specs) for name, t in targets.items()})
     check_model_fits(saved_shapes, {k: v for part in everyone for k, v in part.items()})
 
-    targets = module.state_dict(keep_vars=True)
-    dtypes = {name: _full(t).dtype for name, t in targets.items()}
-    full = _read(path, {f"model/{n}": torch.empty(saved_shapes[n], dtype=dtypes[n]) for n in targets})
-    with torch.no_grad():
-        for name, target in targets.items():
-            piece = _split_like(name, full[f"model/{name}"], target, specs)
-            _local(target).copy_(piece.to(device=_local(target).device, dtype=_local(target).dtype))
+    full = _read(path, {f"model/{n}": torch.empty(saved_shapes[n], dtype=t.dtype) for n, t in targets.items()})
+    load_full_state_dict(module, {n: full[f"model/{n}"] for n in targets})
 
     saved_optimizers = meta["lightning_hybrid"]["optimizers"]
     if not saved_optimizers:  # a weights-only checkpoint
@@ -289,7 +253,7 @@ def _place(name: str, full: Tensor, param: Tensor, specs: dict) -> Tensor:
     """Unsplit optimizer state -> the layout of ``param`` (scalars stay as they are)."""
     if full.dim() == 0:
         return full.to(_local(param).device)
-    piece = _split_like(name, full, param, specs).to(device=_local(param).device, dtype=_local(param).dtype)
+    piece = local_piece(name, full, param, specs).to(device=_local(param).device, dtype=_local(param).dtype)
     if hasattr(param, "_local_tensor"):
         from torch.distributed.tensor import DTensor
 
@@ -311,7 +275,7 @@ def _load_zero_state(optimizer, module: nn.Module, per_param: dict[str, dict[str
             offset = 0
             for p, v in zip(bucket.params, values):
                 if v is not None:
-                    flat[offset : offset + p.numel()] = _split_like(names[id(p)], v, p, specs).reshape(-1)
+                    flat[offset : offset + p.numel()] = local_piece(names[id(p)], v, p, specs).reshape(-1)
                 offset += p.numel()
             state[key] = flat[bucket.lo : bucket.hi].to(bucket.flat.device).clone()
         if state:

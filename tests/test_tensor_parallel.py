@@ -564,7 +564,7 @@ def _check_model(res, key, group, make_model, forward, vocab):
     err[f"{key}/grad_norm_rel"] = abs(_tp_grad_norm(tpm, group) - norm_r) / norm_r
 
     # The full state dict of the TP model is the unsplit model's.
-    err[f"{key}/gathered_state_dict"] = _state_dict_err(gather_full_state_dict(tpm, group), ref.state_dict())
+    err[f"{key}/gathered_state_dict"] = _state_dict_err(gather_full_state_dict(tpm), ref.state_dict())
 
     # apply_tp is idempotent: a second call changes nothing (no module replaced, no head count divided twice).
     heads_before = {n: {a: getattr(m, a) for a in attrs} for n, attrs in plan.head_attrs.items() for m in [tpm.get_submodule(n)]}
@@ -579,7 +579,7 @@ def _check_model(res, key, group, make_model, forward, vocab):
             p.add_(0.05 * torch.randn_like(p))
     new_sd = {k: v.clone() for k, v in ref.state_dict().items()}
     load_full_state_dict(tpm, new_sd)
-    err[f"{key}/roundtrip_state_dict"] = _state_dict_err(gather_full_state_dict(tpm, group), new_sd)
+    err[f"{key}/roundtrip_state_dict"] = _state_dict_err(gather_full_state_dict(tpm), new_sd)
     with torch.no_grad():
         err[f"{key}/roundtrip_logits"] = _err(forward(tpm, ids)[0], forward(ref, ids)[0])
 

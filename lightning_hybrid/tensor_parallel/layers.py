@@ -144,26 +144,8 @@ def tp_sharded_parameter_names(model: nn.Module) -> set[str]:
     return names
 
 
-@torch.no_grad()
-def gather_full_state_dict(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[str, Tensor]:
-    """The state dict of the unsplit model: TP shards all-gathered over their group, DTensors made full.
-
-    Collective over the TP group (and over the DTensors' meshes): every rank of them must call it.
-    """
-    specs = _shard_specs_by_name(model)
-    full = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        tensor = tensor.detach()
-        if hasattr(tensor, "full_tensor"):
-            tensor = tensor.full_tensor()
-        if name in specs:
-            spec, tp_group = specs[name]
-            tensor = gather_parts(tensor, spec.dim, spec.part_sizes, tp_group)
-        full[name] = tensor.clone()
-    return full
-
-
-def _shard_specs_by_name(model: nn.Module) -> dict[str, tuple[ShardSpec, dist.ProcessGroup]]:
+def tp_shard_specs(model: nn.Module) -> dict[str, tuple[ShardSpec, dist.ProcessGroup]]:
+    """Qualified parameter name -> (how it is split, its TP group), for every TP-sharded parameter."""
     specs = {}
     for module_name, module in model.named_modules():
         for param_name, spec in getattr(module, "shard_specs", {}).items():
@@ -171,14 +153,57 @@ def _shard_specs_by_name(model: nn.Module) -> dict[str, tuple[ShardSpec, dist.Pr
     return specs
 
 
+def unsplit_shape(name: str, tensor: Tensor, specs: dict) -> list[int]:
+    """The unsplit shape of the TP-local ``tensor`` (a ZeRO-3 DTensor's shape is already its TP-local one)."""
+    shape = list(tensor.shape)
+    if name in specs:
+        spec, group = specs[name]
+        shape[spec.dim] *= dist.get_world_size(group)
+    return shape
+
+
+def unsplit(name: str, tensor: Tensor, specs: dict) -> Tensor:
+    """A TP-local tensor (a DTensor made full first) -> the unsplit tensor. Collective over the TP group
+    (and the DTensor's mesh)."""
+    tensor = tensor.detach()
+    if hasattr(tensor, "full_tensor"):
+        tensor = tensor.full_tensor()
+    if name in specs:
+        spec, group = specs[name]
+        tensor = gather_parts(tensor, spec.dim, spec.part_sizes, group)
+    return tensor
+
+
+def local_piece(name: str, full: Tensor, target: Tensor, specs: dict) -> Tensor:
+    """The piece of the unsplit ``full`` that ``target`` holds: its TP slice and, for a ZeRO-3 DTensor, its
+    rows of that slice (FSDP2 chunks dim 0 over the DP mesh as ``torch.chunk`` does)."""
+    if name in specs:
+        spec, group = specs[name]
+        full = split_parts(full, spec.dim, spec.part_sizes, dist.get_rank(group), dist.get_world_size(group))
+    if hasattr(target, "_local_tensor"):
+        mesh = target.device_mesh
+        full = full.chunk(mesh.size(), dim=0)[mesh.get_local_rank()]
+    return full
+
+
+@torch.no_grad()
+def gather_full_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The state dict of the unsplit model: TP shards all-gathered over their group, DTensors made full.
+
+    Collective over the TP group (and over the DTensors' meshes): every rank of them must call it.
+    """
+    specs = tp_shard_specs(model)
+    return {name: unsplit(name, tensor, specs).clone() for name, tensor in model.state_dict(keep_vars=True).items()}
+
+
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, Tensor], strict: bool = True) -> None:
-    """Load an unsplit state dict into a (possibly) TP-split ``model``: each rank copies its slice.
+    """Load an unsplit state dict into a (possibly) TP-split, ZeRO-3-sharded ``model``: each rank copies its piece.
 
     Raises ``KeyError`` naming missing/unexpected keys (with ``strict``) and ``ValueError`` naming a key whose
     shape differs from the model's unsplit shape.
     """
-    specs = _shard_specs_by_name(model)
+    specs = tp_shard_specs(model)
     own = model.state_dict(keep_vars=True)
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))
@@ -187,14 +212,8 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, Tensor], strict
     for name, target in own.items():
         if name not in state_dict:
             continue
-        source = state_dict[name]
-        if name in specs:
-            spec, group = specs[name]
-            expected = list(target.shape)
-            expected[spec.dim] *= dist.get_world_size(group)
-            if list(source.shape) != expected:
-                raise ValueError(f"State dict entry {name!r} has shape {list(source.shape)}, the model expects {expected}.")
-            source = split_parts(source, spec.dim, spec.part_sizes, dist.get_rank(group), dist.get_world_size(group))
-        elif source.shape != target.shape:
-            raise ValueError(f"State dict entry {name!r} has shape {list(source.shape)}, the model expects {list(target.shape)}.")
-        target.copy_(source.to(device=target.device, dtype=target.dtype))
+        source, expected = state_dict[name], unsplit_shape(name, target, specs)
+        if list(source.shape) != expected:
+            raise ValueError(f"State dict entry {name!r} has shape {list(source.shape)}, the model expects {expected}.")
+        local = target._local_tensor if hasattr(target, "_local_tensor") else target
+        local.copy_(local_piece(name, source, target, specs).to(device=local.device, dtype=local.dtype))

@@ -124,8 +124,9 @@ def _auto_styles(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
     embeddings = {n: m for n, m in modules.items() if isinstance(m, nn.Embedding)}
     unpaired = {n: m for n, m in linears.items() if n not in styles}
     for ename, emb in embeddings.items():
-        if _unsupported_embedding_options(emb):
-            reasons[ename] = f"{_unsupported_embedding_options(emb)} not supported by VocabParallelEmbedding"
+        unsupported = _unsupported_embedding_options(emb)
+        if unsupported:
+            reasons[ename] = f"{unsupported} not supported by VocabParallelEmbedding"
             continue
         heads = [n for n, m in unpaired.items() if m.out_features == emb.num_embeddings and m.in_features == emb.embedding_dim]
         if heads or _TOKEN_EMBEDDING.search(_leaf(ename)):
