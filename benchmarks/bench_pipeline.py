@@ -56,6 +56,7 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from lightning_hybrid import HybridStrategy  # noqa: E402
 from lightning_hybrid.models import GPT, GPTConfig, GPTLightningModule  # noqa: E402
+from benchmarks.machine_load import cpu_s, system_busy_s  # noqa: E402
 from tests.helpers import run_distributed  # noqa: E402
 
 PP = 2
@@ -177,11 +178,11 @@ class StepProbe(L.Callback):
             self._meter = SavedActivationMeter(pl_module.parameters()).__enter__()
         if batch_idx == self.profile_step:
             self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]).__enter__()
-        self._t = (time.perf_counter(), time.process_time(), _busy_s() or 0.0)
+        self._t = (time.perf_counter(), time.process_time(), system_busy_s() or 0.0)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         wall, cpu = time.perf_counter() - self._t[0], time.process_time() - self._t[1]
-        busy = (_busy_s() or 0.0) - self._t[2]
+        busy = (system_busy_s() or 0.0) - self._t[2]
         if self._meter is not None:
             self._meter.__exit__(None, None, None)
             self.act_peak = self._meter.peak
@@ -245,26 +246,11 @@ def pp2_worker(cfg: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- driver
-def _busy_s() -> float | None:
-    """CPU-seconds the whole machine spent busy since boot (/proc/stat)."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return (v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _children_cpu_s() -> float:
-    u = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return u.ru_utime + u.ru_stime
-
-
 def _session(fn, world: int, cfg: dict):
-    busy0, own0, t0 = _busy_s(), _children_cpu_s(), time.perf_counter()
+    busy0, own0, t0 = system_busy_s(), cpu_s(resource.RUSAGE_CHILDREN), time.perf_counter()
     res = run_distributed(fn, world, cfg)
     wall = time.perf_counter() - t0
-    busy1, own1 = _busy_s(), _children_cpu_s()
+    busy1, own1 = system_busy_s(), cpu_s(resource.RUSAGE_CHILDREN)
     other = (busy1 - busy0 - (own1 - own0)) / wall if busy0 is not None and busy1 is not None else float("nan")
     return res, wall, max(0.0, other)
 

@@ -49,6 +49,7 @@ import torch  # noqa: E402
 from lightning_hybrid import HybridStrategy  # noqa: E402
 from lightning_hybrid.data import ByteCorpusDataModule  # noqa: E402
 from lightning_hybrid.models import GPT, GPTConfig, GPTLightningModule  # noqa: E402
+from benchmarks.machine_load import cpu_s, system_busy_s  # noqa: E402
 from tests.helpers import run_distributed  # noqa: E402
 
 WORLD_SIZE = 2
@@ -201,38 +202,20 @@ def bench_worker(name: str, cfg: dict) -> dict:
         "cpu": timer.cpu,
         "fit_s": fit_s,
         "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,  # Linux: KiB
-        "proc_cpu_s": _own_cpu_s(),
+        "proc_cpu_s": cpu_s(resource.RUSAGE_SELF),
         "loss": float(loss) if loss is not None else float("nan"),
         "threads": torch.get_num_threads(),
         "local_params": sum(getattr(p, "_local_tensor", p).numel() for p in module.parameters()),  # DTensor: local
     }
 
 
-def _own_cpu_s(children: bool = False) -> float:
-    """CPU seconds of this process (and, with ``children``, of its finished and reaped child processes)."""
-    who = [resource.RUSAGE_SELF] + ([resource.RUSAGE_CHILDREN] if children else [])
-    return sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, who))
-
-
-def _system_busy_s() -> float | None:
-    """CPU-seconds spent busy by the whole machine since boot (Linux /proc/stat), or None."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-        user, nice, system, _idle, _iowait, irq, softirq = fields[:7]
-        steal = fields[7] if len(fields) > 7 else 0
-        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def _wait_idle(timeout_s: float, max_load: float, window_s: float = 2.0) -> float:
     """Wait until the machine's busy CPUs over ``window_s`` drop to ``max_load`` (or ``timeout_s``); return the wait."""
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout_s:
-        b0, own0 = _system_busy_s(), _own_cpu_s()
+        b0, own0 = system_busy_s(), cpu_s(resource.RUSAGE_SELF)
         time.sleep(window_s)
-        b1, own1 = _system_busy_s(), _own_cpu_s()
+        b1, own1 = system_busy_s(), cpu_s(resource.RUSAGE_SELF)
         if b0 is None or b1 is None or (b1 - b0 - (own1 - own0)) / window_s <= max_load:
             break
     return time.perf_counter() - t0 if timeout_s > 0 else 0.0
@@ -345,10 +328,10 @@ def main(argv=None) -> int:
         waited = _wait_idle(args.wait_idle, args.max_other_load)
         if waited > 3:
             print(f"  (waited {waited:.0f}s for the machine to go idle)", flush=True)
-        busy0, own0, t0 = _system_busy_s(), _own_cpu_s(children=True), time.perf_counter()
+        busy0, own0, t0 = system_busy_s(), cpu_s(resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN), time.perf_counter()
         ranks = run_distributed(bench_worker, WORLD_SIZE, name, cfg)
         wall = time.perf_counter() - t0
-        busy1, own1 = _system_busy_s(), _own_cpu_s(children=True)  # the ranks have been joined (reaped)
+        busy1, own1 = system_busy_s(), cpu_s(resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)  # the ranks have been joined (reaped)
         summary = summarize_run(ranks, args.warmup)
         summary["wall_s"] = wall
         # CPUs kept busy by other processes during this run (machine busy time minus this run's own CPU time)
