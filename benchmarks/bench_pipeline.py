@@ -57,7 +57,7 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 from lightning_hybrid import HybridStrategy  # noqa: E402
 from lightning_hybrid.models import GPT, GPTConfig, GPTLightningModule  # noqa: E402
 from benchmarks.machine_load import cpu_s, system_busy_s  # noqa: E402
-from tests.helpers import run_distributed  # noqa: E402
+from lightning_hybrid.testing import run_distributed  # noqa: E402
 
 PP = 2
 SCHEDULES = ("gpipe", "1f1b", "zero_bubble")

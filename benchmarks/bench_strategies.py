@@ -11,7 +11,7 @@ Two comparisons, same model (a small SwiGLU GPT), same global batch, same number
       embeddings, lm_head and LayerNorms stay replicated in that baseline).
 
 Each configuration is a separate 2-process run (spawned like torchrun, one thread per rank; see
-`tests.helpers.run_distributed`). Repetitions are interleaved (A B, B A, A B, ...) and the median per
+`lightning_hybrid.testing.run_distributed`). Repetitions are interleaved (A B, B A, A B, ...) and the median per
 configuration is reported with the spread over repetitions. Because a 2-core machine is easily disturbed,
 each run also measures how many CPUs *other* processes kept busy meanwhile (/proc/stat minus this run's
 own CPU time); a repeat whose hybrid or baseline run was above ``--max-other-load`` is left out of both
@@ -50,7 +50,7 @@ from lightning_hybrid import HybridStrategy  # noqa: E402
 from lightning_hybrid.data import ByteCorpusDataModule  # noqa: E402
 from lightning_hybrid.models import GPT, GPTConfig, GPTLightningModule  # noqa: E402
 from benchmarks.machine_load import cpu_s, system_busy_s  # noqa: E402
-from tests.helpers import run_distributed  # noqa: E402
+from lightning_hybrid.testing import run_distributed  # noqa: E402
 
 WORLD_SIZE = 2
 VAL_FRACTION = 0.05  # ByteCorpusDataModule's default hold-out

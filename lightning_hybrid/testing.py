@@ -1,0 +1,97 @@
+"""Run a function on N real processes with a process group, the way torchrun starts them.
+
+`run_distributed` is the one multi-process launcher that the tests and the benchmarks share: it spawns N
+ranks with torchrun's environment variables (``MASTER_ADDR``, ``RANK``, ``WORLD_SIZE``, ...), runs ``fn`` on each,
+and returns the results by rank. A failure on any rank stops the others and raises its traceback, so nothing
+waits on a collective that a failed rank will never join.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue as queue_module
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["WORKER_TIMEOUT_S", "run_distributed"]
+
+WORKER_TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world_size),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        NODE_RANK="0",
+        GROUP_RANK="0",
+    )
+    torch.set_num_threads(1)
+    try:
+        # By value (plain pickle): tensors sent through shared memory would die with this process.
+        queue.put((rank, "ok", pickle.dumps(fn(*args))))
+    except BaseException:  # report every failure to the parent, which stops the other ranks
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        queue.close()
+        queue.join_thread()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` spawned ranks (torchrun-style env); return results by rank.
+
+    If a rank fails, the others are killed and the first traceback is raised: no test hangs on a
+    collective that a failed rank will never join.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    env_threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True) for r in range(world_size)]
+    try:
+        for p in procs:
+            p.start()
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + WORKER_TIMEOUT_S
+        while len(results) < world_size:
+            try:
+                rank, status, value = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} gave no result") from None
+                continue
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = pickle.loads(value)
+        return [results[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        if env_threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env_threads
