@@ -42,13 +42,17 @@ from lightning_hybrid.checkpoint import remove as remove_checkpoint_path
 from lightning_hybrid.grad_norm import clip_grads_, global_grad_norm
 from lightning_hybrid.mesh import ParallelDims, validate_zero_stage
 from lightning_hybrid.pipeline import PipelineExecutor, check_protocol, resolve_schedule, stage_module
+from lightning_hybrid.pipeline.executor import forward_through_stages
 from lightning_hybrid.pipeline.stages import StageLayout, bind_evaluation, bind_training, keep_local_layers, plan_stages
 from lightning_hybrid.tensor_parallel import (
+    TPPlan,
     apply_tp,
     gather_full_state_dict,
     resolve_tp_plan,
     tp_sharded_parameter_names,
 )
+from lightning_hybrid.tensor_parallel.comm import sum_grad_over_tp, sum_grads_over_tp_
+from lightning_hybrid.tensor_parallel.examples import first_layer_example, model_example, synthetic_call
 from lightning_hybrid.zero import ZeroOptimizer, allreduce_gradients, apply_fsdp, apply_fsdp_units
 
 if TYPE_CHECKING:
@@ -68,8 +72,12 @@ class HybridStrategy(ParallelStrategy):
             (`lightning_hybrid.pipeline.PROTOCOL_HELP`).
         zero_stage: ZeRO stage over the DP dimension: 0 (DDP), 1 (optimizer state sharded), 2 (+ gradients),
             3 (+ parameters; FSDP2).
-        tp_plan: ``"auto"`` or a dict of glob patterns over module names -> ``"colwise" | "rowwise" |
-            "replicate"`` that overrides the auto plan where it matches (first match wins).
+        tp_plan: ``"auto"`` (the model's own plan where it ships one, else the heuristic) or a dict of glob
+            patterns over module names -> ``"colwise" | "rowwise" | "replicate"`` (or a dict pinning
+            ``part_sizes``, ``gather_output``, ``input_is_parallel``) overriding it where it matches.
+        verify_tp_plan: check at setup, before the first step, that every kind of split block reproduces the
+            unsplit one (outputs and gradients, fp32, collectives live); a split that does not is an error
+            (explicit plan) or is replaced by the next exact candidate.
         micro_batches: micro-batches per training batch under ``pp > 1`` (default ``2 * pp``).
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` (``virtual_stages >= 2``) or ``"zero_bubble"``
             (ZB-V: two stages per rank).
@@ -90,7 +98,8 @@ class HybridStrategy(ParallelStrategy):
         tp: int = 1,
         pp: int = 1,
         zero_stage: int = 0,
-        tp_plan: Union[str, dict[str, str]] = "auto",
+        tp_plan: Union[str, dict[str, Any]] = "auto",
+        verify_tp_plan: bool = True,
         micro_batches: Optional[int] = None,
         schedule: str = "1f1b",
         virtual_stages: int = 1,
@@ -122,6 +131,7 @@ class HybridStrategy(ParallelStrategy):
         self._requested = {"dp": dp, "tp": tp, "pp": pp}
         self.zero_stage = validate_zero_stage(zero_stage)
         self.tp_plan = dict(tp_plan) if isinstance(tp_plan, Mapping) else tp_plan
+        self.verify_tp_plan = bool(verify_tp_plan)
         self.micro_batches, self.schedule, self.virtual_stages = micro_batches, schedule, virtual_stages
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -130,6 +140,7 @@ class HybridStrategy(ParallelStrategy):
         self._device_mesh: Optional["DeviceMesh"] = None
         self._parallelized_module: Optional[torch.nn.Module] = None
         self._tp_sharded_names: set[str] = set()
+        self._partial_grads: list[str] = []  # replicated parameters whose per-rank gradient is a part: summed over TP
         self._fsdp_roots: list[torch.nn.Module] = []
         self._pipeline: Optional[PipelineExecutor] = None
         self._remote_prefixes: list[str] = []
@@ -246,12 +257,17 @@ class HybridStrategy(ParallelStrategy):
         if self._parallelized_module is module:
             return
         dims = self.parallel_dims
-        # The plan is made on the whole model (before a pipeline cuts it), so it is the same for every pp.
-        plan = resolve_tp_plan(module, dims.tp, self.tp_plan) if dims.tp > 1 else None
-        checkpointed = checkpoint_targets(module, self.activation_checkpointing) if self.activation_checkpointing else []
         if dims.pp > 1:
             check_protocol(module)
+        layer_names = self._pipeline_layer_names(module) if dims.pp > 1 else ()
+        # The plan is made on the whole model (before a pipeline cuts it), so it is the same for every pp.
+        plan = resolve_tp_plan(module, dims.tp, self.tp_plan, pipeline_layers=layer_names) if dims.tp > 1 else None
+        checkpointed = checkpoint_targets(module, self.activation_checkpointing) if self.activation_checkpointing else []
+        layout, first_input = None, None
+        if dims.pp > 1:
             assert self._schedule_spec is not None
+            # Known on every rank before the cut (layers are still there, perhaps on the meta device).
+            first_input = first_layer_example(module, module.pipeline_layers()[0], self.root_device)
             layout = plan_stages(
                 module, dims.pp, self.device_mesh["pp"].get_local_rank(), self._stages_per_rank,
                 self._schedule_spec.style, self.split_points,
@@ -259,15 +275,49 @@ class HybridStrategy(ParallelStrategy):
             keep_local_layers(module, layout, self.root_device)
             self._remote_prefixes = layout.remote_prefixes
         if plan is not None:
-            apply_tp(module, self.tp_group, plan)
-            rank_zero_info(plan.summary())
+            self._apply_tp(module, plan, layer_names, layout, first_input)
         self._tp_sharded_names = tp_sharded_parameter_names(module)
         apply_activation_checkpointing(module, [n for n in checkpointed if not _is_under(n, self._remote_prefixes)])
-        if dims.pp > 1:
+        if layout is not None:
             self._pipeline = self._build_pipeline(module, layout)
         elif self.zero_stage == 3 and dims.dp > 1:
             self._fsdp_roots = apply_fsdp(module, self.device_mesh["dp"])
+        if not self._fsdp_roots:  # FSDP2 accumulates gradients after any hook: summed in `reduce_gradients`
+            for name in self._partial_grads:
+                sum_grad_over_tp(module.get_parameter(name), self.tp_group)
         self._parallelized_module = module
+
+    @staticmethod
+    def _pipeline_layer_names(module: "pl.LightningModule") -> tuple[str, ...]:
+        names = {id(m): n for n, m in module.named_modules()}
+        return tuple(names[id(layer)] for layer in module.pipeline_layers() if id(layer) in names)
+
+    def _apply_tp(
+        self, module: "pl.LightningModule", plan: TPPlan, layer_names: tuple[str, ...], layout: Optional[StageLayout],
+        first_input: Optional[Tensor],
+    ) -> None:
+        """Split this rank's modules over TP, each kind of block verified against its unsplit self first (an
+        example forward captures the blocks' inputs: the whole model, or the pipeline stages in order). An
+        error on any rank is raised on every rank."""
+        if layout is None:
+            run_example = model_example(module, _param_device(module))
+        else:
+            layers = module.pipeline_layers()
+            stages = {s: stage_module([layers[i] for i in layout.ranges[s]]) for s in layout.local_stages}
+            run_example = None if first_input is None else (
+                lambda: forward_through_stages(stages, layout.owners, first_input, self.pp_group, self.root_device)
+            )
+        result = apply_tp(
+            module, self.tp_group, plan, run_example=run_example, verify=self.verify_tp_plan,
+            pipeline_layers=layer_names, device=self.root_device, example_input_for=lambda name, block: synthetic_call(block),
+        )
+        errors: list[Any] = [None] * self.world_size
+        dist.all_gather_object(errors, result.errors)
+        messages = list(dict.fromkeys(m for per_rank in errors for m in per_rank))
+        if messages:
+            raise ValueError("Tensor parallelism cannot split this model exactly:\n- " + "\n- ".join(messages))
+        self._partial_grads = sorted(result.partial_grads)
+        rank_zero_info(result.summary())
 
     def _build_pipeline(self, module: "pl.LightningModule", layout: StageLayout) -> PipelineExecutor:
         layers = module.pipeline_layers()
@@ -360,7 +410,12 @@ class HybridStrategy(ParallelStrategy):
             self.reduce_gradients()
 
     def reduce_gradients(self) -> None:
-        """Reduce the accumulated gradients over DP (ZeRO-3: FSDP2 already did, in backward)."""
+        """Reduce the accumulated gradients over DP (ZeRO-3: FSDP2 already did, in backward); under ZeRO-3 also
+        sum over TP the gradients that are per-rank parts (elsewhere a hook did, before accumulation)."""
+        if self._fsdp_roots and self._partial_grads:
+            assert self.lightning_module is not None
+            grads = [self.lightning_module.get_parameter(n).grad for n in self._partial_grads]
+            sum_grads_over_tp_([g._local_tensor if hasattr(g, "_local_tensor") else g for g in grads if g is not None], self.tp_group)
         if self.parallel_dims.dp == 1 or self.zero_stage == 3:
             return
         if self.zero_stage == 0:
@@ -500,6 +555,10 @@ class HybridStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+
+def _param_device(module: torch.nn.Module) -> torch.device:
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
 def _is_under(name: str, prefixes: list[str]) -> bool:

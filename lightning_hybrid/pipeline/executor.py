@@ -123,47 +123,67 @@ class PipelineExecutor:
     @torch.no_grad()
     def eval_forward(self, inputs: Tensor) -> Tensor:
         """The whole batch through the stages in order (no micro-batches); the output on every PP rank."""
-        x = inputs
-        for index in range(self.num_stages):
-            owner = self.owners[index]
-            if owner == self.rank:
-                if index > 0 and self.owners[index - 1] != self.rank:
-                    x = self._recv(self.owners[index - 1])
-                x = self.stage_modules[index](x)
-                if index + 1 < self.num_stages and self.owners[index + 1] != self.rank:
-                    self._send(x, self.owners[index + 1])
-        return self._broadcast(x if self.owners[-1] == self.rank else None, self.owners[-1])
+        out = forward_through_stages(self.stage_modules, self.owners, inputs, self.group, self.device)
+        return broadcast_tensor(out, self.owners[-1], self.group, self.device)
 
-    # Tensors of unknown shape travel as a header (dtype, ndim, shape) followed by the data.
-    _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
 
-    def _header(self, t: Tensor) -> Tensor:
-        return torch.tensor([self._DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (8 - t.dim()), dtype=torch.int64, device=self.device)
+def forward_through_stages(
+    stage_modules: dict[int, nn.Module], owners: list[int], inputs: Tensor, group: dist.ProcessGroup, device: torch.device
+) -> Tensor | None:
+    """Run ``inputs`` through every stage in order (``stage_modules``: this rank's stages; ``owners[s]``: the PP
+    rank of stage ``s``), sending activations between PP ranks. Returns the last stage's output on its owner,
+    ``None`` on the other ranks. Collective over the PP ``group``."""
+    rank = dist.get_rank(group)
+    x = inputs
+    for index, owner in enumerate(owners):
+        if owner != rank:
+            continue
+        if index > 0 and owners[index - 1] != rank:
+            x = recv_tensor(owners[index - 1], group, device)
+        x = stage_modules[index](x)
+        if index + 1 < len(owners) and owners[index + 1] != rank:
+            send_tensor(x.detach(), owners[index + 1], group, device)
+    return x if owners[-1] == rank else None
 
-    def _from_header(self, header: Tensor) -> Tensor:
-        dtype, ndim = self._DTYPES[int(header[0])], int(header[1])
-        return torch.empty([int(v) for v in header[2 : 2 + ndim]], dtype=dtype, device=self.device)
 
-    def _send(self, t: Tensor, dst: int) -> None:
-        global_dst = dist.get_global_rank(self.group, dst)
-        dist.send(self._header(t), dst=global_dst, group=self.group)
-        dist.send(t.contiguous(), dst=global_dst, group=self.group)
+# Tensors of unknown shape travel as a header (dtype, ndim, shape) followed by the data.
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
 
-    def _recv(self, src: int) -> Tensor:
-        global_src = dist.get_global_rank(self.group, src)
-        header = torch.empty(10, dtype=torch.int64, device=self.device)
-        dist.recv(header, src=global_src, group=self.group)
-        t = self._from_header(header)
-        dist.recv(t, src=global_src, group=self.group)
-        return t
 
-    def _broadcast(self, t: Tensor | None, src: int) -> Tensor:
-        global_src = dist.get_global_rank(self.group, src)
-        header = self._header(t) if t is not None else torch.empty(10, dtype=torch.int64, device=self.device)
-        dist.broadcast(header, src=global_src, group=self.group)
-        out = t.contiguous() if t is not None else self._from_header(header)
-        dist.broadcast(out, src=global_src, group=self.group)
-        return out
+def _header(t: Tensor, device: torch.device) -> Tensor:
+    return torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (8 - t.dim()), dtype=torch.int64, device=device)
+
+
+def _from_header(header: Tensor, device: torch.device) -> Tensor:
+    dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+    return torch.empty([int(v) for v in header[2 : 2 + ndim]], dtype=dtype, device=device)
+
+
+def send_tensor(t: Tensor, dst: int, group: dist.ProcessGroup, device: torch.device) -> None:
+    """Send ``t`` (any shape) to PP rank ``dst`` of ``group``."""
+    global_dst = dist.get_global_rank(group, dst)
+    dist.send(_header(t, device), dst=global_dst, group=group)
+    dist.send(t.contiguous(), dst=global_dst, group=group)
+
+
+def recv_tensor(src: int, group: dist.ProcessGroup, device: torch.device) -> Tensor:
+    """Receive a tensor sent by `send_tensor` from PP rank ``src`` of ``group``."""
+    global_src = dist.get_global_rank(group, src)
+    header = torch.empty(10, dtype=torch.int64, device=device)
+    dist.recv(header, src=global_src, group=group)
+    t = _from_header(header, device)
+    dist.recv(t, src=global_src, group=group)
+    return t
+
+
+def broadcast_tensor(t: Tensor | None, src: int, group: dist.ProcessGroup, device: torch.device) -> Tensor:
+    """``t`` from PP rank ``src`` on every rank of ``group`` (the others pass ``None``)."""
+    global_src = dist.get_global_rank(group, src)
+    header = _header(t, device) if t is not None else torch.empty(10, dtype=torch.int64, device=device)
+    dist.broadcast(header, src=global_src, group=group)
+    out = t.contiguous() if t is not None else _from_header(header, device)
+    dist.broadcast(out, src=global_src, group=group)
+    return out
 
 
 def stage_module(layers: list[nn.Module]) -> nn.Module:

@@ -1,36 +1,61 @@
-"""Autograd-aware collectives over one tensor-parallel process group (Megatron's f/g operators).
+"""How a tensor is split over one tensor-parallel group, and the autograd-aware collectives over it
+(Megatron's f/g operators).
 
-Each function is the whole of the communication of a TP layer; their forward/backward pairs are
-conjugate so that the gradient of a TP layer equals the gradient of the unsplit layer.
-Tensors split "by parts" are fused projections (for example ``[q; k; v]``): each part is split
-separately, so a rank holds ``[q_r; k_r; v_r]``, and gathering restores ``[q; k; v]``.
+`ShardSpec` describes a split: along one dimension, fused part by fused part. A plain split has one part;
+a fused projection (``[q; k; v]``, ``[gate; up]``) has several, each split on its own so that a rank holds
+``[q_r; k_r; v_r]``. `ShardSpec.chunks` says which contiguous pieces of the unsplit tensor a rank holds, which
+is all that splitting, gathering and checkpoints need.
+
+The four autograd functions are the whole of the communication of a TP layer; each forward/backward pair
+is conjugate, so the gradient of a TP layer equals the gradient of the unsplit layer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 
-def split_parts(t: Tensor, dim: int, part_sizes: Sequence[int], rank: int, world: int) -> Tensor:
-    """This rank's slice of ``t`` along ``dim``; each part (full sizes ``part_sizes``) is split on its own."""
-    chunks = [part.chunk(world, dim=dim)[rank] for part in t.split(list(part_sizes), dim=dim)]
-    return torch.cat(chunks, dim=dim) if len(chunks) > 1 else chunks[0].contiguous()
+@dataclass(frozen=True)
+class ShardSpec:
+    """A tensor split along ``dim`` over the TP group; ``part_sizes``: full sizes of its fused parts along ``dim``."""
+
+    dim: int
+    part_sizes: tuple[int, ...]
+
+    def chunks(self, rank: int, world: int) -> list[tuple[int, int, int]]:
+        """``(local_offset, full_offset, length)`` along ``dim`` of the pieces of the unsplit tensor that
+        ``rank`` holds, in local order: part ``i`` (full size ``P_i`` at offset ``sum(P_<i)``) contributes its
+        ``rank``-th ``1/world`` slice."""
+        out, local, full = [], 0, 0
+        for size in self.part_sizes:
+            length = size // world
+            out.append((local, full + rank * length, length))
+            local, full = local + length, full + size
+        return out
 
 
-def gather_parts(t: Tensor, dim: int, part_sizes: Sequence[int], group: dist.ProcessGroup) -> Tensor:
-    """Inverse of `split_parts` over ``group``: all-gather the local slices and re-assemble each part."""
+def split_shard(t: Tensor, spec: ShardSpec, rank: int, world: int) -> Tensor:
+    """This rank's piece of the unsplit ``t`` (a new contiguous tensor)."""
+    pieces = [t.narrow(spec.dim, full, length) for _, full, length in spec.chunks(rank, world)]
+    return torch.cat(pieces, dim=spec.dim) if len(pieces) > 1 else pieces[0].contiguous()
+
+
+def gather_shard(t: Tensor, spec: ShardSpec, group: dist.ProcessGroup) -> Tensor:
+    """Inverse of `split_shard` over ``group``: all-gather the local pieces and re-assemble the unsplit tensor."""
     world = dist.get_world_size(group)
     if world == 1:
         return t
     shards = [torch.empty_like(t) for _ in range(world)]
     dist.all_gather(shards, t.contiguous(), group=group)
-    local_sizes = [size // world for size in part_sizes]
-    per_rank_parts = [shard.split(local_sizes, dim=dim) for shard in shards]
-    return torch.cat([torch.cat([parts[i] for parts in per_rank_parts], dim=dim) for i in range(len(part_sizes))], dim=dim)
+    per_rank = [spec.chunks(r, world) for r in range(world)]
+    pieces = []
+    for index in range(len(spec.part_sizes)):
+        pieces += [shards[r].narrow(spec.dim, per_rank[r][index][0], per_rank[r][index][2]) for r in range(world)]
+    return torch.cat(pieces, dim=spec.dim)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -53,8 +78,14 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        x = x.contiguous()
+        if not x.is_contiguous():
+            x = x.contiguous()
+            dist.all_reduce(x, group=group)
+            return x
+        # Reduced in place: declaring it keeps the result an ordinary tensor that model code may modify in
+        # place (Falcon adds the residual with `+=`), rather than a view of this function's input.
         dist.all_reduce(x, group=group)
+        ctx.mark_dirty(x)
         return x
 
     @staticmethod
@@ -63,19 +94,17 @@ class _ReduceFromTP(torch.autograd.Function):
 
 
 class _GatherFromTP(torch.autograd.Function):
-    """Forward: all-gather the last dimension (by parts). Backward: keep this rank's slice of the gradient."""
+    """Forward: all-gather the last dimension (by parts). Backward: keep this rank's piece of the gradient."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup, part_sizes: tuple[int, ...]) -> Tensor:
-        world = dist.get_world_size(group)
-        ctx.group, ctx.world = group, world
-        ctx.full_parts = tuple(size * world for size in part_sizes)
-        return gather_parts(x, -1, ctx.full_parts, group)
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, spec: ShardSpec) -> Tensor:
+        ctx.group, ctx.spec = group, spec
+        return gather_shard(x, spec, group)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        rank = dist.get_rank(ctx.group)
-        return split_parts(grad, -1, ctx.full_parts, rank, ctx.world), None, None
+        rank, world = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
+        return split_shard(grad, ctx.spec, rank, world), None, None
 
 
 class _ScatterToTP(torch.autograd.Function):
@@ -83,12 +112,12 @@ class _ScatterToTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        return split_parts(x, -1, [x.size(-1)], dist.get_rank(group), dist.get_world_size(group))
+        ctx.group, ctx.spec = group, ShardSpec(-1, (x.size(-1),))
+        return split_shard(x, ctx.spec, dist.get_rank(group), dist.get_world_size(group))
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return gather_parts(grad, -1, [grad.size(-1) * dist.get_world_size(ctx.group)], ctx.group), None
+        return gather_shard(grad, ctx.spec, ctx.group), None
 
 
 def copy_to_tp(x: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -99,9 +128,37 @@ def reduce_from_tp(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     return _ReduceFromTP.apply(x, group)
 
 
-def gather_from_tp(x: Tensor, group: dist.ProcessGroup, local_part_sizes: Sequence[int]) -> Tensor:
-    return _GatherFromTP.apply(x, group, tuple(local_part_sizes))
+def gather_from_tp(x: Tensor, group: dist.ProcessGroup, spec: ShardSpec) -> Tensor:
+    """``spec``: how the last dimension of the full output is split (``spec.dim == -1``)."""
+    return _GatherFromTP.apply(x, group, spec)
 
 
 def scatter_to_tp(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     return _ScatterToTP.apply(x, group)
+
+
+def sum_grad_over_tp(param: Tensor, group: dist.ProcessGroup):
+    """Make every gradient that reaches ``param`` (a replicated parameter whose gradient on each TP rank is only
+    that rank's part, e.g. a per-head norm between a column and a row layer) the sum over ``group``, before it
+    is accumulated. Returns the hook handle."""
+
+    def hook(grad: Tensor) -> Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    return param.register_hook(hook)
+
+
+@torch.no_grad()
+def sum_grads_over_tp_(grads: list[Tensor], group: dist.ProcessGroup) -> None:
+    """In place, one all-reduce (sum) over ``group`` of these gradients (local tensors of DTensors): for
+    gradients that another engine (FSDP2) accumulated after the hooks of `sum_grad_over_tp` could run."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()

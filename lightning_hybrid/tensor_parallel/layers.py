@@ -1,14 +1,18 @@
 """Tensor-parallel layers that hold plain local shards (Megatron / picotron style).
 
-Each layer is built from the unsplit module it replaces (`from_module`) and copies this rank's slice of its
-weights, so a TP model starts from exactly the one-device initialisation. ``shard_specs`` names, for each
-parameter, the dimension it is split on and its fused parts, which is all `gather_full_state_dict` needs to
-re-assemble the unsplit tensors.
+Each layer is built from the unsplit module it replaces and copies this rank's slice of its weights, so a TP
+model starts from exactly the one-device initialisation. ``shard_specs`` names, for each split parameter, its
+`ShardSpec`: all that the state-dict helpers (`state.py`) and checkpoints need to re-assemble unsplit tensors.
+
+Linear-like modules are ``nn.Linear`` (weight ``[out, in]``) and ``transformers``' ``Conv1D`` (GPT-2; weight
+``[in, out]``, ``y = x W + b``): the TP layers keep the original weight layout, so parameter names and unsplit
+shapes are those of the original model. Embeddings are split in place (`shard_embedding`), keeping their class,
+so a subclass's own forward (Gemma's scaled embedding) still runs on the local rows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -16,136 +20,163 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_hybrid.tensor_parallel.comm import (
+    ShardSpec,
     copy_to_tp,
     gather_from_tp,
-    gather_parts,
+    gather_shard,
     reduce_from_tp,
     scatter_to_tp,
-    split_parts,
+    split_shard,
 )
 
 
-@dataclass(frozen=True)
-class ShardSpec:
-    """A parameter split along ``dim`` over the TP group; ``part_sizes`` are the full sizes of fused parts."""
+class LinearShape(NamedTuple):
+    in_features: int
+    out_features: int
+    transposed: bool  # weight stored [in, out] (Conv1D)
 
-    dim: int
-    part_sizes: tuple[int, ...]
+
+def linear_shape(module: nn.Module) -> LinearShape | None:
+    """Shape of a linear-like module (``nn.Linear`` or transformers' ``Conv1D``), else ``None``."""
+    if isinstance(module, nn.Linear):
+        return LinearShape(module.in_features, module.out_features, False)
+    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None and module.weight.dim() == 2:
+        return LinearShape(module.weight.size(0), module.weight.size(1), True)
+    return None
 
 
 def _shard(t: Tensor, spec: ShardSpec, group: dist.ProcessGroup) -> nn.Parameter:
-    local = split_parts(t.detach(), spec.dim, spec.part_sizes, dist.get_rank(group), dist.get_world_size(group))
+    local = split_shard(t.detach(), spec, dist.get_rank(group), dist.get_world_size(group))
     return nn.Parameter(local.clone(), requires_grad=t.requires_grad)
 
 
 class ColumnParallelLinear(nn.Module):
-    """``y = x A^T + b`` with ``A`` split by output features: weight ``[out/tp, in]``, bias ``[out/tp]``.
+    """``y = x A^T + b`` with ``A`` split by output features: local output ``[..., out_local]``.
 
-    Input ``[..., in]`` (replicated over TP); output ``[..., out/tp]`` or, with ``gather_output``, the full
-    ``[..., out]`` (all-gather over the TP group). Fused outputs (``part_sizes``, e.g. q/k/v) are split per part.
+    Input ``[..., in]`` (replicated over TP); output this rank's features (``[q_r; k_r; v_r]`` for a fused
+    projection of ``parts``) or, with ``gather_output``, the full ``[..., out]`` (all-gather over the TP group).
     """
 
-    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup, gather_output: bool, part_sizes: tuple[int, ...]):
+    def __init__(
+        self,
+        linear: nn.Module,
+        group: dist.ProcessGroup,
+        gather_output: bool,
+        part_sizes: tuple[int, ...],
+    ):
         super().__init__()
+        shape = linear_shape(linear)
+        assert shape is not None, type(linear)
         self.group = group
-        self.tp_size = dist.get_world_size(group)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features, self.transposed = shape
         self.gather_output = gather_output
-        self.part_sizes = part_sizes
-        self.shard_specs = {"weight": ShardSpec(0, part_sizes)}
+        self.part_sizes = tuple(part_sizes) or (shape.out_features,)
+        self.output_spec = ShardSpec(-1, self.part_sizes)
+        self.shard_specs = {"weight": ShardSpec(1 if self.transposed else 0, self.part_sizes)}
         self.weight = _shard(linear.weight, self.shard_specs["weight"], group)
         if linear.bias is not None:
-            self.shard_specs["bias"] = ShardSpec(0, part_sizes)
+            self.shard_specs["bias"] = ShardSpec(0, self.part_sizes)
             self.bias = _shard(linear.bias, self.shard_specs["bias"], group)
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+        weight = self.weight.t() if self.transposed else self.weight
+        y = F.linear(copy_to_tp(x, self.group), weight, self.bias)
         if self.gather_output:
-            y = gather_from_tp(y, self.group, [size // self.tp_size for size in self.part_sizes])
+            y = gather_from_tp(y, self.group, self.output_spec)
         return y
 
     def extra_repr(self) -> str:
+        local = self.weight.size(1 if self.transposed else 0)
         return (
-            f"in_features={self.in_features}, out_features={self.out_features} (local {self.weight.size(0)}),"
-            f" parts={list(self.part_sizes)}, gather_output={self.gather_output}"
+            f"in_features={self.in_features}, out_features={self.out_features} (local {local}),"
+            f" parts={list(self.part_sizes)},"
+            f" gather_output={self.gather_output}{', Conv1D layout' if self.transposed else ''}"
         )
 
 
 class RowParallelLinear(nn.Module):
-    """``y = x A^T + b`` with ``A`` split by input features: weight ``[out, in/tp]``, bias ``[out]`` replicated.
+    """``y = x A^T + b`` with ``A`` split by input features; bias ``[out]`` replicated.
 
     Input ``[..., in/tp]`` (``input_is_parallel``) or ``[..., in]`` (this rank's slice is taken); the partial
     products are all-reduced (sum) over the TP group before the bias is added; output ``[..., out]``.
     """
 
-    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup, input_is_parallel: bool):
+    def __init__(self, linear: nn.Module, group: dist.ProcessGroup, input_is_parallel: bool):
         super().__init__()
+        shape = linear_shape(linear)
+        assert shape is not None, type(linear)
         self.group = group
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features, self.transposed = shape
         self.input_is_parallel = input_is_parallel
-        self.shard_specs = {"weight": ShardSpec(1, (linear.in_features,))}
+        self.shard_specs = {"weight": ShardSpec(0 if self.transposed else 1, (self.in_features,))}
         self.weight = _shard(linear.weight, self.shard_specs["weight"], group)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
-        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+        y = reduce_from_tp(F.linear(x, self.weight.t() if self.transposed else self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
+        local = self.weight.size(0 if self.transposed else 1)
         return (
-            f"in_features={self.in_features} (local {self.weight.size(1)}), out_features={self.out_features},"
-            f" input_is_parallel={self.input_is_parallel}"
+            f"in_features={self.in_features} (local {local}), out_features={self.out_features},"
+            f" input_is_parallel={self.input_is_parallel}{', Conv1D layout' if self.transposed else ''}"
         )
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Embedding with its rows (the vocabulary) split: weight ``[vocab/tp, dim]``.
+def shard_embedding(embedding: nn.Embedding, group: dist.ProcessGroup) -> nn.Embedding:
+    """Split ``embedding``'s rows (the vocabulary) over ``group``, in place: weight ``[vocab/tp, dim]``.
 
-    Input ids ``[...]`` (replicated over TP); each rank looks up the ids in its vocabulary range, zeros the
-    others, and the partial embeddings are all-reduced (sum) over the TP group: output ``[..., dim]``.
+    Input ids ``[...]`` (replicated over TP): each rank runs the module's own forward on the ids of its
+    vocabulary range (the others looked up at local row 0), zeros the rows of ids outside it, and the partial
+    embeddings are all-reduced (sum) over the group: output ``[..., dim]``. Exact for any forward that maps
+    each id's row on its own (a lookup, then scaling or per-row normalisation). The module keeps its class,
+    parameter names and buffers.
     """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    vocab = embedding.num_embeddings
+    local = vocab // world
+    start, end = rank * local, (rank + 1) * local
+    embedding.shard_specs = {"weight": ShardSpec(0, (vocab,))}
+    embedding.group = group
+    embedding.vocab_range = (start, end)
+    embedding.weight = _shard(embedding.weight, embedding.shard_specs["weight"], group)
+    embedding.num_embeddings = local
+    pad = embedding.padding_idx
+    embedding.padding_idx = pad - start if pad is not None and start <= pad < end else None
+    outside: list[Tensor] = []  # set by the pre-hook, used by the hook of the same call
 
-    def __init__(self, embedding: nn.Embedding, group: dist.ProcessGroup):
-        super().__init__()
-        self.group = group
-        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
-        self.shard_specs = {"weight": ShardSpec(0, (embedding.num_embeddings,))}
-        self.weight = _shard(embedding.weight, self.shard_specs["weight"], group)
-        local = self.num_embeddings // dist.get_world_size(group)
-        self.vocab_start = dist.get_rank(group) * local
-        self.vocab_end = self.vocab_start + local
-        pad = embedding.padding_idx
-        self.local_padding_idx = pad - self.vocab_start if pad is not None and self.vocab_start <= pad < self.vocab_end else None
+    def to_local_ids(module: nn.Module, args: tuple) -> tuple:
+        ids, *rest = args
+        mask = (ids < start) | (ids >= end)
+        outside.append(mask)
+        return ((ids - start).masked_fill(mask, 0), *rest)
 
-    def forward(self, ids: Tensor) -> Tensor:
-        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
-        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local_ids, self.weight, padding_idx=self.local_padding_idx)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(out, self.group)
+    def reduce(module: nn.Module, args: tuple, out: Tensor) -> Tensor:
+        return reduce_from_tp(out.masked_fill(outside.pop().unsqueeze(-1), 0.0), group)
 
-    def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, local vocab [{self.vocab_start}, {self.vocab_end})"
+    embedding.register_forward_pre_hook(to_local_ids)
+    embedding.register_forward_hook(reduce)
+    return embedding
 
 
-TP_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+def is_tp_split(module: nn.Module) -> bool:
+    """Whether ``module`` is already a TP layer (or a split embedding)."""
+    return isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or hasattr(module, "vocab_range")
 
 
+# ---------------------------------------------------------------------------------------------- unsplit tensors
 def tp_sharded_parameter_names(model: nn.Module) -> set[str]:
     """Qualified names of the parameters that hold a TP shard (the rest are replicated over TP)."""
-    names = set()
-    for module_name, module in model.named_modules():
-        for param_name in getattr(module, "shard_specs", {}):
-            names.add(f"{module_name}.{param_name}" if module_name else param_name)
-    return names
+    return set(tp_shard_specs(model))
 
 
 def tp_shard_specs(model: nn.Module) -> dict[str, tuple[ShardSpec, dist.ProcessGroup]]:
-    """Qualified parameter name -> (how it is split, its TP group), for every TP-sharded parameter."""
+    """``{qualified parameter name: (spec, TP group)}`` of every split parameter of ``model``."""
     specs = {}
     for module_name, module in model.named_modules():
         for param_name, spec in getattr(module, "shard_specs", {}).items():
@@ -154,11 +185,10 @@ def tp_shard_specs(model: nn.Module) -> dict[str, tuple[ShardSpec, dist.ProcessG
 
 
 def unsplit_shape(name: str, tensor: Tensor, specs: dict) -> list[int]:
-    """The unsplit shape of the TP-local ``tensor`` (a ZeRO-3 DTensor's shape is already its TP-local one)."""
+    """The unsplit shape of a model tensor (a ZeRO-3 DTensor's global shape is the TP-local one)."""
     shape = list(tensor.shape)
     if name in specs:
-        spec, group = specs[name]
-        shape[spec.dim] *= dist.get_world_size(group)
+        shape[specs[name][0].dim] = sum(specs[name][0].part_sizes)
     return shape
 
 
@@ -170,16 +200,16 @@ def unsplit(name: str, tensor: Tensor, specs: dict) -> Tensor:
         tensor = tensor.full_tensor()
     if name in specs:
         spec, group = specs[name]
-        tensor = gather_parts(tensor, spec.dim, spec.part_sizes, group)
+        tensor = gather_shard(tensor, spec, group)
     return tensor
 
 
 def local_piece(name: str, full: Tensor, target: Tensor, specs: dict) -> Tensor:
-    """The piece of the unsplit ``full`` that ``target`` holds: its TP slice and, for a ZeRO-3 DTensor, its
-    rows of that slice (FSDP2 chunks dim 0 over the DP mesh as ``torch.chunk`` does)."""
+    """The piece of the unsplit ``full`` that ``target`` holds: its TP piece and, for a ZeRO-3 DTensor, its
+    rows of that piece (FSDP2 chunks dim 0 over the DP mesh as ``torch.chunk`` does)."""
     if name in specs:
         spec, group = specs[name]
-        full = split_parts(full, spec.dim, spec.part_sizes, dist.get_rank(group), dist.get_world_size(group))
+        full = split_shard(full, spec, dist.get_rank(group), dist.get_world_size(group))
     if hasattr(target, "_local_tensor"):
         mesh = target.device_mesh
         full = full.chunk(mesh.size(), dim=0)[mesh.get_local_rank()]

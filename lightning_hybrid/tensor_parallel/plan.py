@@ -1,60 +1,77 @@
-"""Which modules tensor parallelism splits, and how: the auto plan and the user's explicit plan.
+"""Which modules tensor parallelism splits, and how.
 
-The auto plan looks at every module that directly holds two or more ``nn.Linear`` children and pairs them
-by shape: the one whose output size is every sibling's input size (the model dimension) is the row-parallel
-output projection (``o_proj``, ``down_proj``, ``fc2``, ``c_proj`` ...), the others are column-parallel
-inputs (``q/k/v``, fused ``qkv``, ``gate/up``, ``fc1`` ...). Where shapes cannot tell (square attention
-projections), names and registration order decide. The token embedding becomes vocab-parallel and the LM
-head column-parallel with its logits gathered, so any loss code works unchanged. Everything else stays
-replicated, and the plan says why.
+Each linear-like module (``nn.Linear``, transformers' ``Conv1D``) and embedding gets a style from the first of:
+1. the user's ``tp_plan``: glob patterns over module names -> ``"colwise" | "rowwise" | "replicate"`` (or a
+   transformers style name), or a dict pinning more (``{"style": "colwise", "part_sizes": [64, 32, 32],
+   "gather_output": False}``); first matching pattern wins;
+2. the model's own plan (`model_plans.py`: every transformers model ships one);
+3. the auto heuristic: among the linear-like children of one module, the one whose output size is every
+   sibling's input size is the row-parallel output projection (``o_proj``, ``down_proj``, ``fc2``, ``c_proj``
+   ...) and the others are column-parallel inputs (``q/k/v``, fused ``qkv``, ``gate/up``, ``fc1`` ...); square
+   ones are told apart by name, then registration order. The token embedding becomes vocabulary-parallel and
+   an LM head of the vocabulary's size column-parallel with its logits gathered.
 
-An explicit plan maps glob patterns over module names to ``"colwise"``, ``"rowwise"`` or ``"replicate"``
-and overrides the auto plan where it matches (first matching pattern wins). Whether a column-parallel layer
-gathers its output, and whether a row-parallel one receives a split input, follows from the final plan: a
-column layer feeds split activations only to a row-parallel sibling.
-
-Planning needs no process group, so every rank raises the same error before any collective can hang.
+Split modules are grouped into units: column and row siblings form one unit (their parent: an attention or
+MLP module), any other split module is a unit of its own. Each unit gets its candidate variants
+(`variants.py`); which one is applied is decided by numerical verification at setup (`verify.py`). Planning
+needs no process group, so every rank raises the same error before any collective could hang.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import re
 from dataclasses import dataclass, field
 
 from torch import nn
 
+from lightning_hybrid.tensor_parallel.layers import linear_shape
+from lightning_hybrid.tensor_parallel.model_plans import MODEL_STYLES, model_tp_plan
+from lightning_hybrid.tensor_parallel.variants import LayerPlan, Variant, unit_variants
+
 STYLES = ("colwise", "rowwise", "replicate")
-HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads")
-KV_HEAD_ATTRS = ("n_kv_head", "n_kv_heads", "num_kv_heads", "num_key_value_heads")
-_FUSED_QKV = re.compile(r"(qkv|c_attn|query_key_value|in_proj)", re.IGNORECASE)
-_FUSED_GATE_UP = re.compile(r"(gate_up|w13|w1_w3|fc1_fc2)", re.IGNORECASE)
+PIN_FIELDS = ("part_sizes", "gather_output", "input_is_parallel")
 _OUTPUT_NAMES = ("o_proj", "out_proj", "c_proj", "wo", "w2", "down_proj", "fc2", "dense_4h_to_h", "proj", "dense", "out")
-_TOKEN_EMBEDDING = re.compile(r"(tok|word|wte|embed_tokens|token)", re.IGNORECASE)
 
 
-@dataclass(frozen=True)
-class LayerPlan:
-    """How one module is split. ``part_sizes``: full sizes of fused output parts (colwise only)."""
+@dataclass
+class Unit:
+    """Modules split together. ``layers``: name relative to the unit -> (style, pinned fields); units of one
+    ``kind`` are split the same way (one of them is verified)."""
 
-    style: str
-    gather_output: bool = False
-    input_is_parallel: bool = False
-    part_sizes: tuple[int, ...] = ()
+    name: str
+    kind: tuple
+    source: str  # "tp_plan", "model plan" or "auto"
+    layers: dict[str, tuple[str, dict]]
+    variants: list[Variant]
+
+    @property
+    def explicit(self) -> bool:
+        return self.source == "tp_plan"
 
 
 @dataclass
 class TPPlan:
-    """The resolved plan: split modules, replicated ones (with the reason), head attributes to divide."""
+    """The resolved plan: units to split (with their candidate variants) and replicated modules (with why)."""
 
-    layers: dict[str, LayerPlan] = field(default_factory=dict)
+    units: dict[str, Unit] = field(default_factory=dict)
     replicated: dict[str, str] = field(default_factory=dict)
-    head_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def layers(self) -> dict[str, LayerPlan]:
+        """Absolute module name -> plan of each unit's first (preferred) variant."""
+        out = {}
+        for unit in self.units.values():
+            for rel, plan in unit.variants[0].layers:
+                out[_join(unit.name, rel)] = plan
+        return out
 
     def summary(self) -> str:
-        split = ", ".join(f"{name}={plan.style}{' (gathered)' if plan.gather_output else ''}" for name, plan in self.layers.items())
+        kinds: dict[tuple, list[str]] = {}
+        for unit in self.units.values():
+            kinds.setdefault(unit.kind, []).append(unit.name)
+        split = "; ".join(f"{names[0]}{f' (+{len(names) - 1} alike)' if len(names) > 1 else ''}" for names in kinds.values())
         kept = ", ".join(f"{name} ({why})" for name, why in self.replicated.items())
-        return f"tensor parallel split: [{split or 'nothing'}]; replicated: [{kept or 'nothing'}]"
+        return f"tensor parallel units: [{split or 'nothing'}]; replicated: [{kept or 'nothing'}]"
 
 
 def _parent(name: str) -> str:
@@ -65,118 +82,145 @@ def _leaf(name: str) -> str:
     return name.rsplit(".", 1)[-1]
 
 
-def _int_attr(module: nn.Module, names: tuple[str, ...]) -> tuple[str, int] | None:
-    for attr in names:
-        value = getattr(module, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return attr, value
-    return None
+def _join(unit: str, rel: str) -> str:
+    return f"{unit}.{rel}" if unit and rel else unit or rel
 
 
-def _fused_parts(name: str, linear: nn.Linear, parent: nn.Module) -> tuple[int, ...]:
-    """Full sizes of the parts of a fused projection, or ``(out_features,)`` when it is not fused."""
-    out = linear.out_features
-    leaf = _leaf(name)
-    if _FUSED_QKV.search(leaf):
-        heads, kv_heads = _int_attr(parent, HEAD_ATTRS), _int_attr(parent, KV_HEAD_ATTRS)
-        head_dim = getattr(parent, "head_dim", None)
-        if heads and isinstance(head_dim, int):
-            kv = kv_heads[1] if kv_heads else heads[1]
-            parts = (heads[1] * head_dim, kv * head_dim, kv * head_dim)
-            if sum(parts) == out:
-                return parts
-        if out % 3 == 0:
-            return (out // 3,) * 3
-    if _FUSED_GATE_UP.search(leaf) and out % 2 == 0:
-        return (out // 2,) * 2
-    return (out,)
-
-
-def _auto_styles(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
-    """Auto-plan styles for Linear/Embedding modules, and the reason each unsplit one stays replicated."""
-    modules = dict(model.named_modules())
-    linears = {n: m for n, m in modules.items() if isinstance(m, nn.Linear)}
+def _auto_styles(modules: dict[str, nn.Module], splittable: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Heuristic styles of the splittable modules, and why each other one stays replicated."""
+    linears = {n: linear_shape(modules[n]) for n in splittable if linear_shape(modules[n]) is not None}
     styles: dict[str, str] = {}
-    reasons: dict[str, str] = {}
-
     by_parent: dict[str, list[str]] = {}
     for name in linears:
         by_parent.setdefault(_parent(name), []).append(name)
-    for parent, names in by_parent.items():
-        if len(names) < 2:
+    for names in by_parent.values():
+        rows = [n for n in names if all(linears[o].in_features == linears[n].out_features for o in names if o != n)]
+        if len(names) < 2 or not rows:
             continue
-        candidates = [
-            n for n in names if all(linears[o].in_features == linears[n].out_features for o in names if o != n)
-        ]
-        if len(candidates) > 1:
-            named = [n for n in candidates if _leaf(n) in _OUTPUT_NAMES]
-            candidates = named[:1] or candidates[-1:]
-        if not candidates:
-            continue
-        row = candidates[0]
-        cols = [n for n in names if n != row]
-        row_in = linears[row].in_features
-        if not any(row_in in _fused_parts(c, linears[c], modules[parent]) for c in cols):
-            continue
+        row = ([n for n in rows if _leaf(n) in _OUTPUT_NAMES] or rows[-1:])[0]
         styles[row] = "rowwise"
-        styles.update({c: "colwise" for c in cols})
-
-    embeddings = {n: m for n, m in modules.items() if isinstance(m, nn.Embedding)}
-    unpaired = {n: m for n, m in linears.items() if n not in styles}
-    for ename, emb in embeddings.items():
-        unsupported = _unsupported_embedding_options(emb)
-        if unsupported:
-            reasons[ename] = f"{unsupported} not supported by VocabParallelEmbedding"
+        styles.update({n: "colwise" for n in names if n != row})
+    reasons: dict[str, str] = {}
+    for name in splittable:
+        emb = modules[name]
+        if not isinstance(emb, nn.Embedding):
             continue
-        heads = [n for n, m in unpaired.items() if m.out_features == emb.num_embeddings and m.in_features == emb.embedding_dim]
-        if heads or _TOKEN_EMBEDDING.search(_leaf(ename)):
-            styles[ename] = "rowwise"
+        unsupported = _unsupported_embedding_options(emb)
+        heads = [n for n, s in linears.items() if n not in styles and s.out_features == emb.num_embeddings and s.in_features == emb.embedding_dim]
+        if unsupported:
+            reasons[name] = f"{unsupported} not supported by a vocabulary-parallel embedding"
+        elif heads or any(k in _leaf(name).lower() for k in ("tok", "word", "wte", "embed_tokens", "embed_in")):
+            styles[name] = "rowwise"
             styles.update({h: "colwise" for h in heads})
         else:
-            reasons[ename] = "not the token embedding"
-    for name in list(linears) + list(embeddings):
-        if name not in styles and name not in reasons:
-            reasons[name] = "no column/row pair found"
+            reasons[name] = "not the token embedding"
+    reasons.update({n: "no column/row pair found" for n in splittable if n not in styles and n not in reasons})
     return styles, reasons
 
 
-def _apply_explicit(model: nn.Module, styles: dict[str, str], reasons: dict[str, str], explicit: dict[str, str]) -> None:
-    splittable = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+def _parse_style(pattern: str, value) -> tuple[str, dict]:
+    if isinstance(value, str):
+        if value in STYLES:
+            return value, {}
+        if value in MODEL_STYLES:
+            return MODEL_STYLES[value]
+    elif isinstance(value, dict) and value.get("style") in ("colwise", "rowwise") and set(value) <= {"style", *PIN_FIELDS}:
+        pins = {k: (tuple(v) if k == "part_sizes" else bool(v)) for k, v in value.items() if k != "style"}
+        return value["style"], pins
+    raise ValueError(
+        f"tp_plan[{pattern!r}] = {value!r} is invalid: valid styles are {list(STYLES)} (or a transformers style"
+        f" such as 'colwise_gather_output'), or a dict {{'style': 'colwise' | 'rowwise', {', '.join(repr(f) + ': ...' for f in PIN_FIELDS)}}}."
+    )
+
+
+def _overlay(splittable: list[str], patterns: dict, styles: dict, sources: dict, reasons: dict, source: str, strict: bool) -> None:
     decided: set[str] = set()
-    for pattern, style in explicit.items():
-        if style not in STYLES:
-            raise ValueError(f"tp_plan[{pattern!r}] = {style!r} is invalid: valid styles are {list(STYLES)}.")
+    for pattern, value in patterns.items():
+        style, pins = _parse_style(pattern, value) if strict else MODEL_STYLES.get(value, ("replicate", {"unsupported": value}))
         matches = [n for n in splittable if fnmatch.fnmatchcase(n, pattern)]
-        if not matches:
+        if strict and not matches:
             raise ValueError(
-                f"tp_plan pattern {pattern!r} matches no nn.Linear or nn.Embedding module."
+                f"tp_plan pattern {pattern!r} matches no nn.Linear, Conv1D or nn.Embedding module."
                 f" Module names look like: {splittable[:8]}"
             )
-        for name in matches:
-            if name in decided:
-                continue
+        for name in (n for n in matches if n not in decided):
             decided.add(name)
+            sources[name] = source
             if style == "replicate":
                 styles.pop(name, None)
-                reasons[name] = f"tp_plan {pattern!r}"
+                reasons[name] = f"{source} {pattern!r}" + (f": style {pins['unsupported']!r} not supported" if "unsupported" in pins else "")
             else:
-                styles[name] = style
+                styles[name] = (style, {} if source == "model plan" else pins)
                 reasons.pop(name, None)
 
 
-def resolve_tp_plan(model: nn.Module, tp: int, tp_plan: str | dict[str, str] = "auto") -> TPPlan:
-    """Decide how to split ``model`` over ``tp`` ranks, and validate every size. Raises ``ValueError``."""
+def resolve_tp_plan(
+    model: nn.Module,
+    tp: int,
+    tp_plan: str | dict = "auto",
+    *,
+    use_model_plan: bool = True,
+    pipeline_layers: tuple[str, ...] = (),
+) -> TPPlan:
+    """Decide how to split ``model`` over ``tp`` ranks. ``pipeline_layers``: names of the modules that pipeline
+    stages are cut between (no unit spans two of them). Raises ``ValueError`` for a bad explicit plan."""
     if not (tp_plan == "auto" or isinstance(tp_plan, dict)):
         raise ValueError(f"tp_plan={tp_plan!r} is invalid: use 'auto' or a dict of glob pattern -> {list(STYLES)}.")
-    styles, reasons = _auto_styles(model)
-    if isinstance(tp_plan, dict):
-        _apply_explicit(model, styles, reasons, dict(tp_plan))
-
     modules = dict(model.named_modules())
+    splittable = [n for n, m in modules.items() if n and (linear_shape(m) is not None or isinstance(m, nn.Embedding))]
+    auto, reasons = _auto_styles(modules, splittable)
+    styles: dict[str, tuple[str, dict]] = {n: (s, {}) for n, s in auto.items()}
+    sources = {n: "auto" for n in styles}
+    if use_model_plan:
+        _overlay(splittable, model_tp_plan(model), styles, sources, reasons, "model plan", strict=False)
+    if isinstance(tp_plan, dict):
+        _overlay(splittable, dict(tp_plan), styles, sources, reasons, "tp_plan", strict=True)
     plan = TPPlan(replicated=reasons)
-    for name, style in styles.items():
-        module, parent = modules[name], modules[_parent(name)]
-        siblings = {n: s for n, s in styles.items() if _parent(n) == _parent(name) and n != name}
+    for unit_name, layers in _group_units(modules, styles, pipeline_layers).items():
+        unit = modules[unit_name]
+        _check_explicit(unit_name, layers, modules, sources, tp)
+        variants = unit_variants(unit, layers, tp)
+        source = max((sources[_join(unit_name, rel)] for rel in layers), key=("auto", "model plan", "tp_plan").index)
+        if not variants:
+            for rel in layers:
+                plan.replicated[_join(unit_name, rel)] = f"tp={tp} does not divide its sizes"
+            continue
+        kind = (type(unit).__qualname__, tuple(sorted((rel, type(modules[_join(unit_name, rel)]).__name__, _shape(modules[_join(unit_name, rel)]), str(layers[rel])) for rel in layers)))
+        plan.units[unit_name] = Unit(unit_name, kind, source, layers, variants)
+    return plan
+
+
+def _shape(module: nn.Module) -> tuple[int, ...]:
+    return tuple(module.weight.shape) if getattr(module, "weight", None) is not None else ()
+
+
+def _group_units(modules: dict[str, nn.Module], styles: dict[str, tuple[str, dict]], pipeline_layers: tuple[str, ...]) -> dict[str, dict]:
+    """Unit name -> {name relative to the unit: (style, pins)}. Column and row linear-like siblings share their
+    parent as unit, unless that parent is the root or holds pipeline layers (which may sit on other ranks)."""
+    by_parent: dict[str, list[str]] = {}
+    for name in styles:
+        by_parent.setdefault(_parent(name), []).append(name)
+    units: dict[str, dict] = {}
+    for parent, names in by_parent.items():
+        linear = [n for n in names if linear_shape(modules[n]) is not None]
+        kinds = {styles[n][0] for n in linear}
+        holds_stages = parent == "" or any(p.startswith(parent + ".") for p in pipeline_layers)
+        paired = kinds == {"colwise", "rowwise"} and not holds_stages
+        for name in names:
+            if paired and name in linear:
+                units.setdefault(parent, {})[_leaf(name)] = styles[name]
+            else:
+                units[name] = {"": styles[name]}
+    return units
+
+
+def _check_explicit(unit: str, layers: dict, modules: dict[str, nn.Module], sources: dict, tp: int) -> None:
+    """Errors for what an explicit plan asks and cannot be done, naming the module."""
+    for rel, (style, pins) in layers.items():
+        name = _join(unit, rel)
+        if sources[name] != "tp_plan":
+            continue
+        module = modules[name]
         if isinstance(module, nn.Embedding):
             if style != "rowwise":
                 raise ValueError(
@@ -185,65 +229,24 @@ def resolve_tp_plan(model: nn.Module, tp: int, tp_plan: str | dict[str, str] = "
                 )
             if _unsupported_embedding_options(module):
                 raise ValueError(
-                    f"Embedding {name!r} uses {_unsupported_embedding_options(module)}, which VocabParallelEmbedding does"
-                    " not support: mark it 'replicate' in tp_plan."
+                    f"Embedding {name!r} uses {_unsupported_embedding_options(module)}, which the vocabulary-parallel"
+                    " embedding does not support: mark it 'replicate' in tp_plan."
                 )
             _check_divides(name, "num_embeddings (vocabulary)", module.num_embeddings, tp)
-            plan.layers[name] = LayerPlan("rowwise")
-        elif style == "colwise":
-            parts = _fused_parts(name, module, parent)
+            continue
+        shape = linear_shape(module)
+        if style == "colwise":
+            parts = pins.get("part_sizes") or (shape.out_features,)
+            if sum(parts) != shape.out_features:
+                raise ValueError(f"tp_plan part_sizes {list(parts)} of {name!r} do not add up to its out_features = {shape.out_features}.")
             for size in parts:
                 _check_divides(name, "out_features" if len(parts) == 1 else f"fused part of size {size}", size, tp)
-            paired = any(s == "rowwise" and _feeds(name, n, modules) for n, s in siblings.items())
-            plan.layers[name] = LayerPlan("colwise", gather_output=not paired, part_sizes=parts)
         else:
-            _check_divides(name, "in_features", module.in_features, tp)
-            paired = any(s == "colwise" and _feeds(n, name, modules) for n, s in siblings.items())
-            plan.layers[name] = LayerPlan("rowwise", input_is_parallel=paired)
-    _plan_heads(plan, modules, tp)
-    return plan
-
-
-def _feeds(col: str, row: str, modules: dict[str, nn.Module]) -> bool:
-    """Whether column-parallel ``col`` hands its split output to row-parallel ``row``: two Linear siblings.
-
-    (Within one module the split activations only meet per-head or element-wise operations, e.g. attention
-    between q/k/v and o_proj, or silu(gate) * up before down_proj.)
-    """
-    return isinstance(modules[col], nn.Linear) and isinstance(modules[row], nn.Linear)
-
-
-def _plan_heads(plan: TPPlan, modules: dict[str, nn.Module], tp: int) -> None:
-    """Attention modules whose projections are split keep per-rank head counts: check and record them."""
-    for name, layer in plan.layers.items():
-        parent_name = _parent(name)
-        if layer.style != "colwise" or layer.gather_output or parent_name in plan.head_attrs:
-            continue
-        parent = modules[parent_name]
-        attrs = []
-        # Head counts on the module are divided by tp later; those on a shared `config` (Hugging Face models,
-        # which reshape by -1) are only checked.
-        for owner, owner_name, divide in ((parent, parent_name or "the model", True), (getattr(parent, "config", None), f"{parent_name}.config", False)):
-            if owner is None:
-                continue
-            for names in (HEAD_ATTRS, KV_HEAD_ATTRS):
-                found = _int_attr(owner, names)
-                if found:
-                    attr, value = found
-                    if value % tp != 0:
-                        raise ValueError(
-                            f"tp={tp} does not divide {owner_name}.{attr} = {value}: each TP rank must hold whole"
-                            f" attention heads. Valid tp sizes divide {value}: {[d for d in range(1, value + 1) if value % d == 0]}."
-                        )
-                    if divide:
-                        attrs.append(attr)
-        if attrs:
-            plan.head_attrs[parent_name] = tuple(attrs)
+            _check_divides(name, "in_features", shape.in_features, tp)
 
 
 def _unsupported_embedding_options(embedding: nn.Embedding) -> str:
-    options = [opt for opt in ("max_norm", "scale_grad_by_freq", "sparse") if getattr(embedding, opt)]
-    return ", ".join(options)
+    return ", ".join(opt for opt in ("max_norm", "scale_grad_by_freq", "sparse") if getattr(embedding, opt))
 
 
 def _check_divides(module: str, what: str, size: int, tp: int) -> None:
