@@ -46,6 +46,7 @@ from lightning_hybrid.pipeline.executor import forward_through_stages
 from lightning_hybrid.pipeline.stages import StageLayout, bind_evaluation, bind_training, keep_local_layers, plan_stages
 from lightning_hybrid.tensor_parallel import (
     TPPlan,
+    TPResult,
     apply_tp,
     gather_full_state_dict,
     resolve_tp_plan,
@@ -147,6 +148,7 @@ class HybridStrategy(ParallelStrategy):
         self._stashed_grads: list[tuple[torch.nn.Parameter, Optional[Tensor]]] = []
         self._sync_blocked = False
         self.last_grad_norm: Optional[Tensor] = None
+        self.tensor_parallel_report: Optional[TPResult] = None  # what TP split and how (set at setup)
 
     # ------------------------------------------------------------------ layout
     @property
@@ -317,6 +319,7 @@ class HybridStrategy(ParallelStrategy):
         if messages:
             raise ValueError("Tensor parallelism cannot split this model exactly:\n- " + "\n- ".join(messages))
         self._partial_grads = sorted(result.partial_grads)
+        self.tensor_parallel_report = result
         rank_zero_info(result.summary())
 
     def _build_pipeline(self, module: "pl.LightningModule", layout: StageLayout) -> PipelineExecutor:

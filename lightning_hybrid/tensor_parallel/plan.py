@@ -5,10 +5,11 @@ Each linear-like module (``nn.Linear``, transformers' ``Conv1D``) and embedding 
    transformers style name), or a dict pinning more (``{"style": "colwise", "part_sizes": [64, 32, 32],
    "gather_output": False}``); first matching pattern wins;
 2. the model's own plan (`model_plans.py`: every transformers model ships one);
-3. the auto heuristic: among the linear-like children of one module, the one whose output size is every
-   sibling's input size is the row-parallel output projection (``o_proj``, ``down_proj``, ``fc2``, ``c_proj``
-   ...) and the others are column-parallel inputs (``q/k/v``, fused ``qkv``, ``gate/up``, ``fc1`` ...); square
-   ones are told apart by name, then registration order. The token embedding becomes vocabulary-parallel and
+3. the auto heuristic: among the linear-like children of one module, those that read the module's input (the
+   first one's input size) are column-parallel (``q/k/v``, fused ``qkv``, ``gate/up``, ``fc1`` ...) and those
+   that write it back from another size are row-parallel (``down_proj``, ``fc2``); of the square ones, the
+   output projection (``o_proj``, ``c_proj``, ``dense`` ..., else the last registered) is row-parallel too. An
+   attention and an MLP held by one module form one unit. The token embedding becomes vocabulary-parallel and
    an LM head of the vocabulary's size column-parallel with its logits gathered.
 
 Split modules are grouped into units: column and row siblings form one unit (their parent: an attention or
@@ -94,12 +95,15 @@ def _auto_styles(modules: dict[str, nn.Module], splittable: list[str]) -> tuple[
     for name in linears:
         by_parent.setdefault(_parent(name), []).append(name)
     for names in by_parent.values():
-        rows = [n for n in names if all(linears[o].in_features == linears[n].out_features for o in names if o != n)]
-        if len(names) < 2 or not rows:
-            continue
-        row = ([n for n in rows if _leaf(n) in _OUTPUT_NAMES] or rows[-1:])[0]
-        styles[row] = "rowwise"
-        styles.update({n: "colwise" for n in names if n != row})
+        model_dim = linears[names[0]].in_features  # what the first layer reads: the block's input
+        rows = [n for n in names if linears[n].out_features == model_dim and linears[n].in_features != model_dim]
+        squares = [n for n in names if linears[n].out_features == model_dim == linears[n].in_features]
+        if squares:  # square projections: the output one is told by its name, else it is the last registered
+            rows.append(([n for n in squares if _leaf(n) in _OUTPUT_NAMES] or squares[-1:])[0])
+        cols = [n for n in names if n not in rows and linears[n].in_features == model_dim]
+        if rows and cols:
+            styles.update({n: "rowwise" for n in rows})
+            styles.update({n: "colwise" for n in cols})
     reasons: dict[str, str] = {}
     for name in splittable:
         emb = modules[name]

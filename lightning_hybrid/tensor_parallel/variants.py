@@ -19,7 +19,7 @@ from torch import nn
 
 from lightning_hybrid.tensor_parallel.layers import linear_shape
 
-HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads")
+HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "heads")
 KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_head", "n_kv_heads")
 HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size")
 _FUSED_QKV = re.compile(r"(qkv|c_attn|query_key_value|in_proj)", re.IGNORECASE)
@@ -105,8 +105,11 @@ def _column_layouts(
         options = []
         if info is not None and info.heads % tp == 0 and info.kv_heads % tp == 0:
             groups = info.heads + 2 * info.kv_heads
-            head_dim = info.head_dim or (out // groups if out % groups == 0 else None)
-            if head_dim:
+            # The head size: given, or what a fused q/k/v output or a row layer's input (the heads merged) implies.
+            head_dims = [info.head_dim] if info.head_dim else (
+                ([out // groups] if out % groups == 0 else []) + sorted(r // info.heads for r in row_in if r % info.heads == 0)
+            )
+            for head_dim in head_dims:
                 q, kv = info.heads * head_dim, info.kv_heads * head_dim
                 if out == q + 2 * kv:
                     options += [("[q; k; v]", (q, kv, kv)), ("per-head q/k/v", (out,))]
