@@ -6,7 +6,6 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_hybrid.tensor_parallel.layers import (
-    TP_LAYERS,
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -27,8 +26,8 @@ def apply_tp(model: nn.Module, group: dist.ProcessGroup, plan: TPPlan) -> None:
     tied = _tied_weight_owners(model)
     for name, layer_plan in plan.layers.items():
         original = modules.get(name)
-        if original is None or isinstance(original, TP_LAYERS):  # held by another pipeline rank, or done
-            continue
+        if not isinstance(original, (nn.Linear, nn.Embedding)):  # done (a TP layer), or held by another pipeline
+            continue  # rank: absent, or the stand-in of a pipeline layer that is itself a Linear / Embedding
         if isinstance(original, nn.Embedding):
             replacement: nn.Module = VocabParallelEmbedding(original, group)
         elif layer_plan.style == "colwise":
