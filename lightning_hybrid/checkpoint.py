@@ -14,12 +14,14 @@ hidden ``.<name>.partial-<token>`` folder and renames it into place once every r
 save killed part way never looks like a checkpoint and the previous one stays as it was.
 
 ``python -m lightning_hybrid.checkpoint consolidate CKPT OUT`` writes one plain ``state_dict`` file that the
-unparallelised LightningModule loads with ``load_state_dict`` on one process.
+unparallelised LightningModule loads with ``load_state_dict`` on one process; `lightning_checkpoint` makes a
+folder readable by ``LightningModule.load_from_checkpoint``.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import shutil
 import uuid
@@ -283,18 +285,40 @@ def _load_zero_state(optimizer, module: nn.Module, per_param: dict[str, dict[str
 
 
 # ----------------------------------------------------------------------------------------------- consolidation
-def consolidate(checkpoint: str | Path, out: str | Path) -> dict[str, Tensor]:
-    """Write the model's unsplit ``state_dict`` (LightningModule keys) of a checkpoint to the file ``out``.
-    Runs on one process, no process group."""
+def consolidated_state_dict(checkpoint: str | Path) -> dict[str, Tensor]:
+    """The model's unsplit ``state_dict`` (LightningModule keys) of a checkpoint. Runs on one process, no
+    process group."""
     path = Path(checkpoint)
-    meta = read_meta(path)
-    shapes = meta["lightning_hybrid"]["model_shapes"]
+    shapes = read_meta(path)["lightning_hybrid"]["model_shapes"]
     metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     state = {f"model/{k}": torch.empty(shape, dtype=metadata[f"model/{k}"].properties.dtype) for k, shape in shapes.items()}
     dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    plain = {k[len("model/") :]: v for k, v in state.items()}
+    return {k[len("model/") :]: v for k, v in state.items()}
+
+
+def consolidate(checkpoint: str | Path, out: str | Path) -> dict[str, Tensor]:
+    """Write the model's unsplit ``state_dict`` of a checkpoint to the file ``out`` (one process)."""
+    plain = consolidated_state_dict(checkpoint)
     torch.save(plain, out)
     return plain
+
+
+def lightning_checkpoint(path: Any) -> Any:
+    """What ``LightningModule.load_from_checkpoint`` reads: for a checkpoint folder written by `HybridStrategy`,
+    one Lightning checkpoint in memory (hyper-parameters, Lightning's state and the consolidated weights);
+    anything else (a file, a URL, a stream) as it is.
+
+        MyModule.load_from_checkpoint(lightning_checkpoint("checkpoints/last.ckpt"))
+    """
+    if not (isinstance(path, (str, os.PathLike)) and Path(path).is_dir()):
+        return path
+    meta = read_meta(path)
+    checkpoint = {k: v for k, v in meta.items() if k != "lightning_hybrid"}
+    checkpoint["state_dict"] = consolidated_state_dict(path)
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    buffer.seek(0)
+    return buffer
 
 
 def remove(path: str | Path) -> None:

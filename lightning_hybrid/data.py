@@ -251,6 +251,11 @@ class ByteCorpusDataModule(L.LightningDataModule):
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
         if block_size <= 0 or batch_size <= 0:
             raise ValueError(f"block_size and batch_size must be positive, got {block_size}, {batch_size}")
+        # Checked here, not only when `setup` reads the corpus: a recipe builds the data module before it starts
+        # any process, so a wrong path is one error instead of one per rank.
+        for p in [paths] if isinstance(paths, (str, os.PathLike)) else paths or []:
+            if not Path(p).exists():
+                raise FileNotFoundError(f"paths: {str(p)!r} does not exist")
         self.paths = paths
         self.block_size = block_size
         self.batch_size = batch_size

@@ -7,14 +7,15 @@ It composes, in one fixed order, what the other modules implement:
    `apply_fsdp` for ZeRO-3,
 4. the user's optimizers are created (they see the split parameters) and wrapped by `ZeroOptimizer` for
    ZeRO-1/2,
-5. during training: gradients reduced over DP once per optimizer step, clipping by the global norm, metrics
-   and ``self.log(..., sync_dist=True)`` reduced over the DP group.
+5. during training: gradients reduced over DP once per optimizer step, clipping by the global norm (through
+   the precision plugin the strategy provides, `lightning_hybrid.precision`), metrics and
+   ``self.log(..., sync_dist=True)`` reduced over the DP group.
 """
 
 from __future__ import annotations
 
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -28,6 +29,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
@@ -44,6 +46,8 @@ from lightning_hybrid.mesh import ParallelDims, validate_zero_stage
 from lightning_hybrid.pipeline import PipelineExecutor, check_protocol, resolve_schedule, stage_module
 from lightning_hybrid.pipeline.executor import forward_through_stages
 from lightning_hybrid.pipeline.stages import StageLayout, bind_evaluation, bind_training, keep_local_layers, plan_stages
+from lightning_hybrid.precision import with_global_norm_clipping
+from lightning_hybrid.rank_zero import library_warnings_from_rank_zero
 from lightning_hybrid.tensor_parallel import (
     TPPlan,
     TPResult,
@@ -149,6 +153,9 @@ class HybridStrategy(ParallelStrategy):
         self._sync_blocked = False
         self.last_grad_norm: Optional[Tensor] = None
         self.tensor_parallel_report: Optional[TPResult] = None  # what TP split and how (set at setup)
+        # What lasts from `setup_environment` to `teardown`: library warnings from rank 0 only, and under PP the
+        # forward-only binding of `self(x)` outside training steps.
+        self._run_scope = ExitStack()
 
     # ------------------------------------------------------------------ layout
     @property
@@ -201,6 +208,12 @@ class HybridStrategy(ParallelStrategy):
     def process_group_backend(self) -> Optional[str]:
         return self._process_group_backend
 
+    @ParallelStrategy.precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        # Lightning hands the plugin it chose for `Trainer(precision=...)` to this setter. Its stock
+        # `clip_grad_by_norm` would clip by this rank's local norm; ours clips by the global one.
+        self._precision_plugin = None if plugin is None else with_global_norm_clipping(plugin, self.clip_grad_by_norm)
+
     # ------------------------------------------------------------------ processes
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -209,6 +222,7 @@ class HybridStrategy(ParallelStrategy):
 
     def setup_environment(self) -> None:
         self._set_world_ranks()
+        self._run_scope.enter_context(library_warnings_from_rank_zero(self.global_rank))
         # Validate before the process group exists: every rank raises the same error, none hangs.
         self._dims = ParallelDims.resolve(**self._requested, world_size=self.world_size)
         super().setup_environment()
@@ -244,9 +258,9 @@ class HybridStrategy(ParallelStrategy):
         if trainer.state.fn == "fit":
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        # Lightning's precision plugins clip by the local norm; under TP/ZeRO the norm is a cross-rank one.
-        self.precision_plugin.clip_grad_by_norm = self.clip_grad_by_norm  # type: ignore[method-assign]
         self._sync_metrics_over_dp()
+        if self._pipeline is not None:  # `self(x)` outside training steps: the pipeline's forward-only path
+            self._run_scope.enter_context(bind_evaluation(self.lightning_module, self._pipeline))
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -363,32 +377,12 @@ class HybridStrategy(ParallelStrategy):
         first_in_window = module.trainer.fit_loop.epoch_loop.batch_idx % module.trainer.accumulate_grad_batches == 0
         params = list(module.parameters())
         earlier = _take_grads(params)
-        with bind_training(module, self._pipeline):
+        with bind_training(module, self._pipeline) as binding:
             output = super().training_step(*args, **kwargs)
+        binding.check_output(output)
         now = _take_grads(params)
         self._stashed_grads = [(p, g if first_in_window else _add(e, g)) for p, e, g in zip(params, earlier, now)]
         return output
-
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._evaluation():
-            return super().validation_step(*args, **kwargs)
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._evaluation():
-            return super().test_step(*args, **kwargs)
-
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._evaluation():
-            return super().predict_step(*args, **kwargs)
-
-    @contextmanager
-    def _evaluation(self) -> Generator[None, None, None]:
-        if self._pipeline is None:
-            yield
-            return
-        assert self.lightning_module is not None
-        with bind_evaluation(self.lightning_module, self._pipeline):
-            yield
 
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         if self._pipeline is None:
@@ -457,7 +451,8 @@ class HybridStrategy(ParallelStrategy):
         return global_grad_norm(grads, self.tp_group, self.dp_group, self.pp_group)
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        """Clip by the global norm across TP and ZeRO shards; the norm is kept in ``last_grad_norm``."""
+        """Clip by the global norm across TP and ZeRO shards and pipeline stages; the norm is kept in
+        ``last_grad_norm``. The precision plugin's ``clip_grad_by_norm`` (``gradient_clip_val``) calls it."""
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
         self.last_grad_norm = self.grad_norm(optimizer)
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -558,6 +553,7 @@ class HybridStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+        self._run_scope.close()
 
 
 def _param_device(module: torch.nn.Module) -> torch.device:

@@ -3,7 +3,7 @@
 
     python -m lightning_hybrid.sweep MULTIRUN_DIR
 
-Also run automatically at the end of ``python recipes/pretrain.py -m ...`` by :class:`SweepSummaryCallback`
+Also run automatically at the end of a recipe's multirun (``python recipes/pretrain.py -m ...``) by :class:`SweepSummaryCallback`
 (configured under ``hydra.callbacks`` in ``configs/pretrain.yaml``). The PNG needs matplotlib, which is not a
 dependency of this package: without it the PNG is skipped with a message.
 """
@@ -21,8 +21,8 @@ from hydra.experimental.callback import Callback as _HydraCallback
 
 __all__ = ["SweepSummaryCallback", "collect_metrics", "main", "write_summary"]
 
-COLUMNS = ("job", "layout", "name", "world_size", "dp", "tp", "pp", "zero_stage", "steps", "val_loss",
-           "tokens_per_s", "peak_rss_mib_max", "overrides")
+COLUMNS = ("job", "layout", "name", "model", "world_size", "dp", "tp", "pp", "zero_stage", "steps", "val_loss",
+           "tokens_per_s", "mfu", "peak_rss_mib_max", "overrides")
 
 
 def collect_metrics(multirun_dir: Path) -> List[Dict[str, Any]]:
@@ -90,8 +90,9 @@ def write_summary(multirun_dir: Path, out_dir: Optional[Path] = None) -> Dict[st
     if best is not None:
         b = rows[best]
         lines += ["", f"Fastest: **{b['layout']}** (job {b['job']}), {b['tokens_per_s']:.0f} tokens/s."]
-    lines += ["", "tokens/s: global training tokens per second, first step excluded; peak_rss_mib_max: max over",
-              "ranks of the process's peak resident memory (ru_maxrss)."]
+    lines += ["", "tokens/s: global training tokens per second (Lightning's ThroughputMonitor over the last 100 steps or",
+              "fewer, the first excluded); mfu: model FLOPs utilisation where the device's peak is known (CUDA);",
+              "peak_rss_mib_max: max over ranks of the process's peak resident memory (ru_maxrss)."]
     (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
     written["files"].append(str(out_dir / "summary.md"))
 

@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_hybrid import HybridStrategy
 from lightning_hybrid.checkpoint import CheckpointError, consolidate, read_meta
 from lightning_hybrid.data import ByteCorpusDataModule
+from lightning_hybrid.models import GPTLightningModule
 from tests.helpers import QUIET_TRAINER, Recorder, run_distributed
 from tests.test_strategy_parity import BLOCK, GLOBAL_BATCH, OneDeviceInDistributedOrder, gpt
 
@@ -76,6 +77,11 @@ def test_resume_is_exact_and_reshards_to_other_layouts(tmp_path):
     trainer = L.Trainer(accelerator="cpu", devices=1, limit_val_batches=2, **QUIET_TRAINER)
     metrics = trainer.validate(module, OneDeviceInDistributedOrder(max_bytes=80_000, block_size=BLOCK, batch_size=GLOBAL_BATCH), verbose=False)
     assert metrics[0]["val_loss"] == pytest.approx(saved["val_loss"], rel=1e-5)
+
+    # `load_from_checkpoint` takes the folder itself: its hyper-parameters and the consolidated weights.
+    loaded = GPTLightningModule.load_from_checkpoint(ckpt)
+    assert loaded.hparams == module.hparams and loaded.state_dict().keys() == module.state_dict().keys()
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in module.state_dict().items())
 
 
 class DiesDuringSave(HybridStrategy):

@@ -10,6 +10,7 @@ from lightning_hybrid.data import (
     ByteCorpusDataModule,
     collect_text_files,
     default_corpus_files,
+    read_corpus,
 )
 
 
@@ -129,9 +130,10 @@ def test_user_file_and_folder_paths(tmp_path):
 
 def test_missing_path_error_names_path(tmp_path):
     missing = tmp_path / "nope.txt"
-    dm = ByteCorpusDataModule([missing])
+    with pytest.raises(FileNotFoundError, match=r"paths: '.*nope.txt' does not exist"):
+        ByteCorpusDataModule([missing])  # at construction: before a recipe starts any process
     with pytest.raises(FileNotFoundError, match="nope.txt"):
-        dm.setup()
+        read_corpus([missing])
 
 
 def test_empty_and_too_small_corpus(tmp_path):

@@ -207,3 +207,18 @@ def test_tiny_fit_loss_decreases_and_validates():
     assert "val_loss" in metrics and "val_acc" in metrics
     assert torch.isfinite(metrics["val_loss"])
     assert 0.0 <= float(metrics["val_acc"]) <= 1.0
+
+
+@pytest.mark.parametrize("config", [dict(), dict(mlp="swiglu", n_kv_head=2)])
+def test_flops_per_token(config):
+    """6 FLOPs per matmul weight per token (forward + backward), as torch's FLOP counter measures them, plus the
+    attention term 12 * n_layer * n_embd * T (scores and weighted values, forward + backward)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=16, **config))
+    idx = torch.randint(256, (3, 16))
+    with FlopCounterMode(display=False) as counter:
+        model(idx).sum().backward()
+    matmuls = sum(n for op, n in counter.get_flop_counts()["Global"].items() if str(op) in ("aten.mm", "aten.addmm"))
+    attention = 12 * 2 * 32 * 16
+    assert model.flops_per_token(16) * idx.numel() == matmuls + attention * idx.numel()

@@ -1,12 +1,17 @@
-"""Hydra recipes: config composition (every named config, typo'd fields failing), the pretrain recipe end to
-end (one run, a 2-job multirun with 2 ranks per job and its sweep summary), and bad configs giving one error
-line with exit code 2."""
+"""Hydra recipes: config composition (every named config, typo'd fields failing, schemas derived from the
+signatures), the checks before launch, the pretrain recipe end to end (the reference GPT in one run; a user's module
+and data module from outside the package, named by `_target_` on the command line, in a 4-job layout sweep that
+includes dp2 x tp2 x pp2, with its summary), and bad configs giving one error line with
+exit code 2."""
 
 from __future__ import annotations
 
 import csv
+import importlib.util
+import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +19,14 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
-from omegaconf import OmegaConf
+from hydra.utils import instantiate
 
-from lightning_hybrid.config import register_configs, world_layout
-from lightning_hybrid.models import GPTConfig
+from lightning_hybrid import HybridStrategy
+from lightning_hybrid.config import ParallelConfig, register_configs, schema_from_signature
+from lightning_hybrid.data import ByteCorpusDataModule
+from lightning_hybrid.models import GPTLightningModule
+from lightning_hybrid.recipe import ConfigError, check, world_layout
+from tests.user_model import TinyLM
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -40,9 +49,10 @@ def _compose(*overrides: str):
 def test_every_named_layout_composes(name):
     cfg = _compose(f"parallel={name}")
     dp, tp, pp, zero = LAYOUTS[name]
-    assert (cfg.parallel.name, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.zero_stage) == (
-        name, dp, tp, pp, zero)
+    assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.zero_stage) == (dp, tp, pp, zero)
     assert world_layout(cfg)["devices"] == dp * tp * pp  # trainer.devices=null -> dp*tp*pp
+    strategy = instantiate(cfg.parallel)  # HybridStrategy(**cfg.parallel)
+    assert isinstance(strategy, HybridStrategy) and strategy.zero_stage == zero
 
 
 @pytest.mark.parametrize("model", ["tiny", "small"])
@@ -53,8 +63,10 @@ def test_model_data_trainer_configs_compose(model, data, trainer, tmp_path):
     if data == "text":
         overrides.append(f"data.paths=[{tmp_path}]")
     cfg = _compose(*overrides)
-    GPTConfig(**OmegaConf.to_container(cfg.model, resolve=True))  # every model field is a GPTConfig field
-    assert cfg.data.block_size == cfg.model.block_size
+    module, datamodule = instantiate(cfg.model), instantiate(cfg.data)
+    assert isinstance(module, GPTLightningModule) and isinstance(datamodule, ByteCorpusDataModule)
+    assert module.config.n_layer == cfg.model.n_layer
+    assert datamodule.block_size == cfg.model.block_size == module.config.block_size
     assert cfg.trainer.max_steps == 7 and cfg.trainer.val_check_interval == 7
     assert cfg.trainer.accelerator == {"cpu": "cpu", "gpu": "cuda"}[trainer]
     if trainer == "gpu":
@@ -67,20 +79,52 @@ def test_layout_fields_are_overridable():
     assert world_layout(cfg) == {"devices": 8, "num_nodes": 1, "dp": 2, "tp": 4, "pp": 1}
 
 
-@pytest.mark.parametrize("typo", ["parallel.tpp=2", "model.n_layers=3", "trainer.max_step=3", "lrr=1e-3"])
+@pytest.mark.parametrize("typo", ["parallel.tpp=2", "model.n_layers=3", "data.batchsize=3", "trainer.max_step=3", "lrr=1e-3"])
 def test_typod_field_fails_at_composition(typo):
     with pytest.raises(ConfigCompositionException):
         _compose(typo)
 
 
-def test_layout_not_fitting_world_size_is_a_value_error():
-    with pytest.raises(ValueError, match="does not equal the world size 2"):
+def test_schemas_follow_the_signatures():
+    # One parameter list: every HybridStrategy argument but those Lightning fills in (and the timedelta timeout).
+    lightning_fills = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin", "timeout"}
+    params = inspect.signature(HybridStrategy).parameters
+    assert set(ParallelConfig.__dataclass_fields__) == {"_target_"} | (set(params) - lightning_fills)
+    assert all(ParallelConfig.__dataclass_fields__[n].default == params[n].default for n in set(params) - lightning_fills)
+
+    class WithAnotherArgument(HybridStrategy):
+        def __init__(self, *args, overlap_comm: bool = True, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    schema = schema_from_signature("S", WithAnotherArgument, "x.WithAnotherArgument")
+    assert schema.__dataclass_fields__["overlap_comm"].default is True
+
+
+def test_layout_not_fitting_world_size_is_a_config_error():
+    with pytest.raises(ConfigError, match="does not equal the world size 2"):
         world_layout(_compose("parallel=dp_tp", "trainer.devices=2"))
+
+
+def test_arguments_of_any_target_are_checked_before_launch():
+    own = ["model=custom", "model._target_=tests.user_model.TinyLM"]
+    assert check(_compose(*own, "model.width=16", "parallel=3d"))["devices"] == 8
+    with pytest.raises(ConfigError, match=r"model: tests.user_model.TinyLM got an unexpected keyword argument 'widht';"
+                                          r" its arguments are \['vocab', 'width', 'depth', 'lr'\]$"):
+        check(_compose(*own, "model.widht=16"))
+    # `_target_` changed on the GPT's typed node: its fields do not fit, and the message says how to start afresh.
+    with pytest.raises(ConfigError, match=r"unexpected keyword argument .*start from an empty node: model=custom"):
+        check(_compose("model._target_=tests.user_model.TinyLM"))
+    with pytest.raises(ConfigError, match=r"model._target_='tests.user_model.Nothing' cannot be imported"):
+        check(_compose("model=custom", "model._target_=tests.user_model.Nothing"))
+    with pytest.raises(ConfigError, match=r"^model._target_ is required"):
+        check(_compose("model=custom"))
 
 
 # ---------------------------------------------------------------------------------------------- end to end
 def _run(args, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # PYTHONPATH: the user's module (tests/user_model.py) must import in every rank, as a user's own package would.
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=pythonpath)
     for k in ("LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "NODE_RANK", "HYDRA_FULL_ERROR"):
         env.pop(k, None)
     return subprocess.run([sys.executable, str(RECIPE), *args], cwd=cwd, env=env, capture_output=True,
@@ -91,6 +135,8 @@ def _check_metrics(path: Path, layout: str, world_size: int) -> dict:
     m = json.loads(path.read_text())
     assert m["layout"] == layout and m["world_size"] == world_size and m["steps"] == 3
     assert 0 < m["val_loss"] < 10 and m["tokens_per_s"] > 0
+    # Lightning's ThroughputMonitor counting model replicas: the global rate is dp (not world_size) replicas'.
+    assert m["tokens_per_s"] == pytest.approx(m["dp"] * m["tokens_per_s_per_replica"], rel=1e-9)
     assert len(m["peak_rss_mib_per_rank"]) == world_size and all(x > 0 for x in m["peak_rss_mib_per_rank"])
     return m
 
@@ -106,24 +152,41 @@ def test_recipe_single_run_tp2(tmp_path):
     assert (run_dir / "checkpoints" / "last.ckpt").exists()
 
 
-def test_recipe_multirun_two_layouts_and_summary(tmp_path):
-    # No hang and no leaked rank: subprocess.run reads stdout/stderr to EOF, so it would block (and time out)
-    # while any launched rank that inherited the pipes were still alive.
+USER_MODEL = ["model=custom", "model._target_=tests.user_model.TinyLM", "model.width=32",
+              "data=custom", "data._target_=tests.user_model.CountingTokens", "data.batch_size=4",
+              "trainer.max_steps=3", "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false"]
+
+
+def test_user_module_and_data_in_a_layout_sweep_up_to_3d(tmp_path):
+    """A LightningModule and a LightningDataModule of the user's own, named by `_target_` on the command line,
+    in a 4-job sweep up to dp2 x tp2 x pp2 (13 ranks in all), with its summary."""
     sweep = tmp_path / "sweep"
-    res = _run(["-m", "parallel=dp,tp", *TINY, f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    res = _run(["-m", "parallel=single,dp,tp,3d", *USER_MODEL, f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    _check_metrics(sweep / "0" / "metrics.json", "dp2xtp1", 2)
-    _check_metrics(sweep / "1" / "metrics.json", "dp1xtp2", 2)
-    # Each job ran exactly 2 ranks (rank 0 + one launched child in RUN mode), not a nested sweep.
-    assert sorted(p.name for p in (sweep / "0").glob("*.log")) == ["pretrain.log", "train_ddp_process_1.log"]
-    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
+    jobs = {name: _check_metrics(sweep / str(i) / "metrics.json", layout, world)
+            for i, (name, layout, world) in enumerate([("single", "dp1xtp1", 1), ("dp", "dp2xtp1", 2),
+                                                       ("tp", "dp1xtp2", 2), ("3d", "dp2xtp2xpp2", 8)])}
+    assert all(m["model"] == "tests.user_model.TinyLM" and m["name"] == name for name, m in jobs.items())
+    # The same data split trains the same model: tp2 as one device, dp2 x tp2 x pp2 as dp2.
+    assert jobs["tp"]["val_loss"] == pytest.approx(jobs["single"]["val_loss"], rel=1e-5)
+    assert jobs["3d"]["val_loss"] == pytest.approx(jobs["dp"]["val_loss"], rel=1e-5)
+    # Each job ran its own ranks in RUN mode (rank 0 + launched children), not a nested sweep; and no rank
+    # outlived its job: subprocess.run reads the pipes to EOF, so it would time out while any rank held them.
+    assert sorted(p.name for p in (sweep / "1").glob("*.log")) == ["pretrain.log", "train_ddp_process_1.log"]
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1", "2", "3"]
     with open(sweep / "summary.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [r["layout"] for r in rows] == ["dp2xtp1", "dp1xtp2"] and sum(int(r["fastest"]) for r in rows) == 1
-    md = (sweep / "summary.md").read_text()
-    assert "(fastest)" in md and "dp2xtp1" in md and "dp1xtp2" in md
-    pytest.importorskip("matplotlib")
-    assert (sweep / "summary.png").stat().st_size > 1000
+    assert [r["layout"] for r in rows] == ["dp1xtp1", "dp2xtp1", "dp1xtp2", "dp2xtp2xpp2"]
+    assert sum(int(r["fastest"]) for r in rows) == 1 and "(fastest)" in (sweep / "summary.md").read_text()
+    if importlib.util.find_spec("matplotlib"):
+        assert (sweep / "summary.png").stat().st_size > 1000
+    # The model summary counts the whole model and each rank's share (its example_input_array ran through
+    # the pipeline on every rank), and library warnings come from rank 0 only: at most one copy per job.
+    whole = f"{sum(p.numel() for p in TinyLM(width=32).parameters()) / 1000:.1f} K"  # 21.0 K
+    assert len(re.findall(rf"(Total params: {whole}|{whole}\s+Total params)", res.stdout)) == 4  # rich or plain
+    output = res.stdout + res.stderr
+    assert re.search(rf"Params per device: [\d.]+ K( - [\d.]+ K)? of {whole} \(8 devices\)", output)
+    assert output.count("is deprecated") <= 4, res.stderr[-3000:]  # Lightning's LeafSpec use, 13 copies unfiltered
 
 
 def test_sweep_module_cli(tmp_path):
@@ -155,9 +218,9 @@ def test_sweep_summary_without_matplotlib(tmp_path, monkeypatch, capsys):
     "args, message",
     [
         (["parallel=dp_tp", "trainer.devices=2"], "does not equal the world size 2"),
-        (["parallel=dp_pp", "parallel.schedule=round_robin"], "schedule='round_robin' is unknown"),
+        (["parallel=dp_pp", "parallel.schedule=round_robin"], "parallel: schedule='round_robin' is unknown"),
         (["parallel.tpp=2"], "Key 'tpp' not in 'ParallelConfig'"),
-        (["data=text", "data.paths=[/no/such/corpus]"], "'/no/such/corpus' does not exist"),
+        (["data=text", "data.paths=[/no/such/corpus]"], "data: paths: '/no/such/corpus' does not exist"),
         (["data=text"], "data.paths is required"),
     ],
 )

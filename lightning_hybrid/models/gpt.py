@@ -269,3 +269,14 @@ class GPT(nn.Module):
     def num_parameters(self) -> int:
         """Total number of parameters."""
         return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs (forward + backward) per token at sequence length ``seq_len`` (PaLM, appendix B):
+        6 per weight of every matmul -- q/k/v/o, the MLP and the LM head; embeddings are lookups -- plus
+        ``12 * n_layer * n_embd * seq_len`` for the attention scores and their weighted sum. From the config
+        alone, so it is the whole model's count also where a rank holds only some of its layers."""
+        c = self.config
+        attention = 2 * c.n_embd * c.n_head * c.head_dim + 2 * c.n_embd * c.n_kv_head * c.head_dim
+        mlp = (3 if c.mlp == "swiglu" else 2) * c.n_embd * c.mlp_hidden
+        matmul_weights = c.n_layer * (attention + mlp) + c.n_embd * c.vocab_size
+        return 6 * matmul_weights + 12 * c.n_layer * c.n_embd * seq_len

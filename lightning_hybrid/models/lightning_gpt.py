@@ -8,13 +8,15 @@ every strategy.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple, Union
+from pathlib import Path
+from typing import IO, Any, Dict, Optional, Tuple, Union
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 import torchmetrics
 
+from lightning_hybrid.checkpoint import lightning_checkpoint
 from lightning_hybrid.models.gpt import GPT, GPTConfig
 
 __all__ = ["GPTLightningModule"]
@@ -38,6 +40,9 @@ class GPTLightningModule(L.LightningModule):
             (e.g. ``n_layer=4``).
 
     Batches are ``(x, y)`` pairs of ``LongTensor (B, T)``; ``y`` is ``x`` shifted by one.
+
+    ``GPTLightningModule.load_from_checkpoint(path)`` also takes the checkpoint folder a ``HybridStrategy`` run
+    writes: the consolidated weights are loaded on this one process.
     """
 
     def __init__(
@@ -112,7 +117,19 @@ class GPTLightningModule(L.LightningModule):
         """Mean cross entropy; ``logits (B, T, V)``, ``targets (B, T)`` -> scalar."""
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Union[str, Path, IO], *args: Any, **kwargs: Any) -> "GPTLightningModule":
+        """Lightning's ``load_from_checkpoint``; a sharded checkpoint folder is consolidated in memory first."""
+        return super().load_from_checkpoint(lightning_checkpoint(checkpoint_path), *args, **kwargs)
+
     # ------------------------------------------------------------------ steps
+    def on_train_batch_start(self, batch: Batch, batch_idx: int) -> None:
+        # Read by Lightning's ThroughputMonitor, which reports model FLOPs utilisation from it: the training
+        # FLOPs of this batch on the whole model (a subclass may build another model, without the count).
+        if isinstance(self.model, GPT):
+            x, _ = batch
+            self.flops_per_batch = self.model.flops_per_token(x.size(1)) * x.numel()
+
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = self.loss_fn(self(x), y)

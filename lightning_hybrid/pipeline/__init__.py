@@ -1,12 +1,15 @@
-"""Pipeline parallelism: the layer protocol, stage partitioning and the executor over torch.distributed.pipelining."""
+"""Pipeline parallelism: the module protocol, stage partitioning and the executor over torch.distributed.pipelining."""
 
 from lightning_hybrid.pipeline.executor import SCHEDULES, PipelineExecutor, resolve_schedule, stage_module
-from lightning_hybrid.pipeline.partition import PROTOCOL_HELP, check_protocol, partition_layers, stage_ranks
+from lightning_hybrid.pipeline.partition import partition_layers, stage_ranks
+from lightning_hybrid.pipeline.protocol import PROTOCOL_HELP, LayerwiseInit, PipelineModule, check_protocol
 
 __all__ = [
     "PROTOCOL_HELP",
     "SCHEDULES",
+    "LayerwiseInit",
     "PipelineExecutor",
+    "PipelineModule",
     "check_protocol",
     "partition_layers",
     "resolve_schedule",

@@ -1,30 +1,8 @@
-"""Which layers form which pipeline stage, and which rank runs which stage.
-
-A LightningModule takes part in pipeline parallelism through a small protocol (see `check_protocol`):
-``pipeline_layers()`` lists its layers in order (``forward(x)`` applies them in sequence) and
-``loss_fn(output, target)`` gives the mean loss of one micro-batch. ``init_pipeline_layer(index, layer)`` is
-optional: with it, the model is built on the meta device and each rank materialises only its own layers.
-"""
+"""Which layers form which pipeline stage, and which rank runs which stage (pure functions of sizes)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-from torch import nn
-
-PROTOCOL_HELP = (
-    "To train with pp > 1, the LightningModule must implement `pipeline_layers(self) -> list[nn.Module]` (its"
-    " layers in order: forward(x) == layers[-1](...layers[0](x))) and `loss_fn(self, output, target) -> Tensor`"
-    " (the mean loss of one micro-batch); training_step must compute its loss as `self.loss_fn(self(x), y)`."
-    " Optionally `init_pipeline_layer(self, index, layer)` lets each rank build only its own layers."
-)
-
-
-def check_protocol(module: nn.Module) -> None:
-    """Raise ``TypeError`` naming what a module lacks for pipeline parallelism."""
-    missing = [name for name in ("pipeline_layers", "loss_fn") if not callable(getattr(module, name, None))]
-    if missing:
-        raise TypeError(f"{type(module).__name__} does not implement {missing}. {PROTOCOL_HELP}")
 
 
 def partition_layers(sizes: Sequence[int], num_stages: int, split_points: Sequence[int] | None = None) -> list[range]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -10,7 +10,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_hybrid.pipeline.executor import PipelineExecutor
-from lightning_hybrid.pipeline.partition import PROTOCOL_HELP, partition_layers, stage_ranks
+from lightning_hybrid.pipeline.partition import partition_layers, stage_ranks
+from lightning_hybrid.pipeline.protocol import PROTOCOL_HELP
 
 
 class RemoteLayer(nn.Module):
@@ -80,7 +81,7 @@ def keep_local_layers(module: nn.Module, layout: StageLayout, device: torch.devi
         )
 
 
-class _PipelineInput:
+class _DeferredOutput:
     """What ``self(x)`` returns in a pipelined training step: only ``self.loss_fn(self(x), y)`` may use it."""
 
     def __init__(self, inputs: Tensor) -> None:
@@ -89,32 +90,79 @@ class _PipelineInput:
     def __getattr__(self, name):
         raise TypeError(f"Under pp > 1 the model output of a training step is not a tensor. {PROTOCOL_HELP}")
 
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # e.g. F.cross_entropy(self(x), y)
+        raise TypeError(
+            f"Under pp > 1 the model output of a training step is not a tensor ({func.__name__} received it)."
+            f" {PROTOCOL_HELP}"
+        )
+
+
+class TrainingStepBinding:
+    """``forward`` and ``loss_fn`` of the module during one pipelined training step (see `PipelineModule`).
+
+    ``loss_fn`` runs the executor's whole schedule once and keeps the loss it returns, so that `check_output`
+    can verify that the training step returned exactly that loss.
+    """
+
+    def __init__(self, executor: PipelineExecutor) -> None:
+        self.executor = executor
+        self.loss: Tensor | None = None
+
+    def forward(self, inputs: Tensor, *args, **kwargs) -> _DeferredOutput:
+        _check_one_input(args, kwargs)
+        return _DeferredOutput(inputs)
+
+    def loss_fn(self, output: _DeferredOutput, target: Tensor) -> Tensor:
+        if not isinstance(output, _DeferredOutput):
+            raise TypeError(f"loss_fn received {type(output).__name__}, not the output of self(x). {PROTOCOL_HELP}")
+        if self.loss is not None:
+            raise TypeError(f"loss_fn was called twice in one training step: each call runs the whole schedule. {PROTOCOL_HELP}")
+        self.loss = self.executor.train_step(output.inputs, target)
+        return self.loss
+
+    def check_output(self, output: object) -> None:
+        """``TypeError`` unless the training step returned the loss of ``loss_fn`` unchanged (as it is or under
+        ``"loss"`` of a dict). ``None`` (Lightning's "skip this batch") passes."""
+        if output is None:
+            return
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        if self.loss is None:
+            raise TypeError(f"training_step did not call self.loss_fn(self(x), y), so no schedule ran. {PROTOCOL_HELP}")
+        if loss is not self.loss:
+            raise TypeError(
+                "training_step returned another loss than self.loss_fn(self(x), y): under pp > 1 the schedule has"
+                " already run the backward of that loss, so whatever was added to it or multiplied with it would"
+                f" not reach the gradients. Put the whole loss into loss_fn. {PROTOCOL_HELP}"
+            )
+
 
 @contextmanager
-def bind_training(module: nn.Module, executor: PipelineExecutor) -> Iterator[None]:
+def bind_training(module: nn.Module, executor: PipelineExecutor) -> Iterator[TrainingStepBinding]:
     """During a training step, ``self(x)`` defers and ``self.loss_fn(output, y)`` runs the whole schedule."""
-
-    def forward(inputs, *args, **kwargs):
-        return _PipelineInput(inputs)
-
-    def loss_fn(output, target):
-        if not isinstance(output, _PipelineInput):
-            raise TypeError(f"loss_fn received {type(output).__name__}, not the output of self(x). {PROTOCOL_HELP}")
-        return executor.train_step(output.inputs, target)
-
-    with _instance_attributes(module, forward=forward, loss_fn=loss_fn):
-        yield
+    binding = TrainingStepBinding(executor)
+    with _instance_attributes(module, forward=binding.forward, loss_fn=binding.loss_fn):
+        yield binding
 
 
 @contextmanager
 def bind_evaluation(module: nn.Module, executor: PipelineExecutor) -> Iterator[None]:
-    """During validation/test/predict, ``self(x)`` is the pipeline's output, on every pipeline rank."""
+    """Outside training steps, ``self(x)`` is the pipeline's output (forward only), on every pipeline rank."""
 
-    def forward(inputs, *args, **kwargs):
+    def forward(inputs: Tensor, *args, **kwargs) -> Tensor:
+        _check_one_input(args, kwargs)
         return executor.eval_forward(inputs)
 
     with _instance_attributes(module, forward=forward):
         yield
+
+
+def _check_one_input(args: tuple, kwargs: dict) -> None:
+    if args or kwargs:
+        raise TypeError(
+            f"Under pp > 1, self(...) takes one input tensor (one tensor flows between stages); it got"
+            f" {1 + len(args)} positional and {len(kwargs)} keyword argument(s). {PROTOCOL_HELP}"
+        )
 
 
 @contextmanager

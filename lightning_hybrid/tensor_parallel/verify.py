@@ -49,14 +49,21 @@ class Captured:
         return cls(detached[0], detached[1], flags)
 
     def materialize(self, device: torch.device) -> tuple[tuple, dict]:
-        """Fresh copies on ``device`` (float tensors that required grad are new leaves requiring grad)."""
+        """Fresh copies on ``device`` (float tensors that required grad are new leaves requiring grad). Those
+        activations get the same small seeded noise every time, so an example of repeated tokens (all-zero ids)
+        still tells heads apart; masks, rotary tables and other inputs are left exactly as captured."""
         flags = iter(self.requires_grad)
+        generator = torch.Generator(device="cpu").manual_seed(31)
 
         def fresh(t):
             if not isinstance(t, Tensor):
                 return _snapshot(t)
             wanted = next(flags)
-            out = t.detach().clone().to(device)
+            out = t.detach().clone()
+            if wanted and out.is_floating_point() and out.numel():
+                scale = 0.1 * (out.float().std().item() if out.numel() > 1 else 1.0) or 0.1
+                out = out + (torch.randn(out.shape, generator=generator) * scale).to(out.dtype)
+            out = out.to(device)
             return out.requires_grad_(wanted and out.is_floating_point())
 
         return tree_map(fresh, (self.args, self.kwargs))

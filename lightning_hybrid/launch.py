@@ -1,0 +1,57 @@
+"""The process environment of one run that a recipe starts from inside a Hydra app.
+
+Lightning's subprocess launcher starts ranks 1..N-1 as new processes and leaves ``LOCAL_RANK``,
+``MASTER_PORT``, ... in the environment of rank 0; under a multirun, rank 0 is the Hydra process itself, and
+the next job would take those variables for processes started by someone else and start no ranks. So each
+run goes through `fresh_launch_environment` (its launch variables restored and its process group destroyed
+afterwards; under a multirun, its ranks started for this job only), and rank 0 waits for the ranks it
+started (`wait_for_launched_ranks`), so that nothing outlives a job.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+
+from lightning_hybrid.multirun_patch import multirun_child_commands
+
+__all__ = ["LAUNCH_ENV", "fresh_launch_environment", "wait_for_launched_ranks"]
+
+#: Variables Lightning's launcher (and ``seed_everything``) set in rank 0's environment.
+LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED")
+
+
+@contextmanager
+def fresh_launch_environment() -> Iterator[None]:
+    """One run = one process group: `LAUNCH_ENV` as it was and no process group after the block; inside a
+    Hydra multirun, the launched ranks run this job only (`multirun_child_commands`)."""
+    saved = {k: os.environ.get(k) for k in LAUNCH_ENV}
+    with ExitStack() as stack:
+        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+            stack.enter_context(multirun_child_commands())
+        try:
+            yield
+        finally:
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def wait_for_launched_ranks(trainer, timeout_s: float = 120.0) -> None:
+    """On rank 0, wait for the rank processes Lightning's launcher started (killing any that hang); a no-op
+    elsewhere and when the processes were started externally (torchrun, SLURM)."""
+    launcher = getattr(trainer.strategy, "launcher", None)
+    for proc in list(getattr(launcher, "procs", [])):
+        try:
+            proc.wait(timeout=timeout_s)
+        except Exception:  # a rank that does not exit must not outlive the job
+            proc.kill()

@@ -1,0 +1,67 @@
+"""What a LightningModule implements to train under pipeline parallelism, and what ``self(x)`` and
+``self.loss_fn`` mean once the strategy has cut it into stages.
+
+`PipelineModule` is the protocol (`check_protocol` enforces it at setup); `LayerwiseInit` is the optional
+part that lets each rank build only its own layers. The binding that `HybridStrategy` gives these methods
+under ``pp > 1`` is part of the contract and is written down in `PipelineModule`'s docstring.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor, nn
+
+__all__ = ["PROTOCOL_HELP", "LayerwiseInit", "PipelineModule", "check_protocol"]
+
+PROTOCOL_HELP = (
+    "To train with pp > 1, the LightningModule must implement `pipeline_layers(self) -> list[nn.Module]` (its"
+    " layers in order: forward(x) == layers[-1](...layers[0](x))) and `loss_fn(self, output, target) -> Tensor`"
+    " (the mean loss of one micro-batch); training_step must compute its loss as `self.loss_fn(self(x), y)`,"
+    " with one input tensor x, call loss_fn once, and return that loss unchanged (or {'loss': loss, ...})."
+    " Optionally `init_pipeline_layer(self, index, layer)` lets each rank build only its own layers."
+)
+
+
+@runtime_checkable
+class PipelineModule(Protocol):
+    """A LightningModule that can be cut into pipeline stages.
+
+    ``pipeline_layers()`` lists the layers in order: ``forward(x) == layers[-1](...layers[0](x))``, one tensor
+    flowing between consecutive layers, every parameter inside exactly one layer. ``loss_fn(output, target)``
+    is the mean loss of one micro-batch (``output`` is the last layer's).
+
+    **The binding under pp > 1.** After setup each rank holds only its stages, so `HybridStrategy` binds two
+    methods of the module instance (and restores them when the run ends):
+
+    * in ``training_step``, ``self(x)`` returns a deferred handle and ``self.loss_fn(handle, y)`` runs the whole
+      schedule -- forward and backward of every micro-batch -- and returns the mean micro-batch loss (a
+      detached float32 scalar, the same on every pipeline rank). Supported: ``self.loss_fn(self(x), y)`` in one
+      expression or through a variable, any batch structure, logging the loss, returning it or
+      ``{"loss": loss, ...}``. Errors (``TypeError`` naming the rule): using the handle as a tensor
+      (``self(x).argmax()``, ``F.cross_entropy(self(x), y)``), passing ``self(...)`` more than one input,
+      calling ``loss_fn`` twice or not at all, and returning anything but that loss (``2 * loss``,
+      ``loss + aux``), whose extra gradient the schedule would silently lack;
+    * everywhere else -- validation, test, predict, callbacks, the model summary's ``example_input_array`` --
+      ``self(x)`` sends the batch through the stages in order without gradients and returns the last layer's
+      output on every pipeline rank. It is a collective over the pipeline group: every rank calls it.
+    """
+
+    def pipeline_layers(self) -> list[nn.Module]: ...
+
+    def loss_fn(self, output: Tensor, target: Tensor) -> Tensor: ...
+
+
+@runtime_checkable
+class LayerwiseInit(Protocol):
+    """Optional: with ``init_pipeline_layer``, the module is built on the meta device under ``pp > 1`` and each
+    rank materialises and initialises only its own layers, with the values a one-device init gives."""
+
+    def init_pipeline_layer(self, index: int, layer: nn.Module) -> None: ...
+
+
+def check_protocol(module: nn.Module) -> None:
+    """Raise ``TypeError`` naming what a module lacks for pipeline parallelism."""
+    missing = [name for name in ("pipeline_layers", "loss_fn") if not callable(getattr(module, name, None))]
+    if missing:
+        raise TypeError(f"{type(module).__name__} does not implement {missing}. {PROTOCOL_HELP}")

@@ -1,0 +1,51 @@
+"""The precision plugin `HybridStrategy` provides: the one the Trainer chose, clipping by the global norm.
+
+Lightning picks a precision plugin from ``Trainer(precision=...)`` (``Precision`` for ``32-true``,
+``MixedPrecision`` for ``16-mixed``/``bf16-mixed``, ``HalfPrecision`` for ``16-true``/``bf16-true``, ...) and
+hands it to the strategy's ``precision_plugin`` setter: the seam through which Lightning's own FSDP and XLA
+strategies insist on plugins of their own. A stock plugin's ``clip_grad_by_norm`` clips by the norm of this
+rank's gradients; under TP, ZeRO and PP every rank holds a different piece of them. So `HybridStrategy`'s
+setter keeps the chosen plugin -- its state (e.g. the fp16 grad scaler) and its class, which callers such as
+Lightning's ``ThroughputMonitor`` inspect with ``isinstance`` -- as an instance of a subclass whose
+``clip_grad_by_norm`` clips by the norm over all shards and stages.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Union
+
+from lightning.pytorch.plugins.precision import Precision
+from torch.optim import Optimizer
+
+__all__ = ["GlobalNormClipping", "with_global_norm_clipping"]
+
+
+class GlobalNormClipping:
+    """Mixin for a Lightning precision plugin: ``gradient_clip_val`` clips by the global gradient norm.
+
+    ``clip_by_global_norm(optimizer, max_norm)`` computes the norm over every rank's gradients (collective over
+    the TP, DP and PP groups) and scales the local gradients by ``min(1, max_norm / norm)``.
+    """
+
+    clip_by_global_norm: Callable[[Optimizer, float], None]
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        self.clip_by_global_norm(optimizer, float(clip_val))
+
+
+@functools.cache
+def _with_global_norm(cls: type[Precision]) -> type[Precision]:
+    # Same name and qualified name as the chosen class: Lightning stores a plugin's state in checkpoints under
+    # its `__qualname__`, so checkpoints stay interchangeable with the stock plugin's.
+    return type(cls.__name__, (GlobalNormClipping, cls), {"__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+
+
+def with_global_norm_clipping(plugin: Precision, clip_by_global_norm: Callable[[Optimizer, float], None]) -> Precision:
+    """``plugin`` (its state, its class's behaviour) with ``clip_grad_by_norm`` delegating to
+    ``clip_by_global_norm``. A new object: the Trainer's plugin itself is left as it is."""
+    cls = type(plugin) if isinstance(plugin, GlobalNormClipping) else _with_global_norm(type(plugin))
+    adapted = object.__new__(cls)
+    adapted.__dict__.update(vars(plugin))
+    adapted.clip_by_global_norm = clip_by_global_norm
+    return adapted

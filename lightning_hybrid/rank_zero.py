@@ -1,0 +1,34 @@
+"""Warnings of the libraries under a run (torch, Lightning, ...) shown once, by rank 0.
+
+Library code runs the same way on every rank, so a warning it raises (a deprecation inside Lightning's data
+loading, say) would be printed once per rank: eight copies under ``dp2 x tp2 x pp2``. During a run the other
+ranks leave those to rank 0, as Lightning's own ``rank_zero_warn`` does for its messages. Only warnings
+attributed to the libraries below are filtered, only on ranks other than 0, and only until the run ends:
+warnings from the user's code still appear on every rank that raises them.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["LIBRARIES", "library_warnings_from_rank_zero"]
+
+#: Top-level packages whose warnings are shown by rank 0 only (`warnings` matches the module a warning is
+#: attributed to, i.e. the caller at the warning's ``stacklevel``).
+LIBRARIES = ("torch", "lightning", "lightning_fabric", "pytorch_lightning", "lightning_utilities", "torchmetrics",
+             "transformers", "lightning_hybrid")
+
+
+@contextmanager
+def library_warnings_from_rank_zero(rank: int) -> Iterator[None]:
+    """Within the block, on ``rank > 0``, ignore warnings attributed to `LIBRARIES` (the warnings filters of
+    before the block are restored on exit: ``warnings.catch_warnings``). Rank 0 is left as it is."""
+    if rank == 0:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module="(" + "|".join(re.escape(name) for name in LIBRARIES) + r")(\.|$)")
+        yield

@@ -1,0 +1,286 @@
+"""The run function every recipe calls: objects from the config, one Trainer, fit, metrics.
+
+    check(cfg)                                   # everything a config can get wrong, before any process starts
+    model    = instantiate(cfg.model)            # any LightningModule      (model._target_)
+    data     = instantiate(cfg.data)             # any LightningDataModule  (data._target_)
+    strategy = instantiate(cfg.parallel)         # HybridStrategy(**cfg.parallel)
+    trainer  = instantiate(cfg.trainer, devices=dp*tp*pp/num_nodes, strategy=..., logger=..., callbacks=...)
+    trainer.fit(model, datamodule=data)          # Lightning starts the other ranks; each runs this same function
+    -> metrics.json in the Hydra output folder (rank 0), returned on every rank
+
+A recipe is a thin ``@hydra.main`` script over `run` with its own top-level config (``recipes/pretrain.py``
+with ``configs/pretrain.yaml``); extra callbacks (an export at the end of fine-tuning, say) come from the
+config's ``callbacks`` or the ``callbacks`` argument. A bad config raises `ConfigError` before Lightning starts
+a process; `exit_on_config_error` prints it as one ``error: ...`` line and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import inspect
+import json
+import os
+import resource
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException, InstantiationException
+from hydra.utils import get_object, instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from lightning_hybrid.callbacks import ReplicaThroughputMonitor, ValidationPrinter, model_summary_callback
+from lightning_hybrid.config import register_configs
+from lightning_hybrid.launch import fresh_launch_environment, wait_for_launched_ranks
+from lightning_hybrid.mesh import ParallelDims
+
+__all__ = ["ConfigError", "check", "check_arguments", "exit_on_config_error", "layout_label", "run", "world_layout"]
+
+register_configs()
+
+#: The config nodes `run` builds objects from (``callbacks.<name>`` too).
+BUILT = ("model", "data", "parallel", "trainer")
+
+
+class ConfigError(ValueError):
+    """A recipe config that cannot run, found before any process starts; the message is one line's worth."""
+
+
+# ---------------------------------------------------------------------------------------------- checking
+def _targets(cfg: DictConfig) -> Dict[str, DictConfig]:
+    nodes = {key: cfg[key] for key in BUILT}
+    nodes.update({f"callbacks.{name}": node for name, node in cfg.callbacks.items() if node is not None})
+    return nodes
+
+
+def check_arguments(key: str, node: DictConfig) -> None:
+    """``ConfigError`` unless ``node``'s ``_target_`` imports and takes ``node``'s arguments.
+
+    This is what keeps a typo'd argument of a model or data module that no structured config describes
+    (``model=custom``) from reaching the processes: the names are bound against the target's signature. A
+    target taking ``**kwargs`` accepts any name here and must check them in its ``__init__``, which `run` also
+    calls before any process starts.
+    """
+    path = node.get("_target_")
+    try:
+        target = get_object(path)
+    except Exception as err:
+        raise ConfigError(f"{key}._target_={path!r} cannot be imported: {err}") from err
+    names = [k for k in node if not (k.startswith("_") and k.endswith("_"))]
+    signature = inspect.signature(target)
+    try:
+        signature.bind(**dict.fromkeys(names))
+    except TypeError as err:
+        accepted = [p.name for p in signature.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        hint = ""
+        schema = OmegaConf.get_type(node)
+        if dataclasses.is_dataclass(schema) and getattr(schema, "_target_", path) != path:
+            hint = f" (for a class of your own, start from an empty node: {key}=custom {key}._target_={path} ...)"
+        raise ConfigError(f"{key}: {path} {err}; its arguments are {accepted}{hint}") from err
+
+
+def world_layout(cfg: DictConfig) -> Dict[str, int]:
+    """``{"devices", "num_nodes", "dp", "tp", "pp"}`` from ``parallel`` and ``trainer``: ``trainer.devices=null``
+    means ``dp * tp * pp / num_nodes`` (``dp >= 1`` then); an explicit ``devices`` must fit the layout."""
+    par, tr = cfg.parallel, cfg.trainer
+    num_nodes = int(tr.num_nodes)
+    if tr.devices is None:
+        if par.dp < 1:
+            raise ConfigError(
+                f"parallel.dp={par.dp}: with trainer.devices=null the layout must name dp >= 1"
+                " (devices = dp*tp*pp); or set trainer.devices to infer dp=-1 from it."
+            )
+        world = par.dp * par.tp * par.pp
+        if world % num_nodes != 0:
+            raise ConfigError(f"dp*tp*pp = {world} is not divisible by trainer.num_nodes={num_nodes}.")
+        devices = world // num_nodes
+    else:
+        devices = int(tr.devices)
+    try:  # the strategy's own check (and message), but now, before processes are launched
+        dims = ParallelDims.resolve(int(par.dp), int(par.tp), int(par.pp), world_size=devices * num_nodes)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    return {"devices": devices, "num_nodes": num_nodes, "dp": dims.dp, "tp": dims.tp, "pp": dims.pp}
+
+
+def check(cfg: DictConfig) -> Dict[str, int]:
+    """Every check that needs no object built: required values present, every ``_target_`` importable and
+    taking its arguments, the layout fitting the world size. Returns `world_layout`; raises `ConfigError`."""
+    for key in BUILT:
+        missing = sorted(OmegaConf.missing_keys(cfg[key]))  # full keys: "data.paths"
+        if missing:
+            raise ConfigError(f"{missing[0]} is required: pass {missing[0]}=... on the command line.")
+    for key, node in _targets(cfg).items():
+        check_arguments(key, node)
+    return world_layout(cfg)
+
+
+def _build(key: str, node: DictConfig, **kwargs: Any) -> Any:
+    try:
+        return instantiate(node, _convert_="all", **kwargs)
+    except InstantiationException as err:  # the constructor's own error (bad value), not Hydra's wrapping
+        raise ConfigError(f"{key}: {err.__cause__ or err}") from err
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+def layout_label(dims: ParallelDims, zero_stage: int) -> str:
+    """``dp2xtp2xpp2`` (``pp`` only when > 1, ``zero<k>`` only when > 0)."""
+    parts = [f"dp{dims.dp}", f"tp{dims.tp}"] + ([f"pp{dims.pp}"] if dims.pp > 1 else [])
+    return "x".join(parts + ([f"zero{zero_stage}"] if zero_stage else []))
+
+
+def _gather(value: float) -> List[float]:
+    """``value`` of every rank, on every rank (collective over the world)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    out: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def peak_memory_per_rank(trainer: L.Trainer) -> Dict[str, List[float]]:
+    """The per-rank peak-memory figures of ``metrics.json`` (MiB, gathered to every rank): the process's peak
+    resident memory (``ru_maxrss``: since the process started -- under a multirun, rank 0 is the Hydra
+    process and carries earlier jobs' peaks) and, on CUDA, the peak of allocated memory."""
+    per_mib = 1024 * 1024 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    rss = _gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / per_mib)
+    figures = {"peak_rss_mib_per_rank": [round(x, 1) for x in rss]}
+    device = trainer.strategy.root_device
+    if device.type == "cuda":
+        figures["peak_cuda_mib_per_rank"] = [round(x, 1) for x in _gather(torch.cuda.max_memory_allocated(device) / 2**20)]
+    return figures
+
+
+def _loggers(out_dir: Path) -> list:
+    """A CSV logger always; TensorBoard too when it is installed."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    loggers = [CSVLogger(save_dir=str(out_dir), name="csv", version="")]
+    if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX"):
+        loggers.append(TensorBoardLogger(save_dir=str(out_dir), name="tensorboard", version=""))
+    return loggers
+
+
+def _hydra_run() -> Dict[str, Any]:
+    """Output folder, this job's overrides and the chosen layout name (outside Hydra: cwd, none, none)."""
+    if not HydraConfig.initialized():
+        return {"out_dir": Path.cwd(), "overrides": "", "name": None}
+    hc = HydraConfig.get()
+    return {
+        "out_dir": Path(hc.runtime.output_dir),
+        "overrides": " ".join(shlex.quote(o) for o in hc.overrides.task),
+        "name": hc.runtime.choices.get("parallel"),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- the run
+def run(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> Dict[str, Any]:
+    """Fit ``cfg.model`` on ``cfg.data`` under ``cfg.parallel`` with ``cfg.trainer``; returns the metrics also
+    written to ``metrics.json`` (every rank returns them; rank 0 writes and prints them).
+
+    ``callbacks`` are added to the config's own ``callbacks``. Raises `ConfigError` for a config that cannot run
+    -- before any process is launched.
+    """
+    layout = check(cfg)
+    hydra_run = _hydra_run()
+    out_dir = hydra_run["out_dir"]
+    accumulate = int(cfg.trainer.accumulate_grad_batches)
+    steps = int(cfg.trainer.max_steps)
+    throughput = ReplicaThroughputMonitor(window_size=max(2, min(100, steps * accumulate)) if steps > 0 else 100)
+
+    with fresh_launch_environment():
+        L.seed_everything(cfg.seed, verbose=False)  # before anything is built: every rank builds the same model
+        model = _build("model", cfg.model)
+        data = _build("data", cfg.data)
+        strategy = _build("parallel", cfg.parallel)
+        extra = [_build(f"callbacks.{name}", node) for name, node in cfg.callbacks.items() if node is not None]
+        own = [ModelCheckpoint(dirpath=str(out_dir / "checkpoints"), save_last=True), throughput, ValidationPrinter()]
+        if cfg.trainer.enable_model_summary is not False:
+            own.append(model_summary_callback())  # in place of Lightning's, which would count rank 0's shard only
+        trainer = _build(
+            "trainer", cfg.trainer, devices=layout["devices"], strategy=strategy, logger=_loggers(out_dir),
+            callbacks=[*own, *extra, *callbacks], enable_model_summary=False,  # no summary of Lightning's own
+        )
+        trainer.fit(model, datamodule=data)
+
+        val = trainer.callback_metrics.get("val_loss")
+        rates = throughput.training_rates
+        dims = trainer.strategy.parallel_dims
+        zero_stage = int(getattr(trainer.strategy, "zero_stage", 0))
+        metrics: Dict[str, Any] = {
+            "layout": layout_label(dims, zero_stage),
+            "name": hydra_run["name"],
+            "model": f"{type(model).__module__}.{type(model).__qualname__}",
+            "overrides": hydra_run["overrides"],
+            **layout,
+            "world_size": dims.world_size,
+            "zero_stage": zero_stage,
+            "steps": int(trainer.global_step),
+            "val_loss": float(val) if val is not None else None,
+            # Lightning's ThroughputMonitor counting model replicas: global = replica rate * dp (no global key at dp=1)
+            "tokens_per_s": rates.get("items_per_sec", rates.get("device/items_per_sec")),
+            "tokens_per_s_per_replica": rates.get("device/items_per_sec"),
+            "mfu": rates.get("device/mfu"),
+            **peak_memory_per_rank(trainer),
+        }
+        metrics["peak_rss_mib_max"] = max(metrics["peak_rss_mib_per_rank"])
+        if trainer.is_global_zero:
+            (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+            print(_final_line(metrics, out_dir / "metrics.json"), flush=True)
+    wait_for_launched_ranks(trainer)
+    return metrics
+
+
+def _final_line(metrics: Dict[str, Any], path: Path) -> str:
+    def fmt(value: Optional[float], spec: str) -> str:
+        return "n/a" if value is None else format(value, spec)
+
+    mem = "/".join(f"{x:.0f}" for x in metrics["peak_rss_mib_per_rank"])
+    mfu = f" mfu={metrics['mfu']:.3f}" if metrics["mfu"] is not None else ""
+    return (f"[{metrics['layout']}] final val_loss={fmt(metrics['val_loss'], '.4f')}"
+            f" tokens/s={fmt(metrics['tokens_per_s'], '.0f')}{mfu} peak_rss_mib/rank={mem} -> {path}")
+
+
+# ---------------------------------------------------------------------------------------------- recipes' main
+def _one_line(err: BaseException) -> str:
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    cause = err.__cause__
+    if cause is not None and not isinstance(err, ConfigError):
+        lines += [ln.strip() for ln in str(cause).splitlines()[:1] if ln.strip()]
+    return " ".join(lines[:20]) or type(err).__name__
+
+
+def exit_on_config_error(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` printing a bad config as one ``error: ...`` line on stderr and exiting with code 2.
+
+    A recipe applies it twice: under ``@hydra.main``, to the task function, for the errors `run` finds (inside
+    the job, where Hydra would add a line of its own), and around the Hydra app, for composition errors (a
+    typo'd field, an unknown option)::
+
+        @hydra.main(config_path="../configs", config_name="pretrain", version_base="1.3")
+        @exit_on_config_error
+        def main(cfg): run(cfg)
+
+        if __name__ == "__main__":
+            exit_on_config_error(main)()
+    """
+
+    @functools.wraps(function)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # composition errors reach us, not Hydra's report
+        try:
+            return function(*args, **kwargs)
+        except (ConfigError, HydraException, OmegaConfBaseException) as err:
+            print(f"error: {_one_line(err)}", file=sys.stderr, flush=True)
+            sys.exit(2)  # SystemExit passes through Hydra's job runner, which handles only `Exception`s
+
+    return wrapped
