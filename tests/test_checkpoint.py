@@ -18,7 +18,8 @@ from lightning_hybrid.checkpoint import CheckpointError, consolidate, read_meta
 from lightning_hybrid.data import ByteCorpusDataModule
 from lightning_hybrid.models import GPTLightningModule
 from tests.helpers import QUIET_TRAINER, Recorder, run_distributed
-from tests.test_strategy_parity import BLOCK, GLOBAL_BATCH, OneDeviceInDistributedOrder, gpt
+from tests.parity import BLOCK, GLOBAL_BATCH, OneDeviceInDistributedOrder
+from tests.test_strategy_parity import gpt
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = gpt(n_layer=2)
