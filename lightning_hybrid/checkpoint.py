@@ -68,7 +68,7 @@ def _optimizer_params(optimizer, module: nn.Module) -> list[tuple[str, nn.Parame
 
     names = _param_names(module)
     out = []
-    if isinstance(optimizer, ZeroOptimizer):
+    if isinstance(optimizer, ZeroOptimizer) and optimizer.shards_state:
         for bucket in optimizer.buckets:
             state = optimizer.state.get(bucket.shard, {})
             gathered = {}
@@ -240,7 +240,7 @@ def load_sharded(path: str | Path, strategy) -> dict[str, Any]:
         for key, value in loaded.items():
             name, state_key = key[len(f"optim/{index}/") :].rsplit("/", 1)
             per_param.setdefault(name, {})[state_key] = value
-        if isinstance(optimizer, ZeroOptimizer):
+        if isinstance(optimizer, ZeroOptimizer) and optimizer.shards_state:
             _load_zero_state(optimizer, module, per_param, specs)
         else:
             for name, param, _ in entries:

@@ -58,7 +58,7 @@ from lightning_hybrid.tensor_parallel import (
 )
 from lightning_hybrid.tensor_parallel.comm import sum_grad_over_tp, sum_grads_over_tp_
 from lightning_hybrid.tensor_parallel.examples import first_layer_example, model_example, synthetic_call
-from lightning_hybrid.zero import ZeroOptimizer, allreduce_gradients, apply_fsdp, apply_fsdp_units
+from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB, ZeroOptimizer, apply_fsdp, apply_fsdp_units
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -77,6 +77,8 @@ class HybridStrategy(ParallelStrategy):
             (`lightning_hybrid.pipeline.PROTOCOL_HELP`).
         zero_stage: ZeRO stage over the DP dimension: 0 (DDP), 1 (optimizer state sharded), 2 (+ gradients),
             3 (+ parameters; FSDP2).
+        bucket_cap_mb: size cap of one gradient bucket (stages 0-2): each bucket's reduction starts as soon as
+            backward has completed it, overlapping the rest of the backward.
         tp_plan: ``"auto"`` (the model's own plan where it ships one, else the heuristic) or a dict of glob
             patterns over module names -> ``"colwise" | "rowwise" | "replicate"`` (or a dict pinning
             ``part_sizes``, ``gather_output``, ``input_is_parallel``) overriding it where it matches.
@@ -103,6 +105,7 @@ class HybridStrategy(ParallelStrategy):
         tp: int = 1,
         pp: int = 1,
         zero_stage: int = 0,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         tp_plan: Union[str, dict[str, Any]] = "auto",
         verify_tp_plan: bool = True,
         micro_batches: Optional[int] = None,
@@ -135,6 +138,9 @@ class HybridStrategy(ParallelStrategy):
             raise ValueError(f"tp_plan={tp_plan!r} is invalid: use 'auto' or a dict of glob pattern -> style.")
         self._requested = {"dp": dp, "tp": tp, "pp": pp}
         self.zero_stage = validate_zero_stage(zero_stage)
+        if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} is invalid: it must be a positive number of MiB.")
+        self.bucket_cap_mb = float(bucket_cap_mb)
         self.tp_plan = dict(tp_plan) if isinstance(tp_plan, Mapping) else tp_plan
         self.verify_tp_plan = bool(verify_tp_plan)
         self.micro_batches, self.schedule, self.virtual_stages = micro_batches, schedule, virtual_stages
@@ -370,11 +376,24 @@ class HybridStrategy(ParallelStrategy):
             return super().training_step(*args, **kwargs)
         module = self.lightning_module
         assert module is not None
-        # Lightning zeroes gradients between training_step and backward, but the schedule runs the backward
-        # inside training_step, and rescales every gradient it finds by 1/micro_batches. So the schedule starts
-        # from no gradients; what earlier batches of an accumulation window left is added back afterwards;
-        # and the sum is kept away from Lightning's zero_grad until `backward` puts it back.
         first_in_window = module.trainer.fit_loop.epoch_loop.batch_idx % module.trainer.accumulate_grad_batches == 0
+        buckets = self._gradient_buckets()
+        if buckets:
+            # The schedule runs its backward passes inside training_step; gradients collect in the buckets
+            # (Lightning's zero_grad, which comes after this, leaves them there) and are reduced in `backward`.
+            # A window starts from no gradients: the zero_grad Lightning would have done before a backward.
+            for b in buckets:
+                if first_in_window:
+                    b.clear()
+                b.sync = False
+            with bind_training(module, self._pipeline) as binding:
+                output = super().training_step(*args, **kwargs)
+            binding.check_output(output)
+            return output
+        # No buckets (dp=1, ZeRO-3): Lightning zeroes gradients between training_step and backward, but the
+        # schedule ran the backward inside training_step. So the schedule starts from no gradients; what earlier
+        # batches of an accumulation window left is added back afterwards; and the sum is kept away from
+        # Lightning's zero_grad until `backward` puts it back.
         params = list(module.parameters())
         earlier = _take_grads(params)
         with bind_training(module, self._pipeline) as binding:
@@ -396,10 +415,15 @@ class HybridStrategy(ParallelStrategy):
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
-        if self.zero_stage in (1, 2) and self.parallel_dims.dp > 1:
+        if self.zero_stage in (0, 1, 2) and self.parallel_dims.dp > 1:
             assert self.lightning_module is not None
             tp_sharded = {id(p) for n, p in self.lightning_module.named_parameters() if n in self._tp_sharded_names}
-            self.optimizers = [ZeroOptimizer(opt, self.dp_group, self.zero_stage, tp_sharded) for opt in self.optimizers]
+            self.optimizers = [
+                ZeroOptimizer(opt, self.dp_group, self.zero_stage, tp_sharded, self.bucket_cap_mb) for opt in self.optimizers
+            ]
+
+    def _gradient_buckets(self) -> list[Any]:
+        return [opt.gradients for opt in self.optimizers if isinstance(opt, ZeroOptimizer)]
 
     # ------------------------------------------------------------------ gradients
     def post_backward(self, closure_loss: Tensor) -> None:
@@ -413,14 +437,12 @@ class HybridStrategy(ParallelStrategy):
             assert self.lightning_module is not None
             grads = [self.lightning_module.get_parameter(n).grad for n in self._partial_grads]
             sum_grads_over_tp_([g._local_tensor if hasattr(g, "_local_tensor") else g for g in grads if g is not None], self.tp_group)
-        if self.parallel_dims.dp == 1 or self.zero_stage == 3:
-            return
-        if self.zero_stage == 0:
-            assert self.lightning_module is not None
-            allreduce_gradients(self.lightning_module.parameters(), self.dp_group)
-        else:
-            for optimizer in self.optimizers:
-                optimizer.reduce_gradients()
+        for buckets in self._gradient_buckets():  # ZeRO 0-2 with dp > 1
+            if self._pipeline is not None:
+                buckets.reduce()  # the schedule's backward passes ran without sync
+            else:
+                buckets.wait()  # started during the backward
+            buckets.sync = True
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -428,16 +450,20 @@ class HybridStrategy(ParallelStrategy):
         self._sync_blocked = True
         for root in self._fsdp_roots:
             root.set_requires_gradient_sync(False)
+        for buckets in self._gradient_buckets():
+            buckets.sync = False
         try:
             yield
         finally:
             self._sync_blocked = False
             for root in self._fsdp_roots:
                 root.set_requires_gradient_sync(True)
+            for buckets in self._gradient_buckets():
+                buckets.sync = True
 
     def grad_norm(self, optimizer: Optimizer) -> Tensor:
         """The global L2 norm of the gradients of ``optimizer``'s parameters (equal to one device's)."""
-        if isinstance(optimizer, ZeroOptimizer):
+        if isinstance(optimizer, ZeroOptimizer) and optimizer.shards_state:
             grads = [(g, tp_shard, True) for g, tp_shard in optimizer.grad_shards()]
         else:
             assert self.lightning_module is not None

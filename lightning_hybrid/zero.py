@@ -1,18 +1,25 @@
-"""ZeRO over the data-parallel dimension.
+"""ZeRO over the data-parallel dimension, on persistent gradient buckets.
 
-* stage 0 (`allreduce_gradients`): DDP semantics; one all-reduce of all gradients per optimizer step.
-* stages 1 and 2 (`ZeroOptimizer`): the parameters of each optimizer param group are laid out in one flat
-  buffer per (dtype, TP-sharded or not); each DP rank owns a contiguous 1/dp slice of it, and the user's
-  optimizer is re-pointed at those slices, so its state (Adam's moments ...) is 1/dp per rank.
-  Stage 1 all-reduces the gradients (each rank keeps the full, reduced gradients: Psi) and steps its
-  slice; stage 2 reduce-scatters them into the slice and frees the full ones (Psi/dp). Both then
-  all-gather the updated slices into the flat buffer, which the model's parameters are views of.
+* stages 0-2 (`ZeroOptimizer` + `GradientBuckets`): the trainable parameters of each optimizer param group are
+  laid out in size-capped **buckets** (one dtype, device and TP category each, in backward order), and the
+  parameters' ``.grad`` are views into their bucket's flat gradient buffer (as DDP's ``gradient_as_bucket_view``
+  and Megatron's ``main_grad``). A post-accumulate-grad hook per parameter notes its gradient; when every
+  parameter of a bucket has one in the last backward of an accumulation window, the bucket's reduction starts
+  **asynchronously**, overlapping the rest of the backward, and is waited for before clipping and the step:
+  - stage 0: all-reduce of each bucket (DDP semantics, 1 x gradients of communication);
+  - stage 1: the user's optimizer is re-pointed at this rank's 1/dp slice of each bucket (its state is 1/dp);
+    each bucket is reduce-scattered into that slice, the full buffers stay (gradients: Psi);
+  - stage 2: as stage 1, but a bucket's full buffer exists only from its first gradient to its reduce-scatter
+    (gradients: Psi/dp plus at most ``MAX_IN_FLIGHT`` buckets in flight).
+  Stages 1 and 2 then all-gather the updated slices into the flat parameter buffers the model's parameters are
+  views of (the same communication as DDP's all-reduce in total).
 * stage 3 (`apply_fsdp`): FSDP2 (`fully_shard`) over the DP sub-mesh; parameters, gradients and optimizer
   state are all 1/dp, parameters are gathered per layer for forward and backward.
 
-Gradients are reduced once per optimizer step: the strategy calls the reduction after the last backward
-of an accumulation window. Element-wise optimizers (SGD, Adam, AdamW, ...) give exactly the one-device
-update on the flat slices; an optimizer that looks across a whole tensor (LAMB, Adafactor, Shampoo) does not.
+Gradients are reduced once per optimizer step: nothing is reduced during the earlier backward passes of an
+accumulation window (``sync = False``) or inside a pipeline schedule (`GradientBuckets.reduce` after it).
+Element-wise optimizers (SGD, Adam, AdamW, ...) give exactly the one-device update on the flat slices; an
+optimizer that looks across a whole tensor (LAMB, Adafactor, Shampoo) does not.
 """
 
 from __future__ import annotations
@@ -26,109 +33,263 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-
-@torch.no_grad()
-def allreduce_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup) -> None:
-    """ZeRO-0: average ``.grad`` of ``params`` over ``group`` with one all-reduce of one flat buffer.
-
-    A parameter that has no gradient on every rank keeps ``grad=None`` (the optimizer then skips it, as on one
-    device); one with a gradient on some ranks gets the average with zeros from the others.
-    """
-    params = [p for p in _unique(params) if p.requires_grad]
-    world = dist.get_world_size(group)
-    if world == 1 or not params:
-        return
-    ref = next((p.grad for p in params if p.grad is not None), params[0])
-    present = torch.tensor([p.grad is not None for p in params], dtype=ref.dtype, device=ref.device)
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(ref.dtype) for p in params] + [present])
-    dist.all_reduce(flat, group=group)
-    grads, present = flat[: -len(params)], flat[-len(params):]
-    grads.div_(world)
-    offset = 0
-    for p, seen in zip(params, present.tolist()):
-        n = p.numel()
-        p.grad = grads[offset : offset + n].view_as(p).to(p.dtype) if seen else None
-        offset += n
+DEFAULT_BUCKET_CAP_MB = 25.0
+MAX_IN_FLIGHT = 2  # stage 2: full bucket buffers alive at once during the backward
 
 
-class _FlatBucket:
-    """Parameters of one param group (one dtype, one TP category) in one flat buffer, 1/dp of it owned here.
+class _Bucket:
+    """Some parameters of one param group (one dtype, device and TP category) whose gradients are reduced as one.
 
-    ``flat``: ``[padded]``, the model's parameters are views of it; ``shard``: this rank's ``[padded/dp]`` slice,
-    a Parameter the user's optimizer steps.
+    ``grad``: ``[padded]`` flat gradient buffer (the parameters' ``.grad`` are views ``views[i]`` of it; under
+    stage 2 it exists only while the bucket accumulates). Stages 1-2 also own ``flat`` (``[padded]``, the
+    parameters are views of it) and ``shard``: this rank's ``[padded/dp]`` slice ``flat[lo:hi]``, a Parameter
+    the user's optimizer steps, whose ``.grad`` is the reduced slice of ``grad``.
     """
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, tp_sharded: bool):
-        self.params, self.group, self.tp_sharded = params, group, tp_sharded
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, stage: int, tp_sharded: bool):
+        self.params, self.group, self.stage, self.tp_sharded = params, group, stage, tp_sharded
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        total = sum(p.numel() for p in params)
-        padded = -(-total // world) * world
-        self.flat = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
-        offset = 0
+        self.offsets, total = [], 0
         for p in params:
-            n = p.numel()
-            self.flat[offset : offset + n].copy_(p.detach().reshape(-1))
-            p.data = self.flat[offset : offset + n].view_as(p)
-            offset += n
-        size = padded // world
+            self.offsets.append(total)
+            total += p.numel()
+        self.padded = -(-total // world) * world if stage else total
+        size = self.padded // world
         self.lo, self.hi = rank * size, (rank + 1) * size
-        self.shard = nn.Parameter(self.flat[self.lo : self.hi])
+        like = params[0]
+        self.grad: Tensor | None = None
+        self.views: list[Tensor] = []
+        self.shard_grad: Tensor | None = None
+        if stage:
+            self.flat = torch.zeros(self.padded, dtype=like.dtype, device=like.device)
+            for p, offset in zip(params, self.offsets):
+                self.flat[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+                p.data = self.flat[offset : offset + p.numel()].view_as(p)
+            self.shard = nn.Parameter(self.flat[self.lo : self.hi])
+            if stage == 2:  # persistent: the reduce-scatter writes straight into it
+                self.shard_grad = torch.zeros(size, dtype=like.dtype, device=like.device)
+        if stage < 2:
+            self.allocate()
+        self.work = None  # the running reduction
+        self.scattered: Tensor | None = None  # stage 1: the reduce-scatter's output until it is copied in
 
-    def flat_grad(self) -> Tensor:
-        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params]
-        pad = self.flat.numel() - sum(g.numel() for g in grads)
-        return torch.cat(grads + [self.flat.new_zeros(pad)])
+    def allocate(self) -> None:
+        """The flat gradient buffer (zeros) and the parameters' views of it."""
+        self.grad = torch.zeros(self.padded, dtype=self.params[0].dtype, device=self.params[0].device)
+        self.views = [self.grad[o : o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
 
-    @torch.no_grad()
-    def reduce_gradients(self, stage: int) -> None:
+    def release(self) -> None:
+        """Stage 2: drop the full gradient buffer (the slice has been reduced out of it)."""
+        for p in self.params:
+            p.grad = None
+        self.grad, self.views = None, []
+
+    def launch(self) -> None:
+        """Start the reduction of ``grad`` over the DP group (asynchronous)."""
+        assert self.grad is not None
+        if self.stage == 0:
+            self.work = dist.all_reduce(self.grad, group=self.group, async_op=True)
+            return
+        out = self.shard_grad if self.stage == 2 else self.grad.new_empty(self.hi - self.lo)
+        self.scattered = out
+        self.work = dist.reduce_scatter_tensor(out, self.grad, group=self.group, async_op=True)
+
+    def finish(self) -> None:
+        """Wait for the reduction; average it; stages 1-2 hand the slice to ``shard.grad``."""
+        assert self.work is not None
+        self.work.wait()
+        self.work = None
         world = dist.get_world_size(self.group)
-        flat_grad = self.flat_grad()
-        if stage == 1:
-            dist.all_reduce(flat_grad, group=self.group)
-            flat_grad.div_(world)
-            offset = 0
-            for p in self.params:
-                p.grad = flat_grad[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
-            self.shard.grad = flat_grad[self.lo : self.hi]
-        else:
-            shard_grad = flat_grad.new_empty(self.hi - self.lo)
-            dist.reduce_scatter_single(shard_grad, flat_grad, group=self.group)
-            self.shard.grad = shard_grad.div_(world)
-            for p in self.params:
-                p.grad = None
+        if self.stage == 0:
+            self.grad.div_(world)
+            return
+        assert self.grad is not None and self.scattered is not None
+        if self.stage == 1:  # back into the full buffer: gradients stay one buffer of Psi
+            mine = self.grad[self.lo : self.hi]
+            mine.copy_(self.scattered)
+            self.scattered = mine
+        self.shard.grad = self.scattered.div_(world)
+        self.scattered = None
+        for p in self.params:  # the full views hold unreduced sums: not a gradient to read
+            p.grad = None
+        if self.stage == 2:
+            self.release()
 
     @torch.no_grad()
     def gather_parameters(self) -> None:
-        dist.all_gather_single(self.flat, self.shard.detach().clone(), group=self.group)
+        dist.all_gather_into_tensor(self.flat, self.shard.detach().clone(), group=self.group)
+
+
+def _layout(params: list[nn.Parameter], cap_bytes: int, key) -> list[list[nn.Parameter]]:
+    """Parameters grouped by ``key`` and cut into buckets of at most ``cap_bytes`` (a larger parameter gets a
+    bucket of its own), in backward order: the reverse of registration, as DDP does."""
+    by_kind: dict[tuple, list[nn.Parameter]] = defaultdict(list)
+    for p in reversed(params):
+        by_kind[key(p)].append(p)
+    out = []
+    for kind_params in by_kind.values():
+        current, size = [], 0
+        for p in kind_params:
+            nbytes = p.numel() * p.element_size()
+            if current and size + nbytes > cap_bytes:
+                out.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        if current:
+            out.append(current)
+    return out
+
+
+class GradientBuckets:
+    """The gradient buckets of one optimizer and the hooks that reduce them as backward completes them.
+
+    ``sync``: whether this backward is the last of an accumulation window (reductions start during it).
+    `wait` (after the backward) waits for every reduction; `reduce` (after a pipeline schedule, which ran its
+    backward passes with ``sync = False``) starts and waits for all of them. Collective over the DP ``group``.
+    """
+
+    def __init__(self, buckets: list[_Bucket], group: dist.ProcessGroup, stage: int) -> None:
+        self.buckets, self.group, self.stage = buckets, group, stage
+        self.sync = True
+        self._where = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
+        self._seen: set[int] = set()  # parameters whose gradient is in their bucket in this window
+        self._fired: dict[int, int] = defaultdict(int)  # bucket -> gradients completed in this backward
+        self._in_backward = False
+        self._launched: set[int] = set()  # buckets whose reduction of this window has started
+        self._pending: list[_Bucket] = []  # started, not yet finished
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for b in buckets for p in b.params]
+
+    @torch.no_grad()
+    def _on_grad(self, p: nn.Parameter) -> None:
+        bucket, i = self._where[id(p)]
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._adopt(bucket, i, p)
+        self._fired[id(bucket)] += 1
+        if self.sync and self._fired[id(bucket)] == len(bucket.params):
+            self._launch(bucket)
+
+    def _adopt(self, bucket: _Bucket, i: int, p: nn.Parameter) -> None:
+        """Make ``p.grad`` its view of the bucket, adding a gradient autograd put elsewhere (the first of the
+        window after ``zero_grad``, or one assigned by a pipeline schedule)."""
+        if bucket.grad is None:
+            bucket.allocate()
+        view, grad = bucket.views[i], p.grad
+        if grad is not None and grad is not view:
+            if id(p) in self._seen:
+                view.add_(grad)
+            else:
+                view.copy_(grad)
+            p.grad = view
+        if grad is not None:
+            self._seen.add(id(p))
+
+    def _end_of_backward(self) -> None:
+        self._in_backward = False
+        self._fired.clear()
+        if self.sync:
+            self._launch_rest()
+
+    def _launch_rest(self) -> None:
+        for bucket in self.buckets:
+            if id(bucket) not in self._launched:
+                self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        self._launched.add(id(bucket))
+        if bucket.grad is None:
+            bucket.allocate()
+        for p, view in zip(bucket.params, bucket.views):  # no gradient in this window: contributes zeros
+            if id(p) not in self._seen:
+                view.zero_()
+        bucket.launch()
+        self._pending.append(bucket)
+        if self.stage == 2:
+            while len(self._pending) > MAX_IN_FLIGHT:
+                self._pending.pop(0).finish()
+
+    @torch.no_grad()
+    def wait(self) -> None:
+        """Wait for the reductions the backward started (and start those it did not, e.g. for parameters
+        without a gradient); then the window is over."""
+        self._in_backward = False
+        self._fired.clear()
+        self._launch_rest()
+        for bucket in self._pending:
+            bucket.finish()
+        self._pending = []
+        if self.stage == 0:
+            self._presence()
+        self._seen.clear()
+        self._launched.clear()
+
+    @torch.no_grad()
+    def reduce(self) -> None:
+        """Reduce now (after a pipeline schedule): take in the gradients it left, start every bucket, wait."""
+        for bucket in self.buckets:
+            for i, p in enumerate(bucket.params):
+                if p.grad is not None:
+                    self._adopt(bucket, i, p)
+        self.wait()
+
+    def _presence(self) -> None:
+        """Stage 0: a parameter without a gradient on every rank keeps ``grad=None`` (the optimizer skips it,
+        as on one device); one with a gradient somewhere gets the average with zeros from the others."""
+        params = [p for b in self.buckets for p in b.params]
+        views = [v for b in self.buckets for v in b.views]
+        seen = torch.tensor([id(p) in self._seen for p in params], dtype=torch.int32, device=views[0].device)
+        dist.all_reduce(seen, group=self.group)
+        for p, view, count in zip(params, views, seen.tolist()):
+            p.grad = view if count else None
+
+    def clear(self) -> None:
+        """Gradients to ``None`` (``zero_grad``); the buffers keep their memory and are written fresh by the
+        next window. Under a pipeline, Lightning's ``zero_grad`` comes after the schedule's backward passes:
+        the gradients of the window are kept in the buckets."""
+        for bucket in self.buckets:
+            for p in bucket.params:
+                p.grad = None
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
 
 
 class ZeroOptimizer(Optimizer):
-    """Wraps the user's optimizer for ZeRO stage 1 or 2 over the DP ``group``.
+    """Wraps the user's optimizer for ZeRO stage 0, 1 or 2 over the DP ``group``, on gradient buckets.
 
-    The user's optimizer object is kept (LR schedulers hold it): its param groups are re-pointed at this
-    rank's flat slices and keep every hyper-parameter. ``tp_sharded`` holds the ids of parameters that are
-    TP shards, which are kept apart from replicated ones so the gradient norm can count each once.
+    The user's optimizer object is kept (LR schedulers hold it). Stage 0 leaves its param groups as they are;
+    stages 1-2 re-point them at this rank's bucket slices, keeping every hyper-parameter. ``tp_sharded`` holds
+    the ids of parameters that are TP shards, kept in other buckets than replicated ones so the gradient norm
+    can count each once. ``bucket_cap_mb``: the size cap of one bucket.
     """
 
-    def __init__(self, optimizer: Optimizer, group: dist.ProcessGroup, stage: int, tp_sharded: set[int]):
-        if stage not in (1, 2):
-            raise ValueError(f"ZeroOptimizer implements zero_stage 1 and 2, got {stage}.")
-        if optimizer.state:
+    def __init__(
+        self, optimizer: Optimizer, group: dist.ProcessGroup, stage: int, tp_sharded: set[int],
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    ):
+        if stage not in (0, 1, 2):
+            raise ValueError(f"ZeroOptimizer implements zero_stage 0, 1 and 2, got {stage}.")
+        if optimizer.state and stage:
             raise ValueError("ZeroOptimizer must wrap a fresh optimizer (its state is not empty).")
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} is invalid: it must be a positive number of MiB.")
         self.optimizer, self.stage, self.group = optimizer, stage, group
-        self.buckets: list[_FlatBucket] = []
+        cap = int(bucket_cap_mb * 2**20)
+        self.buckets: list[_Bucket] = []
         for param_group in optimizer.param_groups:
-            by_kind: dict[tuple, list[nn.Parameter]] = defaultdict(list)
-            frozen = []
-            for p in _unique(param_group["params"]):
-                if p.requires_grad:
-                    by_kind[(p.dtype, p.device, id(p) in tp_sharded)].append(p)
-                else:
-                    frozen.append(p)
-            group_buckets = [_FlatBucket(ps, group, kind[2]) for kind, ps in by_kind.items()]
+            params = _unique(param_group["params"])
+            trainable = [p for p in params if p.requires_grad]
+            group_buckets = [
+                _Bucket(ps, group, stage, id(ps[0]) in tp_sharded)
+                for ps in _layout(trainable, cap, lambda p: (p.dtype, p.device, id(p) in tp_sharded))
+            ]
             self.buckets.extend(group_buckets)
-            param_group["params"] = [b.shard for b in group_buckets] + frozen
+            if stage:
+                param_group["params"] = [b.shard for b in group_buckets] + [p for p in params if not p.requires_grad]
+        self.gradients = GradientBuckets(self.buckets, group, stage)
         self.param_groups = optimizer.param_groups
         self.defaults = optimizer.defaults
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
@@ -139,13 +300,13 @@ class ZeroOptimizer(Optimizer):
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
 
     @property
+    def shards_state(self) -> bool:
+        """Whether the optimizer steps bucket slices (stages 1-2) rather than the model's parameters."""
+        return self.stage > 0
+
+    @property
     def state(self):  # type: ignore[override]
         return self.optimizer.state
-
-    def reduce_gradients(self) -> None:
-        """Reduce the accumulated gradients over DP into this rank's slices (collective over the DP group)."""
-        for bucket in self.buckets:
-            bucket.reduce_gradients(self.stage)
 
     def step(self, closure=None):
         loss = None
@@ -153,20 +314,21 @@ class ZeroOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.optimizer.step()
-        for bucket in self.buckets:
-            bucket.gather_parameters()
+        if self.stage:
+            for bucket in self.buckets:
+                bucket.gather_parameters()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.gradients.clear()
         for bucket in self.buckets:
-            for p in bucket.params:
-                p.grad = None
+            if self.stage:
+                bucket.shard.grad = None
 
     def grad_shards(self) -> list[tuple[Tensor, bool]]:
-        """``(slice gradient, is a TP shard)`` for each bucket that has a gradient: the slices cover the
+        """Stages 1-2: ``(slice gradient, is a TP shard)`` for each bucket that has one: the slices cover the
         reduced gradient exactly once over the DP group."""
-        return [(b.shard.grad, b.tp_sharded) for b in self.buckets if b.shard.grad is not None]
+        return [(b.shard.grad, b.tp_sharded) for b in self.buckets if self.stage and b.shard.grad is not None]
 
     def state_dict(self):
         return self.optimizer.state_dict()
@@ -175,12 +337,13 @@ class ZeroOptimizer(Optimizer):
         self.optimizer.load_state_dict(state_dict)
 
     def __repr__(self) -> str:
-        return f"ZeroOptimizer(stage={self.stage}, {self.optimizer!r})"
+        return f"ZeroOptimizer(stage={self.stage}, buckets={len(self.buckets)}, {self.optimizer!r})"
 
 
 def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh) -> list[nn.Module]:
     """ZeRO-3: ``fully_shard`` every layer of ``module`` (the elements of its ``nn.ModuleList``s), then each of
-    its direct children that holds parameters. Returns those children: the FSDP roots.
+    its children that holds parameters (the elements of a child that is a container without ``forward``,
+    such as an ``nn.ModuleList`` held by the LightningModule itself). Returns those children: the FSDP roots.
 
     Parameters held directly by ``module`` itself cannot be sharded this way and are an error.
     """
@@ -191,8 +354,22 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh) -> list[nn.Module]:
             " Move them into a submodule (e.g. an nn.Module attribute)."
         )
     layers = [layer for sub in module.modules() if isinstance(sub, nn.ModuleList) for layer in sub]
-    roots = [child for child in module.children() if any(True for _ in child.parameters())]
-    return [apply_fsdp_units([layer for layer in layers if _holds(layer, root)], root, dp_mesh) for root in roots]
+    roots = _fsdp_roots(module)
+    return [apply_fsdp_units([layer for layer in layers if layer is not root and _holds(layer, root)], root, dp_mesh) for root in roots]
+
+
+def _fsdp_roots(module: nn.Module) -> list[nn.Module]:
+    """The children of ``module`` that hold parameters; a container that has no ``forward`` of its own (FSDP2
+    cannot wrap it) is replaced by its own children."""
+    out = []
+    for child in module.children():
+        if not any(True for _ in child.parameters()):
+            continue
+        if type(child).forward is nn.Module.forward:
+            out.extend(_fsdp_roots(child))
+        else:
+            out.append(child)
+    return out
 
 
 def apply_fsdp_units(units: list[nn.Module], root: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:

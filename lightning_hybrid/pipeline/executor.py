@@ -99,10 +99,12 @@ class PipelineExecutor:
             PipelineStage(module, index, num_stages, device, group=group) for index, module in self.stage_modules.items()
         ]
         stages = self.stages[0] if spec.stages_per_rank == 1 else self.stages
-        self.schedule = spec.cls(stages, n_microbatches=micro_batches, loss_fn=self._loss)
+        # The mean over micro-batches is taken in the loss (not by rescaling every gradient the stage finds after
+        # the schedule): gradients then add up across the batches of an accumulation window in place.
+        self.schedule = spec.cls(stages, n_microbatches=micro_batches, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, output: Tensor, target: Tensor) -> Tensor:
-        return self.user_loss_fn(output, target) * self.loss_scale
+        return self.user_loss_fn(output, target) * (self.loss_scale / self.micro_batches)
 
     def train_step(self, inputs: Tensor, targets: Tensor) -> Tensor:
         """Forward and backward of every micro-batch; the mean loss (float32 scalar) on every PP rank."""
@@ -114,7 +116,7 @@ class PipelineExecutor:
         losses: list[Tensor] = []  # filled on the last stage: one (scaled) loss per micro-batch
         self.schedule.step(inputs, target=targets, losses=losses)
         if losses:
-            loss = torch.stack([l.detach() for l in losses]).float().mean() / self.loss_scale
+            loss = torch.stack([l.detach() for l in losses]).float().sum() / self.loss_scale
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
         dist.broadcast(loss, src=dist.get_global_rank(self.group, self.owners[-1]), group=self.group)
