@@ -10,7 +10,8 @@
   - stage 1: the user's optimizer is re-pointed at this rank's 1/dp slice of each bucket (its state is 1/dp);
     each bucket is reduce-scattered into that slice, the full buffers stay (gradients: Psi);
   - stage 2: as stage 1, but a bucket's full buffer exists only from its first gradient to its reduce-scatter
-    (gradients: Psi/dp plus at most ``MAX_IN_FLIGHT`` buckets in flight).
+    (gradients: Psi/dp plus the bucket backward is filling and at most ``MAX_IN_FLIGHT`` being reduced; a
+    bucket is freed as soon as its reduce-scatter is done).
   Stages 1 and 2 then all-gather the updated slices into the flat parameter buffers the model's parameters are
   views of (the same communication as DDP's all-reduce in total).
 * stage 3 (`apply_fsdp`): FSDP2 (`fully_shard`) over the DP sub-mesh; parameters, gradients and optimizer
@@ -34,7 +35,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 DEFAULT_BUCKET_CAP_MB = 25.0
-MAX_IN_FLIGHT = 2  # stage 2: full bucket buffers alive at once during the backward
+# Backends whose reduce-scatter may write into its own input at ``input[rank * n : (rank + 1) * n]`` (NCCL
+# documents it; gloo measured in tests/test_zero.py).
+_IN_PLACE_REDUCE_SCATTER = ("gloo", "nccl")
+MAX_IN_FLIGHT = 1  # stage 2: reductions running while backward fills the next bucket
 
 
 class _Bucket:
@@ -90,9 +94,14 @@ class _Bucket:
         if self.stage == 0:
             self.work = dist.all_reduce(self.grad, group=self.group, async_op=True)
             return
-        out = self.shard_grad if self.stage == 2 else self.grad.new_empty(self.hi - self.lo)
+        if self.stage == 2:
+            out = self.shard_grad
+        elif dist.get_backend(self.group) in _IN_PLACE_REDUCE_SCATTER:  # this rank's slice of the buffer itself
+            out = self.grad[self.lo : self.hi]
+        else:
+            out = self.grad.new_empty(self.hi - self.lo)
         self.scattered = out
-        self.work = dist.reduce_scatter_tensor(out, self.grad, group=self.group, async_op=True)
+        self.work = dist.reduce_scatter_single(out, self.grad, group=self.group, async_op=True)
 
     def finish(self) -> None:
         """Wait for the reduction; average it; stages 1-2 hand the slice to ``shard.grad``."""
@@ -104,8 +113,8 @@ class _Bucket:
             self.grad.div_(world)
             return
         assert self.grad is not None and self.scattered is not None
-        if self.stage == 1:  # back into the full buffer: gradients stay one buffer of Psi
-            mine = self.grad[self.lo : self.hi]
+        if self.stage == 1 and self.scattered.data_ptr() != self.grad[self.lo :].data_ptr():
+            mine = self.grad[self.lo : self.hi]  # back into the full buffer: gradients stay one buffer of Psi
             mine.copy_(self.scattered)
             self.scattered = mine
         self.shard.grad = self.scattered.div_(world)
@@ -117,7 +126,7 @@ class _Bucket:
 
     @torch.no_grad()
     def gather_parameters(self) -> None:
-        dist.all_gather_into_tensor(self.flat, self.shard.detach().clone(), group=self.group)
+        dist.all_gather_single(self.flat, self.shard.detach().clone(), group=self.group)
 
 
 def _layout(params: list[nn.Parameter], cap_bytes: int, key) -> list[list[nn.Parameter]]:
@@ -166,6 +175,9 @@ class GradientBuckets:
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if self.stage == 2:  # free the buckets whose reduce-scatter is done
+            while self._pending and self._pending[0].work.is_completed():
+                self._pending.pop(0).finish()
         self._adopt(bucket, i, p)
         self._fired[id(bucket)] += 1
         if self.sync and self._fired[id(bucket)] == len(bucket.params):
