@@ -13,8 +13,8 @@ is known) and during the first ``steps`` training batches (the tracker costs Pyt
 * ``optimizer_state``: Adam's moments, ...;
 * ``activations``: what the forward allocates (kept for backward, or in flight);
 * ``temporary``: what the backward allocates beyond the above (activation gradients, communication buffers,
-  gathered parameters' gradients, ...), and ``optimizer_step``: what the optimizer step allocates besides its
-  state (clipping, the update's temporaries, ZeRO's parameter gather);
+  gathered parameters' gradients, ...), and ``optimizer_step``: what the optimizer step allocates (clipping,
+  the update's temporaries, ZeRO's parameter gather; in the first step, the optimizer's state as it is made);
 * ``other``: what the strategy's setup allocated that is none of the above.
 
 Unlike the process's resident size it is the same on CPU and CUDA and not blurred by the allocator's caches.
@@ -150,11 +150,11 @@ class PeakMemory:
     steps: int = 0
 
     def mib(self) -> dict[str, Any]:
-        """The same in MiB (rounded to 0.1), flat: ``{"total": ..., "parameters": ..., ...}``."""
-        out: dict[str, Any] = {"total": round(self.total / 2**20, 1)}
-        out.update({k: round(v / 2**20, 1) for k, v in self.breakdown.items()})
+        """The same in MiB (rounded to 0.001), flat: ``{"total": ..., "parameters": ..., ...}``."""
+        out: dict[str, Any] = {"total": round(self.total / 2**20, 3)}
+        out.update({k: round(v / 2**20, 3) for k, v in self.breakdown.items()})
         if self.cuda_max_allocated is not None:
-            out["cuda_max_allocated"] = round(self.cuda_max_allocated / 2**20, 1)
+            out["cuda_max_allocated"] = round(self.cuda_max_allocated / 2**20, 3)
         return out
 
 

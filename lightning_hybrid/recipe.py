@@ -22,15 +22,12 @@ import importlib.util
 import inspect
 import json
 import os
-import resource
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import lightning as L
-import torch
-import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, InstantiationException
 from hydra.utils import get_object, instantiate
@@ -41,11 +38,15 @@ from omegaconf.errors import OmegaConfBaseException
 from lightning_hybrid.callbacks import ReplicaThroughputMonitor, ValidationPrinter, model_summary_callback
 from lightning_hybrid.config import register_configs
 from lightning_hybrid.launch import fresh_launch_environment, wait_for_launched_ranks
+from lightning_hybrid.memory import PeakMemoryMonitor
 from lightning_hybrid.mesh import ParallelDims
 
 __all__ = ["ConfigError", "check", "check_arguments", "exit_on_config_error", "layout_label", "run", "world_layout"]
 
 register_configs()
+
+#: Training steps whose peak memory `run` measures (the tracker costs Python time per op).
+MEASURED_STEPS = 3
 
 #: The config nodes `run` builds objects from (``callbacks.<name>`` too).
 BUILT = ("model", "data", "parallel", "trainer")
@@ -138,25 +139,19 @@ def layout_label(dims: ParallelDims, zero_stage: int) -> str:
     return "x".join(parts + ([f"zero{zero_stage}"] if zero_stage else []))
 
 
-def _gather(value: float) -> List[float]:
-    """``value`` of every rank, on every rank (collective over the world)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return [value]
-    out: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
-def peak_memory_per_rank(trainer: L.Trainer) -> Dict[str, List[float]]:
-    """The per-rank peak-memory figures of ``metrics.json`` (MiB, gathered to every rank): the process's peak
-    resident memory (``ru_maxrss``: since the process started -- under a multirun, rank 0 is the Hydra
-    process and carries earlier jobs' peaks) and, on CUDA, the peak of allocated memory."""
-    per_mib = 1024 * 1024 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
-    rss = _gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / per_mib)
-    figures = {"peak_rss_mib_per_rank": [round(x, 1) for x in rss]}
-    device = trainer.strategy.root_device
-    if device.type == "cuda":
-        figures["peak_cuda_mib_per_rank"] = [round(x, 1) for x in _gather(torch.cuda.max_memory_allocated(device) / 2**20)]
+def peak_memory_per_rank(monitor: PeakMemoryMonitor) -> Dict[str, Any]:
+    """The per-rank peak-memory figures of ``metrics.json`` (MiB): the peak of live tensor bytes during the
+    measured training steps per rank, the breakdown of the rank with the highest, and on CUDA the peak of
+    allocated memory per rank."""
+    ranks = monitor.per_rank or [monitor.peak]
+    highest = max(ranks, key=lambda p: p.total)
+    figures: Dict[str, Any] = {
+        "peak_mib_per_rank": [p.mib()["total"] for p in ranks],
+        "peak_mib_max": highest.mib()["total"],
+        "peak_breakdown_mib": {k: v for k, v in highest.mib().items() if k not in ("total", "cuda_max_allocated")},
+    }
+    if highest.cuda_max_allocated is not None:
+        figures["peak_cuda_mib_per_rank"] = [p.mib().get("cuda_max_allocated") for p in ranks]
     return figures
 
 
@@ -196,6 +191,7 @@ def run(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> Dict[str, Any]
     accumulate = int(cfg.trainer.accumulate_grad_batches)
     steps = int(cfg.trainer.max_steps)
     throughput = ReplicaThroughputMonitor(window_size=max(2, min(100, steps * accumulate)) if steps > 0 else 100)
+    memory = PeakMemoryMonitor(steps=max(1, min(MEASURED_STEPS, steps)) if steps > 0 else MEASURED_STEPS)
 
     with fresh_launch_environment():
         L.seed_everything(cfg.seed, verbose=False)  # before anything is built: every rank builds the same model
@@ -203,7 +199,7 @@ def run(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> Dict[str, Any]
         data = _build("data", cfg.data)
         strategy = _build("parallel", cfg.parallel)
         extra = [_build(f"callbacks.{name}", node) for name, node in cfg.callbacks.items() if node is not None]
-        own = [ModelCheckpoint(dirpath=str(out_dir / "checkpoints"), save_last=True), throughput, ValidationPrinter()]
+        own = [ModelCheckpoint(dirpath=str(out_dir / "checkpoints"), save_last=True), throughput, memory, ValidationPrinter()]
         if cfg.trainer.enable_model_summary is not False:
             own.append(model_summary_callback())  # in place of Lightning's, which would count rank 0's shard only
         trainer = _build(
@@ -230,9 +226,8 @@ def run(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> Dict[str, Any]
             "tokens_per_s": rates.get("items_per_sec", rates.get("device/items_per_sec")),
             "tokens_per_s_per_replica": rates.get("device/items_per_sec"),
             "mfu": rates.get("device/mfu"),
-            **peak_memory_per_rank(trainer),
+            **peak_memory_per_rank(memory),
         }
-        metrics["peak_rss_mib_max"] = max(metrics["peak_rss_mib_per_rank"])
         if trainer.is_global_zero:
             (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
             print(_final_line(metrics, out_dir / "metrics.json"), flush=True)
@@ -244,10 +239,10 @@ def _final_line(metrics: Dict[str, Any], path: Path) -> str:
     def fmt(value: Optional[float], spec: str) -> str:
         return "n/a" if value is None else format(value, spec)
 
-    mem = "/".join(f"{x:.0f}" for x in metrics["peak_rss_mib_per_rank"])
+    mem = "/".join(f"{x:.1f}" for x in metrics["peak_mib_per_rank"])
     mfu = f" mfu={metrics['mfu']:.3f}" if metrics["mfu"] is not None else ""
     return (f"[{metrics['layout']}] final val_loss={fmt(metrics['val_loss'], '.4f')}"
-            f" tokens/s={fmt(metrics['tokens_per_s'], '.0f')}{mfu} peak_rss_mib/rank={mem} -> {path}")
+            f" tokens/s={fmt(metrics['tokens_per_s'], '.0f')}{mfu} peak_mib/rank={mem} -> {path}")
 
 
 # ---------------------------------------------------------------------------------------------- recipes' main

@@ -22,7 +22,7 @@ from hydra.experimental.callback import Callback as _HydraCallback
 __all__ = ["SweepSummaryCallback", "collect_metrics", "main", "write_summary"]
 
 COLUMNS = ("job", "layout", "name", "model", "world_size", "dp", "tp", "pp", "zero_stage", "steps", "val_loss",
-           "tokens_per_s", "mfu", "peak_rss_mib_max", "overrides")
+           "tokens_per_s", "mfu", "peak_mib_max", "overrides")
 
 
 def collect_metrics(multirun_dir: Path) -> List[Dict[str, Any]]:
@@ -92,7 +92,7 @@ def write_summary(multirun_dir: Path, out_dir: Optional[Path] = None) -> Dict[st
         lines += ["", f"Fastest: **{b['layout']}** (job {b['job']}), {b['tokens_per_s']:.0f} tokens/s."]
     lines += ["", "tokens/s: global training tokens per second (Lightning's ThroughputMonitor over the last 100 steps or",
               "fewer, the first excluded); mfu: model FLOPs utilisation where the device's peak is known (CUDA);",
-              "peak_rss_mib_max: max over ranks of the process's peak resident memory (ru_maxrss)."]
+              "peak_mib_max: max over ranks of the peak of live tensor bytes during the first training steps (lightning_hybrid.memory)."]
     (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
     written["files"].append(str(out_dir / "summary.md"))
 
@@ -114,7 +114,7 @@ def _plot(rows: List[Dict[str, Any]], best: Optional[int], path: Path) -> Option
         return None
     labels = [f"{r['job']}: {r['layout']}" for r in rows]
     speed = [r.get("tokens_per_s") or 0.0 for r in rows]
-    mem = [r.get("peak_rss_mib_max") or 0.0 for r in rows]
+    mem = [r.get("peak_mib_max") or 0.0 for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(rows) + 4), 4))
     for ax, values, title, color in ((axes[0], speed, "tokens/s (higher is better)", "tab:blue"),
                                      (axes[1], mem, "peak memory per rank, max [MiB]", "tab:orange")):

@@ -137,7 +137,9 @@ def _check_metrics(path: Path, layout: str, world_size: int) -> dict:
     assert 0 < m["val_loss"] < 10 and m["tokens_per_s"] > 0
     # Lightning's ThroughputMonitor counting model replicas: the global rate is dp (not world_size) replicas'.
     assert m["tokens_per_s"] == pytest.approx(m["dp"] * m["tokens_per_s_per_replica"], rel=1e-9)
-    assert len(m["peak_rss_mib_per_rank"]) == world_size and all(x > 0 for x in m["peak_rss_mib_per_rank"])
+    assert len(m["peak_mib_per_rank"]) == world_size and all(x > 0 for x in m["peak_mib_per_rank"])
+    peak = m["peak_breakdown_mib"]
+    assert peak["parameters"] > 0 and peak["optimizer_state"] + peak["optimizer_step"] > 0, peak
     return m
 
 
@@ -147,7 +149,7 @@ def test_recipe_single_run_tp2(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     _check_metrics(run_dir / "metrics.json", "dp1xtp2", 2)
     final = [ln for ln in res.stdout.splitlines() if "final val_loss=" in ln]
-    assert len(final) == 1 and "tokens/s=" in final[0] and "peak_rss_mib/rank=" in final[0]
+    assert len(final) == 1 and "tokens/s=" in final[0] and "peak_mib/rank=" in final[0]
     assert (run_dir / "csv" / "metrics.csv").exists()
     assert (run_dir / "checkpoints" / "last.ckpt").exists()
 
@@ -193,7 +195,7 @@ def test_sweep_module_cli(tmp_path):
     for i, (layout, speed) in enumerate([("dp2xtp1", 10.0), ("dp1xtp2", 20.0)]):
         (tmp_path / str(i)).mkdir()
         (tmp_path / str(i) / "metrics.json").write_text(json.dumps(
-            {"layout": layout, "name": layout, "world_size": 2, "tokens_per_s": speed, "peak_rss_mib_max": 1.0}))
+            {"layout": layout, "name": layout, "world_size": 2, "tokens_per_s": speed, "peak_mib_max": 1.0}))
     res = subprocess.run([sys.executable, "-m", "lightning_hybrid.sweep", str(tmp_path)], capture_output=True,
                          text=True, timeout=60, env=dict(os.environ, MPLBACKEND="Agg"))
     assert res.returncode == 0, res.stderr
