@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_hybrid.tensor_parallel.layers import load_full_state_dict, local_piece, tp_shard_specs, unsplit, unsplit_shape
 
@@ -60,35 +59,98 @@ def _param_names(module: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
 
 
-# ----------------------------------------------------------------------------------------------- optimizer state
-def _optimizer_params(optimizer, module: nn.Module) -> list[tuple[str, nn.Parameter, dict[str, Tensor]]]:
-    """``(parameter name, model parameter, {state key: TP-local tensor})`` for each parameter of ``optimizer``,
-    the ZeRO-1/2 flat slices re-assembled per parameter (collective over the DP group)."""
+# ----------------------------------------------------------------------------------------------- the tensors
+# Saving and loading go through the tensors in one order that every rank holding them shares (the model's
+# state dict, then each optimizer's state: ZeRO-1/2 bucket by bucket), in parts of at most ``budget`` unsplit
+# bytes: a rank holds the rank's own state plus one part (and the one tensor being gathered) at any time.
+def _optimizer_entries(optimizer, module: nn.Module) -> list[tuple[str, nn.Parameter, list[str], Any]]:
+    """``(parameter name, model parameter, state keys, bucket or None)`` for each parameter of ``optimizer``
+    that has state, in bucket order for ZeRO-1/2 (whose state is per bucket slice)."""
     from lightning_hybrid.zero import ZeroOptimizer
 
     names = _param_names(module)
-    out = []
     if isinstance(optimizer, ZeroOptimizer) and optimizer.shards_state:
-        for bucket in optimizer.buckets:
-            state = optimizer.state.get(bucket.shard, {})
-            gathered = {}
-            for key, value in state.items():
-                if torch.is_tensor(value) and value.shape == bucket.shard.shape:
-                    flat = value.new_empty(bucket.flat.numel())
-                    dist.all_gather_single(flat, value.contiguous(), group=bucket.group)
-                    gathered[key] = flat
-            offset = 0
-            for p in bucket.params:
-                n = p.numel()
-                per_param = {k: v[offset : offset + n].view_as(p) for k, v in gathered.items()}
-                per_param.update({k: v for k, v in state.items() if k not in gathered})
-                out.append((names[id(p)], p, per_param))
-                offset += n
-        return out
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            out.append((names[id(p)], p, dict(optimizer.state.get(p, {}))))
+        return [
+            (names[id(p)], p, sorted(optimizer.state.get(b.shard, {})), b)
+            for b in optimizer.buckets for p in b.params if optimizer.state.get(b.shard)
+        ]
+    return [
+        (names[id(p)], p, sorted(optimizer.state[p]), None)
+        for group in optimizer.param_groups for p in group["params"] if optimizer.state.get(p)
+    ]
+
+
+def _save_plan(module: nn.Module, optimizers: list, specs: dict) -> list[tuple[str, list[int], torch.dtype]]:
+    """``(key, unsplit shape, dtype)`` of every tensor this rank saves, in the shared order (no communication)."""
+    out = [(f"model/{n}", unsplit_shape(n, t, specs), t.dtype) for n, t in module.state_dict(keep_vars=True).items()]
+    for index, optimizer in enumerate(optimizers):
+        for name, param, keys, bucket in _optimizer_entries(optimizer, module):
+            state = optimizer.state[bucket.shard if bucket is not None else param]
+            for key in keys:
+                value = state[key]
+                if torch.is_tensor(value):
+                    shape = unsplit_shape(name, param, specs) if value.dim() > 0 else []
+                    out.append((f"optim/{index}/{name}/{key}", shape, value.dtype))
     return out
+
+
+def _unsplit_tensors(module: nn.Module, optimizers: list, specs: dict):
+    """The unsplit tensors of `_save_plan`, in its order, one at a time (collective over the ranks that hold
+    them: TP gathers, ZeRO-3 full tensors, ZeRO-1/2 bucket state gathered over DP one bucket at a time)."""
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        yield unsplit(name, tensor, specs)
+    for optimizer in optimizers:
+        gathered_bucket, gathered = None, {}
+        for name, param, keys, bucket in _optimizer_entries(optimizer, module):
+            if bucket is None:
+                state = optimizer.state[param]
+                for key in keys:
+                    if torch.is_tensor(state[key]):
+                        yield unsplit(name, state[key], specs if state[key].dim() > 0 else {})  # scalars (step) are not split
+                continue
+            state = optimizer.state[bucket.shard]
+            if bucket is not gathered_bucket:  # this bucket's slices of every rank, once per bucket
+                gathered_bucket, gathered = bucket, {}
+                for key, value in state.items():
+                    if torch.is_tensor(value) and value.shape == bucket.shard.shape:
+                        flat = value.new_empty(bucket.flat.numel())
+                        dist.all_gather_single(flat, value.contiguous(), group=bucket.group)
+                        gathered[key] = flat
+            offset = bucket.offset(param)
+            for key in keys:
+                value = state[key]
+                if not torch.is_tensor(value):
+                    continue
+                if key in gathered:
+                    value = gathered[key][offset : offset + param.numel()].view_as(param)
+                yield unsplit(name, value, specs if value.dim() > 0 else {})
+
+
+def _parts(plan: list[tuple[str, list[int], torch.dtype]], budget: int) -> dict[str, int]:
+    """Cut the ordered tensors into consecutive parts of at most ``budget`` bytes (a larger tensor alone)."""
+    part_of, part, size = {}, 0, 0
+    for key, shape, dtype in plan:
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        if size and size + nbytes > budget:
+            part, size = part + 1, 0
+        part_of[key] = part
+        size += nbytes
+    return part_of
+
+
+def _param_of(key: str) -> str:
+    """``model/<name>`` and ``optim/<i>/<name>/<state>`` -> ``<name>``."""
+    return key[len("model/"):] if key.startswith("model/") else key.split("/", 2)[2].rsplit("/", 1)[0]
+
+
+def _part_dir(path: Path, part: int) -> Path:
+    return path / f"part-{part:04d}"
+
+
+def _own(tensor: Tensor) -> Tensor:
+    """``tensor`` with a storage of its own (not a view that would keep a larger buffer alive)."""
+    tensor = tensor.detach()
+    return tensor.clone() if tensor.untyped_storage().nbytes() > tensor.nbytes else tensor
 
 
 def _group_settings(optimizer) -> list[dict[str, Any]]:
@@ -98,7 +160,8 @@ def _group_settings(optimizer) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------------------------- save
 def save_sharded(path: str | Path, strategy, checkpoint: dict[str, Any]) -> None:
     """Write ``checkpoint`` (Lightning's dict; weights and optimizer state are taken from the live model)
-    to the folder ``path``, atomically. Collective over every rank."""
+    to the folder ``path``, atomically, in parts of at most the strategy's bucket size of unsplit tensors.
+    Collective over every rank."""
     module = strategy.lightning_module
     dims = strategy.parallel_dims
     path = Path(path)
@@ -109,37 +172,37 @@ def save_sharded(path: str | Path, strategy, checkpoint: dict[str, Any]) -> None
     holders = dims.dp * dims.tp
     me = mesh["dp"].get_local_rank() * dims.tp + mesh["tp"].get_local_rank()
     specs = tp_shard_specs(module)
-
-    state: dict[str, Tensor] = {}
-    shapes: dict[str, list[int]] = {}
-    for name, tensor in module.state_dict(keep_vars=True).items():
-        full = unsplit(name, tensor, specs)
-        shapes[name] = list(full.shape)
-        if owner_of(name, holders) == me:
-            state[f"model/{name}"] = full.cpu()
-    optimizers = []
     # `trainer.save_checkpoint(weights_only=True)` leaves "optimizer_states" out of Lightning's dict.
-    for index, optimizer in enumerate(strategy.optimizers if "optimizer_states" in checkpoint else []):
-        for name, param, param_state in _optimizer_params(optimizer, module):
-            for key, value in param_state.items():
-                if not torch.is_tensor(value):
-                    continue
-                value = unsplit(name, value, specs if value.dim() > 0 else {})  # scalars (step) are not split
-                if owner_of(name, holders) == me:
-                    state[f"optim/{index}/{name}/{key}"] = value.cpu()
-        optimizers.append({"param_groups": _group_settings(optimizer)})
-    all_shapes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(all_shapes, shapes)
+    optimizers = list(strategy.optimizers) if "optimizer_states" in checkpoint else []
+    plan = _save_plan(module, optimizers, specs)
+    part_of = _parts(plan, int(getattr(strategy, "bucket_cap_mb", 25) * 2**20))
+    parts = torch.tensor(max(part_of.values(), default=-1) + 1)
+    dist.all_reduce(parts, op=dist.ReduceOp.MAX)  # every rank takes part in every part's (collective) save
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {key: (part_of[key], shape, dtype) for key, shape, dtype in plan})
+    tensors = {k: v for per_rank in everyone for k, v in per_rank.items()}
 
     if strategy.is_global_zero:
-        partial.mkdir(parents=True)
+        for part in range(int(parts)):
+            _part_dir(partial, part).mkdir(parents=True)
     strategy.barrier()
-    dcp.save(state, checkpoint_id=str(partial))
+    current, state = 0, {}
+    for (key, _, _), tensor in zip(plan, _unsplit_tensors(module, optimizers, specs)):
+        while part_of[key] > current:
+            dcp.save(state, checkpoint_id=str(_part_dir(partial, current)))
+            current, state = current + 1, {}
+        if owner_of(_param_of(key), holders) == me:  # a parameter's weight and state: one writer
+            state[key] = _own(tensor.cpu())
+        del tensor
+    for part in range(current, int(parts)):
+        dcp.save(state, checkpoint_id=str(_part_dir(partial, part)))
+        state = {}
     if strategy.is_global_zero:
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         meta["lightning_hybrid"] = {
-            "model_shapes": {k: v for part in all_shapes for k, v in part.items()},
-            "optimizers": optimizers,
+            "model_shapes": {k[len("model/"):]: v[1] for k, v in tensors.items() if k.startswith("model/")},
+            "tensors": tensors,  # key -> (part, unsplit shape, dtype)
+            "optimizers": [{"param_groups": _group_settings(o)} for o in optimizers],
             "layout": {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "zero_stage": strategy.zero_stage},
         }
         torch.save(meta, partial / META_FILE)
@@ -192,17 +255,24 @@ def check_model_fits(saved: dict[str, list[int]], expected: dict[str, list[int]]
         raise CheckpointError("The checkpoint is of another model: " + "; ".join(details) + ".")
 
 
-def _read(path: Path, wanted: dict[str, Tensor]) -> dict[str, Tensor]:
-    if wanted:
-        dcp.load(wanted, checkpoint_id=str(path), planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
-    return wanted
+def _read_parts(path: Path, meta: dict, keys: Iterable[str], no_dist: bool = False):
+    """Read ``keys`` part by part: yields ``{key: tensor}`` for each part of the checkpoint (possibly empty;
+    every rank goes through every part, as DCP's load is collective)."""
+    tensors = meta["lightning_hybrid"]["tensors"]
+    parts = 1 + max((part for part, _, _ in tensors.values()), default=-1)
+    by_part: dict[int, list[str]] = {}
+    for key in keys:
+        by_part.setdefault(tensors[key][0], []).append(key)
+    for part in range(parts):
+        wanted = {key: torch.empty(tensors[key][1], dtype=tensors[key][2]) for key in by_part.get(part, [])}
+        dcp.load(wanted, checkpoint_id=str(_part_dir(path, part)), planner=dcp.DefaultLoadPlanner(allow_partial_load=True),
+                 no_dist=no_dist)
+        yield wanted
 
 
 def load_sharded(path: str | Path, strategy) -> dict[str, Any]:
-    """Load a checkpoint written under any layout into the live (parallelised) model and optimizers.
-    Returns the Lightning checkpoint dict (loops, schedulers, ...). Collective over every rank."""
-    from lightning_hybrid.zero import ZeroOptimizer
-
+    """Load a checkpoint written under any layout into the live (parallelised) model and optimizers, one part
+    at a time. Returns the Lightning checkpoint dict (loops, schedulers, ...). Collective over every rank."""
     path = Path(path)
     meta = read_meta(path)
     module = strategy.lightning_module
@@ -215,40 +285,56 @@ def load_sharded(path: str | Path, strategy) -> dict[str, Any]:
     dist.all_gather_object(everyone, {name: unsplit_shape(name, t, specs) for name, t in targets.items()})
     check_model_fits(saved_shapes, {k: v for part in everyone for k, v in part.items()})
 
-    full = _read(path, {f"model/{n}": torch.empty(saved_shapes[n], dtype=t.dtype) for n, t in targets.items()})
-    load_full_state_dict(module, {n: full[f"model/{n}"] for n in targets})
-
     saved_optimizers = meta["lightning_hybrid"]["optimizers"]
-    if not saved_optimizers:  # a weights-only checkpoint
-        return meta
-    if strategy.optimizers and len(saved_optimizers) != len(strategy.optimizers):
+    if saved_optimizers and strategy.optimizers and len(saved_optimizers) != len(strategy.optimizers):
         raise CheckpointError(f"The checkpoint has {len(saved_optimizers)} optimizers, the module configures {len(strategy.optimizers)}.")
-    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    for index, optimizer in enumerate(strategy.optimizers):
+    optimizers = list(strategy.optimizers) if saved_optimizers else []  # none in a weights-only checkpoint
+    places: dict[str, tuple] = {}  # key -> (optimizer, parameter name, parameter, state key, bucket)
+    saved = meta["lightning_hybrid"]["tensors"]
+    for index, optimizer in enumerate(optimizers):
         for group, settings in zip(optimizer.param_groups, saved_optimizers[index]["param_groups"]):
             group.update(settings)
-        entries = _optimizer_params(optimizer, module)
-        wanted = {}
-        for name, param, _ in entries:
+        for name, param, bucket in _optimizer_params(optimizer, module):
             prefix = f"optim/{index}/{name}/"
-            for key in metadata:
-                if key.startswith(prefix):
-                    md = metadata[key]
-                    wanted[key] = torch.empty(md.size, dtype=md.properties.dtype)
-        loaded = _read(path, wanted)
-        per_param: dict[str, dict[str, Tensor]] = {}
+            for key in saved:
+                if key.startswith(prefix) and "/" not in key[len(prefix):]:
+                    places[key] = (optimizer, name, param, key[len(prefix):], bucket)
+    model_keys = [f"model/{n}" for n in targets]
+    for loaded in _read_parts(path, meta, [*model_keys, *places]):
+        load_full_state_dict(module, {k[len("model/"):]: v for k, v in loaded.items() if k.startswith("model/")}, strict=False)
         for key, value in loaded.items():
-            name, state_key = key[len(f"optim/{index}/") :].rsplit("/", 1)
-            per_param.setdefault(name, {})[state_key] = value
-        if isinstance(optimizer, ZeroOptimizer) and optimizer.shards_state:
-            _load_zero_state(optimizer, module, per_param, specs)
-        else:
-            for name, param, _ in entries:
-                if name in per_param:
-                    optimizer.state[param] = {
-                        k: _place(name, v, param, specs) for k, v in per_param[name].items()
-                    }
+            if key in places:
+                _place_state(*places[key], value, specs)
     return meta
+
+
+def _optimizer_params(optimizer, module: nn.Module) -> list[tuple[str, nn.Parameter, Any]]:
+    """``(parameter name, model parameter, ZeRO-1/2 bucket or None)`` for every parameter of ``optimizer``."""
+    from lightning_hybrid.zero import ZeroOptimizer
+
+    names = _param_names(module)
+    if isinstance(optimizer, ZeroOptimizer) and optimizer.shards_state:
+        return [(names[id(p)], p, b) for b in optimizer.buckets for p in b.params]
+    return [(names[id(p)], p, None) for group in optimizer.param_groups for p in group["params"]]
+
+
+def _place_state(optimizer, name: str, param: Tensor, state_key: str, bucket, full: Tensor, specs: dict) -> None:
+    """Put one unsplit optimizer-state tensor where ``param``'s state lives on this rank: its TP (and ZeRO-3)
+    piece, or for ZeRO-1/2 the part of it inside this rank's slice ``[lo, hi)`` of the bucket."""
+    if bucket is None:
+        optimizer.state[param][state_key] = _place(name, full, param, specs)
+        return
+    state = optimizer.state[bucket.shard]
+    if full.dim() == 0:  # a scalar (Adam's step) shared by the bucket
+        state[state_key] = full.clone().to(bucket.flat.device)
+        return
+    if state_key not in state:
+        state[state_key] = torch.zeros(bucket.hi - bucket.lo, dtype=bucket.flat.dtype, device=bucket.flat.device)
+    start = bucket.offset(param)
+    lo, hi = max(start, bucket.lo), min(start + param.numel(), bucket.hi)
+    if lo < hi:
+        piece = local_piece(name, full, param, specs).reshape(-1)
+        state[state_key][lo - bucket.lo : hi - bucket.lo] = piece[lo - start : hi - start].to(state[state_key].device)
 
 
 def _place(name: str, full: Tensor, param: Tensor, specs: dict) -> Tensor:
@@ -256,32 +342,12 @@ def _place(name: str, full: Tensor, param: Tensor, specs: dict) -> Tensor:
     if full.dim() == 0:
         return full.to(_local(param).device)
     piece = local_piece(name, full, param, specs).to(device=_local(param).device, dtype=_local(param).dtype)
+    piece = _own(piece.contiguous())  # not a view that keeps the unsplit tensor alive with the state
     if hasattr(param, "_local_tensor"):
         from torch.distributed.tensor import DTensor
 
-        return DTensor.from_local(piece.contiguous(), param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
-    return piece.contiguous()
-
-
-def _load_zero_state(optimizer, module: nn.Module, per_param: dict[str, dict[str, Tensor]], specs: dict) -> None:
-    names = _param_names(module)
-    for bucket in optimizer.buckets:
-        keys = {k for p in bucket.params for k in per_param.get(names[id(p)], {})}
-        state: dict[str, Tensor] = {}
-        for key in keys:
-            values = [per_param.get(names[id(p)], {}).get(key) for p in bucket.params]
-            if all(v is not None and v.dim() == 0 for v in values):
-                state[key] = values[0].clone()
-                continue
-            flat = torch.zeros(bucket.flat.numel(), dtype=bucket.flat.dtype)
-            offset = 0
-            for p, v in zip(bucket.params, values):
-                if v is not None:
-                    flat[offset : offset + p.numel()] = local_piece(names[id(p)], v, p, specs).reshape(-1)
-                offset += p.numel()
-            state[key] = flat[bucket.lo : bucket.hi].to(bucket.flat.device).clone()
-        if state:
-            optimizer.state[bucket.shard] = state
+        return DTensor.from_local(piece, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+    return piece
 
 
 # ----------------------------------------------------------------------------------------------- consolidation
@@ -289,11 +355,9 @@ def consolidated_state_dict(checkpoint: str | Path) -> dict[str, Tensor]:
     """The model's unsplit ``state_dict`` (LightningModule keys) of a checkpoint. Runs on one process, no
     process group."""
     path = Path(checkpoint)
-    shapes = read_meta(path)["lightning_hybrid"]["model_shapes"]
-    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    state = {f"model/{k}": torch.empty(shape, dtype=metadata[f"model/{k}"].properties.dtype) for k, shape in shapes.items()}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    return {k[len("model/") :]: v for k, v in state.items()}
+    meta = read_meta(path)
+    keys = [f"model/{k}" for k in meta["lightning_hybrid"]["model_shapes"]]
+    return {k[len("model/") :]: v for part in _read_parts(path, meta, keys, no_dist=True) for k, v in part.items()}
 
 
 def consolidate(checkpoint: str | Path, out: str | Path) -> dict[str, Tensor]:

@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["KINDS", "LiveTensorTracker", "PeakMemory", "PeakMemoryMonitor"]
+__all__ = ["KINDS", "LiveTensorTracker", "PeakMemory", "PeakMemoryMonitor", "rank_state"]
 
 KINDS = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporary", "optimizer_step", "other")
 
@@ -170,6 +170,14 @@ def _gradient_buffers(optimizers: list) -> list[Tensor]:
 
 def _optimizer_state(optimizers: list) -> list[Tensor]:
     return [v for o in optimizers for state in o.state.values() for v in state.values() if isinstance(v, Tensor)]
+
+
+def rank_state(module: torch.nn.Module, optimizers: list) -> list[Tensor]:
+    """What a rank holds between steps: parameters, buffers, gradients (and their buckets), optimizer state."""
+    return [
+        *module.parameters(), *module.buffers(), *(p.grad for p in module.parameters() if p.grad is not None),
+        *_gradient_buffers(optimizers), *_optimizer_state(optimizers),
+    ]
 
 
 class PeakMemoryMonitor(Callback):

@@ -77,6 +77,10 @@ class _Bucket:
         self.work = None  # the running reduction
         self.scattered: Tensor | None = None  # stage 1: the reduce-scatter's output until it is copied in
 
+    def offset(self, param: nn.Parameter) -> int:
+        """Where ``param`` starts in the bucket's flat buffers."""
+        return self.offsets[next(i for i, p in enumerate(self.params) if p is param)]
+
     def allocate(self) -> None:
         """The flat gradient buffer (zeros) and the parameters' views of it."""
         self.grad = torch.zeros(self.padded, dtype=self.params[0].dtype, device=self.params[0].device)
