@@ -138,8 +138,7 @@ def _check_metrics(path: Path, layout: str, world_size: int) -> dict:
     # Lightning's ThroughputMonitor counting model replicas: the global rate is dp (not world_size) replicas'.
     assert m["tokens_per_s"] == pytest.approx(m["dp"] * m["tokens_per_s_per_replica"], rel=1e-9)
     assert len(m["peak_mib_per_rank"]) == world_size and all(x > 0 for x in m["peak_mib_per_rank"])
-    peak = m["peak_breakdown_mib"]
-    assert peak["parameters"] > 0 and peak["optimizer_state"] + peak["optimizer_step"] > 0, peak
+    assert m["peak_breakdown_mib"]["parameters"] > 0
     return m
 
 
@@ -147,7 +146,8 @@ def test_recipe_single_run_tp2(tmp_path):
     run_dir = tmp_path / "run"
     res = _run(["parallel=tp", "parallel.tp=2", *TINY, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    _check_metrics(run_dir / "metrics.json", "dp1xtp2", 2)
+    peak = _check_metrics(run_dir / "metrics.json", "dp1xtp2", 2)["peak_breakdown_mib"]
+    assert peak["optimizer_state"] + peak["optimizer_step"] > 0, peak  # AdamW's moments, at the peak
     final = [ln for ln in res.stdout.splitlines() if "final val_loss=" in ln]
     assert len(final) == 1 and "tokens/s=" in final[0] and "peak_mib/rank=" in final[0]
     assert (run_dir / "csv" / "metrics.csv").exists()

@@ -42,14 +42,21 @@ class TinyLlama(GPTLightningModule):
 
 
 def test_world2_layouts_match_one_device():
+    """dp2 with ZeRO 0-3 (also on many small gradient buckets, reduced while backward runs, and under
+    accumulation), tp2, and a user-written module holding an nn.ModuleList itself under ZeRO-3."""
     model = gpt()
-    check_world(2, {name: (kwargs, model, {}) for name, kwargs in {
+    runs = {name: (kwargs, model, {}) for name, kwargs in {
         "dp2": dict(dp=2),
         "tp2": dict(tp=2),
         "dp2-zero1": dict(dp=2, zero_stage=1),
         "dp2-zero2": dict(dp=2, zero_stage=2),
         "dp2-zero3": dict(dp=2, zero_stage=3),
-    }.items()})
+        "dp2-zero0-small-buckets": dict(dp=2, bucket_cap_mb=0.01),
+        "dp2-zero1-small-buckets": dict(dp=2, zero_stage=1, bucket_cap_mb=0.01),
+    }.items()}
+    runs["dp2-zero2-small-buckets-accumulate2"] = (dict(dp=2, zero_stage=2, bucket_cap_mb=0.01), model, {"accumulate_grad_batches": 2})
+    runs["user-dp2-zero3"] = (dict(dp=2, zero_stage=3), UserLM, {})
+    check_world(2, runs)
 
 
 def test_world4_layouts_match_one_device():
