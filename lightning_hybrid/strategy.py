@@ -576,6 +576,8 @@ class HybridStrategy(ParallelStrategy):
         # fail on a pipelined module whose setup stopped before its layers left the meta device, and hide
         # the error that stopped it.)
         assert self.cluster_environment is not None and self.accelerator is not None
+        for buckets in self._gradient_buckets():  # a later fit wraps new optimizers with buckets of their own
+            buckets.remove()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

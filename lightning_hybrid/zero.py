@@ -269,8 +269,10 @@ class GradientBuckets:
                 p.grad = None
 
     def remove(self) -> None:
+        """Detach the hooks from the parameters (the optimizer is done with)."""
         for handle in self._handles:
             handle.remove()
+        self._handles = []
 
 
 class ZeroOptimizer(Optimizer):

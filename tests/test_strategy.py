@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
         (dict(pp=2, schedule="gpipe", virtual_stages=2), r"schedule='gpipe' runs 1 stage\(s\) per rank"),
         (dict(pp=4, schedule="1f1b", micro_batches=2), r"needs micro_batches >= pp \(4\), got 2"),
         (dict(tp_plan="everything"), r"tp_plan='everything' is invalid"),
+        (dict(bucket_cap_mb=0), r"bucket_cap_mb=0 is invalid: it must be a positive number of MiB"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, message):
