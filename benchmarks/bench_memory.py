@@ -1,0 +1,272 @@
+"""Peak memory per rank and step time of `HybridStrategy` ZeRO 0-3 against Lightning's DDP and FSDP2, on CPU.
+
+    python benchmarks/bench_memory.py [--dps 2 4 --measure-steps 3 --warmup 2 --steps 5 --bucket-cap-mb 4 ...]
+    python benchmarks/bench_memory.py --quick        # small model, fewer steps: a smoke run
+
+Strategies, each at every ``--dps`` value (world size = dp, gloo, one thread per rank), each run in a fresh
+process group (spawned like torchrun, `lightning_hybrid.testing.run_distributed`):
+
+  Lightning DDPStrategy()                                 DDP
+  Lightning DDPStrategy(gradient_as_bucket_view=True)     DDP (bucket view)
+  Lightning ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=1) with ``fully_shard`` on every
+      block and on the whole GPT in ``configure_model`` (FSDP2)
+  HybridStrategy(dp=dp, zero_stage=s, bucket_cap_mb=--bucket-cap-mb), s = 0, 1, 2, 3
+
+Same model (a SwiGLU GPT, default 8 layers x 512 wide, block 64), same data (per-rank batch 2), AdamW (fp32).
+
+memory     = `lightning_hybrid.memory.PeakMemoryMonitor` over the first ``--measure-steps`` training steps: the
+             peak of live tensor bytes per rank and its breakdown by kind (parameters, gradients, optimizer
+             state, activations + temporaries, the rest); a table shows the rank with the highest peak
+saved      = peak of Hybrid ZeRO-0 - peak of the row (same dp)
+promised   = what the ZeRO formulas save against stage 0, fp32 AdamW, Psi = parameter count, bytes per rank:
+             stage 0: 16 Psi, 1: 4 Psi + 4 Psi + 8 Psi/dp, 2: 4 Psi + 12 Psi/dp, 3: 16 Psi/dp (FSDP2 row: stage 3)
+step time  = on_train_batch_start -> on_train_batch_end, the slower rank per step, mean over the ``--steps``
+             steps after the measured and ``--warmup`` steps (the memory tracker is off by then: it slows ops)
+tokens/s   = dp * batch * block_size / step time
+
+Goals: saved / promised >= 0.9 for ZeRO 1-3; Hybrid ZeRO-0 tokens/s >= DDP (bucket view) and Hybrid ZeRO-3
+tokens/s >= FSDP2 (ratio >= 1.0); peak of ZeRO-0 <= DDP (bucket view) and of ZeRO-3 <= FSDP2. With dp ranks on
+fewer cores the step times are of an oversubscribed machine; each run reports how many CPUs other processes
+kept busy meanwhile (`benchmarks/machine_load.py`), and a speed ratio with a run above 0.25 is flagged
+disturbed. The tables are printed and written to benchmarks/MEMORY.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import resource
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+from benchmarks.machine_load import cpu_s, system_busy_s  # noqa: E402
+from lightning_hybrid import HybridStrategy  # noqa: E402
+from lightning_hybrid.data import ByteCorpusDataModule  # noqa: E402
+from lightning_hybrid.memory import PeakMemoryMonitor  # noqa: E402
+from lightning_hybrid.models import GPT, GPTConfig, GPTLightningModule  # noqa: E402
+from lightning_hybrid.testing import run_distributed  # noqa: E402
+
+VAL_FRACTION = 0.05  # ByteCorpusDataModule's default hold-out
+MIB = 2**20
+RATIO_GOAL = 0.9
+MAX_OTHER_LOAD = 0.25  # CPUs busy with other processes above which a run's timing is flagged as disturbed
+# name: (label, ZeRO stage whose formula the row is held to)
+STRATEGIES = {
+    "ddp": ("Lightning DDP", 0),
+    "ddp_view": ("Lightning DDP (bucket view)", 0),
+    "fsdp2": ("Lightning FSDP2", 3),
+    **{f"zero{s}": (f"Hybrid ZeRO-{s}", s) for s in range(4)},
+}
+
+
+class FSDP2GPT(GPTLightningModule):
+    """The ModelParallelStrategy baseline: the reference GPT with FSDP2 (``fully_shard``) per block and at the root,
+    over the strategy's data-parallel mesh."""
+
+    def configure_model(self) -> None:
+        if getattr(self, "_fsdp_applied", False):
+            return
+        super().configure_model()
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self._fsdp_applied = True
+
+
+class StepTimer(L.Callback):
+    """perf_counter at the start and end of every training batch from ``first`` on."""
+
+    def __init__(self, first: int) -> None:
+        self.first, self.times = first, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx >= self.first:
+            self.times.append(time.perf_counter() - self._t0)
+
+
+def _make(name: str, dp: int, bucket_cap_mb: float):
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    if name.startswith("zero"):
+        return HybridStrategy(dp=dp, zero_stage=int(name[4:]), bucket_cap_mb=bucket_cap_mb), GPTLightningModule
+    if name == "fsdp2":
+        return ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=1), FSDP2GPT
+    return DDPStrategy(gradient_as_bucket_view=name == "ddp_view"), GPTLightningModule
+
+
+def worker(name: str, dp: int, cfg: dict) -> dict:
+    """Runs in each spawned rank: one fit; returns this rank's peak memory and timed step durations."""
+    warnings.filterwarnings("ignore")
+    for logger_name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_hybrid"):
+        logging.getLogger(logger_name).setLevel(logging.ERROR)
+    L.seed_everything(0, verbose=False)
+    strategy, module_cls = _make(name, dp, cfg["bucket_cap_mb"])
+    module = module_cls(config=GPTConfig(**cfg["model"]), lr=1e-3)
+    data = ByteCorpusDataModule(max_bytes=cfg["max_bytes"], block_size=cfg["model"]["block_size"], batch_size=cfg["batch"])
+    monitor, timer = PeakMemoryMonitor(steps=cfg["measure_steps"]), StepTimer(cfg["measure_steps"] + cfg["warmup"])
+    trainer = L.Trainer(
+        accelerator="cpu", devices=dp, strategy=strategy, max_steps=cfg["measure_steps"] + cfg["warmup"] + cfg["steps"],
+        limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[monitor, timer],
+    )
+    trainer.fit(module, data)
+    loss = trainer.callback_metrics.get("train_loss")
+    return {"total": monitor.peak.total, "breakdown": monitor.peak.breakdown, "times": timer.times,
+            "loss": float(loss) if loss is not None else float("nan"), "proc_cpu_s": cpu_s(resource.RUSAGE_SELF)}
+
+
+def run_one(name: str, dp: int, cfg: dict) -> dict:
+    """One strategy at one dp in a fresh process group; a failure becomes ``{"error": last traceback line}``."""
+    busy0, own0, t0 = system_busy_s(), cpu_s(resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN), time.perf_counter()
+    try:
+        ranks = run_distributed(worker, dp, name, dp, cfg)
+    except Exception as err:  # noqa: BLE001  (reported in the table)
+        lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+        return {"error": (lines[-1] if lines else repr(err))[:200], "wall_s": time.perf_counter() - t0}
+    wall = time.perf_counter() - t0
+    busy1, own1 = system_busy_s(), cpu_s(resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    ours = max(own1 - own0, sum(r["proc_cpu_s"] for r in ranks))
+    top = max(ranks, key=lambda r: r["total"])
+    n = min(len(r["times"]) for r in ranks)
+    return {
+        "peaks": [r["total"] for r in ranks], "total": top["total"], "breakdown": top["breakdown"],
+        "step_s": statistics.fmean(max(r["times"][i] for r in ranks) for i in range(n)) if n else float("nan"),
+        "loss": ranks[0]["loss"], "wall_s": wall,
+        "other_load": max(0.0, (busy1 - busy0 - ours) / wall) if None not in (busy0, busy1) else float("nan"),
+    }
+
+
+def formula(stage: int, psi: int, dp: int) -> float:
+    """Bytes per rank of fp32 params + grads + AdamW state under ZeRO ``stage``."""
+    return {0: 16 * psi, 1: 8 * psi + 8 * psi / dp, 2: 4 * psi + 12 * psi / dp, 3: 16 * psi / dp}[stage]
+
+
+def report(dp: int, res: dict, psi: int, tokens: int) -> list[str]:
+    """The markdown table of one dp and its goal lines."""
+    ok = lambda n: n in res and "error" not in res[n]  # noqa: E731
+    base = res["zero0"]["total"] if ok("zero0") else None
+    out = [f"### dp = {dp}", "",
+           "| strategy | peak MiB | params | grads | optim | act+temp | rest | saved vs Hybrid ZeRO-0 | ZeRO formula promises"
+           " | ratio | step s | tokens/s | other load |", "|---|" + "---:|" * 12]
+    for name, (label, stage) in STRATEGIES.items():
+        r = res.get(name)
+        if r is None:
+            continue
+        if "error" in r:
+            out.append(f"| {label} | failed: {r['error'].replace('|', '/')} |" + " |" * 11)
+            continue
+        b = {k: v / MIB for k, v in r["breakdown"].items()}
+        act = b["activations"] + b["temporary"]
+        rest = r["total"] / MIB - b["parameters"] - b["gradients"] - b["optimizer_state"] - act
+        promised = (formula(0, psi, dp) - formula(stage, psi, dp)) / MIB
+        saved = (base - r["total"]) / MIB if base is not None else float("nan")
+        ratio = f"{saved / promised:.3f}" if promised else "-"
+        out.append(f"| {label} | {r['total'] / MIB:.1f} | {b['parameters']:.1f} | {b['gradients']:.1f} | {b['optimizer_state']:.1f}"
+                   f" | {act:.1f} | {rest:.1f} | {saved:.1f} | {promised:.1f} | {ratio} | {r['step_s']:.3f}"
+                   f" | {tokens / r['step_s']:.0f} | {r['other_load']:.2f} |")
+    out.append("")
+    verdict = lambda good: "met" if good else "NOT MET"  # noqa: E731
+    for s in (1, 2, 3):
+        if ok(f"zero{s}") and base is not None:
+            ratio = (base - res[f"zero{s}"]["total"]) / (formula(0, psi, dp) - formula(s, psi, dp))
+            out.append(f"- ZeRO-{s} saved / promised = {ratio:.3f} (goal >= {RATIO_GOAL}): {verdict(ratio >= RATIO_GOAL)}")
+    for hyb, lit in (("zero0", "ddp_view"), ("zero3", "fsdp2")):
+        h, l_ = STRATEGIES[hyb][0], STRATEGIES[lit][0]
+        if not (ok(hyb) and ok(lit)):
+            out.append(f"- {h} vs {l_}: not compared (a run failed or was not run)")
+            continue
+        speed = res[lit]["step_s"] / res[hyb]["step_s"]
+        mem_h, mem_l = res[hyb]["total"] / MIB, res[lit]["total"] / MIB
+        load = max(res[hyb]["other_load"], res[lit]["other_load"])
+        flag = f" (disturbed: other processes kept up to {load:.2f} CPUs busy)" if load > MAX_OTHER_LOAD else ""
+        out.append(f"- {h} tokens/s / {l_} tokens/s = {speed:.3f} (goal >= 1.0): {verdict(speed >= 1.0)}{flag}")
+        out.append(f"- {h} peak {mem_h:.1f} MiB vs {l_} peak {mem_l:.1f} MiB (goal <=): {verdict(mem_h <= mem_l)}")
+    return out + [""]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dps", type=int, nargs="+", default=[2, 4], help="data-parallel sizes (= world sizes)")
+    p.add_argument("--measure-steps", type=int, default=3, help="first steps, measured by PeakMemoryMonitor")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps after the measured ones")
+    p.add_argument("--steps", type=int, default=5, help="timed steps (after measure-steps + warmup)")
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
+    p.add_argument("--n-layer", type=int, default=8)
+    p.add_argument("--n-embd", type=int, default=512)
+    p.add_argument("--n-head", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--bucket-cap-mb", type=float, default=4.0, help="HybridStrategy(bucket_cap_mb=...)")
+    p.add_argument("--only", nargs="+", choices=list(STRATEGIES), default=list(STRATEGIES), help="strategies to run")
+    p.add_argument("--quick", action="store_true", help="smoke run: n_layer 4, n_embd 256, 2 + 1 + 2 steps")
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "MEMORY.md", help="results file (overwritten)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.n_layer, args.n_embd, args.measure_steps, args.warmup, args.steps = 4, 256, 2, 1, 2
+    if min(args.dps) < 1 or args.measure_steps < 1 or args.warmup < 0 or args.steps < 1:
+        p.error("--dps >= 1, --measure-steps >= 1, --warmup >= 0, --steps >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    model = dict(vocab_size=256, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
+                 n_embd=args.n_embd, mlp="swiglu", dropout=0.0)
+    psi = GPT(GPTConfig(**model)).num_parameters()
+    total_steps = args.measure_steps + args.warmup + args.steps
+    samples = total_steps * args.batch * max(args.dps) + 2  # one epoch covers every step at the largest dp
+    max_bytes = int((samples * args.block_size + 1) / (1 - VAL_FRACTION)) + 4 * args.block_size
+    cfg = dict(model=model, batch=args.batch, measure_steps=args.measure_steps, warmup=args.warmup, steps=args.steps,
+               bucket_cap_mb=args.bucket_cap_mb, max_bytes=max_bytes)
+    settings = (f"model: GPT n_layer={args.n_layer} n_embd={args.n_embd} n_head={args.n_head} block_size={args.block_size}"
+                f" swiglu, Psi = {psi:,} parameters ({4 * psi / MIB:.1f} MiB fp32); per-rank batch {args.batch};"
+                f" AdamW fp32; {args.measure_steps} measured + {args.warmup} warm-up + {args.steps} timed steps;"
+                f" Hybrid bucket_cap_mb={args.bucket_cap_mb:g}; CPU, gloo, 1 thread per rank; torch {torch.__version__},"
+                f" lightning {L.__version__}, {os.cpu_count()} CPUs")
+    print(settings, flush=True)
+    results: dict[int, dict] = {}
+    t_start = time.perf_counter()
+    for dp in args.dps:
+        results[dp] = {}
+        for name in args.only:
+            r = results[dp][name] = run_one(name, dp, cfg)
+            line = (f"failed: {r['error']}" if "error" in r else
+                    f"peak/rank MiB {' '.join(f'{x / MIB:.1f}' for x in r['peaks'])}  step {r['step_s']:.3f}s"
+                    f"  loss {r['loss']:.4f}  other load {r['other_load']:.2f}")
+            print(f"  dp={dp} {STRATEGIES[name][0]:<28} {line}  (run {r['wall_s']:.0f}s)", flush=True)
+    total = time.perf_counter() - t_start
+
+    lines = ["# Peak memory and step time: HybridStrategy ZeRO 0-3 vs Lightning DDP / FSDP2", "",
+             f"`python benchmarks/bench_memory.py {' '.join(sys.argv[1:] if argv is None else argv)}`".replace(" `", "`"), "",
+             settings + f"; total wall time {total:.0f}s.", "",
+             "Peak = highest live tensor bytes over the measured steps (PeakMemoryMonitor), max over ranks; the breakdown"
+             " (MiB) is that rank's; act+temp = activations + backward temporaries; rest = buffers, optimizer-step"
+             " temporaries, other. Step time = slower rank per step, mean over the timed steps; other load = CPUs that"
+             " other processes kept busy during the run.", ""]
+    for dp in args.dps:
+        lines += report(dp, results[dp], psi, dp * args.batch * args.block_size)
+    text = "\n".join(lines)
+    print("\n" + text)
+    args.out.write_text(text)
+    print(f"written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
