@@ -25,6 +25,7 @@ test: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_strategies.py
 	$(PY) benchmarks/bench_pipeline.py
+	$(PY) benchmarks/bench_memory.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
