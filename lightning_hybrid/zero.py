@@ -95,8 +95,8 @@ class _Bucket:
     def launch(self) -> None:
         """Start the reduction of ``grad`` over the DP group (asynchronous)."""
         assert self.grad is not None
-        if self.stage == 0:
-            self.work = dist.all_reduce(self.grad, group=self.group, async_op=True)
+        if self.stage == 0:  # averaged here, while backward still runs (as DDP does)
+            self.work = dist.all_reduce(self.grad.div_(dist.get_world_size(self.group)), group=self.group, async_op=True)
             return
         if self.stage == 2:
             out = self.shard_grad
@@ -112,10 +112,9 @@ class _Bucket:
         assert self.work is not None
         self.work.wait()
         self.work = None
-        world = dist.get_world_size(self.group)
         if self.stage == 0:
-            self.grad.div_(world)
             return
+        world = dist.get_world_size(self.group)
         assert self.grad is not None and self.scattered is not None
         if self.stage == 1 and self.scattered.data_ptr() != self.grad[self.lo :].data_ptr():
             mine = self.grad[self.lo : self.hi]  # back into the full buffer: gradients stay one buffer of Psi
