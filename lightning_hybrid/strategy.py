@@ -377,6 +377,7 @@ class HybridStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         first_in_window = module.trainer.fit_loop.epoch_loop.batch_idx % module.trainer.accumulate_grad_batches == 0
+        self._pipeline.reduce_grads = not self._sync_blocked  # Lightning blocks the sync for a window's earlier batches
         buckets = self._gradient_buckets()
         if buckets:
             # The schedule runs its backward passes inside training_step; gradients collect in the buckets

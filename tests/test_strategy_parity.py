@@ -102,6 +102,9 @@ def test_pipeline_with_dp_and_tp_match_one_device():
         "pp4-1f1b": (dict(pp=4, schedule="1f1b"), model, {}),
         "pp2xdp2": (dict(pp=2, dp=2), model, {}),
         "pp2xtp2": (dict(pp=2, tp=2, split_points=[2]), model, {}),
+        # Accumulation under a pipeline: ZeRO-1 buckets and ZeRO-3 (FSDP2) reduce once, after the last batch.
+        "pp2xdp2-zero1-accumulate2": (dict(pp=2, dp=2, zero_stage=1, micro_batches=2), model, {"accumulate_grad_batches": 2}),
+        "pp2xdp2-zero3-accumulate2": (dict(pp=2, dp=2, zero_stage=3, micro_batches=2), model, {"accumulate_grad_batches": 2}),
     })
 
 

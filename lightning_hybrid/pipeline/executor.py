@@ -65,6 +65,35 @@ def resolve_schedule(schedule: str, pp: int, micro_batches: int | None, virtual_
     return spec, per_rank, micro_batches
 
 
+class _Stage(PipelineStage):
+    """A `PipelineStage` whose FSDP2 (ZeRO-3) gradient reduction can wait for the end of an accumulation window.
+
+    torch's stage reduce-scatters an FSDP2 stage's gradients at the end of every schedule step. With
+    ``reduce_grads = False`` (a batch that is not the last of an accumulation window) the end of the step
+    runs FSDP2's post-backward without gradient sync instead: the gathered parameters are freed and the
+    unsharded gradients kept, to be added to by the next batch and reduce-scattered once, after the last.
+    """
+
+    reduce_grads = True
+
+    def perform_reduce_grad(self, grad_scale_factor: int):
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if self.reduce_grads or not isinstance(self.submod, FSDPModule):
+            return super().perform_reduce_grad(grad_scale_factor)
+        module = self.submod
+        module.set_is_last_backward(False)
+        module.set_reshard_after_backward(True)
+        module.set_requires_gradient_sync(False)
+        state = fully_shard.state(module)
+        for each in state._state_ctx.all_states:
+            for param_group in each._fsdp_param_groups:
+                param_group.post_backward()
+        state._root_post_backward_final_callback()
+        if grad_scale_factor != 1:
+            self.scale_grads(grad_scale_factor)
+
+
 class _StageSequence(nn.Sequential):
     """The layers of one stage (shared with the LightningModule, which keeps owning them)."""
 
@@ -95,8 +124,9 @@ class PipelineExecutor:
         self.stage_modules = dict(sorted(stage_modules.items()))
         self.user_loss_fn = loss_fn
         self.loss_scale = 1.0  # 1 / accumulate_grad_batches: the schedule runs the backward itself
+        self.reduce_grads = True  # whether this batch ends an accumulation window (ZeRO-3 reduces then)
         self.stages = [
-            PipelineStage(module, index, num_stages, device, group=group) for index, module in self.stage_modules.items()
+            _Stage(module, index, num_stages, device, group=group) for index, module in self.stage_modules.items()
         ]
         stages = self.stages[0] if spec.stages_per_rank == 1 else self.stages
         # The mean over micro-batches is taken in the loss (not by rescaling every gradient the stage finds after
@@ -108,6 +138,8 @@ class PipelineExecutor:
 
     def train_step(self, inputs: Tensor, targets: Tensor) -> Tensor:
         """Forward and backward of every micro-batch; the mean loss (float32 scalar) on every PP rank."""
+        for stage in self.stages:
+            stage.reduce_grads = self.reduce_grads
         if inputs.size(0) % self.micro_batches != 0:
             raise ValueError(
                 f"The batch of {inputs.size(0)} samples does not split into micro_batches={self.micro_batches}:"
