@@ -142,12 +142,16 @@ class LiveTensorTracker(TorchDispatchMode):
 
 @dataclass
 class PeakMemory:
-    """One rank's peak of live tensor bytes over the measured steps, and its breakdown (bytes, `KINDS`)."""
+    """One rank's peak of live tensor bytes over the measured steps, and its breakdown (bytes, `KINDS`);
+    ``step_peaks`` the peak of each measured step, ``after_step`` the live bytes by kind when the last of them
+    ended (what a step leaves, beside what it needs at its peak)."""
 
     total: int = 0
     breakdown: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     cuda_max_allocated: Optional[int] = None
     steps: int = 0
+    step_peaks: list[int] = field(default_factory=list)
+    after_step: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
 
     def mib(self) -> dict[str, Any]:
         """The same in MiB (rounded to 0.001), flat: ``{"total": ..., "parameters": ..., ...}``."""
@@ -263,6 +267,8 @@ class PeakMemoryMonitor(Callback):
         assert tracker is not None
         tracker.label(_optimizer_state(trainer.optimizers), "optimizer_state")  # created by the first step
         self.peak.steps += 1
+        self.peak.step_peaks.append(tracker.peak)
+        self.peak.after_step = dict(tracker.totals)
         if tracker.peak > self.peak.total:
             self.peak.total, self.peak.breakdown = tracker.peak, dict(tracker.peak_breakdown)
         device = trainer.strategy.root_device

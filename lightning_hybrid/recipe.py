@@ -141,14 +141,16 @@ def layout_label(dims: ParallelDims, zero_stage: int) -> str:
 
 def peak_memory_per_rank(monitor: PeakMemoryMonitor) -> Dict[str, Any]:
     """The per-rank peak-memory figures of ``metrics.json`` (MiB): the peak of live tensor bytes during the
-    measured training steps per rank, the breakdown of the rank with the highest, and on CUDA the peak of
-    allocated memory per rank."""
+    measured training steps per rank; for the rank with the highest, its breakdown, the peak of each step and
+    the live bytes by kind after the last; on CUDA the peak of allocated memory per rank."""
     ranks = monitor.per_rank or [monitor.peak]
     highest = max(ranks, key=lambda p: p.total)
     figures: Dict[str, Any] = {
         "peak_mib_per_rank": [p.mib()["total"] for p in ranks],
         "peak_mib_max": highest.mib()["total"],
         "peak_breakdown_mib": {k: v for k, v in highest.mib().items() if k not in ("total", "cuda_max_allocated")},
+        "peak_mib_per_step": [round(b / 2**20, 3) for b in highest.step_peaks],
+        "after_step_mib": {k: round(b / 2**20, 3) for k, b in highest.after_step.items()},
     }
     if highest.cuda_max_allocated is not None:
         figures["peak_cuda_mib_per_rank"] = [p.mib().get("cuda_max_allocated") for p in ranks]
