@@ -1,0 +1,674 @@
+"""Hugging Face causal LMs under every layout, unchanged: `CausalLM` wraps any ``AutoModelForCausalLM``.
+
+Built from a config (random init) or from a local pretrained folder (safetensors, as ``save_pretrained``
+writes it), `CausalLM` trains under DP x TP x PP x ZeRO without edits to the model:
+
+* **Pipeline layers from the model's own structure.** The decoder layers are the model's ``nn.ModuleList``
+  (``base_model_pp_plan``'s ``layers``, or the one list of ``num_hidden_layers`` blocks); the modules before it
+  (token and position embeddings, embedding norm or dropout) and after it (final norm) are layers of their
+  own, in the model's order, and the output head is the last. Parameter-free modules outside them (rotary
+  embeddings) are kept on every stage. The modules keep their places and names in the model, so the model's
+  TP plan, checkpoints and ``save_pretrained`` names are unchanged.
+* **What a decoder layer needs besides the hidden states** (attention mask, position ids, rotary or ALiBi
+  tensors, which depend on the shape only) is what the model's own forward passes it: each stage runs the
+  base model's forward once per input shape with stand-ins for every layer (no weights, no compute) and
+  keeps the arguments the stand-ins received. A layer called by the pipeline with the hidden states alone
+  gets those arguments from a forward pre-hook; the model's own forward, which passes them itself, is left
+  as it is. A position embedding that follows the token embedding (GPT-2's ``wpe``) adds its embedding of
+  the positions to the hidden states it receives.
+* **Exact or refused.** At setup the pipeline's decomposition is checked against the model's own forward on
+  small stand-ins of the embedding, norm and head modules (the code between modules -- a scaling of the
+  embeddings, a soft cap of the logits -- is what can differ): a model whose forward does something the
+  layers do not is refused with an error before the first step, as are tied input and output embeddings
+  under ``pp > 1``.
+* **Initialisation and loading per layer.** The model is built on the meta device; each pipeline layer is
+  materialised by `init_pipeline_layer`: from the pretrained folder (each rank reads only the tensors of its
+  own layers, one safetensors tensor at a time), or with the model's own ``_init_weights`` under a seed of
+  its own (so the same values come out under every layout and on one device).
+* `export_pretrained` writes a trained run back to a folder that ``AutoModelForCausalLM.from_pretrained``
+  loads.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import weakref
+from collections import OrderedDict
+from collections.abc import Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Optional, Union
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torchmetrics
+from torch import Tensor, nn
+
+__all__ = ["CausalLM", "PipelineDecompositionError", "export_pretrained", "pipeline_structure"]
+
+Batch = tuple[Tensor, Tensor]
+_CHECK_TOKENS = 8  # the decomposition check's sequence length
+_CHECK_VOCAB = 16  # rows of the embedding / head stand-ins in that check
+
+
+class PipelineDecompositionError(ValueError):
+    """The model's forward does something that its pipeline layers, applied in order, do not."""
+
+
+# ---------------------------------------------------------------------------------------------- structure
+class _Structure:
+    """Where a causal LM's pipeline layers are: the path to the trunk (the module holding the decoder-layer
+    list), the trunk's modules before and after that list, and the head (a child of the root)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        config = model.config
+        n_layers = int(getattr(config, "num_hidden_layers", 0) or getattr(config, "n_layer", 0))
+        head = model.get_output_embeddings()
+        if head is None:
+            raise PipelineDecompositionError(f"{type(model).__name__} has no output embeddings (get_output_embeddings() is None).")
+        root_children = dict(model.named_children())
+        self.head_name = next(n for n, m in root_children.items() if m is head)
+        self.path: list[str] = []  # root -> trunk
+        trunk = model
+        while True:
+            lists = [n for n, m in trunk.named_children() if isinstance(m, nn.ModuleList) and len(m) == n_layers]
+            if len(lists) == 1:
+                break
+            holders = [n for n, m in trunk.named_children() if any(True for _ in m.parameters()) and m is not head]
+            if len(holders) != 1 or len(lists) > 1:
+                raise PipelineDecompositionError(
+                    f"cannot find the decoder layers of {type(model).__name__}: no single nn.ModuleList of"
+                    f" num_hidden_layers={n_layers} modules under {'.'.join(self.path) or 'the model'}."
+                )
+            self.path.append(holders[0])
+            trunk = getattr(trunk, holders[0])
+        self.trunk = trunk
+        self.layers_name = lists[0]
+        children = list(trunk.named_children())
+        at = [n for n, _ in children].index(self.layers_name)
+        # The model's own pipeline plan names the trunk's layers (when the trunk is the base model); without
+        # one, the trunk's children holding parameters (and dropouts) are layers, the rest is shared.
+        plan = getattr(config, "base_model_pp_plan", None) or {}
+        planned = [n for n in plan if n != self.layers_name] if self.path == [model.base_model_prefix] else []
+
+        def placed(name: str, module: nn.Module) -> bool:
+            if planned:
+                return name in planned
+            return any(True for _ in module.parameters()) or isinstance(module, nn.Dropout)
+
+        self.prologue = [n for n, m in children[:at] if placed(n, m)]
+        self.epilogue = [n for n, m in children[at + 1 :] if placed(n, m)]
+        self.shared = [n for n, m in children if n != self.layers_name and n not in self.prologue + self.epilogue]
+        # Embeddings among them, by their output size (known here: TP may replace the modules later).
+        self.embeddings = {n: int(_embedding_dim(m)) for n, m in children if n in self.prologue and _embedding_dim(m)}
+        unplaced = [n for n in self.shared if any(True for _ in getattr(trunk, n).parameters())]
+        unplaced += [
+            f"{'.'.join(self.path[: i + 1])}~{n}" for i, owner in enumerate(self._path_modules()[:-1])
+            for n, m in owner.named_children() if n != self.path[i] and m is not head and any(True for _ in m.parameters())
+        ]
+        if unplaced or not self.prologue:
+            raise PipelineDecompositionError(
+                f"cannot place {unplaced or 'the token embedding'} of {type(model).__name__} in a pipeline layer"
+                " (parameters outside the embeddings, decoder layers, final norm and head)."
+            )
+
+    def _path_modules(self) -> list[nn.Module]:
+        out, m = [self.model], self.model
+        for n in self.path:
+            m = getattr(m, n)
+            out.append(m)
+        return out
+
+    def prefix(self, name: str) -> str:
+        return ".".join([*self.path, name])
+
+    def layer_names(self) -> list[str]:
+        n = len(getattr(self.trunk, self.layers_name))
+        return (
+            [self.prefix(p) for p in self.prologue] + [self.prefix(f"{self.layers_name}.{i}") for i in range(n)]
+            + [self.prefix(e) for e in self.epilogue] + [self.head_name]
+        )
+
+    def layers(self) -> list[nn.Module]:
+        return [self.model.get_submodule(n) for n in self.layer_names()]
+
+
+def pipeline_structure(model: nn.Module) -> list[str]:
+    """The pipeline layers `CausalLM` makes of a ``transformers`` causal LM: their module names, in order."""
+    return _Structure(model).layer_names()
+
+
+def _embedding_dim(module: nn.Module) -> int:
+    """The output size of an embedding (``nn.Embedding`` or a module with ``embedding_dim``); 0 otherwise."""
+    return int(getattr(module, "embedding_dim", 0) or 0)
+
+
+class _Stop(Exception):
+    pass
+
+
+class _Standin(nn.Module):
+    """In a shell of the trunk: a layer that only records what it is called with (the last one stops the
+    forward), or a prologue / epilogue module without weights (an embedding gives zeros, others pass on)."""
+
+    def __init__(self, kind: str, dim: int = 0, calls: Optional[list] = None, last: bool = False) -> None:
+        super().__init__()
+        self.kind, self.dim, self.calls, self.last = kind, dim, calls, last
+
+    def forward(self, *args, **kwargs):
+        if self.kind == "layer":
+            assert self.calls is not None
+            self.calls.append((args[1:], kwargs))
+            if self.last:
+                raise _Stop
+            return args[0]
+        first = args[0] if args else next(iter(kwargs.values()))
+        if self.kind == "embedding":
+            return torch.zeros(*first.shape, self.dim, device=first.device)
+        return first
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _shell(module: nn.Module, replace: dict[str, nn.Module]) -> nn.Module:
+    """A shallow copy of ``module`` whose children ``replace`` names are others, without the module's hooks
+    (those of TP verification, FSDP2 ...); nothing is copied or moved."""
+    shell = copy.copy(module)
+    shell._modules = dict(module._modules)
+    shell._modules.update(replace)
+    for name in _HOOK_DICTS:
+        if name in shell.__dict__:
+            setattr(shell, name, OrderedDict())
+    return shell
+
+
+def _trunk_kwargs(structure: _Structure, hidden: Tensor) -> list[tuple[tuple, dict]]:
+    """The extra arguments (beyond the hidden states) the model's trunk passes each decoder layer, for an
+    input of ``hidden``'s shape, dtype and device: the trunk's own forward run on stand-ins."""
+    trunk = structure.trunk
+    calls: list = []
+    n = len(getattr(trunk, structure.layers_name))
+    standins = nn.ModuleList([_Standin("layer", calls=calls, last=i == n - 1) for i in range(n)])
+    replace: dict[str, nn.Module] = {structure.layers_name: standins}
+    for name in structure.prologue + structure.epilogue:
+        dim = structure.embeddings.get(name)
+        replace[name] = _Standin("embedding", dim=dim) if dim else _Standin("pass")
+    shell = _shell(trunk, replace)
+    try:
+        shell(inputs_embeds=torch.zeros_like(hidden), use_cache=False)
+    except _Stop:
+        pass
+    if len(calls) != n:
+        raise PipelineDecompositionError(
+            f"the forward of {type(trunk).__name__} called {len(calls)} of its {n} decoder layers on stand-ins."
+        )
+    return calls
+
+
+# ---------------------------------------------------------------------------------------------- hooks
+class _PipelineCalls:
+    """The hooks that let the model's modules be called as pipeline layers with one tensor."""
+
+    def __init__(self, structure: _Structure) -> None:
+        self.structure = structure
+        self._cache: dict[tuple, list] = {}
+        self._hooked: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+        self._filled: set[int] = set()
+
+    def kwargs_for(self, index: int, hidden: Tensor) -> tuple[tuple, dict]:
+        key = (tuple(hidden.shape[:-1]), hidden.dtype, hidden.device)
+        if key not in self._cache:
+            with torch.no_grad():
+                self._cache[key] = _trunk_kwargs(self.structure, hidden)
+        return self._cache[key][index]
+
+    def install(self, layers: list[nn.Module]) -> None:
+        s = self.structure
+        n_pro = len(s.prologue)
+        n_layers = len(getattr(s.trunk, s.layers_name))
+        for i, layer in enumerate(layers):
+            if layer in self._hooked:
+                continue
+            if n_pro <= i < n_pro + n_layers:
+                self._hook_decoder_layer(layer, i - n_pro)
+            elif 0 < i < n_pro and s.prologue[i] in s.embeddings:
+                self._hook_position_embedding(layer)
+            self._hooked.add(layer)
+
+    def _hook_decoder_layer(self, layer: nn.Module, index: int) -> None:
+        def pre(module, args, kwargs):
+            if kwargs or len(args) != 1:
+                return None  # the model's own forward: it passes the arguments itself
+            rest, extra = self.kwargs_for(index, args[0])
+            self._filled.add(id(module))
+            return (args[0], *rest), dict(extra)
+
+        def post(module, args, kwargs, output):
+            if id(module) in self._filled:
+                self._filled.discard(id(module))
+                return output[0] if isinstance(output, tuple) else output
+            return None
+
+        layer.register_forward_pre_hook(pre, with_kwargs=True)
+        layer.register_forward_hook(post, with_kwargs=True)
+
+    def _hook_position_embedding(self, layer: nn.Module) -> None:
+        stash: list[Tensor] = []
+
+        def pre(module, args):
+            hidden = args[0]
+            if not (isinstance(hidden, Tensor) and hidden.is_floating_point()):
+                return None
+            stash.append(hidden)
+            return (torch.arange(hidden.size(1), device=hidden.device).unsqueeze(0),)
+
+        def post(module, args, output):
+            if stash:
+                return stash.pop() + output
+            return None
+
+        layer.register_forward_pre_hook(pre)
+        layer.register_forward_hook(post)
+
+
+# ---------------------------------------------------------------------------------------------- the check
+def _standin_copy(module: nn.Module, generator: torch.Generator, head: bool = False) -> nn.Module:
+    """A small materialised stand-in of a prologue / epilogue / head module with the same class, hooks and
+    behaviour (in eval mode): embeddings and the head keep `_CHECK_VOCAB` rows, other modules their shapes
+    (norms: the hidden size). The module itself is left as it is."""
+    out = copy.copy(module)
+    out.training = False
+    out._parameters = dict(module._parameters)
+    out._buffers = dict(module._buffers)
+    out._modules = {n: _standin_copy(c, generator) for n, c in module._modules.items()}
+    rows = None
+    if isinstance(module, nn.Embedding) or getattr(module, "embedding_dim", None):
+        rows = _CHECK_VOCAB
+        out.padding_idx = None
+        out.num_embeddings = rows
+    elif head:
+        rows = _CHECK_VOCAB
+        if hasattr(out, "out_features"):
+            out.out_features = rows
+    for name, p in module._parameters.items():
+        if p is None:
+            continue
+        shape = list(p.shape)
+        if rows is not None and shape:
+            shape[0] = min(shape[0], rows)
+        t = torch.randn(shape, generator=generator) * 0.5 + (1.0 if p.dim() == 1 and "weight" in name else 0.0)
+        out._parameters[name] = nn.Parameter(t, requires_grad=False)
+    for name, b in module._buffers.items():
+        if b is not None and b.is_meta:
+            out._buffers[name] = torch.zeros(b.shape, dtype=b.dtype)
+    return out
+
+
+def check_decomposition(model: nn.Module, structure: _Structure) -> None:
+    """`PipelineDecompositionError` unless the prologue modules applied in order give what the model's trunk
+    hands its first decoder layer, and the epilogue modules and head give the model's logits from what its
+    last decoder layer returns -- both on small random stand-ins of those modules (same classes and hooks)."""
+    try:
+        _check_decomposition(model, structure)
+    except PipelineDecompositionError:
+        raise
+    except Exception as e:  # the model's code does not run on its layers as the pipeline calls them
+        raise PipelineDecompositionError(
+            f"{type(model).__name__} cannot be cut into pipeline layers exactly: applying its modules"
+            f" {structure.layer_names()[:2]}...{structure.layer_names()[-2:]} in order fails ({type(e).__name__}: {e})."
+        ) from e
+
+
+def _check_decomposition(model: nn.Module, s: _Structure) -> None:
+    generator = torch.Generator().manual_seed(0)
+    trunk = s.trunk
+    pro = {n: _standin_copy(getattr(trunk, n), generator) for n in s.prologue}
+    epi = {n: _standin_copy(getattr(trunk, n), generator) for n in s.epilogue}
+    head = _standin_copy(getattr(model, s.head_name), generator, head=True)
+    ids = torch.randint(0, _CHECK_VOCAB, (2, _CHECK_TOKENS), generator=generator)
+    n = len(getattr(trunk, s.layers_name))
+    with torch.no_grad():
+        # Prologue: the model's own forward up to its first decoder layer ...
+        seen: list = []
+
+        class First(nn.Module):
+            def forward(self, hidden, *args, **kwargs):
+                seen.append(hidden)
+                raise _Stop
+
+        try:
+            _shell(trunk, {s.layers_name: nn.ModuleList([First() for _ in range(n)]), **pro, **epi})(input_ids=ids, use_cache=False)
+        except _Stop:
+            pass
+        # ... against the prologue modules in order (as the pipeline calls them, hooks included).
+        x: Any = ids
+        for name in s.prologue:
+            x = pro[name](x)
+        if len(seen) != 1 or not isinstance(x, Tensor) or x.shape != seen[0].shape or not torch.equal(seen[0], x):
+            raise PipelineDecompositionError(
+                f"{type(model).__name__}: its forward does more between {s.prologue} and its first decoder layer"
+                " than those modules do (e.g. a scaling of the embeddings), so its pipeline layers would not"
+                " reproduce it."
+            )
+        # Epilogue: whatever the last decoder layer returns, the model's logits from it ...
+        last = torch.randn(*x.shape, generator=generator)
+        y: Any = last
+        for name in s.epilogue:
+            y = epi[name](y)
+        got = head(y)
+        want = None
+        for as_tuple in (False, True):  # a decoder layer returns its hidden states, or a tuple of them first
+            try:
+                want = _logits_from_last_layer(model, s, pro, epi, head, ids, last, as_tuple)
+                break
+            except Exception:
+                if as_tuple:
+                    raise
+        if want is None or want.shape != got.shape or not torch.equal(want, got):
+            raise PipelineDecompositionError(
+                f"{type(model).__name__}: its forward does more after its last decoder layer than {s.epilogue}"
+                f" and {s.head_name} do (e.g. a scaling or soft cap of the logits), so its pipeline layers would"
+                " not reproduce it."
+            )
+
+
+def _logits_from_last_layer(model, s: _Structure, pro, epi, head, ids: Tensor, last: Tensor, as_tuple: bool) -> Tensor:
+    """The model's own logits when every decoder layer returns ``last``, on shells holding the stand-ins."""
+
+    class Inject(nn.Module):
+        def forward(self, hidden, *args, **kwargs):
+            return (last,) if as_tuple else last
+
+    n = len(getattr(s.trunk, s.layers_name))
+    root = _shell(model, {s.head_name: head})
+    owner = root
+    for i, name in enumerate(s.path):  # shells along the path to the trunk
+        if i == len(s.path) - 1:
+            child = _shell(s.trunk, {s.layers_name: nn.ModuleList([Inject() for _ in range(n)]), **pro, **epi})
+        else:
+            child = _shell(owner._modules[name], {})
+        owner._modules[name] = child
+        owner = child
+    return root(input_ids=ids, use_cache=False).logits
+
+
+# ---------------------------------------------------------------------------------------------- loading
+class _Safetensors:
+    """The tensors of a local Hugging Face folder, read one at a time (``model.safetensors`` or an index)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        index = folder / "model.safetensors.index.json"
+        if index.exists():
+            self.files = {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+        elif (folder / "model.safetensors").exists():
+            from safetensors import safe_open
+
+            with safe_open(folder / "model.safetensors", "pt") as f:
+                self.files = {k: folder / "model.safetensors" for k in f.keys()}
+        else:
+            raise FileNotFoundError(f"{folder} holds no model.safetensors (nor its index): save it with save_pretrained.")
+
+    def read(self, key: str) -> Tensor:
+        from safetensors import safe_open
+
+        if key not in self.files:
+            raise KeyError(key)
+        with safe_open(self.files[key], "pt") as f:
+            return f.get_tensor(key)
+
+
+def _hf_names(model: nn.Module) -> dict[str, str]:
+    """Our module-tree names -> the names ``save_pretrained`` writes (the same; tied duplicates dropped)."""
+    return {n: n for n, _ in model.named_parameters()}
+
+
+# ---------------------------------------------------------------------------------------------- module
+class CausalLM(L.LightningModule):
+    """Next-token training of a ``transformers`` causal LM under any layout.
+
+    Args:
+        model: a local pretrained folder (``save_pretrained``'s output: config.json + safetensors), a model
+            type of ``transformers`` (``"llama"``) with ``config`` overrides, or a ``PretrainedConfig``.
+        config: fields of the config that override the folder's or the model type's defaults (random init
+            when ``model`` is not a folder).
+        lr, weight_decay, betas, warmup_steps: AdamW (decay on parameters with ``dim >= 2``), linear warmup.
+        init_seed: seed of the random init (each pipeline layer its own, derived from it).
+        attn_implementation: passed to ``transformers`` (``None``: its default for the model, SDPA where supported).
+
+    Batches are ``(x, y)`` token tensors ``(B, T)``, ``y`` being ``x`` shifted by one (as the package's data
+    modules give them). ``self(x)`` is the logits ``(B, T, V)``.
+    """
+
+    def __init__(
+        self,
+        model: Union[str, os.PathLike, Any],
+        config: Optional[Mapping[str, Any]] = None,
+        lr: float = 3e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 0,
+        init_seed: int = 0,
+        attn_implementation: Optional[str] = None,
+    ) -> None:
+        super().__init__()
+        from transformers import PretrainedConfig
+
+        spec = model.to_dict() if isinstance(model, PretrainedConfig) else (str(model) if isinstance(model, os.PathLike) else model)
+        if isinstance(model, PretrainedConfig):
+            spec = {"model_type": model.model_type, **spec}
+        self.save_hyperparameters({
+            "model": spec, "config": dict(config or {}), "lr": lr, "weight_decay": weight_decay,
+            "betas": tuple(betas), "warmup_steps": warmup_steps, "init_seed": init_seed,
+            "attn_implementation": attn_implementation,
+        })
+        self.hf_config = _resolve_config(spec, dict(config or {}))
+        self.folder: Optional[Path] = Path(spec) if isinstance(spec, str) and Path(spec).is_dir() else None
+        self.model: Optional[nn.Module] = None
+        vocab = int(self.hf_config.vocab_size)
+        self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=vocab, average="micro")
+        self._structure: Optional[_Structure] = None
+        self._calls: Optional[_PipelineCalls] = None
+        self._weights: Optional[_Safetensors] = None
+
+    # ------------------------------------------------------------------ model
+    def configure_model(self) -> None:
+        """Build the model on the meta device; materialise every layer here unless the strategy is building it
+        per pipeline rank (its init context is the meta device), which calls `init_pipeline_layer` itself."""
+        if self.model is not None:
+            return
+        from transformers import AutoModelForCausalLM
+
+        per_layer = torch.empty(0).device.type == "meta"
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                self.hf_config, attn_implementation=self.hparams.attn_implementation, dtype=torch.float32
+            )
+        model.config.use_cache = False
+        self.model = model
+        self._structure = _Structure(model)
+        self._calls = _PipelineCalls(self._structure)
+        if self.folder is not None:
+            self._weights = _Safetensors(self.folder)
+        with torch.device("cpu"):
+            for name in self._structure.shared:  # rotary embeddings and the like: on every stage
+                self._materialise(getattr(self._structure.trunk, name), torch.device("cpu"))
+            if not per_layer:
+                for index, layer in enumerate(self._structure.layers()):
+                    layer.to_empty(device="cpu")
+                    self.init_pipeline_layer(index, layer)
+                if getattr(model.config, "tie_word_embeddings", False):
+                    model.tie_weights()
+
+    def _materialise(self, module: nn.Module, device: torch.device) -> None:
+        if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+            module.to_empty(device=device)
+            with torch.no_grad():
+                for m in module.modules():
+                    self.model._init_weights(m)
+
+    def _names(self, layer: nn.Module) -> dict[str, str]:
+        names = {id(m): n for n, m in self.model.named_modules(remove_duplicate=False)}
+        prefix = names[id(layer)]
+        return {f"{prefix}.{k}": k for k, _ in layer.named_parameters(remove_duplicate=False)} | {
+            f"{prefix}.{k}": k for k, _ in layer.named_buffers(remove_duplicate=False)
+        }
+
+    # ------------------------------------------------------------------ pipeline protocol
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The model's modules in order: embeddings, decoder layers, final norm, head (see the module doc).
+        Raises `PipelineDecompositionError` where the model's forward does more than those layers do."""
+        if self.model is None or self._structure is None or self._calls is None:
+            raise RuntimeError("call configure_model() before pipeline_layers()")
+        layers = self._structure.layers()
+        if getattr(self.model.config, "tie_word_embeddings", False) and getattr(self.model, "_tied_weights_keys", None):
+            raise PipelineDecompositionError(
+                f"{type(self.model).__name__} ties its input and output embeddings (tie_word_embeddings=True), which"
+                " pipeline stages cannot share: train it with pp=1, or untie them (config tie_word_embeddings=False)."
+            )
+        first = not self._calls._hooked
+        self._calls.install(layers)
+        if first:
+            check_decomposition(self.model, self._structure)
+        return layers
+
+    def init_pipeline_layer(self, index: int, layer: nn.Module) -> None:
+        """Materialised layer ``index``: the folder's tensors for it, or the model's init under its own seed."""
+        assert self.model is not None
+        if self._weights is not None:
+            with torch.no_grad():
+                params = dict(layer.named_parameters(remove_duplicate=False))
+                missing_buffers = []
+                for full, local in self._names(layer).items():
+                    target = params[local] if local in params else layer.get_buffer(local)
+                    try:
+                        value = self._weights.read(full)
+                    except KeyError:
+                        if local not in params:  # a buffer the folder does not hold (rotary inv_freq ...)
+                            missing_buffers.append(local.rpartition(".")[0])
+                            continue
+                        raise KeyError(f"{self.folder} holds no tensor {full!r} (pipeline layer {index}).") from None
+                    if tuple(value.shape) != tuple(target.shape):
+                        raise ValueError(f"{full}: the folder's tensor is {tuple(value.shape)}, the model's {tuple(target.shape)}.")
+                    target.copy_(value)
+                for owner in dict.fromkeys(missing_buffers):  # the model's init computes them
+                    self.model._init_weights(layer.get_submodule(owner))
+            return
+        devices = [layer_device] if (layer_device := _device_of(layer)).type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            torch.manual_seed(self.hparams.init_seed * 1_000_003 + index)
+            for m in layer.modules():
+                self.model._init_weights(m)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        if self.model is None:
+            raise RuntimeError("call configure_model() before using the model")
+        return self.model(input_ids=idx, use_cache=False).logits
+
+    @staticmethod
+    def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
+        """Mean cross entropy (fp32); ``logits (B, T, V)``, ``targets (B, T)``."""
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    # ------------------------------------------------------------------ steps
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = self.loss_fn(self(x), y)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True, on_step=True, on_epoch=False)
+        return loss
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = self.loss_fn(logits, y)
+        self.val_acc.update(logits.argmax(-1).flatten(), y.flatten())
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True, on_epoch=True)
+        self.log("val_acc", self.val_acc, on_epoch=True)
+        return loss
+
+    def test_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = self.loss_fn(self(x), y)
+        self.log("test_loss", loss, sync_dist=True, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        assert self.model is not None
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": self.hparams.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr, betas=tuple(self.hparams.betas), eps=1e-8)
+        warmup = int(self.hparams.warmup_steps)
+        if warmup <= 0:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for t in [*module.parameters(), *module.buffers()]:
+        return t.device
+    return torch.device("cpu")
+
+
+def _resolve_config(spec: Any, overrides: dict[str, Any]):
+    from transformers import AutoConfig
+
+    if isinstance(spec, Mapping):
+        spec = dict(spec)
+        model_type = spec.pop("model_type")
+        config = AutoConfig.for_model(model_type, **spec)
+    elif isinstance(spec, str) and Path(spec).is_dir():
+        config = AutoConfig.from_pretrained(spec)
+    elif isinstance(spec, str):
+        config = AutoConfig.for_model(spec)
+    else:
+        raise TypeError(f"model={spec!r}: give a local pretrained folder, a model type such as 'llama', or a PretrainedConfig.")
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+# ---------------------------------------------------------------------------------------------- export
+def export_pretrained(trainer: "L.Trainer", folder: Union[str, os.PathLike]) -> Path:
+    """Write the trained `CausalLM` of ``trainer`` to ``folder`` as ``save_pretrained`` does (config.json and
+    model.safetensors, names as ``transformers`` writes them), from any layout. Every rank calls it; the
+    weights are gathered through a sharded checkpoint (each tensor unsplit once) and written by rank 0."""
+    from safetensors.torch import save_file
+
+    from lightning_hybrid.checkpoint import consolidated_state_dict
+
+    module = trainer.lightning_module
+    if not isinstance(module, CausalLM) or module.model is None:
+        raise TypeError("export_pretrained exports a trained lightning_hybrid.hf.CausalLM")
+    folder = Path(folder)
+    staging = folder / ".export-checkpoint"
+    trainer.save_checkpoint(staging)
+    if trainer.is_global_zero:
+        state = consolidated_state_dict(staging) if staging.is_dir() else torch.load(staging, map_location="cpu")["state_dict"]
+        weights = {k[len("model."):]: v.contiguous() for k, v in state.items() if k.startswith("model.")}
+        tied = set(_tied_keys(module.model))
+        weights = {k: v for k, v in weights.items() if k not in tied}
+        module.model.config.save_pretrained(folder)
+        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        shutil.rmtree(staging, ignore_errors=True) if staging.is_dir() else staging.unlink(missing_ok=True)
+    trainer.strategy.barrier("export_pretrained")
+    return folder
+
+
+def _tied_keys(model: nn.Module) -> list[str]:
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return []
+    head = model.get_output_embeddings()
+    names = {id(m): n for n, m in model.named_modules()}
+    return [f"{names[id(head)]}.weight"] if head is not None and id(head) in names else []
