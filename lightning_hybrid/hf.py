@@ -661,6 +661,10 @@ def export_pretrained(trainer: "L.Trainer", folder: Union[str, os.PathLike]) -> 
         weights = {k: v for k, v in weights.items() if k not in tied}
         module.model.config.save_pretrained(folder)
         save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        if module.folder is not None:  # the tokenizer and generation settings of the folder it came from
+            for f in module.folder.iterdir():
+                if f.is_file() and not (f.name.endswith(".safetensors") or f.name in ("config.json", "model.safetensors.index.json")):
+                    shutil.copy2(f, folder / f.name)
         shutil.rmtree(staging, ignore_errors=True) if staging.is_dir() else staging.unlink(missing_ok=True)
     trainer.strategy.barrier("export_pretrained")
     return folder

@@ -10,10 +10,16 @@ import torch
 
 pytest.importorskip("transformers")
 
+import lightning as L  # noqa: E402
 import transformers as T  # noqa: E402
 
-from lightning_hybrid.hf import CausalLM, PipelineDecompositionError, pipeline_structure  # noqa: E402
+from lightning_hybrid import HybridStrategy  # noqa: E402
+from lightning_hybrid.data import ByteCorpusDataModule  # noqa: E402
+from lightning_hybrid.hf import CausalLM, PipelineDecompositionError, export_pretrained, pipeline_structure  # noqa: E402
+from lightning_hybrid.memory import LiveTensorTracker  # noqa: E402
+from lightning_hybrid.pipeline.stages import keep_local_layers, plan_stages  # noqa: E402
 from tests.families import tiny_config  # noqa: E402
+from tests.helpers import QUIET_TRAINER, run_distributed, storage_bytes  # noqa: E402
 from tests.parity import check_world  # noqa: E402
 
 FAMILIES = ("llama", "qwen2", "gpt_neox", "gpt2")
@@ -103,3 +109,72 @@ def test_families_under_tp_pp_and_3d_layouts_match_one_device():
         for stage, family in ((0, "qwen2"), (1, "gpt_neox"), (3, "llama"))
     }
     _no_rank_holds_the_whole_model(check_world(8, runs, steps=STEPS, references=references), references)
+
+
+# ---------------------------------------------------------------------------------------------- pretrained
+class FinalLogits(L.Callback):
+    """The trained model's logits for ``ids``: ``self(x)`` through the stages, on every rank."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+
+    def on_train_end(self, trainer, pl_module):
+        pl_module.eval()
+        with torch.no_grad():
+            self.logits = pl_module(self.ids)
+
+
+def _train_load_export(folder: str, out: str, ids: torch.Tensor) -> dict:
+    L.seed_everything(0, verbose=False)
+    module = CausalLM(folder, lr=1e-3)
+    final = FinalLogits(ids)
+    trainer = L.Trainer(accelerator="cpu", devices=8, max_steps=2, limit_val_batches=0, num_sanity_val_steps=0,
+                        strategy=HybridStrategy(dp=2, tp=2, pp=2, zero_stage=1, micro_batches=2), callbacks=[final],
+                        **QUIET_TRAINER)
+    trainer.fit(module, ByteCorpusDataModule(max_bytes=20_000, block_size=16, batch_size=2))
+    param_bytes = storage_bytes(module.parameters())
+    export_pretrained(trainer, out)
+    return {"logits": final.logits, "param_bytes": param_bytes}
+
+
+def test_pretrained_folder_in_and_out_under_3d(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    source = AutoModelForCausalLM.from_config(tiny_config("llama")).float()
+    source.save_pretrained(tmp_path / "in")
+    whole = sum(p.numel() * p.element_size() for p in source.parameters())
+    # One process: the folder's weights, as they are.
+    loaded = _built(str(tmp_path / "in"))
+    for name, value in source.state_dict().items():
+        torch.testing.assert_close(loaded.model.state_dict()[name], value, rtol=0, atol=0, msg=name)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    results = run_distributed(_train_load_export, 8, str(tmp_path / "in"), str(tmp_path / "out"), ids)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").float().eval()
+    with torch.no_grad():
+        want = reloaded(input_ids=ids).logits
+    assert not torch.allclose(want, source(input_ids=ids).logits, atol=1e-4), "the exported model was trained"
+    for rank, got in enumerate(results):
+        torch.testing.assert_close(got["logits"], want, rtol=0, atol=1e-5, msg=f"rank {rank}: logits")
+        assert got["param_bytes"] < whole / 2, f"rank {rank} holds {got['param_bytes']} of {whole} bytes"
+
+
+def test_a_pretrained_load_reads_only_the_ranks_layers(tmp_path):
+    """The peak of live tensor bytes while a pipeline rank materialises its layers from the folder: those
+    layers plus one tensor being read, never the whole model."""
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(tiny_config("llama")).float().save_pretrained(tmp_path)
+    whole = _built(str(tmp_path))
+    whole_bytes = storage_bytes(whole.parameters())
+    module = CausalLM(str(tmp_path))
+    with torch.device("meta"):  # the strategy's init context under pp > 1: layers are built per rank
+        module.configure_model()
+    layout = plan_stages(module, pp=2, pp_rank=1, stages_per_rank=1, style="loop", split_points=None)
+    with LiveTensorTracker("cpu") as tracker:
+        keep_local_layers(module, layout, torch.device("cpu"))
+    local = storage_bytes(module.parameters())
+    largest = max(p.numel() * 4 for p in whole.parameters())
+    assert local < 0.6 * whole_bytes
+    assert tracker.peak <= local + largest, (tracker.peak, local, largest, whole_bytes)
+    for name, value in module.model.named_parameters():  # what was read is the folder's
+        torch.testing.assert_close(value, whole.model.get_parameter(name), rtol=0, atol=0, msg=name)
