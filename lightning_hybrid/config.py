@@ -34,15 +34,18 @@ from hydra.core.config_store import ConfigStore
 from lightning.pytorch.strategies import ParallelStrategy
 from omegaconf import MISSING, OmegaConf
 
-from lightning_hybrid.data import ByteCorpusDataModule
+from lightning_hybrid.data import ByteCorpusDataModule, TokenCorpusDataModule
+from lightning_hybrid.hf import CausalLM
 from lightning_hybrid.models import GPTConfig, GPTLightningModule
 from lightning_hybrid.strategy import HybridStrategy
 
 __all__ = [
     "ByteCorpusConfig",
+    "CausalLMConfig",
     "GPTModuleConfig",
     "ParallelConfig",
     "RecipeConfig",
+    "TokenCorpusConfig",
     "TrainerConfig",
     "register_configs",
     "schema_from_signature",
@@ -144,6 +147,17 @@ ByteCorpusConfig = schema_from_signature(
 )
 
 
+#: `lightning_hybrid.hf.CausalLM`: a Hugging Face causal LM (``model``: a local pretrained folder or a model type).
+CausalLMConfig = schema_from_signature(
+    "CausalLMConfig", CausalLM, "lightning_hybrid.hf.CausalLM", defaults={"model": inspect.Parameter.empty},
+)
+
+#: `TokenCorpusDataModule`: the byte corpus tokenised with the tokenizer of a local folder (bytes without one).
+TokenCorpusConfig = schema_from_signature(
+    "TokenCorpusConfig", TokenCorpusDataModule, "lightning_hybrid.data.TokenCorpusDataModule",
+)
+
+
 def _recipe_config() -> type:
     return make_dataclass("RecipeConfig", [
         ("model", Any, field(default=MISSING)),
@@ -163,11 +177,14 @@ RecipeConfig = _recipe_config()
 
 def register_configs() -> None:
     """Register the schemas in Hydra's ConfigStore (idempotent; done on import of this module):
-    ``recipe_schema``, ``model/gpt``, ``model/custom``, ``data/byte_corpus``, ``data/custom``."""
+    ``recipe_schema``, ``model/gpt``, ``model/hf_causal_lm``, ``model/custom``, ``data/byte_corpus``,
+    ``data/token_corpus``, ``data/custom``."""
     store = ConfigStore.instance()
     store.store(name="recipe_schema", node=RecipeConfig)
     store.store(group="model", name="gpt", node=GPTModuleConfig)
     store.store(group="data", name="byte_corpus", node=ByteCorpusConfig)
+    store.store(group="model", name="hf_causal_lm", node=CausalLMConfig)
+    store.store(group="data", name="token_corpus", node=TokenCorpusConfig)
     for group in ("model", "data"):
         # Open to any argument without Hydra's `+` prefix: the target's signature checks them before launch.
         store.store(group=group, name="custom", node=OmegaConf.create({"_target_": MISSING}, flags={"struct": False}))

@@ -23,6 +23,7 @@ __all__ = [
     "EXCLUDED_DIRS",
     "ByteBlockDataset",
     "ByteCorpusDataModule",
+    "TokenCorpusDataModule",
     "collect_text_files",
     "default_corpus_files",
     "looks_binary",
@@ -276,7 +277,7 @@ class ByteCorpusDataModule(L.LightningDataModule):
         if self._corpus is not None:
             return
         corpus = read_corpus(self.paths, self.max_bytes)
-        tokens = torch.frombuffer(bytearray(corpus), dtype=torch.uint8)  # (N,)
+        tokens = self.tokenize(corpus)  # (N,)
         n = len(tokens)
         n_val = int(n * self.val_fraction)
         n_train = n - n_val
@@ -290,6 +291,10 @@ class ByteCorpusDataModule(L.LightningDataModule):
         self.train_dataset = ByteBlockDataset(tokens[:n_train], self.block_size)
         self.val_dataset = ByteBlockDataset(tokens[n_train:], self.block_size)
         self._corpus = corpus
+
+    def tokenize(self, corpus: bytes) -> torch.Tensor:
+        """The corpus as a 1-D token tensor: here its bytes."""
+        return torch.frombuffer(bytearray(corpus), dtype=torch.uint8)
 
     def corpus_bytes(self) -> bytes:
         """The loaded corpus (calls :meth:`setup` if needed)."""
@@ -340,3 +345,47 @@ class ByteCorpusDataModule(L.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         """The test split is the validation split."""
         return self.val_dataloader()
+
+
+class TokenCorpusDataModule(ByteCorpusDataModule):
+    """`ByteCorpusDataModule` tokenised with a Hugging Face tokenizer: that of ``tokenizer`` (a local folder, e.g.
+    the pretrained model's, or ``None``) when the folder has one, else bytes (vocabulary 256). Same arguments
+    otherwise; the corpus is read as UTF-8 (undecodable bytes replaced) and tokenised once, on every rank alike.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Optional[PathLike] = None,
+        paths: Union[None, PathLike, Sequence[PathLike]] = None,
+        block_size: int = 64,
+        batch_size: int = 8,
+        val_fraction: float = 0.05,
+        max_bytes: int = 2_000_000,
+        num_workers: int = 0,
+        shuffle: bool = False,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(paths, block_size, batch_size, val_fraction, max_bytes, num_workers, shuffle, seed)
+        self.tokenizer_path = tokenizer
+        self.tokenizer = None
+        if tokenizer is not None and has_tokenizer(tokenizer):
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+        self.vocab_size = len(self.tokenizer) if self.tokenizer is not None else ByteCorpusDataModule.vocab_size
+
+    def tokenize(self, corpus: bytes) -> torch.Tensor:
+        if self.tokenizer is None:
+            return super().tokenize(corpus)
+        text = corpus.decode("utf-8", errors="replace")
+        ids = self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        return torch.tensor(ids, dtype=torch.int32 if self.vocab_size < 2**31 else torch.int64)
+
+
+#: Files that mark a folder as holding a Hugging Face tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(folder: PathLike) -> bool:
+    """Whether ``folder`` holds a Hugging Face tokenizer (one of `TOKENIZER_FILES`)."""
+    return Path(folder).is_dir() and any((Path(folder) / name).exists() for name in TOKENIZER_FILES)

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 import torchmetrics
 from torch import Tensor, nn
 
-__all__ = ["CausalLM", "PipelineDecompositionError", "export_pretrained", "pipeline_structure"]
+__all__ = ["CausalLM", "ExportPretrained", "PipelineDecompositionError", "export_pretrained", "pipeline_structure"]
 
 Batch = tuple[Tensor, Tensor]
 _CHECK_TOKENS = 8  # the decomposition check's sequence length
@@ -478,6 +478,7 @@ class CausalLM(L.LightningModule):
         self._structure: Optional[_Structure] = None
         self._calls: Optional[_PipelineCalls] = None
         self._weights: Optional[_Safetensors] = None
+        self._n_params = 0
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
@@ -494,6 +495,7 @@ class CausalLM(L.LightningModule):
             )
         model.config.use_cache = False
         self.model = model
+        self._n_params = sum(p.numel() for p in model.parameters())  # the whole model's (for MFU)
         self._structure = _Structure(model)
         self._calls = _PipelineCalls(self._structure)
         if self.folder is not None:
@@ -579,6 +581,15 @@ class CausalLM(L.LightningModule):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     # ------------------------------------------------------------------ steps
+    def on_train_batch_start(self, batch: Batch, batch_idx: int) -> None:
+        # Read by Lightning's ThroughputMonitor (MFU): 6 N per token for the matmuls of forward and backward,
+        # plus attention's 12 L H T (Kaplan et al. 2020; PaLM's appendix B), on the whole model.
+        x, _ = batch
+        config = self.hf_config
+        layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+        hidden = int(getattr(config, "hidden_size", 0) or 0)
+        self.flops_per_batch = (6 * self._n_params + 12 * layers * hidden * x.size(1)) * x.numel()
+
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         x, y = batch
         loss = self.loss_fn(self(x), y)
@@ -676,3 +687,16 @@ def _tied_keys(model: nn.Module) -> list[str]:
     head = model.get_output_embeddings()
     names = {id(m): n for n, m in model.named_modules()}
     return [f"{names[id(head)]}.weight"] if head is not None and id(head) in names else []
+
+
+class ExportPretrained(L.Callback):
+    """At the end of training, `export_pretrained` the trained `CausalLM` to ``folder`` (the fine-tuning recipe's
+    last step; every rank takes part)."""
+
+    def __init__(self, folder: Union[str, os.PathLike]) -> None:
+        self.folder = str(folder)
+
+    def on_train_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+        export_pretrained(trainer, self.folder)
+        if trainer.is_global_zero:
+            print(f"exported the trained model to {self.folder} (AutoModelForCausalLM.from_pretrained loads it)", flush=True)

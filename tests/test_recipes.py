@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
@@ -121,13 +122,13 @@ def test_arguments_of_any_target_are_checked_before_launch():
 
 
 # ---------------------------------------------------------------------------------------------- end to end
-def _run(args, cwd: Path) -> subprocess.CompletedProcess:
+def _run(args, cwd: Path, recipe: Path = RECIPE) -> subprocess.CompletedProcess:
     # PYTHONPATH: the user's module (tests/user_model.py) must import in every rank, as a user's own package would.
     pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=pythonpath)
     for k in ("LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "NODE_RANK", "HYDRA_FULL_ERROR"):
         env.pop(k, None)
-    return subprocess.run([sys.executable, str(RECIPE), *args], cwd=cwd, env=env, capture_output=True,
+    return subprocess.run([sys.executable, str(recipe), *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=TIMEOUT_S)
 
 
@@ -244,3 +245,58 @@ def test_slurm_launcher_config_composes():
         cfg = compose(config_name="pretrain", overrides=["hydra/launcher=slurm", "parallel=3d"], return_hydra_config=True)
     assert cfg.hydra.launcher._target_.endswith("submitit_launcher.SlurmLauncher")
     assert cfg.hydra.launcher.tasks_per_node * cfg.hydra.launcher.nodes == world_layout(cfg)["devices"]
+
+
+# ---------------------------------------------------------------------------------------------- fine-tuning
+def _pretrained_folder_with_tokenizer(folder: Path) -> Path:
+    """A tiny Llama (random init) and a byte-level BPE tokenizer trained here (256 tokens: the model's vocabulary),
+    saved as a Hugging Face folder."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from tests.families import tiny_config
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    text = ByteCorpusDataModule(max_bytes=50_000).corpus_bytes().decode("utf-8", errors="replace")
+    tokenizer.train_from_iterator([text], trainers.BpeTrainer(vocab_size=256, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(folder)
+    AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(folder)
+    return folder
+
+
+def test_finetune_recipe_end_to_end(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = _pretrained_folder_with_tokenizer(tmp_path / "model")
+    run_dir = tmp_path / "run"
+    res = _run([f"model.model={folder}", "parallel=tp_pp", *TINY, f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+               recipe=ROOT / "recipes" / "finetune.py")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    m = _check_metrics(run_dir / "metrics.json", "dp1xtp2xpp2", 4)
+    assert m["model"] == "lightning_hybrid.hf.CausalLM"
+    assert (run_dir / "checkpoints" / "last.ckpt").exists()
+    exported = run_dir / "hf_model"
+    model = AutoModelForCausalLM.from_pretrained(exported)  # the trained weights, as transformers reads them
+    source = AutoModelForCausalLM.from_pretrained(folder)
+    assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), source.state_dict().values()))
+    tokenizer = AutoTokenizer.from_pretrained(exported)  # the folder's tokenizer travels with it
+    assert tokenizer("def f(x):")["input_ids"] == AutoTokenizer.from_pretrained(folder)("def f(x):")["input_ids"]
+
+
+def test_token_corpus_uses_the_folders_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    from lightning_hybrid.data import TokenCorpusDataModule
+
+    folder = _pretrained_folder_with_tokenizer(tmp_path)
+    data = TokenCorpusDataModule(tokenizer=folder, max_bytes=20_000, block_size=16, batch_size=2)
+    data.setup()
+    text = data.corpus_bytes().decode("utf-8", errors="replace")
+    ids = AutoTokenizer.from_pretrained(folder)(text, add_special_tokens=False)["input_ids"]
+    x, y = data.train_dataset[0]
+    assert x.tolist() == ids[:16] and y.tolist() == ids[1:17] and data.vocab_size == len(AutoTokenizer.from_pretrained(folder))
+    assert ids[:16] != list(data.corpus_bytes()[:16])  # the tokenizer's ids, not the bytes
+    no_tokenizer = TokenCorpusDataModule(tokenizer=tmp_path / "nothing-here", max_bytes=20_000)
+    assert no_tokenizer.tokenizer is None and no_tokenizer.vocab_size == 256  # bytes
