@@ -557,6 +557,8 @@ class CausalLM(L.LightningModule):
                         if local not in params:  # a buffer the folder does not hold (rotary inv_freq ...)
                             missing_buffers.append(local.rpartition(".")[0])
                             continue
+                        if full in _tied_keys(self.model):  # the input embedding's, tied after loading (pp=1)
+                            continue
                         raise KeyError(f"{self.folder} holds no tensor {full!r} (pipeline layer {index}).") from None
                     if tuple(value.shape) != tuple(target.shape):
                         raise ValueError(f"{full}: the folder's tensor is {tuple(value.shape)}, the model's {tuple(target.shape)}.")
