@@ -11,16 +11,16 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
-def checkpoint_targets(module: nn.Module, target: bool | str) -> list[str]:
-    """Names of the modules to checkpoint: ``True`` -> every layer (the pipeline layers when the module lists
-    them, else the elements of its ``nn.ModuleList``s); a glob pattern -> the modules whose names match."""
+def checkpoint_targets(module: nn.Module, target: bool | str, pipelined: bool = False) -> list[str]:
+    """Names of the modules to checkpoint: ``True`` -> every layer (the pipeline layers when the module is
+    ``pipelined``, else the elements of its ``nn.ModuleList``s); a glob pattern -> the modules whose names match."""
     names = {id(m): n for n, m in module.named_modules()}
     if isinstance(target, str):
         chosen = [n for n in names.values() if n and fnmatch.fnmatchcase(n, target)]
         if not chosen:
             raise ValueError(f"activation_checkpointing={target!r} matches no module; names look like {list(names.values())[1:8]}")
         return chosen
-    if callable(getattr(module, "pipeline_layers", None)):
+    if pipelined:
         return [names[id(layer)] for layer in module.pipeline_layers() if id(layer) in names]
     return [names[id(m)] for sub in module.modules() if isinstance(sub, nn.ModuleList) for m in sub]
 

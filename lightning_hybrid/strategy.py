@@ -92,7 +92,7 @@ class HybridStrategy(ParallelStrategy):
         split_points: explicit pipeline split: indices of the layers that start stages 1..n-1 (default: stages
             balanced by parameter count).
         activation_checkpointing: ``True`` recomputes every layer's activations in backward (the pipeline
-            layers, or the elements of ``nn.ModuleList``s); a glob pattern picks modules by name.
+            layers under ``pp > 1``, else the elements of ``nn.ModuleList``s); a glob pattern picks modules by name.
         process_group_backend: overrides the backend chosen from the accelerator (gloo on CPU, nccl on CUDA).
         timeout: process group timeout.
     """
@@ -284,7 +284,7 @@ class HybridStrategy(ParallelStrategy):
         layer_names = self._pipeline_layer_names(module) if dims.pp > 1 else ()
         # The plan is made on the whole model (before a pipeline cuts it), so it is the same for every pp.
         plan = resolve_tp_plan(module, dims.tp, self.tp_plan, pipeline_layers=layer_names) if dims.tp > 1 else None
-        checkpointed = checkpoint_targets(module, self.activation_checkpointing) if self.activation_checkpointing else []
+        checkpointed = checkpoint_targets(module, self.activation_checkpointing, pipelined=dims.pp > 1) if self.activation_checkpointing else []
         layout, first_input = None, None
         if dims.pp > 1:
             assert self._schedule_spec is not None

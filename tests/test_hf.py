@@ -85,6 +85,15 @@ def test_models_the_layers_cannot_reproduce_are_refused():
         _built(T.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=256)).pipeline_layers()
 
 
+def test_without_a_pipeline_nothing_is_refused():
+    """Activation checkpointing at pp=1 picks the decoder layers and leaves the pipeline decomposition alone:
+    a model it would refuse (tied embeddings) trains there."""
+    from lightning_hybrid.activation_checkpointing import checkpoint_targets
+
+    module = _built(T.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=256))
+    assert checkpoint_targets(module, True) == ["model.transformer.h.0", "model.transformer.h.1"]
+
+
 # ---------------------------------------------------------------------------------------------- layouts
 def _no_rank_holds_the_whole_model(results: list[dict], references: dict) -> None:
     for rank, per_run in enumerate(results):
@@ -94,6 +103,7 @@ def _no_rank_holds_the_whole_model(results: list[dict], references: dict) -> Non
 
 def test_families_under_pipeline_layouts_match_one_device():
     runs = {f"pp2-{family}": (dict(pp=2, micro_batches=2), partial(_lm, family), {}) for family in FAMILIES}
+    runs["pp2-recompute-llama"] = (dict(pp=2, micro_batches=2, activation_checkpointing=True), partial(_lm, "llama"), {})
     runs["pp2-interleaved-gpt_neox"] = (
         dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, micro_batches=2), partial(_lm, "gpt_neox"), {})
     references: dict = {}
