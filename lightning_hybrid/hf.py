@@ -38,13 +38,11 @@ import shutil
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
 import lightning as L
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 import torchmetrics
 from torch import Tensor, nn
@@ -157,9 +155,10 @@ class _Standin(nn.Module):
     """In a shell of the trunk: a layer that only records what it is called with (the last one stops the
     forward), or a prologue / epilogue module without weights (an embedding gives zeros, others pass on)."""
 
-    def __init__(self, kind: str, dim: int = 0, calls: Optional[list] = None, last: bool = False) -> None:
+    def __init__(self, kind: str, dim: int = 0, calls: Optional[list] = None, last: bool = False,
+                 dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
-        self.kind, self.dim, self.calls, self.last = kind, dim, calls, last
+        self.kind, self.dim, self.calls, self.last, self.dtype = kind, dim, calls, last, dtype
 
     def forward(self, *args, **kwargs):
         if self.kind == "layer":
@@ -170,7 +169,7 @@ class _Standin(nn.Module):
             return args[0]
         first = args[0] if args else next(iter(kwargs.values()))
         if self.kind == "embedding":
-            return torch.zeros(*first.shape, self.dim, device=first.device)
+            return torch.zeros(*first.shape, self.dim, device=first.device, dtype=self.dtype)
         return first
 
 
@@ -200,7 +199,7 @@ def _trunk_kwargs(structure: _Structure, hidden: Tensor) -> list[tuple[tuple, di
     replace: dict[str, nn.Module] = {structure.layers_name: standins}
     for name in structure.prologue + structure.epilogue:
         dim = structure.embeddings.get(name)
-        replace[name] = _Standin("embedding", dim=dim) if dim else _Standin("pass")
+        replace[name] = _Standin("embedding", dim=dim, dtype=hidden.dtype) if dim else _Standin("pass")
     shell = _shell(trunk, replace)
     try:
         shell(inputs_embeds=torch.zeros_like(hidden), use_cache=False)
@@ -217,9 +216,13 @@ def _trunk_kwargs(structure: _Structure, hidden: Tensor) -> list[tuple[tuple, di
 class _PipelineCalls:
     """The hooks that let the model's modules be called as pipeline layers with one tensor."""
 
+    #: Input shapes whose decoder-layer arguments are kept (the most recent ones: training and evaluation
+    #: micro-batches; variable-length data would otherwise grow the cache without end).
+    CACHED_SHAPES = 8
+
     def __init__(self, structure: _Structure) -> None:
         self.structure = structure
-        self._cache: dict[tuple, list] = {}
+        self._cache: "OrderedDict[tuple, list]" = OrderedDict()
         self._hooked: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
         self._filled: set[int] = set()
 
@@ -228,6 +231,9 @@ class _PipelineCalls:
         if key not in self._cache:
             with torch.no_grad():
                 self._cache[key] = _trunk_kwargs(self.structure, hidden)
+            while len(self._cache) > self.CACHED_SHAPES:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(key)
         return self._cache[key][index]
 
     def install(self, layers: list[nn.Module]) -> None:
@@ -424,11 +430,6 @@ class _Safetensors:
             raise KeyError(key)
         with safe_open(self.files[key], "pt") as f:
             return f.get_tensor(key)
-
-
-def _hf_names(model: nn.Module) -> dict[str, str]:
-    """Our module-tree names -> the names ``save_pretrained`` writes (the same; tied duplicates dropped)."""
-    return {n: n for n, _ in model.named_parameters()}
 
 
 # ---------------------------------------------------------------------------------------------- module
@@ -644,7 +645,13 @@ def _resolve_config(spec: Any, overrides: dict[str, Any]):
     elif isinstance(spec, str) and Path(spec).is_dir():
         config = AutoConfig.from_pretrained(spec)
     elif isinstance(spec, str):
-        config = AutoConfig.for_model(spec)
+        try:
+            config = AutoConfig.for_model(spec)
+        except ValueError as err:
+            raise ValueError(
+                f"model={spec!r} is neither a local folder (save_pretrained's output) nor a model type of"
+                f" transformers (such as 'llama', 'qwen2', 'gpt2')."
+            ) from err
     else:
         raise TypeError(f"model={spec!r}: give a local pretrained folder, a model type such as 'llama', or a PretrainedConfig.")
     for key, value in overrides.items():

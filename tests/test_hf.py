@@ -81,6 +81,8 @@ def test_models_the_layers_cannot_reproduce_are_refused():
     with pytest.raises(PipelineDecompositionError, match="cannot be cut into pipeline layers exactly"):  # OPT's offset positions
         _built(T.OPTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64, vocab_size=256,
                            tie_word_embeddings=False)).pipeline_layers()
+    with pytest.raises(ValueError, match="model='/no/such/folder' is neither a local folder"):
+        CausalLM("/no/such/folder")
     with pytest.raises(PipelineDecompositionError, match="tie_word_embeddings=False"):
         _built(T.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=256)).pipeline_layers()
 
