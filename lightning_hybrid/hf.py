@@ -573,6 +573,13 @@ class CausalLM(L.LightningModule):
             for m in layer.modules():
                 self.model._init_weights(m)
 
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> "CausalLM":
+        """Lightning's ``load_from_checkpoint``; a sharded checkpoint folder is consolidated in memory first."""
+        from lightning_hybrid.checkpoint import lightning_checkpoint
+
+        return super().load_from_checkpoint(lightning_checkpoint(checkpoint_path), *args, **kwargs)
+
     def forward(self, idx: Tensor) -> Tensor:
         if self.model is None:
             raise RuntimeError("call configure_model() before using the model")

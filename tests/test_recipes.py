@@ -281,6 +281,13 @@ def test_finetune_recipe_end_to_end(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(exported)  # the trained weights, as transformers reads them
     source = AutoModelForCausalLM.from_pretrained(folder)
     assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), source.state_dict().values()))
+    # The run's sharded checkpoint, on one process, is the exported model.
+    from lightning_hybrid.hf import CausalLM
+
+    ids = torch.randint(0, 256, (2, 8))
+    restored = CausalLM.load_from_checkpoint(run_dir / "checkpoints" / "last.ckpt").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(restored(ids), model.eval()(input_ids=ids).logits, rtol=0, atol=1e-6)
     tokenizer = AutoTokenizer.from_pretrained(exported)  # the folder's tokenizer travels with it
     assert tokenizer("def f(x):")["input_ids"] == AutoTokenizer.from_pretrained(folder)("def f(x):")["input_ids"]
 
