@@ -349,7 +349,7 @@ class ByteCorpusDataModule(L.LightningDataModule):
 
 class TokenCorpusDataModule(ByteCorpusDataModule):
     """`ByteCorpusDataModule` tokenised with a Hugging Face tokenizer: that of ``tokenizer`` (a local folder, e.g.
-    the pretrained model's, or ``None``) when the folder has one, else bytes (vocabulary 256). Same arguments
+    the pretrained model's, or ``None``) when the folder holds one, else bytes (vocabulary 256). Same arguments
     otherwise; the corpus is read as UTF-8 (undecodable bytes replaced) and tokenised once, on every rank alike.
     """
 
@@ -366,6 +366,8 @@ class TokenCorpusDataModule(ByteCorpusDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__(paths, block_size, batch_size, val_fraction, max_bytes, num_workers, shuffle, seed)
+        if tokenizer is not None and not Path(tokenizer).is_dir():
+            raise FileNotFoundError(f"tokenizer: {str(tokenizer)!r} is not a folder (a Hugging Face model folder, or null for bytes)")
         self.tokenizer_path = tokenizer
         self.tokenizer = None
         if tokenizer is not None and has_tokenizer(tokenizer):

@@ -305,5 +305,8 @@ def test_token_corpus_uses_the_folders_tokenizer(tmp_path):
     x, y = data.train_dataset[0]
     assert x.tolist() == ids[:16] and y.tolist() == ids[1:17] and data.vocab_size == len(AutoTokenizer.from_pretrained(folder))
     assert ids[:16] != list(data.corpus_bytes()[:16])  # the tokenizer's ids, not the bytes
-    no_tokenizer = TokenCorpusDataModule(tokenizer=tmp_path / "nothing-here", max_bytes=20_000)
+    (tmp_path / "weights-only").mkdir()
+    no_tokenizer = TokenCorpusDataModule(tokenizer=tmp_path / "weights-only", max_bytes=20_000)
     assert no_tokenizer.tokenizer is None and no_tokenizer.vocab_size == 256  # bytes
+    with pytest.raises(FileNotFoundError, match="tokenizer: '/no/such/model' is not a folder"):
+        TokenCorpusDataModule(tokenizer="/no/such/model")
