@@ -351,13 +351,20 @@ def _place(name: str, full: Tensor, param: Tensor, specs: dict) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------- consolidation
-def consolidated_state_dict(checkpoint: str | Path) -> dict[str, Tensor]:
-    """The model's unsplit ``state_dict`` (LightningModule keys) of a checkpoint. Runs on one process, no
-    process group."""
+def model_parts(checkpoint: str | Path) -> Iterable[dict[str, Tensor]]:
+    """The model's unsplit tensors (LightningModule keys) of a checkpoint, one part at a time (at most a bucket
+    each, as saved). Runs on one process, no process group."""
     path = Path(checkpoint)
     meta = read_meta(path)
     keys = [f"model/{k}" for k in meta["lightning_hybrid"]["model_shapes"]]
-    return {k[len("model/") :]: v for part in _read_parts(path, meta, keys, no_dist=True) for k, v in part.items()}
+    for part in _read_parts(path, meta, keys, no_dist=True):
+        yield {k[len("model/") :]: v for k, v in part.items()}
+
+
+def consolidated_state_dict(checkpoint: str | Path) -> dict[str, Tensor]:
+    """The model's unsplit ``state_dict`` (LightningModule keys) of a checkpoint. Runs on one process, no
+    process group."""
+    return {k: v for part in model_parts(checkpoint) for k, v in part.items()}
 
 
 def consolidate(checkpoint: str | Path, out: str | Path) -> dict[str, Tensor]:

@@ -667,13 +667,15 @@ def _resolve_config(spec: Any, overrides: dict[str, Any]):
 
 
 # ---------------------------------------------------------------------------------------------- export
-def export_pretrained(trainer: "L.Trainer", folder: Union[str, os.PathLike]) -> Path:
-    """Write the trained `CausalLM` of ``trainer`` to ``folder`` as ``save_pretrained`` does (config.json and
-    model.safetensors, names as ``transformers`` writes them), from any layout. Every rank calls it; the
-    weights are gathered through a sharded checkpoint (each tensor unsplit once) and written by rank 0."""
+def export_pretrained(trainer: "L.Trainer", folder: Union[str, os.PathLike], max_shard_bytes: int = 2 * 2**30) -> Path:
+    """Write the trained `CausalLM` of ``trainer`` to ``folder`` as ``save_pretrained`` does (``config.json`` and
+    safetensors, names as ``transformers`` writes them; shards of at most ``max_shard_bytes`` with their index
+    when the model is larger), from any layout. Every rank calls it. The weights go through a sharded
+    checkpoint (each tensor unsplit once, by one rank); rank 0 then reads it back part by part, so it holds
+    one shard at a time, never the whole model. The source folder's tokenizer files are copied along."""
     from safetensors.torch import save_file
 
-    from lightning_hybrid.checkpoint import consolidated_state_dict
+    from lightning_hybrid.checkpoint import model_parts
 
     module = trainer.lightning_module
     if not isinstance(module, CausalLM) or module.model is None:
@@ -682,12 +684,34 @@ def export_pretrained(trainer: "L.Trainer", folder: Union[str, os.PathLike]) -> 
     staging = folder / ".export-checkpoint"
     trainer.save_checkpoint(staging)
     if trainer.is_global_zero:
-        state = consolidated_state_dict(staging) if staging.is_dir() else torch.load(staging, map_location="cpu")["state_dict"]
-        weights = {k[len("model."):]: v.contiguous() for k, v in state.items() if k.startswith("model.")}
         tied = set(_tied_keys(module.model))
-        weights = {k: v for k, v in weights.items() if k not in tied}
+        shard: dict[str, Tensor] = {}
+        written: list[tuple[Path, list[str]]] = []  # (file, its tensors)
+        total = 0
+
+        def flush() -> None:
+            path = folder / f".shard-{len(written)}.safetensors"
+            save_file(shard, str(path), metadata={"format": "pt"})
+            written.append((path, list(shard)))
+            shard.clear()
+
+        parts = model_parts(staging) if staging.is_dir() else [torch.load(staging, map_location="cpu")["state_dict"]]
+        held = 0
+        for part in parts:
+            for key, value in part.items():
+                name = key[len("model."):]
+                if not key.startswith("model.") or name in tied:
+                    continue
+                size = value.numel() * value.element_size()
+                if shard and held + size > max_shard_bytes:
+                    flush()
+                    held = 0
+                shard[name] = value.contiguous()
+                held += size
+                total += size
+        flush()
+        _name_shards(folder, written, total)
         module.model.config.save_pretrained(folder)
-        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
         if module.folder is not None:  # the tokenizer and generation settings of the folder it came from
             for f in module.folder.iterdir():
                 if f.is_file() and not (f.name.endswith(".safetensors") or f.name in ("config.json", "model.safetensors.index.json")):
@@ -695,6 +719,20 @@ def export_pretrained(trainer: "L.Trainer", folder: Union[str, os.PathLike]) -> 
         shutil.rmtree(staging, ignore_errors=True) if staging.is_dir() else staging.unlink(missing_ok=True)
     trainer.strategy.barrier("export_pretrained")
     return folder
+
+
+def _name_shards(folder: Path, written: list[tuple[Path, list[str]]], total: int) -> None:
+    """``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``."""
+    if len(written) == 1:
+        written[0][0].rename(folder / "model.safetensors")
+        return
+    weight_map = {}
+    for k, (path, keys) in enumerate(written, start=1):
+        name = f"model-{k:05d}-of-{len(written):05d}.safetensors"
+        path.rename(folder / name)
+        weight_map.update(dict.fromkeys(keys, name))
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _tied_keys(model: nn.Module) -> list[str]:

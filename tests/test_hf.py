@@ -145,7 +145,7 @@ def _train_load_export(folder: str, out: str, ids: torch.Tensor) -> dict:
                         **QUIET_TRAINER)
     trainer.fit(module, ByteCorpusDataModule(max_bytes=20_000, block_size=16, batch_size=2))
     param_bytes = storage_bytes(module.parameters())
-    export_pretrained(trainer, out)
+    export_pretrained(trainer, out, max_shard_bytes=50_000)  # a few shards and their index
     return {"logits": final.logits, "param_bytes": param_bytes}
 
 
@@ -165,6 +165,10 @@ def test_pretrained_folder_in_and_out_under_3d(tmp_path):
     with torch.no_grad():
         want = reloaded(input_ids=ids).logits
     assert not torch.allclose(want, source(input_ids=ids).logits, atol=1e-4), "the exported model was trained"
+    assert len(list((tmp_path / "out").glob("model-*-of-*.safetensors"))) > 1 and (tmp_path / "out" / "model.safetensors.index.json").exists()
+    again = _built(str(tmp_path / "out")).eval()  # CausalLM reads a sharded folder too
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids), want, rtol=0, atol=0)
     for rank, got in enumerate(results):
         torch.testing.assert_close(got["logits"], want, rtol=0, atol=1e-5, msg=f"rank {rank}: logits")
         assert got["param_bytes"] < whole / 2, f"rank {rank} holds {got['param_bytes']} of {whole} bytes"
