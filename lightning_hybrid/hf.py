@@ -682,7 +682,7 @@ def export_pretrained(trainer: "L.Trainer", folder: Union[str, os.PathLike], max
         raise TypeError("export_pretrained exports a trained lightning_hybrid.hf.CausalLM")
     folder = Path(folder)
     staging = folder / ".export-checkpoint"
-    trainer.save_checkpoint(staging)
+    trainer.save_checkpoint(staging, weights_only=True)  # the weights only: no optimizer state
     if trainer.is_global_zero:
         tied = set(_tied_keys(module.model))
         shard: dict[str, Tensor] = {}
