@@ -296,7 +296,7 @@ def _standin_copy(module: nn.Module, generator: torch.Generator, head: bool = Fa
     out._buffers = dict(module._buffers)
     out._modules = {n: _standin_copy(c, generator) for n, c in module._modules.items()}
     rows = None
-    if isinstance(module, nn.Embedding) or getattr(module, "embedding_dim", None):
+    if _embedding_dim(module):
         rows = _CHECK_VOCAB
         out.padding_idx = None
         out.num_embeddings = rows
@@ -518,9 +518,10 @@ class CausalLM(L.LightningModule):
                 for m in module.modules():
                     self.model._init_weights(m)
 
-    def _names(self, layer: nn.Module) -> dict[str, str]:
-        names = {id(m): n for n, m in self.model.named_modules(remove_duplicate=False)}
-        prefix = names[id(layer)]
+    def _names(self, index: int, layer: nn.Module) -> dict[str, str]:
+        """``{folder name: name in the layer}`` of pipeline layer ``index``'s parameters and buffers."""
+        assert self._structure is not None
+        prefix = self._structure.layer_names()[index]
         return {f"{prefix}.{k}": k for k, _ in layer.named_parameters(remove_duplicate=False)} | {
             f"{prefix}.{k}": k for k, _ in layer.named_buffers(remove_duplicate=False)
         }
@@ -550,7 +551,7 @@ class CausalLM(L.LightningModule):
             with torch.no_grad():
                 params = dict(layer.named_parameters(remove_duplicate=False))
                 missing_buffers = []
-                for full, local in self._names(layer).items():
+                for full, local in self._names(index, layer).items():
                     target = params[local] if local in params else layer.get_buffer(local)
                     try:
                         value = self._weights.read(full)

@@ -1,8 +1,8 @@
 """Run a function on N real processes with a process group, the way torchrun starts them.
 
 `run_distributed` is the one multi-process launcher that the tests and the benchmarks share: it starts N
-ranks (forked from a fork server that has the heavy imports done) with torchrun's environment variables (``MASTER_ADDR``, ``RANK``, ``WORLD_SIZE``, ...), runs ``fn`` on each,
-and returns the results by rank. A failure on any rank stops the others and raises its traceback, so nothing
+ranks (forked from a fork server that has the heavy imports done) with torchrun's environment variables
+(``MASTER_ADDR``, ``RANK``, ``WORLD_SIZE``, ...), runs ``fn`` on each, and returns the results by rank. A failure on any rank stops the others and raises its traceback, so nothing
 waits on a collective that a failed rank will never join.
 """
 
