@@ -408,28 +408,49 @@ def _logits_from_last_layer(model, s: _Structure, pro, epi, head, ids: Tensor, l
 
 # ---------------------------------------------------------------------------------------------- loading
 class _Safetensors:
-    """The tensors of a local Hugging Face folder, read one at a time (``model.safetensors`` or an index)."""
+    """The tensors of a local Hugging Face folder (``model.safetensors`` or an index): their shapes (from the
+    headers), and each read on its own, whole or a slice along one dimension."""
 
     def __init__(self, folder: Path) -> None:
+        from safetensors import safe_open
+
         self.folder = folder
         index = folder / "model.safetensors.index.json"
         if index.exists():
             self.files = {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
         elif (folder / "model.safetensors").exists():
-            from safetensors import safe_open
-
             with safe_open(folder / "model.safetensors", "pt") as f:
                 self.files = {k: folder / "model.safetensors" for k in f.keys()}
         else:
             raise FileNotFoundError(f"{folder} holds no model.safetensors (nor its index): save it with save_pretrained.")
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for file in dict.fromkeys(self.files.values()):
+            with safe_open(file, "pt") as f:
+                self.shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
 
-    def read(self, key: str) -> Tensor:
+    def read(self, key: str, dim: Optional[int] = None, start: int = 0, length: int = 0) -> Tensor:
+        """The tensor ``key``, or with ``dim`` only its ``[start, start + length)`` along ``dim`` (only those bytes
+        are read)."""
         from safetensors import safe_open
 
         if key not in self.files:
             raise KeyError(key)
         with safe_open(self.files[key], "pt") as f:
-            return f.get_tensor(key)
+            if dim is None:
+                return f.get_tensor(key)
+            return f.get_slice(key)[(slice(None),) * dim + (slice(start, start + length),)]
+
+    def check(self, model: nn.Module) -> None:
+        """``KeyError`` / ``ValueError`` unless the folder holds every parameter of ``model`` (but tied copies) with
+        the model's shape: raised on every rank at ``configure_model``, before any collective."""
+        tied = set(_tied_keys(model))
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if name not in self.shapes:
+                if name in tied:
+                    continue
+                raise KeyError(f"{self.folder} holds no tensor {name!r} (a parameter of {type(model).__name__}).")
+            if self.shapes[name] != tuple(p.shape):
+                raise ValueError(f"{name}: the folder's tensor is {self.shapes[name]}, the model's {tuple(p.shape)}.")
 
 
 # ---------------------------------------------------------------------------------------------- module
@@ -483,8 +504,11 @@ class CausalLM(L.LightningModule):
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
-        """Build the model on the meta device; materialise every layer here unless the strategy is building it
-        per pipeline rank (its init context is the meta device), which calls `init_pipeline_layer` itself."""
+        """Build the model on the meta device. Its layers are materialised here unless the strategy builds them
+        per rank, calling `init_pipeline_layer` (or `load_pipeline_layer_slices`) itself: when its init context
+        is the meta device (``pp > 1``), or under ``tp > 1`` (the model's device mesh), where each rank
+        materialises only its TP slices of its layers -- for a model the pipeline layers reproduce (untied
+        embeddings; see `check_decomposition`), the others are materialised whole here."""
         if self.model is not None:
             return
         from transformers import AutoModelForCausalLM
@@ -501,15 +525,29 @@ class CausalLM(L.LightningModule):
         self._calls = _PipelineCalls(self._structure)
         if self.folder is not None:
             self._weights = _Safetensors(self.folder)
+            self._weights.check(model)
         with torch.device("cpu"):
             for name in self._structure.shared:  # rotary embeddings and the like: on every stage
                 self._materialise(getattr(self._structure.trunk, name), torch.device("cpu"))
-            if not per_layer:
+            if not (per_layer or (self._tp_size() > 1 and self._layerwise())):
                 for index, layer in enumerate(self._structure.layers()):
                     layer.to_empty(device="cpu")
                     self.init_pipeline_layer(index, layer)
                 if getattr(model.config, "tie_word_embeddings", False):
                     model.tie_weights()
+
+    def _tp_size(self) -> int:
+        mesh = self._device_mesh  # set by HybridStrategy before configure_model
+        return mesh["tp"].size() if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) else 1
+
+    def _layerwise(self) -> bool:
+        """Whether the strategy can materialise the model layer by layer: its pipeline layers reproduce it (the
+        hooks `pipeline_layers` installs leave the model's own forward as it is)."""
+        try:
+            self.pipeline_layers()
+        except PipelineDecompositionError:
+            return False
+        return True
 
     def _materialise(self, module: nn.Module, device: torch.device) -> None:
         if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
@@ -544,35 +582,54 @@ class CausalLM(L.LightningModule):
             check_decomposition(self.model, self._structure)
         return layers
 
-    def init_pipeline_layer(self, index: int, layer: nn.Module) -> None:
-        """Materialised layer ``index``: the folder's tensors for it, or the model's init under its own seed."""
+    def init_pipeline_layer(self, index: int, layer: nn.Module, pretrained: bool = True) -> None:
+        """Materialised layer ``index``: the folder's tensors for it, or (no folder, or ``pretrained=False``) the
+        model's init under its own seed."""
         assert self.model is not None
-        if self._weights is not None:
-            with torch.no_grad():
-                params = dict(layer.named_parameters(remove_duplicate=False))
-                missing_buffers = []
-                for full, local in self._names(index, layer).items():
-                    target = params[local] if local in params else layer.get_buffer(local)
-                    try:
-                        value = self._weights.read(full)
-                    except KeyError:
-                        if local not in params:  # a buffer the folder does not hold (rotary inv_freq ...)
-                            missing_buffers.append(local.rpartition(".")[0])
-                            continue
-                        if full in _tied_keys(self.model):  # the input embedding's, tied after loading (pp=1)
-                            continue
-                        raise KeyError(f"{self.folder} holds no tensor {full!r} (pipeline layer {index}).") from None
-                    if tuple(value.shape) != tuple(target.shape):
-                        raise ValueError(f"{full}: the folder's tensor is {tuple(value.shape)}, the model's {tuple(target.shape)}.")
-                    target.copy_(value)
-                for owner in dict.fromkeys(missing_buffers):  # the model's init computes them
-                    self.model._init_weights(layer.get_submodule(owner))
+        if self._weights is not None and pretrained:
+            self._load(index, layer)
             return
         devices = [layer_device] if (layer_device := _device_of(layer)).type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             torch.manual_seed(self.hparams.init_seed * 1_000_003 + index)
             for m in layer.modules():
                 self.model._init_weights(m)
+
+    def load_pipeline_layer_slices(self, index: int, layer: nn.Module) -> bool:
+        """Fill the materialised, TP-split layer ``index`` from the folder, reading only this rank's pieces of
+        each split tensor (``safe_open().get_slice``; a fused tensor's parts are several pieces). ``False``
+        without a folder (the strategy then initialises an unsplit copy of the layer and keeps its slices)."""
+        if self._weights is None:
+            return False
+        self._load(index, layer)
+        return True
+
+    @torch.no_grad()
+    def _load(self, index: int, layer: nn.Module) -> None:
+        """Layer ``index``'s tensors from the folder: whole, or this rank's pieces of those TP split."""
+        assert self.model is not None and self._weights is not None
+        from lightning_hybrid.tensor_parallel.layers import tp_shard_specs
+
+        specs = tp_shard_specs(layer)
+        params = dict(layer.named_parameters(remove_duplicate=False))
+        missing_buffers = []
+        for full, local in self._names(index, layer).items():
+            target = params[local] if local in params else layer.get_buffer(local)
+            if full not in self._weights.files:
+                if local not in params:  # a buffer the folder does not hold (rotary inv_freq ...)
+                    missing_buffers.append(local.rpartition(".")[0])
+                    continue
+                if full in _tied_keys(self.model):  # the input embedding's, tied after loading (pp=1)
+                    continue
+                raise KeyError(f"{self.folder} holds no tensor {full!r} (pipeline layer {index}).")
+            if local not in specs:
+                target.copy_(self._weights.read(full))
+                continue
+            spec, group = specs[local]
+            for at, start, n in spec.chunks(torch.distributed.get_rank(group), torch.distributed.get_world_size(group)):
+                target.narrow(spec.dim, at, n).copy_(self._weights.read(full, spec.dim, start, n))  # one piece at a time
+        for owner in dict.fromkeys(missing_buffers):  # the model's init computes them
+            self.model._init_weights(layer.get_submodule(owner))
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> "CausalLM":

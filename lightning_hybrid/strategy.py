@@ -14,6 +14,7 @@ It composes, in one fixed order, what the other modules implement:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Generator, Mapping
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
@@ -45,7 +46,16 @@ from lightning_hybrid.grad_norm import clip_grads_, global_grad_norm
 from lightning_hybrid.mesh import ParallelDims, validate_zero_stage
 from lightning_hybrid.pipeline import PipelineExecutor, check_protocol, resolve_schedule, stage_module
 from lightning_hybrid.pipeline.executor import forward_through_stages
-from lightning_hybrid.pipeline.stages import StageLayout, bind_evaluation, bind_training, keep_local_layers, plan_stages
+from lightning_hybrid.pipeline.protocol import PROTOCOL_HELP
+from lightning_hybrid.pipeline.stages import (
+    StageLayout,
+    bind_evaluation,
+    bind_training,
+    check_materialised,
+    drop_remote_layers,
+    keep_local_layers,
+    plan_stages,
+)
 from lightning_hybrid.precision import with_global_norm_clipping
 from lightning_hybrid.rank_zero import library_warnings_from_rank_zero
 from lightning_hybrid.tensor_parallel import (
@@ -58,6 +68,9 @@ from lightning_hybrid.tensor_parallel import (
 )
 from lightning_hybrid.tensor_parallel.comm import sum_grad_over_tp, sum_grads_over_tp_
 from lightning_hybrid.tensor_parallel.examples import first_layer_example, model_example, synthetic_call
+from lightning_hybrid.tensor_parallel.layerwise import is_meta, materialise_split_layers
+from lightning_hybrid.tensor_parallel.layerwise import representative as layerwise_representative
+from lightning_hybrid.tensor_parallel.verify import Captured
 from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB, ZeroOptimizer, apply_fsdp, apply_fsdp_units
 
 if TYPE_CHECKING:
@@ -279,24 +292,41 @@ class HybridStrategy(ParallelStrategy):
         if self._parallelized_module is module:
             return
         dims = self.parallel_dims
-        if dims.pp > 1:
+        # A module left on the meta device (built per pipeline rank, or by itself under TP) is split over TP there
+        # and then materialised layer by layer, each rank filling only its slices (`tensor_parallel.layerwise`).
+        layerwise = dims.tp > 1 and is_meta(module)
+        if dims.pp > 1 or layerwise:
             check_protocol(module)
-        layer_names = self._pipeline_layer_names(module) if dims.pp > 1 else ()
+        if layerwise and not callable(getattr(module, "init_pipeline_layer", None)):
+            raise TypeError(f"{type(module).__name__} was built on the meta device but has no `init_pipeline_layer`. {PROTOCOL_HELP}")
+        layer_names = self._pipeline_layer_names(module) if dims.pp > 1 or layerwise else ()
         # The plan is made on the whole model (before a pipeline cuts it), so it is the same for every pp.
         plan = resolve_tp_plan(module, dims.tp, self.tp_plan, pipeline_layers=layer_names) if dims.tp > 1 else None
         checkpointed = checkpoint_targets(module, self.activation_checkpointing, pipelined=dims.pp > 1) if self.activation_checkpointing else []
         layout, first_input = None, None
-        if dims.pp > 1:
-            assert self._schedule_spec is not None
+        if dims.pp > 1 or layerwise:
             # Known on every rank before the cut (layers are still there, perhaps on the meta device).
             first_input = first_layer_example(module, module.pipeline_layers()[0], self.root_device)
+        if dims.pp > 1:
+            assert self._schedule_spec is not None
             layout = plan_stages(
                 module, dims.pp, self.device_mesh["pp"].get_local_rank(), self._stages_per_rank,
                 self._schedule_spec.style, self.split_points,
             )
-            keep_local_layers(module, layout, self.root_device)
+            if layerwise:
+                drop_remote_layers(module, layout)
+            else:
+                keep_local_layers(module, layout, self.root_device)
             self._remote_prefixes = layout.remote_prefixes
-        if plan is not None:
+        if layerwise:
+            assert plan is not None
+            layers = module.pipeline_layers()
+            local = layout.local_layers() if layout is not None else list(range(len(layers)))
+            unsplit = {i: copy.deepcopy(layers[i]) for i in local}  # on meta: what random init fills, layer by layer
+            self._apply_tp(module, plan, layer_names, layout, first_input, layerwise=True)
+            materialise_split_layers(module, local, unsplit, self.root_device)
+            check_materialised(module)
+        elif plan is not None:
             self._apply_tp(module, plan, layer_names, layout, first_input)
         self._tp_sharded_names = tp_sharded_parameter_names(module)
         apply_activation_checkpointing(module, [n for n in checkpointed if not _is_under(n, self._remote_prefixes)])
@@ -316,12 +346,23 @@ class HybridStrategy(ParallelStrategy):
 
     def _apply_tp(
         self, module: "pl.LightningModule", plan: TPPlan, layer_names: tuple[str, ...], layout: Optional[StageLayout],
-        first_input: Optional[Tensor],
+        first_input: Optional[Tensor], layerwise: bool = False,
     ) -> None:
         """Split this rank's modules over TP, each kind of block verified against its unsplit self first (an
-        example forward captures the blocks' inputs: the whole model, or the pipeline stages in order). An
-        error on any rank is raised on every rank."""
-        if layout is None:
+        example forward captures the blocks' inputs: the whole model, or the pipeline stages in order). With
+        ``layerwise`` the model is on the meta device: each kind is verified on a materialised copy of one block
+        (``first_input`` for pipeline layer 0, synthetic inputs for the others) and the split is made on meta.
+        An error on any rank is raised on every rank."""
+        representative = example_input_for = None
+        if layerwise:
+            run_example = None
+            representative = layerwise_representative(module, module.pipeline_layers(), layer_names, self.root_device)
+
+            def example_input_for(name: str, block: torch.nn.Module) -> Optional[Captured]:
+                if name == layer_names[0] and first_input is not None:
+                    return Captured.of((first_input,), {})
+                return synthetic_call(block)
+        elif layout is None:
             run_example = model_example(module, _param_device(module))
         else:
             layers = module.pipeline_layers()
@@ -331,7 +372,8 @@ class HybridStrategy(ParallelStrategy):
             )
         result = apply_tp(
             module, self.tp_group, plan, run_example=run_example, verify=self.verify_tp_plan,
-            pipeline_layers=layer_names, device=self.root_device, example_input_for=lambda name, block: synthetic_call(block),
+            pipeline_layers=layer_names, device=self.root_device,
+            example_input_for=example_input_for or (lambda name, block: synthetic_call(block)), representative=representative,
         )
         errors: list[Any] = [None] * self.world_size
         dist.all_gather_object(errors, result.errors)
@@ -361,7 +403,8 @@ class HybridStrategy(ParallelStrategy):
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
         """Under ``pp > 1`` a module that can initialise single pipeline layers is built on the meta device:
-        each rank then materialises only its own layers."""
+        each rank then materialises only its own layers (under ``tp > 1`` only its slices of them). A module may
+        also stay on the meta device by itself (`lightning_hybrid.hf.CausalLM` under ``tp > 1``)."""
         module = self.lightning_module
         if self._requested["pp"] > 1 and callable(getattr(module, "init_pipeline_layer", None)):
             with torch.device("meta"), self.precision_plugin.tensor_init_context():

@@ -194,3 +194,83 @@ def test_a_pretrained_load_reads_only_the_ranks_layers(tmp_path):
     assert tracker.peak <= local + largest, (tracker.peak, local, largest, whole_bytes)
     for name, value in module.model.named_parameters():  # what was read is the folder's
         torch.testing.assert_close(value, whole.model.get_parameter(name), rtol=0, atol=0, msg=name)
+
+
+class _Measured(CausalLM):
+    """A `CausalLM` whose first load of a pretrained layer starts a new peak window of ``tracker`` (set by
+    `_SetupPeak`), so that the load is measured apart from the TP verification before it."""
+
+    tracker = None
+
+    def _mark(self, pretrained: bool) -> None:
+        if pretrained and self.tracker is not None and not hasattr(self, "load_start"):
+            self.tracker.reset_peak()
+            self.load_start = self.tracker.total
+
+    def init_pipeline_layer(self, index, layer, **kwargs):
+        self._mark(kwargs.get("pretrained", True))
+        super().init_pipeline_layer(index, layer, **kwargs)
+        self.load_peak = self.tracker.peak if self.tracker is not None else 0
+
+    def load_pipeline_layer_slices(self, index, layer):
+        self._mark(self._weights is not None)
+        loaded = super().load_pipeline_layer_slices(index, layer)
+        self.load_peak = self.tracker.peak
+        return loaded
+
+
+class _SetupPeak(L.Callback):
+    """The peak of live tensor bytes from the module's construction to the first step (``setup``), and the
+    unsplit weights then (gathered over TP, ZeRO-3 and the stages)."""
+
+    def setup(self, trainer, pl_module, stage):
+        self.tracker = pl_module.tracker = LiveTensorTracker("cpu")
+        self.tracker.__enter__()
+
+    def on_fit_start(self, trainer, pl_module):
+        self.tracker.__exit__(None, None, None)
+        self.peak = self.tracker.peak
+        self.full = {k.removeprefix("model."): v for k, v in trainer.strategy.full_state_dict().items()}
+
+
+def _load_under(folder: str, layouts: dict) -> dict:
+    """Per layout: setup's peak, the load's peak (and the live bytes it started from), this rank's TP-local
+    parameter bytes, and whether the gathered weights are the folder's."""
+    from safetensors.torch import load_file
+
+    want = load_file(f"{folder}/model.safetensors")
+    out = {}
+    for name, layout in layouts.items():
+        module, peak = _Measured(folder), _SetupPeak()
+        trainer = L.Trainer(accelerator="cpu", devices=4, max_steps=1, limit_val_batches=0, num_sanity_val_steps=0,
+                            strategy=HybridStrategy(micro_batches=2, **layout), callbacks=[peak], **QUIET_TRAINER)
+        trainer.fit(module, ByteCorpusDataModule(max_bytes=5_000, block_size=16, batch_size=2))
+        out[name] = {
+            "setup_peak": peak.peak, "load_peak": getattr(module, "load_peak", None), "load_start": getattr(module, "load_start", None),
+            # A ZeRO-3 DTensor's shape is its TP-local one (the load happened before ZeRO-3 sharded it over DP).
+            "tp_local_bytes": sum(p.numel() * p.element_size() for p in module.parameters()),
+            "weights_equal": sorted(k for k, v in want.items() if not torch.equal(peak.full[k], v)) or True,
+        }
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_pretrained_load_under_tp_reads_only_the_ranks_slices(tmp_path, family):
+    """Under tp2 (with dp2 and ZeRO-3) and tp2 x pp2, the weights a rank loads from the folder are the folder's,
+    and while it loads them it holds its TP slices plus the one piece being read, never a layer unsplit."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(family)
+    config.num_hidden_layers = 4
+    AutoModelForCausalLM.from_config(config).float().save_pretrained(tmp_path)
+    layouts = {"dp2xtp2-zero3": dict(dp=2, tp=2, zero_stage=3), "tp2xpp2": dict(tp=2, pp=2)}
+    results = run_distributed(_load_under, 4, str(tmp_path), layouts)
+    whole = _built(str(tmp_path))
+    whole_bytes = storage_bytes(whole.parameters())
+    largest_piece = max(p.numel() * 4 for p in whole.parameters()) // 2  # the largest tensor's half: one TP piece
+    for rank, per_layout in enumerate(results):
+        for name, got in per_layout.items():
+            print(family, name, rank, {k: v for k, v in got.items() if k != "weights_equal"}, "whole", whole_bytes)
+            assert got["weights_equal"] is True, (name, rank, got["weights_equal"])
+            assert got["tp_local_bytes"] < (0.6 if name.startswith("dp") else 0.35) * whole_bytes, (name, rank, got)
+            assert got["load_peak"] - got["load_start"] <= got["tp_local_bytes"] + largest_piece, (name, rank, got, largest_piece)

@@ -59,11 +59,8 @@ def keep_local_layers(module: nn.Module, layout: StageLayout, device: torch.devi
     A model built on the meta device gets each local layer initialised by ``module.init_pipeline_layer``, which
     must give the values a one-device init gives; a materialised model is moved as it is.
     """
+    drop_remote_layers(module, layout)
     layers = module.pipeline_layers()
-    for name in layout.remote_prefixes:
-        index = next(i for i, layer in enumerate(layers) if layer is module.get_submodule(name))
-        parent_name, _, leaf = name.rpartition(".")
-        setattr(module.get_submodule(parent_name) if parent_name else module, leaf, RemoteLayer(index))
     for index in layout.local_layers():
         layer = layers[index]
         if any(t.is_meta for t in [*layer.parameters(), *layer.buffers()]):
@@ -73,6 +70,20 @@ def keep_local_layers(module: nn.Module, layout: StageLayout, device: torch.devi
             module.init_pipeline_layer(index, layer)
         else:
             layer.to(device)
+    check_materialised(module)
+
+
+def drop_remote_layers(module: nn.Module, layout: StageLayout) -> None:
+    """Replace the layers other pipeline ranks hold by `RemoteLayer`s (the local ones are left as they are)."""
+    layers = module.pipeline_layers()
+    for name in layout.remote_prefixes:
+        index = next(i for i, layer in enumerate(layers) if layer is module.get_submodule(name))
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(module.get_submodule(parent_name) if parent_name else module, leaf, RemoteLayer(index))
+
+
+def check_materialised(module: nn.Module) -> None:
+    """``TypeError`` naming parameters still on the meta device once the local layers are materialised."""
     leftover = [n for n, p in module.named_parameters() if p.is_meta]
     if leftover:
         raise TypeError(

@@ -152,11 +152,14 @@ def apply_tp(
     pipeline_layers: tuple[str, ...] = (),
     device: torch.device | None = None,
     example_input_for: Callable[[str, nn.Module], Captured | None] | None = None,
+    representative: Callable[[str, nn.Module], nn.Module] | None = None,
 ) -> TPResult:
     """Split ``model`` in place over ``group`` as ``plan`` says, each kind of block verified first.
 
     ``run_example`` runs the (still unsplit) model once on an example input (its calls are captured);
-    ``example_input_for(name, block)`` may supply a call for blocks that example did not reach. Collective over
+    ``example_input_for(name, block)`` may supply a call for blocks that example did not reach.
+    ``representative(name, block)`` gives the module verified for a kind of block in its place (a materialised
+    copy of a block on the meta device; the model itself is then split on the meta device). Collective over
     ``group``. Idempotent: units already split are left alone.
     """
     start = time.perf_counter()
@@ -176,8 +179,10 @@ def apply_tp(
         representatives = {names[0]: modules[names[0]] for names in kinds.values()}
         calls = _capture(model, representatives, run_example, device) if run_example is not None else {}
         for kind, names in kinds.items():
-            call = calls.get(names[0]) or (example_input_for(names[0], modules[names[0]]) if example_input_for else None)
-            decisions[kind] = _search(names[0], modules[names[0]], blocks[names[0]], call, group, device, result)
+            block = representative(names[0], modules[names[0]]) if representative else modules[names[0]]
+            call = calls.get(names[0]) or (example_input_for(names[0], block) if example_input_for else None)
+            decisions[kind] = _search(names[0], block, blocks[names[0]], call, group, device, result)
+            del block  # a materialised representative lives while its kind is verified
         result.verified_kinds = len(kinds)
     else:
         decisions = {kind: ({_rel(names[0], u.name): u.variants[0] for u in blocks[names[0]]}, set()) for kind, names in kinds.items()}

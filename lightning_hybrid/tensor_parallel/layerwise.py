@@ -1,0 +1,95 @@
+"""TP on a model built on the meta device: split first, then materialise each layer holding only its slices.
+
+A LightningModule that initialises single pipeline layers (``init_pipeline_layer``) and was built on the meta
+device is split over TP while still on meta (the TP layers split meta tensors as they split real ones), so a
+rank never holds a layer unsplit beyond the one it is filling. In order:
+
+1. each kind of block is verified on a materialised `representative` (a copy of its pipeline layer, initialised
+   with ``init_pipeline_layer``; the module's stored weights are not read for it where it can avoid them);
+2. `apply_tp` splits the meta model;
+3. `materialise_split_layers` fills each local layer: from the module's stored weights, slice by slice, when it
+   implements ``load_pipeline_layer_slices`` (a pretrained folder), else from an unsplit copy of that one layer
+   initialised as on one device (``init_pipeline_layer``), of which it keeps its pieces.
+
+Peak per rank while loading: its own TP slices plus one slice being read (stored weights) or one unsplit layer
+(random init).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from lightning_hybrid.tensor_parallel.layers import local_piece, tp_shard_specs
+
+
+def is_meta(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is on the meta device."""
+    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
+def init_unsplit_layer(module: nn.Module, index: int, layer: nn.Module, stored: bool = True) -> None:
+    """``module.init_pipeline_layer(index, layer)`` on a materialised unsplit layer. ``stored=False``: without the
+    module's stored weights (the module takes ``pretrained=False`` when it implements ``load_pipeline_layer_slices``),
+    for a layer whose values only need to be plausible (a block verified and thrown away)."""
+    if not stored and callable(getattr(module, "load_pipeline_layer_slices", None)):
+        module.init_pipeline_layer(index, layer, pretrained=False)
+    else:
+        module.init_pipeline_layer(index, layer)
+
+
+def representative(
+    module: nn.Module, layers: Sequence[nn.Module], layer_names: Sequence[str], device: torch.device
+) -> Callable[[str, nn.Module], nn.Module]:
+    """``(block name, block) -> `` a materialised copy of that block (a copy of its pipeline layer, initialised
+    without the stored weights), or the block itself where it is not on the meta device."""
+
+    def make(name: str, block: nn.Module) -> nn.Module:
+        if not is_meta(block):
+            return block
+        index = next((i for i, n in enumerate(layer_names) if name == n or name.startswith(n + ".")), None)
+        if index is None:
+            raise TypeError(f"{name} is on the meta device outside every pipeline layer: nothing can initialise it.")
+        whole = copy.deepcopy(layers[index]).to_empty(device=device)
+        init_unsplit_layer(module, index, whole, stored=False)
+        rel = name[len(layer_names[index]) + 1:]
+        return whole.get_submodule(rel) if rel else whole
+
+    return make
+
+
+@torch.no_grad()
+def copy_local_pieces(split: nn.Module, whole: nn.Module) -> None:
+    """Fill the materialised TP-split ``split`` with this rank's pieces of the unsplit ``whole`` (same names)."""
+    specs = tp_shard_specs(split)
+    source = dict(whole.named_parameters()) | dict(whole.named_buffers())
+    for name, target in [*split.named_parameters(), *split.named_buffers()]:
+        target.copy_(local_piece(name, source[name], target, specs))
+
+
+def materialise_split_layers(
+    module: nn.Module, indices: Sequence[int], unsplit: dict[int, nn.Module], device: torch.device
+) -> None:
+    """Materialise the pipeline layers ``indices`` of ``module`` (TP-split on the meta device) on ``device`` with
+    the values a one-device init (or load) gives, one layer at a time. ``unsplit``: meta copies of those layers
+    made before the split (each is materialised, used and dropped in turn)."""
+    layers = module.pipeline_layers()
+    load_slices = getattr(module, "load_pipeline_layer_slices", None)
+    for index in indices:
+        layer = layers[index]
+        whole = unsplit.pop(index, None)
+        if not is_meta(layer):
+            layer.to(device)
+            continue
+        layer.to_empty(device=device)
+        if not tp_shard_specs(layer):
+            init_unsplit_layer(module, index, layer)
+        elif not (callable(load_slices) and load_slices(index, layer)):
+            assert whole is not None, index
+            whole.to_empty(device=device)
+            init_unsplit_layer(module, index, whole)
+            copy_local_pieces(layer, whole)
+        del whole
