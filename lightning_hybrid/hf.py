@@ -21,10 +21,14 @@ writes it), `CausalLM` trains under DP x TP x PP x ZeRO without edits to the mod
   embeddings, a soft cap of the logits -- is what can differ): a model whose forward does something the
   layers do not is refused with an error before the first step, as are tied input and output embeddings
   under ``pp > 1``.
-* **Initialisation and loading per layer.** The model is built on the meta device; each pipeline layer is
-  materialised by `init_pipeline_layer`: from the pretrained folder (each rank reads only the tensors of its
-  own layers, one safetensors tensor at a time), or with the model's own ``_init_weights`` under a seed of
-  its own (so the same values come out under every layout and on one device).
+* **Initialisation and loading per layer, and per TP slice.** The model is built on the meta device; each
+  pipeline layer is materialised by `init_pipeline_layer`: from the pretrained folder (each rank reads only the
+  tensors of its own layers, one safetensors tensor at a time), or with the model's own ``_init_weights`` under
+  a seed of its own (so the same values come out under every layout and on one device). Under ``tp > 1`` (any
+  ``pp``; at ``pp=1`` too, for a model its pipeline layers reproduce) the strategy splits the layers on the
+  meta device first, and `load_pipeline_layer_slices` fills each with this rank's pieces only
+  (``safe_open().get_slice``); a random init keeps this rank's slices of one unsplit layer at a time. The
+  folder's names and shapes are checked against the model when it is built, on every rank.
 * `export_pretrained` writes a trained run back to a folder that ``AutoModelForCausalLM.from_pretrained``
   loads.
 """

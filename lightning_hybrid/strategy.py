@@ -15,7 +15,7 @@ It composes, in one fixed order, what the other modules implement:
 from __future__ import annotations
 
 import copy
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional, Union
@@ -324,8 +324,12 @@ class HybridStrategy(ParallelStrategy):
             local = layout.local_layers() if layout is not None else list(range(len(layers)))
             unsplit = {i: copy.deepcopy(layers[i]) for i in local}  # on meta: what random init fills, layer by layer
             self._apply_tp(module, plan, layer_names, layout, first_input, layerwise=True)
-            materialise_split_layers(module, local, unsplit, self.root_device)
-            check_materialised(module)
+
+            def materialise() -> None:
+                materialise_split_layers(module, local, unsplit, self.root_device)
+                check_materialised(module)
+
+            self._on_every_rank(materialise)
         elif plan is not None:
             self._apply_tp(module, plan, layer_names, layout, first_input)
         self._tp_sharded_names = tp_sharded_parameter_names(module)
@@ -338,6 +342,22 @@ class HybridStrategy(ParallelStrategy):
             for name in self._partial_grads:
                 sum_grad_over_tp(module.get_parameter(name), self.tp_group)
         self._parallelized_module = module
+
+    def _on_every_rank(self, step: Callable[[], None]) -> None:
+        """Run ``step()``; an exception on any rank is raised on every rank (this rank's own, else one naming the
+        ranks that failed), so that none goes on to a collective the others never reach."""
+        error: Optional[BaseException] = None
+        try:
+            step()
+        except Exception as e:  # re-raised below, on every rank
+            error = e
+        failures: list[Any] = [None] * self.world_size
+        dist.all_gather_object(failures, None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        failed = {rank: message for rank, message in enumerate(failures) if message is not None}
+        if failed:
+            raise RuntimeError(f"materialising the model failed on rank(s) {sorted(failed)}: {next(iter(failed.values()))}")
 
     @staticmethod
     def _pipeline_layer_names(module: "pl.LightningModule") -> tuple[str, ...]:

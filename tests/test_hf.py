@@ -114,6 +114,8 @@ def test_families_under_pipeline_layouts_match_one_device():
 
 def test_families_under_tp_pp_and_3d_layouts_match_one_device():
     runs = {f"tp2xpp2-{family}": (dict(tp=2, pp=2, micro_batches=2), partial(_lm, family), {}) for family in ("llama", "qwen2", "gpt2")}
+    # pp=1: the model stays on the meta device and each rank initialises one layer at a time, keeping its slices.
+    runs["dp2xtp2-zero3-gpt_neox"] = (dict(dp=2, tp=2, zero_stage=3), partial(_lm, "gpt_neox"), {})
     references: dict = {}
     _no_rank_holds_the_whole_model(check_world(4, runs, steps=STEPS, references=references), references)
     runs = {
@@ -275,3 +277,19 @@ def test_a_pretrained_load_under_tp_reads_only_the_ranks_slices(tmp_path, family
             assert got["weights_equal"] is True, (name, rank, got["weights_equal"])
             assert got["tp_local_bytes"] < (0.6 if name.startswith("dp") else 0.35) * whole_bytes, (name, rank, got)
             assert got["load_peak"] - got["load_start"] <= got["tp_local_bytes"] + largest_piece, (name, rank, got, largest_piece)
+
+
+def test_a_folder_that_does_not_fit_the_model_is_refused_when_built(tmp_path):
+    """Names and shapes are checked against the model at configure_model, on every rank alike, before the
+    strategy's first collective (a rank that failed alone while loading its slices would leave the others waiting)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(tiny_config("llama")).float().save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if k != "model.norm.weight"}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(KeyError, match="holds no tensor 'model.norm.weight'"):
+        _built(str(tmp_path))
+    save_file({**tensors, "model.norm.weight": torch.ones(31)}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model.norm.weight: the folder's tensor is \(31,\), the model's \(32,\)"):
+        _built(str(tmp_path))

@@ -2,7 +2,7 @@
 
 from lightning_hybrid.pipeline.executor import SCHEDULES, PipelineExecutor, resolve_schedule, stage_module
 from lightning_hybrid.pipeline.partition import partition_layers, stage_ranks
-from lightning_hybrid.pipeline.protocol import PROTOCOL_HELP, LayerwiseInit, PipelineModule, check_protocol
+from lightning_hybrid.pipeline.protocol import PROTOCOL_HELP, LayerwiseInit, PipelineModule, SliceLoading, check_protocol
 
 __all__ = [
     "PROTOCOL_HELP",
@@ -10,6 +10,7 @@ __all__ = [
     "LayerwiseInit",
     "PipelineExecutor",
     "PipelineModule",
+    "SliceLoading",
     "check_protocol",
     "partition_layers",
     "resolve_schedule",

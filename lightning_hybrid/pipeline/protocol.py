@@ -2,7 +2,8 @@
 ``self.loss_fn`` mean once the strategy has cut it into stages.
 
 `PipelineModule` is the protocol (`check_protocol` enforces it at setup); `LayerwiseInit` is the optional
-part that lets each rank build only its own layers. The binding that `HybridStrategy` gives these methods
+part that lets each rank build only its own layers, and `SliceLoading` the part that lets it read only its
+TP slices of them. The binding that `HybridStrategy` gives these methods
 under ``pp > 1`` is part of the contract and is written down in `PipelineModule`'s docstring.
 """
 
@@ -12,7 +13,7 @@ from typing import Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
-__all__ = ["PROTOCOL_HELP", "LayerwiseInit", "PipelineModule", "check_protocol"]
+__all__ = ["PROTOCOL_HELP", "LayerwiseInit", "PipelineModule", "SliceLoading", "check_protocol"]
 
 PROTOCOL_HELP = (
     "To train with pp > 1, the LightningModule must implement `pipeline_layers(self) -> list[nn.Module]` (its"
@@ -55,9 +56,22 @@ class PipelineModule(Protocol):
 @runtime_checkable
 class LayerwiseInit(Protocol):
     """Optional: with ``init_pipeline_layer``, the module is built on the meta device under ``pp > 1`` and each
-    rank materialises and initialises only its own layers, with the values a one-device init gives."""
+    rank materialises and initialises only its own layers, with the values a one-device init gives. Under
+    ``tp > 1`` the layers are split on the meta device first and each rank keeps its slices of an unsplit copy
+    of one layer at a time (`lightning_hybrid.tensor_parallel.layerwise`)."""
 
     def init_pipeline_layer(self, index: int, layer: nn.Module) -> None: ...
+
+
+@runtime_checkable
+class SliceLoading(Protocol):
+    """Optional, beside `LayerwiseInit`: ``load_pipeline_layer_slices(index, layer)`` fills a materialised,
+    TP-split layer (split parameters hold this rank's pieces; their modules' ``shard_specs`` say which) from the
+    module's stored weights, reading only those pieces, and returns ``True``; ``False`` when the module has no
+    stored weights. Such a module's ``init_pipeline_layer`` also takes ``pretrained=False`` (initialise without
+    the stored weights: the blocks TP verification materialises and throws away)."""
+
+    def load_pipeline_layer_slices(self, index: int, layer: nn.Module) -> bool: ...
 
 
 def check_protocol(module: nn.Module) -> None:
