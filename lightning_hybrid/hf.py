@@ -627,7 +627,10 @@ class CausalLM(L.LightningModule):
                     continue
                 raise KeyError(f"{self.folder} holds no tensor {full!r} (pipeline layer {index}).")
             if local not in specs:
-                target.copy_(self._weights.read(full))
+                value = self._weights.read(full)
+                if tuple(value.shape) != tuple(target.shape):
+                    raise ValueError(f"{full}: the folder's tensor is {tuple(value.shape)}, the model's {tuple(target.shape)}.")
+                target.copy_(value)
                 continue
             spec, group = specs[local]
             for at, start, n in spec.chunks(torch.distributed.get_rank(group), torch.distributed.get_world_size(group)):

@@ -3,8 +3,9 @@
 It composes, in one fixed order, what the other modules implement:
 1. `ParallelDims.resolve` validates the layout against the world size (before any process group exists),
 2. the process group and the ``(pp, dp, tp)`` `DeviceMesh` are built from Lightning's accelerator,
-3. after ``configure_model``: `resolve_tp_plan` + `apply_tp` (TP by module replacement), then
-   `apply_fsdp` for ZeRO-3,
+3. after ``configure_model``: `resolve_tp_plan` + `apply_tp` (TP by module replacement; a module still on
+   the meta device is split there and then materialised layer by layer, each rank holding only its slices:
+   `tensor_parallel.layerwise`), then `apply_fsdp` for ZeRO-3,
 4. the user's optimizers are created (they see the split parameters) and wrapped by `ZeroOptimizer` for
    ZeRO-1/2,
 5. during training: gradients reduced over DP once per optimizer step, clipping by the global norm (through
