@@ -69,9 +69,7 @@ from lightning_hybrid.tensor_parallel import (
 )
 from lightning_hybrid.tensor_parallel.comm import sum_grad_over_tp, sum_grads_over_tp_
 from lightning_hybrid.tensor_parallel.examples import first_layer_example, model_example, synthetic_call
-from lightning_hybrid.tensor_parallel.layerwise import is_meta, materialise_split_layers
-from lightning_hybrid.tensor_parallel.layerwise import representative as layerwise_representative
-from lightning_hybrid.tensor_parallel.verify import Captured
+from lightning_hybrid.tensor_parallel.layerwise import Representatives, is_meta, materialise_split_layers
 from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB, ZeroOptimizer, apply_fsdp, apply_fsdp_units
 
 if TYPE_CHECKING:
@@ -372,17 +370,14 @@ class HybridStrategy(ParallelStrategy):
         """Split this rank's modules over TP, each kind of block verified against its unsplit self first (an
         example forward captures the blocks' inputs: the whole model, or the pipeline stages in order). With
         ``layerwise`` the model is on the meta device: each kind is verified on a materialised copy of one block
-        (``first_input`` for pipeline layer 0, synthetic inputs for the others) and the split is made on meta.
+        (`Representatives`: called with its pipeline layer's input, ``first_input`` for layer 0 and random hidden
+        states for the others) and the split is made on meta.
         An error on any rank is raised on every rank."""
         representative = example_input_for = None
         if layerwise:
             run_example = None
-            representative = layerwise_representative(module, module.pipeline_layers(), layer_names, self.root_device)
-
-            def example_input_for(name: str, block: torch.nn.Module) -> Optional[Captured]:
-                if name == layer_names[0] and first_input is not None:
-                    return Captured.of((first_input,), {})
-                return synthetic_call(block)
+            representative = Representatives(module, module.pipeline_layers(), layer_names, self.root_device, first_input)
+            example_input_for = representative.example_call
         elif layout is None:
             run_example = model_example(module, _param_device(module))
         else:

@@ -4,8 +4,9 @@ A LightningModule that initialises single pipeline layers (``init_pipeline_layer
 device is split over TP while still on meta (the TP layers split meta tensors as they split real ones), so a
 rank never holds a layer unsplit beyond the one it is filling. In order:
 
-1. each kind of block is verified on a materialised `representative` (a copy of its pipeline layer, initialised
-   with ``init_pipeline_layer``; the module's stored weights are not read for it where it can avoid them);
+1. each kind of block is verified on a materialised copy (`Representatives`: a copy of its pipeline layer,
+   initialised with ``init_pipeline_layer``; the module's stored weights are not read for it where it can avoid
+   them), called with its pipeline layer's input or what that layer hands it;
 2. `apply_tp` splits the meta model;
 3. `materialise_split_layers` fills each local layer: from the module's stored weights, slice by slice, when it
    implements ``load_pipeline_layer_slices`` (a pretrained folder), else from an unsplit copy of that one layer
@@ -21,9 +22,11 @@ import copy
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from lightning_hybrid.tensor_parallel.examples import synthetic_call
 from lightning_hybrid.tensor_parallel.layers import local_piece, tp_shard_specs
+from lightning_hybrid.tensor_parallel.verify import Captured, capture_inputs
 
 
 def is_meta(module: nn.Module) -> bool:
@@ -41,24 +44,57 @@ def init_unsplit_layer(module: nn.Module, index: int, layer: nn.Module, stored: 
         module.init_pipeline_layer(index, layer)
 
 
-def representative(
-    module: nn.Module, layers: Sequence[nn.Module], layer_names: Sequence[str], device: torch.device
-) -> Callable[[str, nn.Module], nn.Module]:
-    """``(block name, block) -> `` a materialised copy of that block (a copy of its pipeline layer, initialised
-    without the stored weights), or the block itself where it is not on the meta device."""
+class Representatives:
+    """The blocks TP verification runs in place of a model's blocks on the meta device.
 
-    def make(name: str, block: nn.Module) -> nn.Module:
+    Called as ``(block name, block) ->`` a materialised copy of that block: a copy of its pipeline layer
+    (initialised without the stored weights), or the block itself where it is not on the meta device.
+    `example_call` then gives the block's input: the pipeline layer's own input (``first_input`` for layer 0,
+    random hidden states for the others, as `synthetic_call` makes them) and, for a block inside a pipeline
+    layer, what that layer copy hands the block when it runs on it (a pipeline layer takes one tensor; the
+    blocks inside it may take more)."""
+
+    def __init__(self, module: nn.Module, layers: Sequence[nn.Module], layer_names: Sequence[str], device: torch.device,
+                 first_input: Tensor | None) -> None:
+        self.module, self.layers, self.layer_names, self.device, self.first_input = module, layers, layer_names, device, first_input
+        self._layer_of: dict[int, tuple[int, nn.Module]] = {}  # id(materialised block) -> (layer index, layer copy)
+
+    def __call__(self, name: str, block: nn.Module) -> nn.Module:
+        self._layer_of = {}  # the previous kind's copy goes before this one is made
         if not is_meta(block):
             return block
-        index = next((i for i, n in enumerate(layer_names) if name == n or name.startswith(n + ".")), None)
+        index = next((i for i, n in enumerate(self.layer_names) if name == n or name.startswith(n + ".")), None)
         if index is None:
             raise TypeError(f"{name} is on the meta device outside every pipeline layer: nothing can initialise it.")
-        whole = copy.deepcopy(layers[index]).to_empty(device=device)
-        init_unsplit_layer(module, index, whole, stored=False)
-        rel = name[len(layer_names[index]) + 1:]
-        return whole.get_submodule(rel) if rel else whole
+        whole = copy.deepcopy(self.layers[index]).to_empty(device=self.device)
+        init_unsplit_layer(self.module, index, whole, stored=False)
+        rel = name[len(self.layer_names[index]) + 1:]
+        made = whole.get_submodule(rel) if rel else whole
+        self._layer_of = {id(made): (index, whole)}
+        return made
 
-    return make
+    def example_call(self, name: str, block: nn.Module) -> Captured | None:
+        index, whole = self._layer_of.get(id(block), (None, None))
+        if whole is None:
+            return synthetic_call(block)
+        if index == 0 and self.first_input is not None:
+            layer_input = Captured.of((self.first_input,), {})
+        else:
+            layer_input = synthetic_call(whole)
+        if whole is block or layer_input is None:
+            return layer_input
+        args, kwargs = layer_input.materialize(self.device)
+        modes = {m: m.training for m in whole.modules()}
+        whole.eval()
+        try:
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                captured = capture_inputs({name: block}, lambda: whole(*args, **kwargs))
+        except Exception:  # the layer does not run on that input: the block's own synthetic input, if any
+            captured = {}
+        finally:
+            for m, mode in modes.items():
+                m.training = mode
+        return captured.get(name) or synthetic_call(block)
 
 
 @torch.no_grad()
