@@ -12,14 +12,14 @@ rank never holds a layer unsplit beyond the one it is filling. In order:
    implements ``load_pipeline_layer_slices`` (a pretrained folder), else from an unsplit copy of that one layer
    initialised as on one device (``init_pipeline_layer``), of which it keeps its pieces.
 
-Peak per rank while loading: its own TP slices plus one slice being read (stored weights) or one unsplit layer
-(random init).
+Peak per rank while loading: its own TP slices plus the tensor a slice is read from (safetensors maps it; only the
+slice's pages are read) or one unsplit layer (random init).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
