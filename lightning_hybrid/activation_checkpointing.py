@@ -1,14 +1,52 @@
-"""Activation checkpointing per layer: a checkpointed layer keeps only its input during forward and
-recomputes its activations in backward (``torch.utils.checkpoint``, non-reentrant, RNG state preserved, so
-dropout masks are the same in the recomputation)."""
+"""Activation checkpointing per layer, full or selective.
+
+Full: a checkpointed layer keeps only its input during forward and recomputes all its activations in backward
+(``torch.utils.checkpoint``, non-reentrant, RNG state preserved, so dropout masks are the same in the
+recomputation). Selective (Korthikanti et al. 2022): only the named ops are recomputed and every other op's
+output is kept (torch's selective checkpointing, `create_selective_checkpoint_contexts`). ``"attention"``
+names the attention core -- the scores ``Q K^T``, softmax, attention dropout and the product with ``V``, or a
+fused scaled-dot-product kernel -- whose activations grow with the square of the sequence (the ``5 a s / h``
+term of Korthikanti's per-layer activation memory) while costing little to recompute.
+"""
 
 from __future__ import annotations
 
 import fnmatch
 from functools import partial
+from typing import Sequence, Union
 
+import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+#: The attention core's ops (eager attention's batched matmuls, softmax and dropout; the fused SDPA kernels).
+ATTENTION_OPS = (
+    "aten.bmm", "aten.baddbmm", "aten._softmax", "aten.softmax", "aten.native_dropout", "aten.dropout",
+    "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_cudnn_attention",
+    "aten._scaled_dot_product_fused_attention_overrideable",
+)
+
+Recompute = Union[str, Sequence[str]]
+
+
+def recompute_ops(recompute: Recompute) -> frozenset[str] | None:
+    """The ops a selective checkpoint recomputes (``aten.<name>``), or ``None`` for full recomputation.
+    Raises ``ValueError`` for an unknown mode or op name."""
+    if recompute == "full":
+        return None
+    if recompute == "attention":
+        return frozenset(ATTENTION_OPS)
+    if isinstance(recompute, str) or not recompute:
+        raise ValueError(
+            f"recompute={recompute!r} is invalid: use 'full' (the whole layer), 'attention' (the attention core only)"
+            " or a list of aten op names to recompute (e.g. ['aten.gelu', 'aten._softmax'])."
+        )
+    names = frozenset(name if name.startswith("aten.") else f"aten.{name}" for name in recompute)
+    unknown = sorted(n for n in names if not hasattr(torch.ops.aten, n[len("aten."):]))
+    if unknown:
+        raise ValueError(f"recompute names unknown aten ops {unknown}; names look like 'aten.gelu' or '_softmax'.")
+    return names
 
 
 def checkpoint_targets(module: nn.Module, target: bool | str, pipelined: bool = False) -> list[str]:
@@ -25,11 +63,17 @@ def checkpoint_targets(module: nn.Module, target: bool | str, pipelined: bool = 
     return [names[id(m)] for sub in module.modules() if isinstance(sub, nn.ModuleList) for m in sub]
 
 
-def apply_activation_checkpointing(module: nn.Module, names: list[str]) -> None:
-    """Checkpoint each named submodule (in place; parameter names and state dicts do not change)."""
+def _policy(ops: frozenset[str], ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE if str(op.overloadpacket) in ops else CheckpointPolicy.MUST_SAVE
+
+
+def apply_activation_checkpointing(module: nn.Module, names: list[str], ops: frozenset[str] | None = None) -> None:
+    """Checkpoint each named submodule (in place; parameter names and state dicts do not change): fully, or
+    recomputing only ``ops`` (see `recompute_ops`)."""
+    options = {} if ops is None else {"context_fn": partial(create_selective_checkpoint_contexts, partial(_policy, ops))}
     for name in names:
         layer = module.get_submodule(name)
         if getattr(layer, "_activation_checkpointed", False):
             continue
-        layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
+        layer.forward = partial(checkpoint, layer.forward, use_reentrant=False, **options)
         layer._activation_checkpointed = True

@@ -7,7 +7,11 @@ a fused projection (``[q; k; v]``, ``[gate; up]``) has several, each split on it
 is all that splitting, gathering and checkpoints need.
 
 The four autograd functions are the whole of the communication of a TP layer; each forward/backward pair
-is conjugate, so the gradient of a TP layer equals the gradient of the unsplit layer.
+is conjugate, so the gradient of a TP layer equals the gradient of the unsplit layer. Sequence parallelism
+adds four more along the sequence dimension (dim 1 of batch-first ``[B, T, H]`` activations; Megatron's
+SP operators): all-gather at a TP unit's entry (backward reduce-scatter), reduce-scatter at a row layer's
+exit (backward all-gather), and at the ends of a run of sequence-split blocks a split (backward all-gather)
+and an all-gather (backward split).
 """
 
 from __future__ import annotations
@@ -162,3 +166,112 @@ def sum_grads_over_tp_(grads: list[Tensor], group: dist.ProcessGroup) -> None:
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+# ---------------------------------------------------------------------------------------- sequence parallelism
+SEQ_DIM = 1  # batch-first activations [B, T, H]
+
+
+def _check_seq(x: Tensor, world: int) -> None:
+    if x.dim() <= SEQ_DIM or x.size(SEQ_DIM) % world != 0:
+        raise ValueError(
+            f"sequence_parallel needs activations [batch, sequence, ...] whose sequence length divides by tp={world};"
+            f" got a tensor of shape {list(x.shape)}. Use a sequence length that is a multiple of tp, or"
+            " sequence_parallel=False."
+        )
+
+
+def seq_all_gather(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """``[B, T/tp, ...]`` shards -> ``[B, T, ...]``, rank order along the sequence."""
+    world = dist.get_world_size(group)
+    shard = x.movedim(SEQ_DIM, 0).contiguous()
+    out = torch.empty((world * shard.size(0), *shard.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_single(out, shard, group=group)
+    return out.movedim(0, SEQ_DIM).contiguous()
+
+
+def seq_reduce_scatter(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """``[B, T, ...]`` partial sums -> this rank's ``[B, T/tp, ...]`` of their sum over ``group``."""
+    world = dist.get_world_size(group)
+    _check_seq(x, world)
+    full = x.movedim(SEQ_DIM, 0).contiguous()
+    out = torch.empty((full.size(0) // world, *full.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(out, full, group=group)
+    return out.movedim(0, SEQ_DIM).contiguous()  # contiguous: pipeline stages send it as it is
+
+
+def seq_split(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """This rank's ``[B, T/tp, ...]`` of ``[B, T, ...]`` (a copy)."""
+    world = dist.get_world_size(group)
+    _check_seq(x, world)
+    return x.chunk(world, dim=SEQ_DIM)[dist.get_rank(group)].contiguous()
+
+
+class _GatherSequenceForTP(torch.autograd.Function):
+    """Forward: all-gather the sequence (a TP unit's input). Backward: reduce-scatter (each rank's gradient of
+    the whole input is its own heads' part)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return seq_all_gather(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return seq_reduce_scatter(grad, ctx.group), None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Forward: reduce-scatter over the sequence (a row layer's partial sums). Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return seq_reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return seq_all_gather(grad, ctx.group), None
+
+
+class _SplitSequence(torch.autograd.Function):
+    """Forward: keep this rank's part of the sequence (entering sequence-split blocks). Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return seq_split(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return seq_all_gather(grad, ctx.group), None
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Forward: all-gather the sequence (leaving sequence-split blocks). Backward: keep this rank's part (the
+    gradient of the whole is the same on every rank)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return seq_all_gather(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return seq_split(grad, ctx.group), None
+
+
+def gather_sequence_for_tp(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    return _GatherSequenceForTP.apply(x, group)
+
+
+def reduce_scatter_sequence(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    return _ReduceScatterSequence.apply(x, group)
+
+
+def split_sequence(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    return _SplitSequence.apply(x, group)
+
+
+def gather_sequence(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    return _GatherSequence.apply(x, group)
