@@ -2,11 +2,16 @@
 
 Full: a checkpointed layer keeps only its input during forward and recomputes all its activations in backward
 (``torch.utils.checkpoint``, non-reentrant, RNG state preserved, so dropout masks are the same in the
-recomputation). Selective (Korthikanti et al. 2022): only the named ops are recomputed and every other op's
-output is kept (torch's selective checkpointing, `create_selective_checkpoint_contexts`). ``"attention"``
-names the attention core -- the scores ``Q K^T``, softmax, attention dropout and the product with ``V``, or a
-fused scaled-dot-product kernel -- whose activations grow with the square of the sequence (the ``5 a s / h``
-term of Korthikanti's per-layer activation memory) while costing little to recompute.
+recomputation). Selective (Korthikanti et al. 2022; torch's selective checkpointing,
+`create_selective_checkpoint_contexts`): the named ops are recomputed, and with them what costs no FLOPs worth
+keeping memory for -- element-wise ops, views, and the all-gathers of sequence parallelism (a second
+all-gather in backward, as Megatron does, instead of keeping the gathered sequence); the outputs of everything
+else (matmuls, norms, reductions, new buffers) are kept. ``"attention"`` names the attention core -- the scores
+``Q K^T``, softmax, attention dropout and the product with ``V``, or a fused scaled-dot-product kernel -- whose
+activations grow with the square of the sequence (the ``5 a s / h`` term of Korthikanti's per-layer activation
+memory). Ops that change a tensor in place are never re-run (their kept result is used: re-running an
+in-place all-reduce or ``+=`` would apply it twice), nor is a new buffer such an op writes into (the kept
+buffer holds what it wrote).
 """
 
 from __future__ import annotations
@@ -63,14 +68,27 @@ def checkpoint_targets(module: nn.Module, target: bool | str, pipelined: bool = 
     return [names[id(m)] for sub in module.modules() if isinstance(sub, nn.ModuleList) for m in sub]
 
 
+#: Functional collectives that make a new tensor: sequence parallelism's all-gather and its wait.
+_REGATHER = ("_c10d_functional.all_gather_into_tensor", "_c10d_functional.wait_tensor", "_c10d_functional._wrap_tensor_autograd")
+
+
 def _policy(ops: frozenset[str], ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.PREFER_RECOMPUTE if str(op.overloadpacket) in ops else CheckpointPolicy.MUST_SAVE
+    name = str(op.overloadpacket)
+    if name in ops or name in _REGATHER:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if op._schema.is_mutable:
+        return CheckpointPolicy.MUST_SAVE
+    cheap = torch.Tag.pointwise in op.tags or op.is_view or name == "aten._unsafe_view"
+    return CheckpointPolicy.PREFER_RECOMPUTE if cheap else CheckpointPolicy.MUST_SAVE
 
 
 def apply_activation_checkpointing(module: nn.Module, names: list[str], ops: frozenset[str] | None = None) -> None:
     """Checkpoint each named submodule (in place; parameter names and state dicts do not change): fully, or
     recomputing only ``ops`` (see `recompute_ops`)."""
-    options = {} if ops is None else {"context_fn": partial(create_selective_checkpoint_contexts, partial(_policy, ops))}
+    # Outputs the forward changes in place after they were kept (a row layer's all-reduce into its matmul
+    # output) are kept as changed; the recomputation takes them from the cache, never re-running the op.
+    context = partial(create_selective_checkpoint_contexts, partial(_policy, ops), allow_cache_entry_mutation=True)
+    options = {} if ops is None else {"context_fn": context}
     for name in names:
         layer = module.get_submodule(name)
         if getattr(layer, "_activation_checkpointed", False):

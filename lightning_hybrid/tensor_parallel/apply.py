@@ -37,7 +37,7 @@ from lightning_hybrid.tensor_parallel.layers import (
     linear_shape,
     shard_embedding,
 )
-from lightning_hybrid.tensor_parallel.comm import gather_sequence, gather_sequence_for_tp, split_sequence
+from lightning_hybrid.tensor_parallel.comm import gather_sequence, gather_sequence_for_tp, seq_all_gather, split_sequence
 from lightning_hybrid.tensor_parallel.plan import TPPlan, Unit
 from lightning_hybrid.tensor_parallel.variants import Variant
 from lightning_hybrid.tensor_parallel.verify import Captured, capture_inputs, check_block
@@ -110,7 +110,7 @@ def apply_variant(
         _set_submodule(root, name, split)
     unit = root.get_submodule(unit_name)
     if sequence_parallel:
-        unit.register_forward_pre_hook(_sequence_gatherer(group), with_kwargs=True)
+        _sequence_gatherer(unit, group)
     for attr in variant.divide:
         owner = unit
         if attr.startswith("config."):
@@ -135,13 +135,66 @@ def _replace_main_input(args: tuple, kwargs: dict, fn: Callable[[Tensor], Tensor
     )
 
 
-def _sequence_gatherer(group: dist.ProcessGroup) -> Callable:
-    """Pre-hook of a paired unit under sequence parallelism: the whole sequence of its main input."""
+def _sequence_gatherer(unit: nn.Module, group: dist.ProcessGroup) -> None:
+    """Hooks of a paired unit under sequence parallelism: the whole sequence of its main input, gathered at
+    entry. What the unit's layers keep of it for their backward is this rank's part, all-gathered again when
+    the backward needs it (as Megatron does), so the gathered sequence does not stay alive from forward to
+    backward. (Inside activation checkpointing the checkpoint decides what is kept: nothing is changed there.)"""
+    scopes: list = []
 
-    def hook(module, args, kwargs):
-        return _replace_main_input(args, kwargs, lambda x: gather_sequence_for_tp(x, group))
+    def pre(module, args, kwargs):
+        shard = None
 
-    return hook
+        def gather(x: Tensor) -> Tensor:
+            nonlocal shard
+            shard = x
+            return gather_sequence_for_tp(x, group)
+
+        args, kwargs = _replace_main_input(args, kwargs, gather)
+        full = _main_input(args, kwargs)
+        outer_hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        scope = None
+        if torch.is_grad_enabled() and outer_hooks is None:
+            scope = torch.autograd.graph.saved_tensors_hooks(*_regather_hooks(shard, full, group))
+            scope.__enter__()
+        scopes.append(scope)
+        return args, kwargs
+
+    def post(module, args, kwargs, output):
+        scope = scopes.pop()
+        if scope is not None:
+            scope.__exit__(None, None, None)
+
+    unit.register_forward_pre_hook(pre, with_kwargs=True)
+    unit.register_forward_hook(post, with_kwargs=True, always_call=True)
+
+
+def _regather_hooks(shard: Tensor, full: Tensor, group: dist.ProcessGroup) -> tuple[Callable, Callable]:
+    """Saved-tensor hooks that keep ``shard`` instead of ``full`` (or a view of it) and all-gather it again
+    on unpacking; one gather serves all the views unpacked in a row (q, k and v keep the same input)."""
+    storage = full.untyped_storage()._cdata
+    shard = shard.detach()
+    cache: dict = {}
+
+    def pack(t: Tensor):
+        if t.untyped_storage()._cdata != storage:
+            return t
+        cache["pending"] = cache.get("pending", 0) + 1
+        return ("regather", t.size(), t.stride(), t.storage_offset())
+
+    def unpack(packed):
+        if not isinstance(packed, tuple) or not packed or packed[0] != "regather":
+            return packed
+        if "full" not in cache:
+            cache["full"] = seq_all_gather(shard, group)
+        regathered = cache["full"]
+        cache["pending"] -= 1
+        if not cache["pending"]:
+            del cache["full"]
+        _, size, stride, offset = packed
+        return regathered.as_strided(size, stride, offset)
+
+    return pack, unpack
 
 
 def _sequence_splitter(group: dist.ProcessGroup) -> Callable:
@@ -242,6 +295,7 @@ def apply_tp(
     modules = dict(model.named_modules())
     split = functools.partial(apply_variant, sequence_parallel=sequence_parallel, split_logits=split_logits)
     runs = sequence_runs(plan, modules, pipeline_layers) if sequence_parallel else []
+    result.errors += _blocks_without_regions(runs, plan)
     units = {n: u for n, u in plan.units.items() if _unsplit_here(u, modules)}
     blocks: dict[str, list[Unit]] = {}
     for unit in units.values():
@@ -352,6 +406,20 @@ def _chain_breaks(runs: list[list[str]], record: dict) -> list[str]:
                         " sequence_parallel=False."
                     )
     return errors
+
+
+def _blocks_without_regions(runs: list[list[str]], plan: TPPlan) -> list[str]:
+    """Errors for sequence-split blocks that are themselves a column/row unit: their norms and residual
+    additions sit between the unit's own layers, so nothing in them can run on part of the sequence."""
+    blocks = {b for run in runs for b in run}
+    whole = sorted(u.name for u in plan.units.values() if u.name in blocks and any(rel for rel in u.layers))
+    return [
+        f"sequence_parallel: {name} holds its column and row layers itself (attention and MLP in one module), so"
+        " its norms and residual additions cannot run on part of the sequence. Sequence parallelism needs the"
+        " attention and the MLP as modules of their own inside each block (as transformers models have them);"
+        " use sequence_parallel=False for this model."
+        for name in whole
+    ]
 
 
 def _unsplit_sequence_blocks(runs: list[list[str]], blocks: dict[str, list[Unit]], per_unit: dict[str, Variant]) -> list[str]:

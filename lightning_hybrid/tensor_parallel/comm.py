@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 
@@ -182,11 +183,10 @@ def _check_seq(x: Tensor, world: int) -> None:
 
 
 def seq_all_gather(x: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """``[B, T/tp, ...]`` shards -> ``[B, T, ...]``, rank order along the sequence."""
-    world = dist.get_world_size(group)
+    """``[B, T/tp, ...]`` shards -> ``[B, T, ...]``, rank order along the sequence. A functional collective (it
+    makes its own output), so a selective checkpoint can run it again in backward instead of keeping it."""
     shard = x.movedim(SEQ_DIM, 0).contiguous()
-    out = torch.empty((world * shard.size(0), *shard.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_single(out, shard, group=group)
+    out = funcol.wait_tensor(funcol.all_gather_single(shard, gather_dim=0, group=group))
     return out.movedim(0, SEQ_DIM).contiguous()
 
 
