@@ -2,16 +2,15 @@
 
 Full: a checkpointed layer keeps only its input during forward and recomputes all its activations in backward
 (``torch.utils.checkpoint``, non-reentrant, RNG state preserved, so dropout masks are the same in the
-recomputation). Selective (Korthikanti et al. 2022; torch's selective checkpointing,
-`create_selective_checkpoint_contexts`): the named ops are recomputed, and with them what costs no FLOPs worth
-keeping memory for -- element-wise ops, views, and the all-gathers of sequence parallelism (a second
-all-gather in backward, as Megatron does, instead of keeping the gathered sequence); the outputs of everything
-else (matmuls, norms, reductions, new buffers) are kept. ``"attention"`` names the attention core -- the scores
-``Q K^T``, softmax, attention dropout and the product with ``V``, or a fused scaled-dot-product kernel -- whose
-activations grow with the square of the sequence (the ``5 a s / h`` term of Korthikanti's per-layer activation
-memory). Ops that change a tensor in place are never re-run (their kept result is used: re-running an
-in-place all-reduce or ``+=`` would apply it twice), nor is a new buffer such an op writes into (the kept
-buffer holds what it wrote).
+recomputation). Selective (Korthikanti et al. 2022), on torch's selective checkpointing
+(`create_selective_checkpoint_contexts`): the named ops are recomputed, and with them what costs no FLOPs worth
+keeping memory for -- element-wise ops, views, new buffers and what fills them in place (dropout masks, from
+the same random state), and the all-gathers of sequence parallelism (a second all-gather in backward, as
+Megatron does, rather than the gathered sequence kept); the outputs of everything else (matmuls, norms,
+reductions) are kept. ``"attention"`` names the attention core -- the scores ``Q K^T``, softmax, attention
+dropout and the product with ``V``, or a fused scaled-dot-product kernel -- whose activations grow with the
+square of the sequence (the ``5 a s / h`` term of Korthikanti's per-layer activation memory). An op that
+would change a kept output in place is an error (torch's check), never a silently different recomputation.
 """
 
 from __future__ import annotations
@@ -31,12 +30,16 @@ ATTENTION_OPS = (
     "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_cudnn_attention",
     "aten._scaled_dot_product_fused_attention_overrideable",
 )
+#: Functional collectives that make a new tensor: sequence parallelism's all-gather and its wait.
+_REGATHER = ("_c10d_functional.all_gather_into_tensor", "_c10d_functional.wait_tensor", "_c10d_functional._wrap_tensor_autograd")
+_FACTORIES = ("aten.empty", "aten.zeros", "aten.ones", "aten.full", "aten.new_", "aten.scalar_tensor")
 
 Recompute = Union[str, Sequence[str]]
 
 
 def recompute_ops(recompute: Recompute) -> frozenset[str] | None:
-    """The ops a selective checkpoint recomputes (``aten.<name>``), or ``None`` for full recomputation.
+    """The ops a selective checkpoint recomputes beyond the cheap ones (``aten.<name>``), or ``None`` for full
+    recomputation.
     Raises ``ValueError`` for an unknown mode or op name."""
     if recompute == "full":
         return None
@@ -69,25 +72,19 @@ def checkpoint_targets(module: nn.Module, target: bool | str, pipelined: bool = 
 
 
 #: Functional collectives that make a new tensor: sequence parallelism's all-gather and its wait.
-_REGATHER = ("_c10d_functional.all_gather_into_tensor", "_c10d_functional.wait_tensor", "_c10d_functional._wrap_tensor_autograd")
-
-
-def _policy(ops: frozenset[str], ctx, op, *args, **kwargs) -> CheckpointPolicy:
+def _policy(recomputed: frozenset[str], ctx, op, *args, **kwargs) -> CheckpointPolicy:
     name = str(op.overloadpacket)
-    if name in ops or name in _REGATHER:
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    if op._schema.is_mutable:
-        return CheckpointPolicy.MUST_SAVE
-    cheap = torch.Tag.pointwise in op.tags or op.is_view or name == "aten._unsafe_view"
-    return CheckpointPolicy.PREFER_RECOMPUTE if cheap else CheckpointPolicy.MUST_SAVE
+    cheap = (
+        torch.Tag.pointwise in op.tags or op.is_view or op._schema.is_mutable or name == "aten._unsafe_view"
+        or name.startswith(_FACTORIES) or name in _REGATHER
+    )
+    return CheckpointPolicy.PREFER_RECOMPUTE if cheap or name in recomputed else CheckpointPolicy.MUST_SAVE
 
 
 def apply_activation_checkpointing(module: nn.Module, names: list[str], ops: frozenset[str] | None = None) -> None:
     """Checkpoint each named submodule (in place; parameter names and state dicts do not change): fully, or
-    recomputing only ``ops`` (see `recompute_ops`)."""
-    # Outputs the forward changes in place after they were kept (a row layer's all-reduce into its matmul
-    # output) are kept as changed; the recomputation takes them from the cache, never re-running the op.
-    context = partial(create_selective_checkpoint_contexts, partial(_policy, ops), allow_cache_entry_mutation=True)
+    selectively, recomputing ``ops`` besides the cheap ones (see `recompute_ops`)."""
+    context = partial(create_selective_checkpoint_contexts, partial(_policy, ops))
     options = {} if ops is None else {"context_fn": context}
     for name in names:
         layer = module.get_submodule(name)

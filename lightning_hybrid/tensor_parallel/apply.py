@@ -152,6 +152,7 @@ def _sequence_gatherer(unit: nn.Module, group: dist.ProcessGroup) -> None:
 
         args, kwargs = _replace_main_input(args, kwargs, gather)
         full = _main_input(args, kwargs)
+        # Saved-tensor hooks already active mean activation checkpointing: it decides what is kept.
         outer_hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
         scope = None
         if torch.is_grad_enabled() and outer_hooks is None:
@@ -308,7 +309,7 @@ def apply_tp(
     if verify and kinds:
         device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
         representatives = {names[0]: modules[names[0]] for names in kinds.values()}
-        chain: dict[str, tuple[Tensor, Tensor]] = {}
+        chain: dict[str, tuple[Tensor | None, Tensor | None]] = {}
         if run_example is not None:
             run = _recording_chain(run_example, [b for run in runs for b in run if b in modules], modules, chain) if runs else run_example
             calls = _capture(model, representatives, run, device)
@@ -350,7 +351,7 @@ def sequence_runs(plan: TPPlan, modules: dict[str, nn.Module], pipeline_layers: 
     """Runs of consecutive blocks holding a paired unit (whose hidden states sequence parallelism splits), from
     the whole plan (also blocks that other pipeline ranks hold): elements of one ``nn.ModuleList`` in index
     order, or pipeline layers in pipeline order."""
-    blocks = {block_of(u.name, modules, pipeline_layers) for u in plan.units.values() if any(rel for rel in u.layers)}
+    blocks = {block_of(u.name, modules, pipeline_layers) for u in plan.units.values() if u.paired}
 
     def position(block: str) -> tuple[str, int] | None:
         parent, _, leaf = block.rpartition(".")
@@ -412,7 +413,7 @@ def _blocks_without_regions(runs: list[list[str]], plan: TPPlan) -> list[str]:
     """Errors for sequence-split blocks that are themselves a column/row unit: their norms and residual
     additions sit between the unit's own layers, so nothing in them can run on part of the sequence."""
     blocks = {b for run in runs for b in run}
-    whole = sorted(u.name for u in plan.units.values() if u.name in blocks and any(rel for rel in u.layers))
+    whole = sorted(u.name for u in plan.units.values() if u.name in blocks and u.paired)
     return [
         f"sequence_parallel: {name} holds its column and row layers itself (attention and MLP in one module), so"
         " its norms and residual additions cannot run on part of the sequence. Sequence parallelism needs the"
@@ -427,7 +428,7 @@ def _unsplit_sequence_blocks(runs: list[list[str]], blocks: dict[str, list[Unit]
     they would see only part of the sequence."""
     errors = []
     for block in (b for run in runs for b in run if b in blocks):
-        whole = [u.name for u in blocks[block] if any(rel for rel in u.layers) and u.name not in per_unit]
+        whole = [u.name for u in blocks[block] if u.paired and u.name not in per_unit]
         if whole:
             errors.append(
                 f"sequence_parallel: {', '.join(whole)} found no split that is exact on sequence-split hidden states"

@@ -83,15 +83,9 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        if not x.is_contiguous():
-            x = x.contiguous()
-            dist.all_reduce(x, group=group)
-            return x
-        # Reduced in place: declaring it keeps the result an ordinary tensor that model code may modify in
-        # place (Falcon adds the residual with `+=`), rather than a view of this function's input.
-        dist.all_reduce(x, group=group)
-        ctx.mark_dirty(x)
-        return x
+        # Out of place (a functional collective): a selective checkpoint keeps the reduced output and never
+        # runs the reduction twice, and the result is an ordinary tensor model code may change in place.
+        return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -191,12 +185,11 @@ def seq_all_gather(x: Tensor, group: dist.ProcessGroup) -> Tensor:
 
 
 def seq_reduce_scatter(x: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """``[B, T, ...]`` partial sums -> this rank's ``[B, T/tp, ...]`` of their sum over ``group``."""
-    world = dist.get_world_size(group)
-    _check_seq(x, world)
+    """``[B, T, ...]`` partial sums -> this rank's ``[B, T/tp, ...]`` of their sum over ``group`` (a functional
+    collective, as in `seq_all_gather`)."""
+    _check_seq(x, dist.get_world_size(group))
     full = x.movedim(SEQ_DIM, 0).contiguous()
-    out = torch.empty((full.size(0) // world, *full.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_single(out, full, group=group)
+    out = funcol.wait_tensor(funcol.reduce_scatter_tensor(full, "sum", 0, group))
     return out.movedim(0, SEQ_DIM).contiguous()  # contiguous: pipeline stages send it as it is
 
 
