@@ -55,8 +55,9 @@ class Representatives:
     blocks inside it may take more)."""
 
     def __init__(self, module: nn.Module, layers: Sequence[nn.Module], layer_names: Sequence[str], device: torch.device,
-                 first_input: Tensor | None) -> None:
+                 first_input: Tensor | None, multiple: int = 1) -> None:
         self.module, self.layers, self.layer_names, self.device, self.first_input = module, layers, layer_names, device, first_input
+        self.multiple = multiple  # synthetic sequences are a multiple of this long (sequence parallelism)
         self._layer_of: dict[int, tuple[int, nn.Module]] = {}  # id(materialised block) -> (layer index, layer copy)
 
     def __call__(self, name: str, block: nn.Module) -> nn.Module:
@@ -76,13 +77,15 @@ class Representatives:
     def example_call(self, name: str, block: nn.Module) -> Captured | None:
         index, whole = self._layer_of.get(id(block), (None, None))
         if whole is None:
-            return synthetic_call(block)
+            return synthetic_call(block, self.multiple)
         if index == 0 and self.first_input is not None:
             layer_input = Captured.of((self.first_input,), {})
         else:
-            layer_input = synthetic_call(whole)
-        if whole is block or layer_input is None:
-            return layer_input
+            layer_input = synthetic_call(whole, self.multiple)
+        if layer_input is None:
+            return None
+        # The block's call as the layer makes it, also where the block is the layer: what the layer's own
+        # pre-hooks add (a decoder layer's rotary tables and mask) is part of the call.
         args, kwargs = layer_input.materialize(self.device)
         modes = {m: m.training for m in whole.modules()}
         whole.eval()
@@ -94,7 +97,7 @@ class Representatives:
         finally:
             for m, mode in modes.items():
                 m.training = mode
-        return captured.get(name) or synthetic_call(block)
+        return captured.get(name) or (layer_input if whole is block else synthetic_call(block, self.multiple))
 
 
 @torch.no_grad()
