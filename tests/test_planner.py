@@ -6,6 +6,7 @@ pretrain recipe end to end."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from lightning_hybrid.models import GPT, GPTConfig, GPTLightningModule
 from lightning_hybrid.planner import Layout, ModelSpec, estimate_memory, load_cluster, model_spec, plan
 from lightning_hybrid.planner.memory import KORTHIKANTI, block_activation_bytes, in_flight, zero_model_states
 from lightning_hybrid.planner.time import bubble_fraction, ring_time, ring_volume
+from lightning_hybrid.planner.__main__ import main as planner_main
 from lightning_hybrid.planner.cluster import Link
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,6 +149,53 @@ def test_command_line_writes_json(tmp_path):
     assert best["dp"] * best["tp"] * best["pp"] == 16 and best["fits"]
     assert best["time_s"]["total"] >= best["time_s"]["compute"] > 0
     assert set(best["memory_bytes"]) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
-    bad = subprocess.run([sys.executable, "-m", "lightning_hybrid.planner", "--model", "nope", "--devices", "2",
-                          "--global-batch", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and bad.stderr.startswith("error: --model 'nope'")
+
+
+
+def test_command_line_bad_model_is_one_error_line(capsys):
+    assert planner_main(["--model", "nope", "--devices", "2", "--global-batch", "2"]) == 2
+    assert capsys.readouterr().err.startswith("error: --model 'nope' is neither a preset")
+
+
+# ---------------------------------------------------------------------------------------------- parallel=auto
+def _recipe(args, cwd: Path, cluster_file: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", LIGHTNING_HYBRID_CLUSTER=str(cluster_file),
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    for k in ("LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "NODE_RANK", "HYDRA_FULL_ERROR"):
+        env.pop(k, None)
+    return subprocess.run([sys.executable, str(ROOT / "recipes" / "pretrain.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=240)
+
+
+def test_auto_layout_config_is_typed():
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    from lightning_hybrid.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="pretrain", overrides=["parallel=auto", "planner.cluster=a100"])
+        assert cfg.planner.cluster == "a100" and cfg.planner.global_batch is None
+        assert compose(config_name="pretrain").planner is None
+        with pytest.raises(ConfigCompositionException):
+            compose(config_name="pretrain", overrides=["parallel=auto", "planner.clusterr=a100"])
+
+
+def test_recipe_parallel_auto_end_to_end(tmp_path):
+    run_dir = tmp_path / "run"
+    # No calibration file: this machine's defaults, so the choice does not depend on who calibrated what.
+    res = _recipe(["parallel=auto", "trainer.devices=2", "trainer.max_steps=2", "data.max_bytes=30000",
+                   "data.batch_size=4", "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false",
+                   f"hydra.run.dir={run_dir}"], tmp_path, tmp_path / "none.json")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    why = [ln for ln in res.stdout.splitlines() if ln.startswith("planner:")]
+    assert len(why) == 2 and "layouts fit" in why[0] and why[1].startswith("planner: running dp"), res.stdout[-2000:]
+    m = json.loads((run_dir / "metrics.json").read_text())
+    assert m["name"] == "auto" and m["world_size"] == 2 and m["steps"] == 2
+    assert why[1].split()[2] == m["layout"].split("xzero")[0]  # the layout the log names is the one that ran
+    assert m["predicted_peak_mib"] > 0 and m["predicted_tokens_per_s"] > 0 and m["predicted_cluster"] == "cpu-default"
+    # A bad planner setting is a config error: one line, exit code 2, before any rank starts.
+    bad = _recipe(["parallel=auto", "planner.cluster=nope", "trainer.devices=2"], tmp_path, tmp_path / "none.json")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "error: parallel=auto: cluster 'nope' is neither a preset (['a100', 'cpu', 'h100']) nor a cluster JSON file."]

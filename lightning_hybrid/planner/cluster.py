@@ -68,8 +68,10 @@ class Cluster:
     is achievable (MFU is against the peak); ``memory``: bytes per
     device; ``memory_bandwidth``: bytes/s (element-wise work); ``layer_overhead``: seconds per transformer block
     per micro-batch per pass that do not scale with FLOPs (kernel launches, Python; measured on CPU);
+    ``step_overhead``: seconds per optimizer step of the training loop itself (Lightning, callbacks, logging);
     ``compute_units``: how many ranks can compute at once on one node (CPU cores; 0 = every device);
-    ``activation_scale``: measured / predicted activation bytes (`bench_planner` writes it for this machine).
+    ``activation_scale``: measured / predicted activation bytes (``step_overhead`` and ``activation_scale`` are
+    fitted by ``benchmarks/bench_planner.py`` from single-device runs and written into this machine's file).
     """
 
     name: str
@@ -81,6 +83,7 @@ class Cluster:
     inter: Link
     matmul_efficiency: float = 1.0
     layer_overhead: float = 0.0
+    step_overhead: float = 0.0
     compute_units: int = 0
     activation_scale: float = 1.0
     precision: str = "bf16-mixed"
@@ -123,10 +126,12 @@ CLUSTER_PRESETS: dict[str, Cluster] = {
     "h100": _gpu("h100", 989, 67, 3.35, 900, 50),
 }
 
+#: CPU ranks share the machine's RAM; the planner holds each rank to all of it (a loose bound).
+_RAM = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 #: This machine before `calibrate` ran: one core ~20 GFLOP/s fp32, gloo over loopback ~1 GB/s, 100 us a step.
-_CPU_DEFAULT = Cluster(name="cpu-default", devices_per_node=64, memory=16 * GB, flops={"fp32": 20e9},
+_CPU_DEFAULT = Cluster(name="cpu-default", devices_per_node=64, memory=_RAM, flops={"fp32": 20e9},
                        memory_bandwidth=10 * GB, intra=Link(1 * GB, 100e-6), inter=Link(1 * GB, 100e-6),
-                       layer_overhead=1e-3, compute_units=os.cpu_count() or 1, precision="32-true")
+                       layer_overhead=1e-3, step_overhead=20e-3, compute_units=os.cpu_count() or 1, precision="32-true")
 
 
 def cpu_cluster() -> Cluster:
@@ -145,7 +150,7 @@ def load_cluster(text: str) -> Cluster:
     path = Path(text)
     if path.is_file():
         return Cluster.from_dict(json.loads(path.read_text()))
-    raise ValueError(f"--cluster {text!r} is neither a preset ({sorted([*CLUSTER_PRESETS, 'cpu'])}) nor a cluster JSON file.")
+    raise ValueError(f"cluster {text!r} is neither a preset ({sorted([*CLUSTER_PRESETS, 'cpu'])}) nor a cluster JSON file.")
 
 
 # ------------------------------------------------------------------------------------------------ calibration

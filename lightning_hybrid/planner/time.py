@@ -31,15 +31,19 @@ last backward when there is no pipeline (buckets launch during backward; under P
 schedule); the parameter all-gather of stages 1-2 follows the step; stage 3's gathers are prefetched under
 compute, so only what exceeds it shows. The optimizer step reads and writes its states once (memory bound).
 
+A step also costs the cluster's ``step_overhead`` (the training loop's own time; measured on CPU).
+
 Shared compute (CPU ranks on ``compute_units`` cores): the step is at least the whole node's work divided by
 its cores.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from lightning_hybrid.pipeline.executor import SCHEDULES
+from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB
 
 from .cluster import Cluster, Link
 from .layout import Layout
@@ -57,12 +61,13 @@ def ring_volume(n: int, nbytes: float, op: str = "all_reduce") -> float:
     return (2.0 if op == "all_reduce" else 1.0) * (n - 1) / n * nbytes
 
 
-def ring_time(n: int, nbytes: float, link: Link, op: str = "all_reduce") -> float:
-    """Seconds of a ring ``op``: its steps' latency plus its volume at the link's bandwidth."""
+def ring_time(n: int, nbytes: float, link: Link, op: str = "all_reduce", messages: int = 1) -> float:
+    """Seconds of a ring ``op`` of ``nbytes`` in all, sent as ``messages`` collectives: their steps' latency
+    plus the volume at the link's bandwidth."""
     if n <= 1:
         return 0.0
     steps = (2 if op == "all_reduce" else 1) * (n - 1)
-    return steps * link.latency + ring_volume(n, nbytes, op) / link.bandwidth
+    return messages * steps * link.latency + ring_volume(n, nbytes, op) / link.bandwidth
 
 
 def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> float:
@@ -94,7 +99,8 @@ class TimeEstimate:
                 "dp_comm": self.dp_comm, "optimizer": self.optimizer, "total": self.total}
 
 
-def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster) -> TimeEstimate:
+def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
+                  bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> TimeEstimate:
     lay, prec = layout, cluster.precision
     pb, gb, ob, e = PRECISIONS[prec]
     flops = cluster.achievable_flops(prec)
@@ -131,15 +137,19 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster) -> TimeEst
     t_mb = compute_mb + tp_mb + pp_mb
     bubble = bubble_fraction(lay.schedule, lay.pp, m, lay.virtual_stages) * m * t_mb
 
-    # DP: the fullest rank's parameters, over the dp ring (ranks tp apart).
-    P = max(rank_params(model, layers, t) for layers in ranks)
+    # DP: the fullest rank's parameters over the dp ring (ranks tp apart), in gradient buckets of
+    # ``bucket_cap_mb`` (stages 0-2) or FSDP2 units, one per block and one for the rest (stage 3).
+    fullest = max(ranks, key=lambda layers: rank_params(model, layers, t))
+    P = rank_params(model, fullest, t)
     dp_link = cluster.link(lay.dp, lay.tp)
     n = lay.dp
+    messages = (sum(1 for i in fullest if 0 < i < head_index) + 1 if lay.zero_stage == 3
+                else max(1, math.ceil(P * gb / (bucket_cap_mb * 2**20))))
     if lay.zero_stage == 0:
-        reduce, gather = ring_time(n, P * gb, dp_link), 0.0
+        reduce, gather = ring_time(n, P * gb, dp_link, messages=messages), 0.0
     else:
-        reduce = ring_time(n, P * gb, dp_link, "reduce_scatter")
-        gather = ring_time(n, P * pb, dp_link, "all_gather")
+        reduce = ring_time(n, P * gb, dp_link, "reduce_scatter", messages)
+        gather = ring_time(n, P * pb, dp_link, "all_gather", messages)
     overlap = 0.0 if lay.pp > 1 else compute_mb * 2 / passes  # the last backward
     if lay.zero_stage == 3 and lay.pp > 1:  # a stage gathered once, reduced after the schedule
         dp_comm = reduce + gather
@@ -149,10 +159,11 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster) -> TimeEst
         dp_comm = max(0.0, reduce - overlap) + gather
     optimizer = 2 * (pb + gb + ob) * P / (n if lay.zero_stage else 1) / cluster.memory_bandwidth
 
-    critical = m * t_mb + bubble + dp_comm + optimizer
+    fixed = dp_comm + optimizer + cluster.step_overhead
+    critical = m * t_mb + bubble + fixed
     if cluster.compute_units:
         on_node = min(lay.devices, cluster.devices_per_node)
         busy = m * compute_mb * on_node / cluster.compute_units  # a node's work over its cores
-        critical = max(critical, busy + dp_comm + optimizer)
+        critical = max(critical, busy + fixed)
     return TimeEstimate(compute=m * compute_mb, tp_comm=m * tp_mb, pp_comm=m * pp_mb, bubble=bubble,
                         dp_comm=dp_comm, optimizer=optimizer, total=critical)
