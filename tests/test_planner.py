@@ -199,3 +199,22 @@ def test_recipe_parallel_auto_end_to_end(tmp_path):
     bad = _recipe(["parallel=auto", "planner.cluster=nope", "trainer.devices=2"], tmp_path, tmp_path / "none.json")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "error: parallel=auto: cluster 'nope' is neither a preset (['a100', 'cpu', 'h100']) nor a cluster JSON file."]
+
+
+def test_sweep_summary_shows_predictions_and_ranks(tmp_path):
+    import csv
+
+    from lightning_hybrid.sweep import spearman, write_summary
+
+    for job, (measured, predicted) in enumerate([(100.0, 900.0), (300.0, 1000.0), (200.0, 950.0)]):
+        (tmp_path / str(job)).mkdir()
+        (tmp_path / str(job) / "metrics.json").write_text(json.dumps(
+            {"layout": f"l{job}", "tokens_per_s": measured, "predicted_tokens_per_s": predicted,
+             "peak_mib_max": 5.0, "predicted_peak_mib": 5.5}))
+    assert write_summary(tmp_path)["spearman"] == pytest.approx(1.0)
+    with open(tmp_path / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["measured_rank"], r["planner_rank"]) for r in rows] == [("3", "3"), ("1", "1"), ("2", "2")]
+    assert rows[0]["predicted_peak_mib"] == "5.5"
+    assert "Spearman rank correlation of predicted and measured tokens/s: 1.00" in (tmp_path / "summary.md").read_text()
+    assert spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
