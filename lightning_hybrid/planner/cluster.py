@@ -20,7 +20,8 @@ level (``intra``: within a node, ``inter``: across nodes) the bandwidth and late
   ``compute_units`` cores: more ranks than cores run at ``compute_units / ranks`` of their speed each.
 
 `calibrate` (``python -m lightning_hybrid.planner calibrate [--out PATH]``) measures, in under a minute, one
-process's fp32 matmul FLOP/s, the fixed cost of a small transformer block's forward + backward (Python and
+process's fp32 matmul FLOP/s and element-wise memory bandwidth, how many cores other users leave free (one
+matmul loop per core, together; noted only), the fixed cost of a small transformer block's forward + backward (Python and
 dispatch overhead the FLOP count does not see) and gloo all-reduce latency and bandwidth between two local
 processes, and writes them as a cluster JSON (`Cluster.to_json`, read back by `load_cluster`).
 """
@@ -69,7 +70,8 @@ class Cluster:
     device; ``memory_bandwidth``: bytes/s (element-wise work); ``layer_overhead``: seconds per transformer block
     per micro-batch per pass that do not scale with FLOPs (kernel launches, Python; measured on CPU);
     ``step_overhead``: seconds per optimizer step of the training loop itself (Lightning, callbacks, logging);
-    ``compute_units``: how many ranks can compute at once on one node (CPU cores; 0 = every device);
+    ``compute_units``: how many ranks can compute at once on one node (CPU: its cores; 0 = every device;
+    `calibrate` notes how many were free of other users' work when it ran, ``cores_free_at_calibration``);
     ``activation_scale``: measured / predicted activation bytes (``step_overhead`` and ``activation_scale`` are
     fitted by ``benchmarks/bench_planner.py`` from single-device runs and written into this machine's file).
     """
@@ -166,6 +168,18 @@ def _matmul_flops(n: int = 512, seconds: float = 2.0) -> float:
     return 2 * n**3 * count / (time.perf_counter() - t0)
 
 
+def _memory_bandwidth(n: int = 2**23, repeats: int = 10) -> float:
+    """Bytes/s of an element-wise op (``a + b`` into a new tensor: two reads and a write of ``4n`` bytes)."""
+    import torch
+
+    a, b = torch.randn(n), torch.randn(n)
+    a + b
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        a + b
+    return 3 * 4 * n * repeats / (time.perf_counter() - t0)
+
+
 def _block_overhead(flops: float, repeats: int = 20) -> float:
     """Seconds of a tiny block's forward + backward beyond its FLOPs at ``flops``, per pass (forward or
     backward), i.e. what a block costs whatever its size."""
@@ -208,21 +222,24 @@ def calibrate(out: Optional[Union[str, Path]] = None) -> Cluster:
     fitted at 256 and 4M fp32 elements."""
     from lightning_hybrid.testing import run_distributed
 
-    torch_threads = 1  # ranks run with one thread each (as run_distributed and Lightning's CPU ranks)
     import torch
 
-    torch.set_num_threads(torch_threads)
+    torch.set_num_threads(1)  # ranks run with one thread each (as run_distributed and Lightning's CPU ranks)
     flops = _matmul_flops()
+    bandwidth_mem = _memory_bandwidth()
     overhead = _block_overhead(flops)
+    cores = os.cpu_count() or 1
+    together = sum(run_distributed(_matmul_flops, cores))  # all cores at once: what other users leave free now
     small, large = 256, 4 * 2**20
     t_small, t_large = (max(r) for r in zip(*run_distributed(_allreduce_worker, 2, [small, large], 20)))
     latency = t_small / 2
     bandwidth = 4 * large / max(t_large - t_small, 1e-9)  # 2 (n-1)/n * bytes = bytes for n = 2
     cluster = dataclasses.replace(
-        _CPU_DEFAULT, name="cpu-calibrated", flops={"fp32": flops}, intra=Link(bandwidth, latency),
-        inter=Link(bandwidth, latency), layer_overhead=overhead,
+        _CPU_DEFAULT, name="cpu-calibrated", flops={"fp32": flops}, memory_bandwidth=bandwidth_mem, intra=Link(bandwidth, latency),
+        inter=Link(bandwidth, latency), layer_overhead=overhead, compute_units=cores,
         notes={"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "matmul": "512x512 fp32, 1 thread",
-               "allreduce_s": {str(small): t_small, str(large): t_large}},
+               "allreduce_s": {str(small): t_small, str(large): t_large},
+               "cores_free_at_calibration": round(together / flops, 2)},
     )
     path = Path(out) if out is not None else DEFAULT_CALIBRATION
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,9 @@ paper's 16Psi / 4Psi + 12Psi/Nd / 2Psi + 14Psi/Nd / 16Psi/Nd (`zero_model_states
 does on top (README, ZeRO): stage 2 keeps the bucket backward fills and ``MAX_IN_FLIGHT`` being reduced
 (``bucket_cap_mb`` each) beside its ``P/dp`` slices, and its full buffers ``P`` under PP or accumulation
 (nothing is reduced before the window's last backward); stage 3 (FSDP2) keeps two blocks gathered (the one
-running and the one prefetched) and one block's unsharded gradients, and under PP or accumulation a stage's
-parameters gathered and its gradients unsharded (``P`` each, beside the ``P/dp`` shards).
+running and the one prefetched), and under PP or accumulation a stage's parameters gathered and its gradients
+unsharded (``P`` each, beside the ``P/dp`` shards). Without buckets (``dp = 1``) under PP a micro-batch's new
+gradients exist beside the accumulated ones (``2 g P``; measured by ``benchmarks/bench_planner.py``).
 
 Activations of one block for one micro-batch (Korthikanti et al. 2022, "Reducing activation recomputation",
 section 4): ``s b (rep h / (tp if sequence parallel else 1) + split h / tp + scores a s / tp)`` bytes.
@@ -22,7 +23,7 @@ no dropout by default, ``scaled_dot_product_attention`` keeping no ``s x s`` sco
 two LayerNorms' inputs and outputs) and ``split = e (3 + 2 a_kv/a + 2 [a_kv < a] + 2F/h (4F/h SwiGLU))``
 (q, k, v and their GQA repeats, the attention output and its contiguous copy, the MLP's hidden tensors).
 A checkpointed block keeps its input, ``e h`` per token (``/tp`` with sequence parallelism), and recomputes
-one block at a time. The head keeps ``HEAD_ELEMENTS`` fp32 logit-sized tensors per token (logits gathered over
+one block at a time (not while the head's loss is alive: the larger of the two counts). The head keeps ``HEAD_ELEMENTS`` fp32 logit-sized tensors per token (logits gathered over
 TP, log-softmax, their gradients). A schedule keeps several micro-batches in flight (`in_flight`).
 """
 
@@ -172,25 +173,24 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
         if lay.zero_stage == 3 and sharded:
             gathered = P if whole_window else min(P, 2 * block_p)
             params = pb * (P / dp + gathered)
-            grads = gb * (P / dp + (P if whole_window else min(P, block_p)))
+            grads = gb * (P / dp + (P if whole_window else 0.0))
         else:
             params = pb * P
             if lay.zero_stage == 2 and sharded and not whole_window:
                 grads = gb * (P / dp + min(P, (1 + MAX_IN_FLIGHT) * bucket / gb))
+            elif lay.pp > 1 and not sharded and lay.dp == 1:
+                grads = 2 * gb * P  # no buckets: a micro-batch's new gradients beside the accumulated ones
             else:
                 grads = gb * (P + (P / dp if lay.zero_stage == 2 and sharded else 0))
         optimizer = ob * P / dp
         f = in_flight(lay.schedule, lay.pp, lay.micro_batches, lay.virtual_stages, rank)
-        if lay.activation_checkpointing:
-            act = blocks * f * kept + block_act
-        else:
-            act = blocks * f * block_act
-        if 0 in layers:
-            act += f * s * b * h * e * 2  # token + position embeddings
-        head = model.n_layer + 1 in layers
-        if head:
+        held = blocks * f * (kept if lay.activation_checkpointing else block_act)
+        head = 0.0
+        if model.n_layer + 1 in layers:
             head_f = lay.micro_batches if (lay.pp > 1 and lay.schedule == "gpipe") else 1
-            act += head_f * s * b * (h * e + HEAD_ELEMENTS * 4 * model.vocab)
+            head = head_f * s * b * (h * e + HEAD_ELEMENTS * 4 * model.vocab)
+        # The head's loss and a recomputed block's activations are not alive at once.
+        act = held + max(head, block_act if lay.activation_checkpointing else 0.0)
         buffers = 2 * s * b * h * e if lay.pp > 1 else 0.0  # the stage boundary's send and receive tensors
         est = MemoryEstimate(params, grads, optimizer, act * activation_scale, buffers, rank)
         if best is None or est.total > best.total:

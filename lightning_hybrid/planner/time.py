@@ -33,8 +33,8 @@ compute, so only what exceeds it shows. The optimizer step reads and writes its 
 
 A step also costs the cluster's ``step_overhead`` (the training loop's own time; measured on CPU).
 
-Shared compute (CPU ranks on ``compute_units`` cores): the step is at least the whole node's work divided by
-its cores.
+Shared compute (CPU ranks on ``compute_units`` cores): the step is at least the work of all the node's ranks
+(computation, the training loop's overhead, the optimizer) over its cores, plus the waits for communication.
 """
 
 from __future__ import annotations
@@ -159,11 +159,10 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
         dp_comm = max(0.0, reduce - overlap) + gather
     optimizer = 2 * (pb + gb + ob) * P / (n if lay.zero_stage else 1) / cluster.memory_bandwidth
 
-    fixed = dp_comm + optimizer + cluster.step_overhead
-    critical = m * t_mb + bubble + fixed
-    if cluster.compute_units:
+    own = m * compute_mb + optimizer + cluster.step_overhead  # what a rank computes itself
+    critical = m * (tp_mb + pp_mb) + bubble + dp_comm + own
+    if cluster.compute_units:  # a node's ranks share its cores: their work added up, over the cores
         on_node = min(lay.devices, cluster.devices_per_node)
-        busy = m * compute_mb * on_node / cluster.compute_units  # a node's work over its cores
-        critical = max(critical, busy + fixed)
+        critical = max(critical, own * on_node / cluster.compute_units + m * (tp_mb + pp_mb) + dp_comm)
     return TimeEstimate(compute=m * compute_mb, tp_comm=m * tp_mb, pp_comm=m * pp_mb, bubble=bubble,
                         dp_comm=dp_comm, optimizer=optimizer, total=critical)
