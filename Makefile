@@ -26,6 +26,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_strategies.py
 	$(PY) benchmarks/bench_pipeline.py
 	$(PY) benchmarks/bench_memory.py
+	$(PY) benchmarks/bench_planner.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

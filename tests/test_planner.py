@@ -124,7 +124,7 @@ def test_every_planned_layout_is_one_the_strategy_accepts():
         assert lay.sequence_parallel <= (lay.tp > 1)
         HybridStrategy(**lay.strategy_kwargs())  # the strategy's own checks pass
     times = [c.time.total for c in result.ranked]
-    assert times == sorted(times)
+    assert times == sorted(times) and result.rank_of(result.ranked[1].layout) == 2
 
 
 def test_a_model_too_big_for_the_devices_says_why():

@@ -20,7 +20,7 @@ level (``intra``: within a node, ``inter``: across nodes) the bandwidth and late
   ``compute_units`` cores: more ranks than cores run at ``compute_units / ranks`` of their speed each.
 
 `calibrate` (``python -m lightning_hybrid.planner calibrate [--out PATH]``) measures, in under a minute, one
-process's fp32 matmul FLOP/s and element-wise memory bandwidth, how many cores other users leave free (one
+process's fp32 matmul FLOP/s, element-wise memory bandwidth and AdamW step time per parameter, how many cores other users leave free (one
 matmul loop per core, together; noted only), the fixed cost of a small transformer block's forward + backward (Python and
 dispatch overhead the FLOP count does not see) and gloo all-reduce latency and bandwidth between two local
 processes, and writes them as a cluster JSON (`Cluster.to_json`, read back by `load_cluster`).
@@ -70,6 +70,8 @@ class Cluster:
     device; ``memory_bandwidth``: bytes/s (element-wise work); ``layer_overhead``: seconds per transformer block
     per micro-batch per pass that do not scale with FLOPs (kernel launches, Python; measured on CPU);
     ``step_overhead``: seconds per optimizer step of the training loop itself (Lightning, callbacks, logging);
+    ``optimizer_time_per_param``: seconds of an AdamW step per parameter (measured on CPU; 0: memory bound,
+    its states read and written once at ``memory_bandwidth``);
     ``compute_units``: how many ranks can compute at once on one node (CPU: its cores; 0 = every device;
     `calibrate` notes how many were free of other users' work when it ran, ``cores_free_at_calibration``);
     ``activation_scale``: measured / predicted activation bytes (``step_overhead`` and ``activation_scale`` are
@@ -86,6 +88,7 @@ class Cluster:
     matmul_efficiency: float = 1.0
     layer_overhead: float = 0.0
     step_overhead: float = 0.0
+    optimizer_time_per_param: float = 0.0
     compute_units: int = 0
     activation_scale: float = 1.0
     precision: str = "bf16-mixed"
@@ -180,6 +183,20 @@ def _memory_bandwidth(n: int = 2**23, repeats: int = 10) -> float:
     return 3 * 4 * n * repeats / (time.perf_counter() - t0)
 
 
+def _adamw_time_per_param(n: int = 2**20, repeats: int = 5) -> float:
+    """Seconds per parameter of ``torch.optim.AdamW.step`` (fp32, the default foreach implementation)."""
+    import torch
+
+    p = torch.nn.Parameter(torch.randn(n))
+    p.grad = torch.randn(n)
+    opt = torch.optim.AdamW([p])
+    opt.step()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        opt.step()
+    return (time.perf_counter() - t0) / repeats / n
+
+
 def _block_overhead(flops: float, repeats: int = 20) -> float:
     """Seconds of a tiny block's forward + backward beyond its FLOPs at ``flops``, per pass (forward or
     backward), i.e. what a block costs whatever its size."""
@@ -227,6 +244,7 @@ def calibrate(out: Optional[Union[str, Path]] = None) -> Cluster:
     torch.set_num_threads(1)  # ranks run with one thread each (as run_distributed and Lightning's CPU ranks)
     flops = _matmul_flops()
     bandwidth_mem = _memory_bandwidth()
+    adamw = _adamw_time_per_param()
     overhead = _block_overhead(flops)
     cores = os.cpu_count() or 1
     together = sum(run_distributed(_matmul_flops, cores))  # all cores at once: what other users leave free now
@@ -235,7 +253,7 @@ def calibrate(out: Optional[Union[str, Path]] = None) -> Cluster:
     latency = t_small / 2
     bandwidth = 4 * large / max(t_large - t_small, 1e-9)  # 2 (n-1)/n * bytes = bytes for n = 2
     cluster = dataclasses.replace(
-        _CPU_DEFAULT, name="cpu-calibrated", flops={"fp32": flops}, memory_bandwidth=bandwidth_mem, intra=Link(bandwidth, latency),
+        _CPU_DEFAULT, name="cpu-calibrated", flops={"fp32": flops}, memory_bandwidth=bandwidth_mem, optimizer_time_per_param=adamw, intra=Link(bandwidth, latency),
         inter=Link(bandwidth, latency), layer_overhead=overhead, compute_units=cores,
         notes={"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "matmul": "512x512 fp32, 1 thread",
                "allreduce_s": {str(small): t_small, str(large): t_large},

@@ -29,12 +29,14 @@ reduce-scatter them and all-gather the updated parameters, stage 3 all-gathers t
 backward and reduce-scatters the gradients (ZeRO: 2 Psi vs 3 Psi of traffic). Gradient reduction overlaps the
 last backward when there is no pipeline (buckets launch during backward; under PP they are reduced after the
 schedule); the parameter all-gather of stages 1-2 follows the step; stage 3's gathers are prefetched under
-compute, so only what exceeds it shows. The optimizer step reads and writes its states once (memory bound).
+compute, so only what exceeds it shows. The optimizer step reads and writes its states once (memory bound),
+or takes the measured time per parameter (CPU).
 
 A step also costs the cluster's ``step_overhead`` (the training loop's own time; measured on CPU).
 
 Shared compute (CPU ranks on ``compute_units`` cores): the step is at least the work of all the node's ranks
-(computation, the training loop's overhead, the optimizer) over its cores, plus the waits for communication.
+(computation and the optimizer) over its cores, plus the waits (communication, the training loop's own time,
+which the ranks spend side by side).
 """
 
 from __future__ import annotations
@@ -157,12 +159,14 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
         dp_comm = max(0.0, reduce - overlap) + max(0.0, m * (2 * gather - compute_mb))
     else:
         dp_comm = max(0.0, reduce - overlap) + gather
-    optimizer = 2 * (pb + gb + ob) * P / (n if lay.zero_stage else 1) / cluster.memory_bandwidth
+    per_param = cluster.optimizer_time_per_param or 2 * (pb + gb + ob) / cluster.memory_bandwidth
+    optimizer = per_param * P / (n if lay.zero_stage else 1)  # ZeRO 1-3 step a 1/dp slice
 
-    own = m * compute_mb + optimizer + cluster.step_overhead  # what a rank computes itself
-    critical = m * (tp_mb + pp_mb) + bubble + dp_comm + own
+    own = m * compute_mb + optimizer  # what a rank computes itself
+    waits = m * (tp_mb + pp_mb) + dp_comm + cluster.step_overhead
+    critical = own + bubble + waits
     if cluster.compute_units:  # a node's ranks share its cores: their work added up, over the cores
         on_node = min(lay.devices, cluster.devices_per_node)
-        critical = max(critical, own * on_node / cluster.compute_units + m * (tp_mb + pp_mb) + dp_comm)
+        critical = max(critical, own * on_node / cluster.compute_units + waits)
     return TimeEstimate(compute=m * compute_mb, tp_comm=m * tp_mb, pp_comm=m * pp_mb, bubble=bubble,
                         dp_comm=dp_comm, optimizer=optimizer, total=critical)
