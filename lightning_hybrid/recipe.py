@@ -237,7 +237,7 @@ def run(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> Dict[str, Any]
             "tokens_per_s_per_replica": rates.get("device/items_per_sec"),
             "mfu": rates.get("device/mfu"),
             **peak_memory_per_rank(memory),
-            **predicted_metrics(cfg, layout),  # the planner's prediction for this layout, beside the measurement
+            **predicted_metrics(cfg, layout, model),  # the planner's prediction for this layout, beside the measurement
         }
         if trainer.is_global_zero:
             (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")

@@ -54,9 +54,9 @@ def this_machine(accelerator: str) -> Cluster:
     return cpu_cluster()
 
 
-def _model(cfg: DictConfig) -> ModelSpec:
+def _model(cfg: DictConfig, module: Any = None) -> ModelSpec:
     """The recipe's model: `GPTLightningModule` fields, a `CausalLM`'s Hugging Face config, or any other
-    module built and counted (`ModelSpec.from_module`)."""
+    module (``module`` if the run built it already, else built here) counted (`ModelSpec.from_module`)."""
     from lightning_hybrid.models import GPTConfig
 
     node, target = cfg.model, str(cfg.model.get("_target_", ""))
@@ -70,10 +70,11 @@ def _model(cfg: DictConfig) -> ModelSpec:
         from transformers import AutoConfig
 
         return ModelSpec.from_hf(AutoConfig.for_model(str(node.model), **dict(node.get("config") or {})), seq_len)
-    from hydra.utils import instantiate
+    if module is None:
+        from hydra.utils import instantiate
 
-    module = instantiate(node, _convert_="all")
-    getattr(module, "configure_model", lambda: None)()
+        module = instantiate(node, _convert_="all")
+        getattr(module, "configure_model", lambda: None)()
     return ModelSpec.from_module(module, seq_len)
 
 
@@ -141,12 +142,12 @@ def _recipe_layout(cfg: DictConfig, world: dict[str, int]) -> tuple[Layout, int]
     return layout, world["dp"] * batch * accumulate
 
 
-def predicted_metrics(cfg: DictConfig, world: dict[str, int]) -> dict[str, Any]:
+def predicted_metrics(cfg: DictConfig, world: dict[str, int], module: Any = None) -> dict[str, Any]:
     """``predicted_peak_mib``, ``predicted_tokens_per_s`` and ``predicted_step_s`` of the layout ``cfg`` runs
-    (``world``: `lightning_hybrid.recipe.world_layout`), on ``planner.cluster`` or this machine; empty when the
-    planner cannot describe the model or the machine."""
+    (``world``: `lightning_hybrid.recipe.world_layout`; ``module``: the model the run built), on
+    ``planner.cluster`` or this machine; empty when the planner cannot describe the model or the machine."""
     try:
-        model, cluster = _model(cfg), _cluster(cfg)
+        model, cluster = _model(cfg, module), _cluster(cfg)
         layout, global_batch = _recipe_layout(cfg, world)
     except (ValueError, KeyError, TypeError):
         return {}
