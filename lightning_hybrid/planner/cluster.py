@@ -19,7 +19,8 @@ level (``intra``: within a node, ``inter``: across nodes) the bandwidth and late
   or ``~/.cache/lightning_hybrid/cluster_cpu.json`` holds them, else conservative defaults. CPU ranks share
   ``compute_units`` cores: more ranks than cores run at ``compute_units / ranks`` of their speed each.
 
-`calibrate` (``python -m lightning_hybrid.planner calibrate [--out PATH]``) measures, in under a minute, one
+`calibrate` (``python -m lightning_hybrid.planner calibrate [--out PATH]``) measures, in under a minute (each figure the
+fastest of several repeats: the least disturbed by other processes), one
 process's fp32 matmul FLOP/s, element-wise memory bandwidth and AdamW step time per parameter, how many cores other users leave free (one
 matmul loop per core, together; noted only), the fixed cost of a small transformer block's forward + backward (Python and
 dispatch overhead the FLOP count does not see) and gloo all-reduce latency and bandwidth between two local
@@ -159,16 +160,24 @@ def load_cluster(text: str) -> Cluster:
 
 
 # ------------------------------------------------------------------------------------------------ calibration
-def _matmul_flops(n: int = 512, seconds: float = 2.0) -> float:
+def _fastest(fn, repeats: int) -> float:
+    """The shortest of ``repeats`` timed calls of ``fn`` (after one warm-up): on a shared machine the fastest
+    run is the one least disturbed by other processes."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _matmul_flops(n: int = 512, repeats: int = 50) -> float:
+    """FLOP/s of an ``n x n`` fp32 matmul."""
     import torch
 
     a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    count, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ b
-        count += 1
-    return 2 * n**3 * count / (time.perf_counter() - t0)
+    return 2 * n**3 / _fastest(lambda: a @ b, repeats)
 
 
 def _memory_bandwidth(n: int = 2**23, repeats: int = 10) -> float:
@@ -176,28 +185,19 @@ def _memory_bandwidth(n: int = 2**23, repeats: int = 10) -> float:
     import torch
 
     a, b = torch.randn(n), torch.randn(n)
-    a + b
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        a + b
-    return 3 * 4 * n * repeats / (time.perf_counter() - t0)
+    return 3 * 4 * n / _fastest(lambda: a + b, repeats)
 
 
-def _adamw_time_per_param(n: int = 2**20, repeats: int = 5) -> float:
+def _adamw_time_per_param(n: int = 2**20, repeats: int = 10) -> float:
     """Seconds per parameter of ``torch.optim.AdamW.step`` (fp32, the default foreach implementation)."""
     import torch
 
     p = torch.nn.Parameter(torch.randn(n))
     p.grad = torch.randn(n)
-    opt = torch.optim.AdamW([p])
-    opt.step()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        opt.step()
-    return (time.perf_counter() - t0) / repeats / n
+    return _fastest(torch.optim.AdamW([p]).step, repeats) / n
 
 
-def _block_overhead(flops: float, repeats: int = 20) -> float:
+def _block_overhead(flops: float, repeats: int = 30) -> float:
     """Seconds of a tiny block's forward + backward beyond its FLOPs at ``flops``, per pass (forward or
     backward), i.e. what a block costs whatever its size."""
     import torch
@@ -206,11 +206,7 @@ def _block_overhead(flops: float, repeats: int = 20) -> float:
 
     config = GPTConfig(n_embd=32, n_head=4, block_size=16)
     block, x = Block(config), torch.randn(1, 16, 32, requires_grad=True)
-    block(x).sum().backward()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        block(x).sum().backward()
-    per_step = (time.perf_counter() - t0) / repeats
+    per_step = _fastest(lambda: block(x).sum().backward(), repeats)
     work = 6 * 16 * (12 * 32 * 32) / flops
     return max(0.0, per_step - work) / 3  # forward ~ 1 pass, backward ~ 2
 
@@ -223,12 +219,8 @@ def _allreduce_worker(sizes: list[int], repeats: int) -> list[float]:
     times = []
     for n in sizes:
         t = torch.zeros(n)
-        dist.all_reduce(t)
         dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            dist.all_reduce(t)
-        times.append((time.perf_counter() - t0) / repeats)
+        times.append(_fastest(lambda: dist.all_reduce(t), repeats))
     return times
 
 
@@ -247,9 +239,9 @@ def calibrate(out: Optional[Union[str, Path]] = None) -> Cluster:
     adamw = _adamw_time_per_param()
     overhead = _block_overhead(flops)
     cores = os.cpu_count() or 1
-    together = sum(run_distributed(_matmul_flops, cores))  # all cores at once: what other users leave free now
+    together = sum(run_distributed(_matmul_flops, cores, 512, 10))  # all cores at once: what other users leave free
     small, large = 256, 4 * 2**20
-    t_small, t_large = (max(r) for r in zip(*run_distributed(_allreduce_worker, 2, [small, large], 20)))
+    t_small, t_large = (max(r) for r in zip(*run_distributed(_allreduce_worker, 2, [small, large], 20)))  # slower rank
     latency = t_small / 2
     bandwidth = 4 * large / max(t_large - t_small, 1e-9)  # 2 (n-1)/n * bytes = bytes for n = 2
     cluster = dataclasses.replace(

@@ -9,7 +9,7 @@ checkpointing, and sequence parallelism (``tp > 1``). Each candidate gets `estim
 the device (`USABLE_MEMORY` of it) get `estimate_time` and are ranked by step time (then memory).
 
 The partition of the layers over stages is cached per stage count (`rank_layers`), so 1,024 devices search in
-about a second (`benchmarks/bench_planner.py` times it).
+one to two seconds (`benchmarks/bench_planner.py` times it).
 """
 
 from __future__ import annotations
