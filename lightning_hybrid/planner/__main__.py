@@ -25,7 +25,8 @@ from .search import GIB, Candidate, Plan, plan
 
 def _row(rank: int, c: Candidate) -> str:
     m = c.memory
-    mem = f"{m.total / GIB:8.2f} = p {m.params / GIB:.2f} g {m.grads / GIB:.2f} o {m.optimizer / GIB:.2f} a {m.activations / GIB:.2f} b {m.buffers / GIB:.2f}"
+    mem = (f"{m.total / GIB:8.2f} = p {m.params / GIB:.2f} g {m.grads / GIB:.2f} o {m.optimizer / GIB:.2f}"
+           f" a {m.activations / GIB:.2f} b {m.buffers / GIB:.2f}")
     if c.time is None:
         return f"  -  {c.layout.label():<48} {mem}  {c.reason}"
     t = c.time

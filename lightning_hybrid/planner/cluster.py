@@ -19,12 +19,12 @@ level (``intra``: within a node, ``inter``: across nodes) the bandwidth and late
   or ``~/.cache/lightning_hybrid/cluster_cpu.json`` holds them, else conservative defaults. CPU ranks share
   ``compute_units`` cores: more ranks than cores run at ``compute_units / ranks`` of their speed each.
 
-`calibrate` (``python -m lightning_hybrid.planner calibrate [--out PATH]``) measures, in under a minute (each figure the
-fastest of several repeats: the least disturbed by other processes), one
-process's fp32 matmul FLOP/s, element-wise memory bandwidth and AdamW step time per parameter, how many cores other users leave free (one
-matmul loop per core, together; noted only), the fixed cost of a small transformer block's forward + backward (Python and
-dispatch overhead the FLOP count does not see) and gloo all-reduce latency and bandwidth between two local
-processes, and writes them as a cluster JSON (`Cluster.to_json`, read back by `load_cluster`).
+`calibrate` (``python -m lightning_hybrid.planner calibrate [--out PATH]``) measures, in under a minute, each
+figure the fastest of several repeats (the least disturbed by other processes): one process's fp32 matmul
+FLOP/s, element-wise memory bandwidth and AdamW step time per parameter; how many cores other users leave
+free (one matmul loop per core, together; noted only); the fixed cost of a small transformer block's forward
++ backward (Python and dispatch overhead the FLOP count does not see); gloo all-reduce latency and bandwidth
+between two local processes. It writes them as a cluster JSON (`Cluster.to_json`, read back by `load_cluster`).
 """
 
 from __future__ import annotations
@@ -245,7 +245,8 @@ def calibrate(out: Optional[Union[str, Path]] = None) -> Cluster:
     latency = t_small / 2
     bandwidth = 4 * large / max(t_large - t_small, 1e-9)  # 2 (n-1)/n * bytes = bytes for n = 2
     cluster = dataclasses.replace(
-        _CPU_DEFAULT, name="cpu-calibrated", flops={"fp32": flops}, memory_bandwidth=bandwidth_mem, optimizer_time_per_param=adamw, intra=Link(bandwidth, latency),
+        _CPU_DEFAULT, name="cpu-calibrated", flops={"fp32": flops}, memory_bandwidth=bandwidth_mem,
+        optimizer_time_per_param=adamw, intra=Link(bandwidth, latency),
         inter=Link(bandwidth, latency), layer_overhead=overhead, compute_units=cores,
         notes={"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "matmul": "512x512 fp32, 1 thread",
                "allreduce_s": {str(small): t_small, str(large): t_large},

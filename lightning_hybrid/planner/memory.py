@@ -23,7 +23,8 @@ no dropout by default, ``scaled_dot_product_attention`` keeping no ``s x s`` sco
 two LayerNorms' inputs and outputs) and ``split = e (3 + 2 a_kv/a + 2 [a_kv < a] + 2F/h (4F/h SwiGLU))``
 (q, k, v and their GQA repeats, the attention output and its contiguous copy, the MLP's hidden tensors).
 A checkpointed block keeps its input, ``e h`` per token (``/tp`` with sequence parallelism), and recomputes
-one block at a time (not while the head's loss is alive: the larger of the two counts). The head keeps ``HEAD_ELEMENTS`` fp32 logit-sized tensors per token (logits gathered over
+one block at a time (not while the head's loss is alive: the larger of the two counts). The head keeps
+``HEAD_ELEMENTS`` fp32 logit-sized tensors per token (logits gathered over
 TP, log-softmax, their gradients). A schedule keeps several micro-batches in flight (`in_flight`).
 """
 
