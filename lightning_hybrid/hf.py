@@ -222,15 +222,19 @@ class _PipelineCalls:
 
     def __init__(self, structure: _Structure) -> None:
         self.structure = structure
+        # Under sequence parallelism a decoder layer receives 1/sequence_split of the sequence; its arguments
+        # (rotary tables, masks) are those of the whole sequence, which its attention gathers.
+        self.sequence_split = 1
         self._cache: "OrderedDict[tuple, list]" = OrderedDict()
         self._hooked: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
         self._filled: set[int] = set()
 
     def kwargs_for(self, index: int, hidden: Tensor) -> tuple[tuple, dict]:
-        key = (tuple(hidden.shape[:-1]), hidden.dtype, hidden.device)
+        shape = (hidden.size(0), hidden.size(1) * self.sequence_split, *hidden.shape[2:])
+        key = (shape[:-1], hidden.dtype, hidden.device)
         if key not in self._cache:
             with torch.no_grad():
-                self._cache[key] = _trunk_kwargs(self.structure, hidden)
+                self._cache[key] = _trunk_kwargs(self.structure, hidden.new_zeros(shape))
             while len(self._cache) > self.CACHED_SHAPES:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)
@@ -510,6 +514,26 @@ class CausalLM(L.LightningModule):
                     self.init_pipeline_layer(index, layer)
                 if getattr(model.config, "tie_word_embeddings", False):
                     model.tie_weights()
+
+    def _split_sequence_calls(self) -> None:
+        """Once the strategy has set up sequence parallelism (after its setup-time checks, which run on whole
+        sequences), decoder layers the pipeline calls with part of the sequence get the arguments of the whole
+        (`_PipelineCalls.sequence_split`)."""
+        strategy = self.trainer.strategy
+        if self._calls is not None:
+            self._calls.sequence_split = strategy.parallel_dims.tp if getattr(strategy, "sequence_parallel", False) else 1
+
+    def on_fit_start(self) -> None:
+        self._split_sequence_calls()
+
+    def on_validation_start(self) -> None:
+        self._split_sequence_calls()
+
+    def on_test_start(self) -> None:
+        self._split_sequence_calls()
+
+    def on_predict_start(self) -> None:
+        self._split_sequence_calls()
 
     def _materialise(self, module: nn.Module, device: torch.device) -> None:
         if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):

@@ -38,7 +38,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_hybrid.activation_checkpointing import apply_activation_checkpointing, checkpoint_targets
+from lightning_hybrid.activation_checkpointing import Recompute, apply_activation_checkpointing, checkpoint_targets, recompute_ops
 from lightning_hybrid.checkpoint import load_sharded, save_sharded
 from lightning_hybrid.checkpoint import remove as remove_checkpoint_path
 from lightning_hybrid.grad_norm import clip_grads_, global_grad_norm
@@ -91,8 +91,16 @@ class HybridStrategy(ParallelStrategy):
         virtual_stages: stages per rank for the interleaved schedule.
         split_points: explicit pipeline split: indices of the layers that start stages 1..n-1 (default: stages
             balanced by parameter count).
+        sequence_parallel: under ``tp > 1``, split the activations between the TP regions (norms, residuals,
+            dropout) along the sequence over the TP group (Megatron SP): blocks holding an attention or MLP pair
+            take and give ``[B, T/tp, H]``; verified like every split (needs ``verify_tp_plan``).
+        loss_parallel: a column-split LM head's logits stay split over the vocabulary (`SplitLogits`):
+            ``F.cross_entropy`` on them is computed from the shards, any other use gathers them on demand.
         activation_checkpointing: ``True`` recomputes every layer's activations in backward (the pipeline
             layers under ``pp > 1``, else the elements of ``nn.ModuleList``s); a glob pattern picks modules by name.
+        recompute: what a checkpointed layer recomputes: ``"full"`` (everything), ``"attention"`` (the attention
+            core only: selective recompute) or a list of aten op names; anything but ``"full"`` checkpoints every
+            layer when ``activation_checkpointing`` is ``False``.
         process_group_backend: overrides the backend chosen from the accelerator (gloo on CPU, nccl on CUDA).
         timeout: process group timeout.
     """
@@ -108,11 +116,14 @@ class HybridStrategy(ParallelStrategy):
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         tp_plan: Union[str, dict[str, Any]] = "auto",
         verify_tp_plan: bool = True,
+        sequence_parallel: bool = False,
+        loss_parallel: bool = True,
         micro_batches: Optional[int] = None,
         schedule: str = "1f1b",
         virtual_stages: int = 1,
         split_points: Optional[list[int]] = None,
         activation_checkpointing: Union[bool, str] = False,
+        recompute: Recompute = "full",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -133,7 +144,9 @@ class HybridStrategy(ParallelStrategy):
             resolve_schedule(schedule, pp, micro_batches, virtual_stages) if pp > 1 else (None, 1, micro_batches)
         )
         self.split_points = list(split_points) if split_points is not None else None
-        self.activation_checkpointing = activation_checkpointing
+        self._recompute_ops = recompute_ops(recompute)
+        self.recompute = recompute
+        self.activation_checkpointing = activation_checkpointing or self._recompute_ops is not None
         if not (tp_plan == "auto" or isinstance(tp_plan, Mapping)):
             raise ValueError(f"tp_plan={tp_plan!r} is invalid: use 'auto' or a dict of glob pattern -> style.")
         self._requested = {"dp": dp, "tp": tp, "pp": pp}
@@ -143,6 +156,13 @@ class HybridStrategy(ParallelStrategy):
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.tp_plan = dict(tp_plan) if isinstance(tp_plan, Mapping) else tp_plan
         self.verify_tp_plan = bool(verify_tp_plan)
+        if sequence_parallel and not self.verify_tp_plan:
+            raise ValueError(
+                "sequence_parallel=True needs verify_tp_plan=True: the verification finds which parameters see only"
+                " part of the tokens (their gradients are summed over TP)."
+            )
+        self.sequence_parallel = bool(sequence_parallel) and tp > 1
+        self.loss_parallel = bool(loss_parallel)
         self.micro_batches, self.schedule, self.virtual_stages = micro_batches, schedule, virtual_stages
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -289,7 +309,7 @@ class HybridStrategy(ParallelStrategy):
         if dims.pp > 1:
             assert self._schedule_spec is not None
             # Known on every rank before the cut (layers are still there, perhaps on the meta device).
-            first_input = first_layer_example(module, module.pipeline_layers()[0], self.root_device)
+            first_input = first_layer_example(module, module.pipeline_layers()[0], self.root_device, self._example_multiple)
             layout = plan_stages(
                 module, dims.pp, self.device_mesh["pp"].get_local_rank(), self._stages_per_rank,
                 self._schedule_spec.style, self.split_points,
@@ -299,7 +319,7 @@ class HybridStrategy(ParallelStrategy):
         if plan is not None:
             self._apply_tp(module, plan, layer_names, layout, first_input)
         self._tp_sharded_names = tp_sharded_parameter_names(module)
-        apply_activation_checkpointing(module, [n for n in checkpointed if not _is_under(n, self._remote_prefixes)])
+        apply_activation_checkpointing(module, [n for n in checkpointed if not _is_under(n, self._remote_prefixes)], self._recompute_ops)
         if layout is not None:
             self._pipeline = self._build_pipeline(module, layout)
         elif self.zero_stage == 3 and dims.dp > 1:
@@ -308,6 +328,11 @@ class HybridStrategy(ParallelStrategy):
             for name in self._partial_grads:
                 sum_grad_over_tp(module.get_parameter(name), self.tp_group)
         self._parallelized_module = module
+
+    @property
+    def _example_multiple(self) -> int:
+        """Example inputs for the TP verification have a sequence length divisible by this."""
+        return self.parallel_dims.tp if self.sequence_parallel else 1
 
     @staticmethod
     def _pipeline_layer_names(module: "pl.LightningModule") -> tuple[str, ...]:
@@ -322,7 +347,7 @@ class HybridStrategy(ParallelStrategy):
         example forward captures the blocks' inputs: the whole model, or the pipeline stages in order). An
         error on any rank is raised on every rank."""
         if layout is None:
-            run_example = model_example(module, _param_device(module))
+            run_example = model_example(module, _param_device(module), self._example_multiple)
         else:
             layers = module.pipeline_layers()
             stages = {s: stage_module([layers[i] for i in layout.ranges[s]]) for s in layout.local_stages}
@@ -331,7 +356,9 @@ class HybridStrategy(ParallelStrategy):
             )
         result = apply_tp(
             module, self.tp_group, plan, run_example=run_example, verify=self.verify_tp_plan,
-            pipeline_layers=layer_names, device=self.root_device, example_input_for=lambda name, block: synthetic_call(block),
+            pipeline_layers=layer_names, device=self.root_device,
+            example_input_for=lambda name, block: synthetic_call(block, self._example_multiple),
+            sequence_parallel=self.sequence_parallel, split_logits=self.loss_parallel,
         )
         errors: list[Any] = [None] * self.world_size
         dist.all_gather_object(errors, result.errors)

@@ -114,12 +114,15 @@ def test_families_under_pipeline_layouts_match_one_device():
 
 def test_families_under_tp_pp_and_3d_layouts_match_one_device():
     runs = {f"tp2xpp2-{family}": (dict(tp=2, pp=2, micro_batches=2), partial(_lm, family), {}) for family in ("llama", "qwen2", "gpt2")}
+    runs["tp2xpp2-sp-gpt2"] = (dict(tp=2, pp=2, micro_batches=2, sequence_parallel=True), partial(_lm, "gpt2"), {})
     references: dict = {}
     _no_rank_holds_the_whole_model(check_world(4, runs, steps=STEPS, references=references), references)
     runs = {
         f"dp2xtp2xpp2-zero{stage}-{family}": (dict(dp=2, tp=2, pp=2, zero_stage=stage, micro_batches=2), partial(_lm, family), {})
         for stage, family in ((1, "gpt_neox"), (3, "llama"))
     }
+    runs["dp2xtp2xpp2-zero1-sp-qwen2"] = (
+        dict(dp=2, tp=2, pp=2, zero_stage=1, micro_batches=2, sequence_parallel=True), partial(_lm, "qwen2"), {})
     _no_rank_holds_the_whole_model(check_world(8, runs, steps=STEPS, references=references), references)
 
 

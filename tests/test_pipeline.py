@@ -1,6 +1,7 @@
-"""Pipeline parallelism without Lightning and without a process group: stage partitioning and ranks, schedule
-resolution, cutting a module into this rank's stages, and the binding of ``forward``/``loss_fn`` in a training
-step (`PipelineModule`): the shapes of training_step it supports and the error for those it does not."""
+"""Pipeline parallelism without Lightning: stage partitioning and ranks, schedule resolution, cutting a module
+into this rank's stages, and the binding of ``forward``/``loss_fn`` in a training step (`PipelineModule`): the
+shapes of training_step it supports and the error for those it does not (all without a process group); the
+evaluation output that stays on the last stage (`PipelineOutput`, on 2 gloo ranks)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ from lightning_hybrid.pipeline import (
     resolve_schedule,
     stage_ranks,
 )
+from lightning_hybrid.pipeline.output import PipelineOutput
 from lightning_hybrid.pipeline.stages import RemoteLayer, bind_evaluation, bind_training, keep_local_layers, plan_stages
+from tests.helpers import run_distributed
 
 
 # ---------------------------------------------------------------------------------------------- partitioning
@@ -279,3 +282,34 @@ def test_outside_training_steps_forward_is_the_pipeline_output():
         with pytest.raises(TypeError, match="takes one input tensor"):
             module(X, mask=None)
     assert "forward" not in vars(module)
+
+
+# ---------------------------------------------------------------------------------------------- evaluation output
+def _pipeline_output_worker() -> dict:
+    """Rank 1 is the last stage. What validation code does with the output, on both ranks."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    logits, y = torch.randn(2, 6, 10), torch.randint(0, 10, (2, 6))
+    out = PipelineOutput.create(logits if dist.get_rank() == 1 else None, 1, dist.group.WORLD, torch.device("cpu"))
+    flat = out.float().flatten(0, 1)  # as large as the output: stays on the last stage
+    loss = F.cross_entropy(flat, y.flatten())
+    return {
+        "meta": (tuple(out.shape), out.dtype, out.dim(), out.size(-1), str(out.device)),
+        "kept": (type(flat).__name__, flat._value is None),
+        "loss": (type(loss).__name__, loss.item(), F.cross_entropy(logits.flatten(0, 1), y.flatten()).item()),
+        "argmax": torch.equal(out.argmax(-1), logits.argmax(-1)),
+        "item": out[0, 0, 0].item() == logits[0, 0, 0].item(),
+        "whole": torch.equal(out.materialize(), logits),
+    }
+
+
+def test_evaluation_output_stays_on_the_last_stage_and_small_results_reach_every_rank():
+    first, last = run_distributed(_pipeline_output_worker, 2)
+    for rank, res in enumerate((first, last)):
+        assert res["meta"] == ((2, 6, 10), torch.float32, 3, 10, "cpu"), rank
+        assert res["kept"] == ("PipelineOutput", rank == 0), rank  # the data is on the last stage only
+        kind, loss, expected = res["loss"]
+        assert kind == "Tensor" and loss == pytest.approx(expected, rel=1e-6), rank
+        assert res["argmax"] and res["item"] and res["whole"], rank

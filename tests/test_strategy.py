@@ -33,6 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
         (dict(pp=4, schedule="1f1b", micro_batches=2), r"needs micro_batches >= pp \(4\), got 2"),
         (dict(tp_plan="everything"), r"tp_plan='everything' is invalid"),
         (dict(bucket_cap_mb=0), r"bucket_cap_mb=0 is invalid: it must be a positive number of MiB"),
+        (dict(tp=2, sequence_parallel=True, verify_tp_plan=False), r"sequence_parallel=True needs verify_tp_plan=True"),
+        (dict(recompute="most"), r"recompute='most' is invalid: use 'full' \(the whole layer\), 'attention'"),
+        (dict(recompute=["gelu", "no_such_op"]), r"recompute names unknown aten ops \['aten.no_such_op'\]"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, message):

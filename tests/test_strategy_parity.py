@@ -56,6 +56,11 @@ def test_world2_layouts_match_one_device():
     }.items()}
     runs["dp2-zero2-small-buckets-accumulate2"] = (dict(dp=2, zero_stage=2, bucket_cap_mb=0.01), model, {"accumulate_grad_batches": 2})
     runs["user-dp2-zero3"] = (dict(dp=2, zero_stage=3), UserLM, {})
+    # Sequence parallelism (logits split over the vocabulary, by default), also with selective recompute; and
+    # the gathered logits of loss_parallel=False.
+    runs["tp2-sp"] = (dict(tp=2, sequence_parallel=True), model, {})
+    runs["tp2-sp-recompute-attention"] = (dict(tp=2, sequence_parallel=True, recompute="attention"), model, {})
+    runs["tp2-gathered-logits"] = (dict(tp=2, loss_parallel=False), model, {})
     check_world(2, runs)
 
 
@@ -67,6 +72,7 @@ def test_world4_layouts_match_one_device():
         "dp2xtp2-zero1": dict(dp=2, tp=2, zero_stage=1),
         "dp2xtp2-zero2": dict(dp=2, tp=2, zero_stage=2),
         "dp2xtp2-zero3": dict(dp=2, tp=2, zero_stage=3),
+        "dp2xtp2-zero2-sp": dict(dp=2, tp=2, zero_stage=2, sequence_parallel=True),
     }.items()})
 
 
@@ -77,6 +83,7 @@ def test_accumulation_foreign_model_and_bf16_match_one_device():
         "dp2xtp2-zero2-accumulate2": (dict(dp=2, tp=2, zero_stage=2), gpt(), {"accumulate_grad_batches": 2}),
         "dp2xtp2-zero0-accumulate2": (dict(dp=2, tp=2), gpt(), {"accumulate_grad_batches": 2}),
         "llama-dp2xtp2-zero1": (dict(dp=2, tp=2, zero_stage=1), partial(TinyLlama, lr=5e-4), {}),
+        "llama-dp2xtp2-zero3-sp": (dict(dp=2, tp=2, zero_stage=3, sequence_parallel=True), partial(TinyLlama, lr=5e-4), {}),
         "bf16-dp2xtp2-zero3": (dict(dp=2, tp=2, zero_stage=3), gpt(), {"precision": "bf16-mixed"}, (2e-2, 1e-2)),
         "bf16-pp2xtp2": (dict(pp=2, tp=2), gpt(), {"precision": "bf16-mixed"}, (2e-2, 1e-2)),
     })
@@ -93,6 +100,7 @@ def test_pipeline_schedules_match_one_device():
         "pp2-1f1b-ac-accumulate2": (
             dict(pp=2, activation_checkpointing=True, micro_batches=2), model, {"accumulate_grad_batches": 2}
         ),
+        "pp2-recompute-attention": (dict(pp=2, recompute="attention"), model, {}),
     })
 
 
@@ -102,6 +110,7 @@ def test_pipeline_with_dp_and_tp_match_one_device():
         "pp4-1f1b": (dict(pp=4, schedule="1f1b"), model, {}),
         "pp2xdp2": (dict(pp=2, dp=2), model, {}),
         "pp2xtp2": (dict(pp=2, tp=2, split_points=[2]), model, {}),
+        "pp2xtp2-sp-interleaved": (dict(pp=2, tp=2, sequence_parallel=True, schedule="interleaved_1f1b", virtual_stages=2), model, {}),
         # Accumulation under a pipeline: ZeRO-1 buckets and ZeRO-3 (FSDP2) reduce once, after the last batch.
         "pp2xdp2-zero1-accumulate2": (dict(pp=2, dp=2, zero_stage=1, micro_batches=2), model, {"accumulate_grad_batches": 2}),
         "pp2xdp2-zero3-accumulate2": (dict(pp=2, dp=2, zero_stage=3, micro_batches=2), model, {"accumulate_grad_batches": 2}),
@@ -115,6 +124,7 @@ def test_3d_with_every_zero_stage_matches_one_device():
     config = gpt(n_layer=2, n_embd=64)
     runs = {f"3d-zero{stage}": (dict(pp=2, dp=2, tp=2, zero_stage=stage), config, {}) for stage in range(4)}
     runs.update({f"user-3d-zero{stage}": (dict(pp=2, dp=2, tp=2, zero_stage=stage), UserLM, {}) for stage in range(4)})
+    runs["3d-zero1-sp"] = (dict(pp=2, dp=2, tp=2, zero_stage=1, sequence_parallel=True), config, {})
     results = check_world(8, runs)
     one_device = config()
     one_device.configure_model()

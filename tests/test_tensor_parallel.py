@@ -546,13 +546,14 @@ def _hf_loss(model, ids):
     return out.logits, out.loss
 
 
-def _check_model(res, key, group, make_model, loss_fn, vocab, run_example, tp_plan="auto"):
-    """Verify and split a copy of the model; compare logits, loss and every gradient with the unsplit model;
-    the full state dict round trip. Returns the split model and `apply_tp`'s result."""
+def _check_model(res, key, group, make_model, loss_fn, vocab, run_example, tp_plan="auto", **options):
+    """Verify and split a copy of the model (``options``: `apply_tp`'s sequence parallelism and split logits);
+    compare logits, loss and every gradient with the unsplit model; the full state dict round trip. Returns the
+    split model and `apply_tp`'s result."""
     err, ok = res["err"], res["ok"]
     ref = make_model()
     tpm = copy.deepcopy(ref)
-    result = apply_tp(tpm, group, resolve_tp_plan(tpm, dist.get_world_size(group), tp_plan), run_example=lambda: run_example(tpm))
+    result = apply_tp(tpm, group, resolve_tp_plan(tpm, dist.get_world_size(group), tp_plan), run_example=lambda: run_example(tpm), **options)
     res["results"][key] = result
     if result.errors:
         return tpm, result
@@ -597,6 +598,85 @@ def _alibi_model():
     return AlibiModel()
 
 
+class ShuffledBetweenBlocks(TinyLM):
+    """Mixes the tokens between two blocks: blocks that see part of the sequence cannot reproduce it."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.wte(ids) + self.wpe(torch.arange(ids.size(1)))
+        for index, block in enumerate(self.blocks):
+            x = block(x.flip(1) if index == 3 else x)
+        return self.lm_head(self.ln_f(x))
+
+
+def _sequence_parallel_checks(res, group, ids, hf_ids):
+    """Sequence parallelism with logits kept split: every block layout of TinyLM (incl. per-head norms and
+    gathered activations), Llama and GPT-2 (Conv1D, a position embedding after the token embedding) equal the
+    unsplit model; the blocks run on half the sequence; a model that mixes tokens between blocks is refused; a
+    sequence that does not divide is an error naming it."""
+    even = torch.cat([ids, ids[:, :5]], dim=1)  # 16 tokens: divides by tp
+    options = dict(sequence_parallel=True, split_logits=True)
+    tpm, result = _check_model(res, "sp_tiny_lm", group, _tiny_lm, _lm_loss, 64, lambda m: m(even), **options)
+    res["ok"]["sp_tiny_lm/one_run"] = result.sequence_runs == [[f"blocks.{i}" for i in range(6)]]
+    seen = []
+    handle = tpm.blocks[2].register_forward_hook(lambda m, a, out: seen.append(out.shape[1]))
+    tpm(even)
+    handle.remove()
+    res["ok"]["sp_tiny_lm/blocks_see_half"] = seen == [8]
+    res["ok"]["sp_tiny_lm/logits_split"] = type(tpm(even)).__name__ == "SplitLogits"
+    res["ok"]["sp_tiny_lm/norms_summed"] = {"blocks.0.ln_1.weight", "blocks.5.ln_2.bias"} <= set(result.partial_grads)
+    try:
+        tpm(ids)  # 11 tokens
+        res["ok"]["sp_tiny_lm/odd_length_refused"] = False
+    except ValueError as err:
+        res["ok"]["sp_tiny_lm/odd_length_refused"] = "sequence length divides by tp=2" in str(err) and "[2, 11, 32]" in str(err)
+    hf_even = torch.cat([hf_ids, hf_ids[:, :5]], dim=1)
+    _check_model(res, "sp_llama", group, tiny_llama, _hf_loss, 128, lambda m: m(input_ids=hf_even), **options)
+    _check_model(res, "sp_gpt2", group, tiny_gpt2, _hf_loss, 128, lambda m: m(input_ids=hf_even), **options)
+    torch.manual_seed(0)
+    shuffled = ShuffledBetweenBlocks()
+    result = apply_tp(shuffled, group, resolve_tp_plan(shuffled, 2), run_example=lambda: shuffled(even), **options)
+    res["results"]["sp_shuffled"] = result
+    from tests.user_modules import UserLM  # attention and MLP in one module
+
+    user = UserLM()
+    res["results"]["sp_user"] = apply_tp(user, group, resolve_tp_plan(user, 2), run_example=lambda: user(even), **options)
+
+
+def _split_logits_checks(res, group):
+    """`SplitLogits` against the gathered logits: what stays split, cross entropy (mean, sum, none, ignored
+    targets) and its gradient from the shards, argmax, fused parts, and every other op through a gather."""
+    from lightning_hybrid.tensor_parallel.loss import SplitLogits
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    err, ok = res["err"], res["ok"]
+    torch.manual_seed(6)
+    full = torch.randn(2, 5, 12)
+    y = torch.randint(0, 12, (2, 5))
+    y[0, 1] = -100
+    for parts in ((12,), (4, 8)):
+        spec = ShardSpec(-1, parts)
+        ref = full.clone().requires_grad_()
+        local = split_shard(full, spec, rank, world).requires_grad_()
+        split = SplitLogits.wrap(local * 1.0, group, spec)
+        key = f"split_logits/{parts}"
+        ok[f"{key}/shape"] = tuple(split.shape) == (2, 5, 12) and split.size(-1) == 12 and split.numel() == 120
+        for reduction in ("mean", "sum", "none"):
+            err[f"{key}/ce_{reduction}"] = _err(F.cross_entropy(split.flatten(0, 1), y.flatten(), reduction=reduction),
+                                                F.cross_entropy(full.flatten(0, 1), y.flatten(), reduction=reduction))
+        ok[f"{key}/stays_split"] = all(type(t) is SplitLogits for t in (
+            split.flatten(0, 1), split.view(-1, 12), split[:, :-1], split[..., :], split.float(), split / 2.0, split.detach(),
+            torch.cat([split, split], dim=0)))
+        F.cross_entropy(split[:, :-1].reshape(-1, split.size(-1)), y[:, 1:].reshape(-1)).backward()
+        F.cross_entropy(ref[:, :-1].reshape(-1, ref.size(-1)), y[:, 1:].reshape(-1)).backward()
+        err[f"{key}/ce_grad"] = _err(local.grad, split_shard(ref.grad, spec, rank, world))
+        ok[f"{key}/argmax"] = torch.equal(split.argmax(-1), full.argmax(-1))
+        err[f"{key}/gathered_ops"] = max(
+            _err(split.softmax(-1), full.softmax(-1)), _err(split[..., 3], full[..., 3]), _err(split.sum(), full.sum()),
+            _err(F.cross_entropy(split.view(-1, 12), y.flatten(), label_smoothing=0.1),
+                 F.cross_entropy(full.view(-1, 12), y.flatten(), label_smoothing=0.1)),
+        )
+
+
 def _tp_worker() -> dict:
     dist.init_process_group("gloo")
     group = dist.group.WORLD
@@ -610,6 +690,8 @@ def _tp_worker() -> dict:
     hf_ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(8))
     _check_model(res, "llama", group, tiny_llama, _hf_loss, 128, lambda m: m(input_ids=hf_ids))
     _check_model(res, "gpt2", group, tiny_gpt2, _hf_loss, 128, lambda m: m(input_ids=hf_ids))
+    _sequence_parallel_checks(res, group, ids, hf_ids)
+    _split_logits_checks(res, group)
     # A wrong explicit split (parts that are not the layout of the fused projection) is named, not trained.
     _check_model(res, "planted", group, _tiny_lm, _lm_loss, 64, lambda m: m(ids),
                  tp_plan={"blocks.1.attn.c_attn": {"style": "colwise", "part_sizes": [16, 16, 32]}})
@@ -640,10 +722,25 @@ def test_tp_layers_match_unsplit(tp_results, prefix):
     _assert_close(tp_results, prefix)
 
 
-@pytest.mark.parametrize("model", ["tiny_lm", "tiny_lm_tied", "alibi", "llama", "gpt2"])
+@pytest.mark.parametrize("model", ["tiny_lm", "tiny_lm_tied", "alibi", "llama", "gpt2", "sp_tiny_lm", "sp_llama", "sp_gpt2"])
 def test_verified_split_models_match_unsplit(tp_results, model):
     assert tp_results[0]["results"][model][3] == []
     _assert_close(tp_results, f"{model}/")
+
+
+def test_sequence_parallel_splits_the_blocks_and_refuses_what_it_cannot_reproduce(tp_results):
+    summary = tp_results[0]["results"]["sp_llama"][0]
+    assert "sequence split in [model.layers.0..model.layers.1]" in summary
+    assert "model.layers.0.input_layernorm.weight" in tp_results[0]["results"]["sp_llama"][2]
+    for res in tp_results:
+        errors = res["results"]["sp_shuffled"][3]
+        assert len(errors) == 1 and "blocks.3 does not receive blocks.2's output" in errors[0], errors
+        errors = res["results"]["sp_user"][3]
+        assert len(errors) == 2 and "blocks.0 holds its column and row layers itself" in errors[0], errors
+
+
+def test_split_logits_behave_as_the_whole(tp_results):
+    _assert_close(tp_results, "split_logits/")
 
 
 def test_verification_picks_the_exact_layout(tp_results):

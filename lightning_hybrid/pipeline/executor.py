@@ -2,9 +2,11 @@
 forward-only path used by validation, test and predict.
 
 Training (`train_step`) runs the whole schedule (forward and backward of every micro-batch) and returns
-the mean micro-batch loss on every pipeline rank. Evaluation (`eval_forward`) sends the whole batch through
-the stages in order and gives the last stage's output to every pipeline rank, so the user's validation code
-(loss, torchmetrics) runs unchanged on every rank.
+the mean micro-batch loss on every pipeline rank. Evaluation (`eval_forward`) sends the batch through the
+stages micro-batch by micro-batch (stage ``s`` works on one while stage ``s+1`` works on the one before) and
+gives every pipeline rank a `PipelineOutput`: the output stays on the last stage, and only what the user's
+validation code computes from it (a loss, argmax indices) is broadcast, so that code (loss, torchmetrics)
+runs unchanged on every rank.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
+
+from lightning_hybrid.pipeline.output import PipelineOutput
 
 
 @dataclass(frozen=True)
@@ -155,29 +159,41 @@ class PipelineExecutor:
         return loss
 
     @torch.no_grad()
-    def eval_forward(self, inputs: Tensor) -> Tensor:
-        """The whole batch through the stages in order (no micro-batches); the output on every PP rank."""
-        out = forward_through_stages(self.stage_modules, self.owners, inputs, self.group, self.device)
-        return broadcast_tensor(out, self.owners[-1], self.group, self.device)
+    def eval_forward(self, inputs: Tensor) -> PipelineOutput:
+        """The batch through the stages in ``micro_batches`` parts (fewer when the batch is smaller); the output
+        as a `PipelineOutput` on every PP rank (its data on the last stage only)."""
+        parts = list(inputs.chunk(min(self.micro_batches, max(inputs.size(0), 1))))
+        outputs = forward_through_stages(self.stage_modules, self.owners, parts, self.group, self.device)
+        out = torch.cat(outputs) if outputs is not None else None
+        return PipelineOutput.create(out, dist.get_global_rank(self.group, self.owners[-1]), self.group, self.device)
 
 
 def forward_through_stages(
-    stage_modules: dict[int, nn.Module], owners: list[int], inputs: Tensor, group: dist.ProcessGroup, device: torch.device
-) -> Tensor | None:
-    """Run ``inputs`` through every stage in order (``stage_modules``: this rank's stages; ``owners[s]``: the PP
-    rank of stage ``s``), sending activations between PP ranks. Returns the last stage's output on its owner,
-    ``None`` on the other ranks. Collective over the PP ``group``."""
+    stage_modules: dict[int, nn.Module], owners: list[int], inputs: Tensor | list[Tensor], group: dist.ProcessGroup,
+    device: torch.device,
+) -> Tensor | list[Tensor] | None:
+    """Run ``inputs`` (a tensor, or micro-batches) through every stage in order (``stage_modules``: this rank's
+    stages; ``owners[s]``: the PP rank of stage ``s``), sending activations between PP ranks. Stage by stage,
+    each does all micro-batches (sending each on as soon as it is done), so consecutive stages overlap and no
+    rank waits on a send. Returns the last stage's output(s) on its owner, ``None`` on the other ranks.
+    Collective over the PP ``group``."""
     rank = dist.get_rank(group)
-    x = inputs
+    parts = list(inputs) if isinstance(inputs, list) else [inputs]
+    pending: list = []
     for index, owner in enumerate(owners):
         if owner != rank:
             continue
-        if index > 0 and owners[index - 1] != rank:
-            x = recv_tensor(owners[index - 1], group, device)
-        x = stage_modules[index](x)
-        if index + 1 < len(owners) and owners[index + 1] != rank:
-            send_tensor(x.detach(), owners[index + 1], group, device)
-    return x if owners[-1] == rank else None
+        for i in range(len(parts)):
+            if index > 0 and owners[index - 1] != rank:
+                parts[i] = recv_tensor(owners[index - 1], group, device)
+            parts[i] = stage_modules[index](parts[i])
+            if index + 1 < len(owners) and owners[index + 1] != rank:
+                pending += isend_tensor(parts[i].detach(), owners[index + 1], group, device)
+    for work in pending:
+        work.wait()
+    if owners[-1] != rank:
+        return None
+    return parts if isinstance(inputs, list) else parts[0]
 
 
 # Tensors of unknown shape travel as a header (dtype, ndim, shape) followed by the data.
@@ -193,31 +209,20 @@ def _from_header(header: Tensor, device: torch.device) -> Tensor:
     return torch.empty([int(v) for v in header[2 : 2 + ndim]], dtype=dtype, device=device)
 
 
-def send_tensor(t: Tensor, dst: int, group: dist.ProcessGroup, device: torch.device) -> None:
-    """Send ``t`` (any shape) to PP rank ``dst`` of ``group``."""
+def isend_tensor(t: Tensor, dst: int, group: dist.ProcessGroup, device: torch.device) -> list:
+    """Start sending ``t`` (any shape) to PP rank ``dst`` of ``group``; wait for the returned works."""
     global_dst = dist.get_global_rank(group, dst)
-    dist.send(_header(t, device), dst=global_dst, group=group)
-    dist.send(t.contiguous(), dst=global_dst, group=group)
+    return [dist.isend(_header(t, device), dst=global_dst, group=group), dist.isend(t.contiguous(), dst=global_dst, group=group)]
 
 
 def recv_tensor(src: int, group: dist.ProcessGroup, device: torch.device) -> Tensor:
-    """Receive a tensor sent by `send_tensor` from PP rank ``src`` of ``group``."""
+    """Receive a tensor sent by `isend_tensor` from PP rank ``src`` of ``group``."""
     global_src = dist.get_global_rank(group, src)
     header = torch.empty(10, dtype=torch.int64, device=device)
     dist.recv(header, src=global_src, group=group)
     t = _from_header(header, device)
     dist.recv(t, src=global_src, group=group)
     return t
-
-
-def broadcast_tensor(t: Tensor | None, src: int, group: dist.ProcessGroup, device: torch.device) -> Tensor:
-    """``t`` from PP rank ``src`` on every rank of ``group`` (the others pass ``None``)."""
-    global_src = dist.get_global_rank(group, src)
-    header = _header(t, device) if t is not None else torch.empty(10, dtype=torch.int64, device=device)
-    dist.broadcast(header, src=global_src, group=group)
-    out = t.contiguous() if t is not None else _from_header(header, device)
-    dist.broadcast(out, src=global_src, group=group)
-    return out
 
 
 def stage_module(layers: list[nn.Module]) -> nn.Module:

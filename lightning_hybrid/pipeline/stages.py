@@ -147,11 +147,15 @@ def bind_training(module: nn.Module, executor: PipelineExecutor) -> Iterator[Tra
 
 @contextmanager
 def bind_evaluation(module: nn.Module, executor: PipelineExecutor) -> Iterator[None]:
-    """Outside training steps, ``self(x)`` is the pipeline's output (forward only), on every pipeline rank."""
+    """Outside training steps, ``self(x)`` is the pipeline's output (forward only) on every pipeline rank: a
+    `PipelineOutput` whose data stays on the last stage (validation, test, callbacks), or, while predicting
+    (Lightning keeps the predictions), the whole output broadcast to every pipeline rank."""
 
     def forward(inputs: Tensor, *args, **kwargs) -> Tensor:
         _check_one_input(args, kwargs)
-        return executor.eval_forward(inputs)
+        output = executor.eval_forward(inputs)
+        trainer = getattr(module, "_trainer", None)
+        return output.materialize() if trainer is not None and trainer.predicting else output
 
     with _instance_attributes(module, forward=forward):
         yield

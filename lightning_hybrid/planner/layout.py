@@ -13,7 +13,9 @@ __all__ = ["Layout"]
 class Layout:
     """``dp x tp x pp`` with ZeRO ``zero_stage``; each replica's batch is ``micro_batches`` micro-batches of
     ``micro_batch`` sequences (a pipeline's micro-batches, or gradient accumulation when ``pp == 1``);
-    ``schedule``/``virtual_stages`` as `lightning_hybrid.pipeline.resolve_schedule` takes them."""
+    ``schedule``/``virtual_stages`` as `lightning_hybrid.pipeline.resolve_schedule` takes them;
+    ``loss_parallel``: the LM head's logits stay split over the vocabulary under TP (the strategy's default;
+    not searched: it only saves)."""
 
     dp: int
     tp: int
@@ -25,6 +27,7 @@ class Layout:
     virtual_stages: int = 1
     activation_checkpointing: bool = False
     sequence_parallel: bool = False
+    loss_parallel: bool = True
 
     @property
     def devices(self) -> int:
@@ -55,8 +58,11 @@ class Layout:
                                   "activation_checkpointing": self.activation_checkpointing}
         if self.pp > 1:
             kwargs.update(micro_batches=self.micro_batches, schedule=self.schedule, virtual_stages=self.virtual_stages)
-        if self.sequence_parallel and "sequence_parallel" in inspect.signature(strategy_cls).parameters:
+        accepted = inspect.signature(strategy_cls).parameters
+        if self.sequence_parallel and "sequence_parallel" in accepted:
             kwargs["sequence_parallel"] = True
+        if "loss_parallel" in accepted:
+            kwargs["loss_parallel"] = self.loss_parallel
         return kwargs
 
     def as_dict(self) -> dict[str, Any]:

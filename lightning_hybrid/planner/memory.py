@@ -24,8 +24,8 @@ two LayerNorms' inputs and outputs) and ``split = e (3 + 2 a_kv/a + 2 [a_kv < a]
 (q, k, v and their GQA repeats, the attention output and its contiguous copy, the MLP's hidden tensors).
 A checkpointed block keeps its input, ``e h`` per token (``/tp`` with sequence parallelism), and recomputes
 one block at a time (not while the head's loss is alive: the larger of the two counts). The head keeps
-``HEAD_ELEMENTS`` fp32 logit-sized tensors per token (logits gathered over
-TP, log-softmax, their gradients). A schedule keeps several micro-batches in flight (`in_flight`).
+``HEAD_ELEMENTS`` fp32 logit-sized tensors per token (logits, log-softmax, their gradients), ``V/tp`` wide with
+``loss_parallel`` (the vocab-parallel cross entropy), else ``V`` (gathered). A schedule keeps several micro-batches in flight (`in_flight`).
 """
 
 from __future__ import annotations
@@ -189,7 +189,8 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
         head = 0.0
         if model.n_layer + 1 in layers:
             head_f = lay.micro_batches if (lay.pp > 1 and lay.schedule == "gpipe") else 1
-            head = head_f * s * b * (h * e + HEAD_ELEMENTS * 4 * model.vocab)
+            vocab = model.vocab / t if lay.loss_parallel else model.vocab
+            head = head_f * s * b * (h * e + HEAD_ELEMENTS * 4 * vocab)
         # The head's loss and a recomputed block's activations are not alive at once.
         act = held + max(head, block_act if lay.activation_checkpointing else 0.0)
         buffers = 2 * s * b * h * e if lay.pp > 1 else 0.0  # the stage boundary's send and receive tensors

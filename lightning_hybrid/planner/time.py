@@ -17,7 +17,9 @@ Per micro-batch of ``b`` sequences (``T = b s`` tokens) and per block on one dev
 * PP: each stage boundary sends the activations forward and their gradients back (``T h e`` bytes, point to
   point), on the critical path.
 
-The head adds ``6 h V / tp`` FLOPs per token and under TP the all-gather of the logits (fp32).
+The head adds ``6 h V / tp`` FLOPs per token and under TP either three all-reduces of one fp32 per token (the
+vocab-parallel cross entropy's max, sum and target logit) or, without ``loss_parallel``, the logits'
+all-gather (fp32).
 
 Pipeline (Narayanan et al. 2021): ``step = (m + bubble) t_mb`` with the bubble ``(pp - 1)`` micro-batch
 times for GPipe and 1F1B -- a bubble fraction ``(pp-1)/m`` of the ideal time -- ``(pp - 1)/v`` for the
@@ -118,7 +120,10 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     tp_link = cluster.link(t, 1)
     block_tp = (6 if recompute else 4) * ring_time(t, tokens * h * e, tp_link)
     head_compute = 6 * tokens * h * model.vocab / t / flops + 3 * cluster.layer_overhead
-    head_tp = ring_time(t, tokens * model.vocab * 4, tp_link, "all_gather")
+    if lay.loss_parallel:  # vocab-parallel cross entropy: all-reduces of a max, a sum and the target logit
+        head_tp = 3 * ring_time(t, tokens * 4, tp_link)
+    else:  # the logits gathered
+        head_tp = ring_time(t, tokens * model.vocab * 4, tp_link, "all_gather")
 
     spec = SCHEDULES[lay.schedule] if lay.pp > 1 else SCHEDULES["1f1b"]
     per_rank = lay.virtual_stages if lay.pp > 1 else 1

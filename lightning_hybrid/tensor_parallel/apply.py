@@ -7,11 +7,21 @@ of an explicit ``tp_plan`` whose split fails is an error naming the module; any 
 split stays replicated, and the report says so. `apply_variant` does the replacement of one unit: TP layers
 for its linear-like modules and embeddings, head-count and size attributes divided by tp (those on a shared
 ``config`` on the unit's own copy of it), and a pre-hook that cuts per-head inputs to this rank's heads.
+
+Sequence parallelism (Megatron SP) works on the same units: in a block holding a column/row pair (an attention
+or MLP module), the block's hidden states are split along the sequence, each paired unit all-gathers the
+sequence at its entry and its row layers reduce-scatter their output over it, so everything between the units
+(norms, residual additions, dropout) runs on ``1/tp`` of the tokens. A run of such blocks (consecutive elements
+of one ``nn.ModuleList``, or consecutive pipeline layers) splits the sequence once at its first block's input
+and gathers it once at its last block's output; between pipeline stages the split activations travel. Which
+replicated parameters then see only part of the tokens (norm weights, row biases) is found by the same
+verification, and their gradients are summed over TP.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +37,7 @@ from lightning_hybrid.tensor_parallel.layers import (
     linear_shape,
     shard_embedding,
 )
+from lightning_hybrid.tensor_parallel.comm import gather_sequence, gather_sequence_for_tp, seq_all_gather, split_sequence
 from lightning_hybrid.tensor_parallel.plan import TPPlan, Unit
 from lightning_hybrid.tensor_parallel.variants import Variant
 from lightning_hybrid.tensor_parallel.verify import Captured, capture_inputs, check_block
@@ -44,6 +55,7 @@ class TPResult:
     attempts: dict[str, list[str]] = field(default_factory=dict)  # unit -> variants that failed, and why
     verified_kinds: int = 0
     seconds: float = 0.0
+    sequence_runs: list[list[str]] = field(default_factory=list)  # blocks whose hidden states are split over the sequence
 
     def summary(self) -> str:
         kinds: dict[str, list[str]] = {}
@@ -53,7 +65,9 @@ class TPResult:
         split = "; ".join(f"{names[0]}{f' (+{len(names) - 1})' if len(names) > 1 else ''}: {label}" for label, names in kinds.items())
         kept = ", ".join(f"{n} ({why})" for n, why in self.unsplit.items())
         partial = f"; gradients summed over TP: {sorted(self.partial_grads)}" if self.partial_grads else ""
-        return (f"tensor parallel: [{split or 'nothing split'}]; left whole: [{kept or 'nothing'}]{partial};"
+        runs = "; ".join(f"{run[0]}..{run[-1]}" if len(run) > 1 else run[0] for run in self.sequence_runs)
+        sequence = f"; sequence split in [{runs}]" if runs else ""
+        return (f"tensor parallel: [{split or 'nothing split'}]; left whole: [{kept or 'nothing'}]{partial}{sequence};"
                 f" verified {self.verified_kinds} block kinds in {self.seconds:.2f}s")
 
 
@@ -66,20 +80,37 @@ def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(root.get_submodule(parent_name) if parent_name else root, leaf, module)
 
 
-def apply_variant(root: nn.Module, unit_name: str, variant: Variant, group: dist.ProcessGroup, detect: list | None = None) -> None:
+def is_paired(variant: Variant) -> bool:
+    """Whether the unit is a column/row pair inside a module (an attention or MLP), not a lone split module."""
+    return any(rel for rel, _ in variant.layers)
+
+
+def apply_variant(
+    root: nn.Module, unit_name: str, variant: Variant, group: dist.ProcessGroup, detect: list | None = None, *,
+    sequence_parallel: bool = False, split_logits: bool = False,
+) -> None:
     """Split the unit ``unit_name`` of ``root`` as ``variant`` says (in place). With ``detect`` (a list), the
-    per-head inputs to cut are found at the unit's first call and appended to it."""
+    per-head inputs to cut are found at the unit's first call and appended to it. ``sequence_parallel``: a
+    paired unit takes its main input split along the sequence (all-gathered at entry) and its row layers
+    reduce-scatter over the sequence. ``split_logits``: a lone column layer whose output is gathered (an LM
+    head) returns `SplitLogits`, gathered only where used."""
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    sequence_parallel = sequence_parallel and is_paired(variant)
     for rel, layer in variant.layers:
         name = _join(unit_name, rel)
         original = root.get_submodule(name)
         if isinstance(original, nn.Embedding):
             shard_embedding(original, group)
-        elif layer.style == "colwise":
-            _set_submodule(root, name, ColumnParallelLinear(original, group, layer.gather_output, layer.part_sizes))
+            continue
+        if layer.style == "colwise":
+            split = ColumnParallelLinear(original, group, layer.gather_output, layer.part_sizes, lazy_gather=split_logits and not rel)
         else:
-            _set_submodule(root, name, RowParallelLinear(original, group, layer.input_is_parallel))
+            split = RowParallelLinear(original, group, layer.input_is_parallel)
+        split.sequence_parallel = sequence_parallel
+        _set_submodule(root, name, split)
     unit = root.get_submodule(unit_name)
+    if sequence_parallel:
+        _sequence_gatherer(unit, group)
     for attr in variant.divide:
         owner = unit
         if attr.startswith("config."):
@@ -90,6 +121,103 @@ def apply_variant(root: nn.Module, unit_name: str, variant: Variant, group: dist
         setattr(owner, attr, getattr(owner, attr) // tp)
     if variant.slice_heads and (detect is not None or variant.head_inputs):
         unit.register_forward_pre_hook(_head_slicer(variant, rank, tp, detect), with_kwargs=True)
+
+
+def _replace_main_input(args: tuple, kwargs: dict, fn: Callable[[Tensor], Tensor]) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with the main input (the first positional tensor, else ``hidden_states``) mapped by ``fn``."""
+    if args and isinstance(args[0], Tensor):
+        return (fn(args[0]), *args[1:]), kwargs
+    if isinstance(kwargs.get("hidden_states"), Tensor):
+        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+    raise TypeError(
+        "sequence_parallel: a block or unit received no hidden states (neither a first positional tensor nor"
+        " `hidden_states`); it cannot be split along the sequence."
+    )
+
+
+def _sequence_gatherer(unit: nn.Module, group: dist.ProcessGroup) -> None:
+    """Hooks of a paired unit under sequence parallelism: the whole sequence of its main input, gathered at
+    entry. What the unit's layers keep of it for their backward is this rank's part, all-gathered again when
+    the backward needs it (as Megatron does), so the gathered sequence does not stay alive from forward to
+    backward. (Inside activation checkpointing the checkpoint decides what is kept: nothing is changed there.)"""
+    scopes: list = []
+
+    def pre(module, args, kwargs):
+        shard = None
+
+        def gather(x: Tensor) -> Tensor:
+            nonlocal shard
+            shard = x
+            return gather_sequence_for_tp(x, group)
+
+        args, kwargs = _replace_main_input(args, kwargs, gather)
+        full = _main_input(args, kwargs)
+        # Saved-tensor hooks already active mean activation checkpointing: it decides what is kept.
+        outer_hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        scope = None
+        if torch.is_grad_enabled() and outer_hooks is None:
+            scope = torch.autograd.graph.saved_tensors_hooks(*_regather_hooks(shard, full, group))
+            scope.__enter__()
+        scopes.append(scope)
+        return args, kwargs
+
+    def post(module, args, kwargs, output):
+        scope = scopes.pop()
+        if scope is not None:
+            scope.__exit__(None, None, None)
+
+    unit.register_forward_pre_hook(pre, with_kwargs=True)
+    unit.register_forward_hook(post, with_kwargs=True, always_call=True)
+
+
+def _regather_hooks(shard: Tensor, full: Tensor, group: dist.ProcessGroup) -> tuple[Callable, Callable]:
+    """Saved-tensor hooks that keep ``shard`` instead of ``full`` (or a view of it) and all-gather it again
+    on unpacking; one gather serves all the views unpacked in a row (q, k and v keep the same input)."""
+    storage = full.untyped_storage()._cdata
+    shard = shard.detach()
+    cache: dict = {}
+
+    def pack(t: Tensor):
+        if t.untyped_storage()._cdata != storage:
+            return t
+        cache["pending"] = cache.get("pending", 0) + 1
+        return ("regather", t.size(), t.stride(), t.storage_offset())
+
+    def unpack(packed):
+        if not isinstance(packed, tuple) or not packed or packed[0] != "regather":
+            return packed
+        if "full" not in cache:
+            cache["full"] = seq_all_gather(shard, group)
+        regathered = cache["full"]
+        cache["pending"] -= 1
+        if not cache["pending"]:
+            del cache["full"]
+        _, size, stride, offset = packed
+        return regathered.as_strided(size, stride, offset)
+
+    return pack, unpack
+
+
+def _sequence_splitter(group: dist.ProcessGroup) -> Callable:
+    """Pre-hook of the first block of a sequence-split run: this rank's part of the sequence."""
+
+    def hook(module, args, kwargs):
+        return _replace_main_input(args, kwargs, lambda x: split_sequence(x, group))
+
+    return hook
+
+
+def _sequence_joiner(group: dist.ProcessGroup) -> Callable:
+    """Hook of the last block of a sequence-split run: its main output (the first tensor) whole again."""
+
+    def hook(module, args, output):
+        if isinstance(output, Tensor):
+            return gather_sequence(output, group)
+        if isinstance(output, tuple) and output and isinstance(output[0], Tensor):
+            return (gather_sequence(output[0], group), *output[1:])
+        raise TypeError(f"sequence_parallel: {type(module).__name__} returned {type(output).__name__}, not its hidden states.")
+
+    return hook
 
 
 def _main_input(args: tuple, kwargs: dict) -> Tensor | None:
@@ -152,16 +280,23 @@ def apply_tp(
     pipeline_layers: tuple[str, ...] = (),
     device: torch.device | None = None,
     example_input_for: Callable[[str, nn.Module], Captured | None] | None = None,
+    sequence_parallel: bool = False,
+    split_logits: bool = False,
 ) -> TPResult:
     """Split ``model`` in place over ``group`` as ``plan`` says, each kind of block verified first.
 
     ``run_example`` runs the (still unsplit) model once on an example input (its calls are captured);
     ``example_input_for(name, block)`` may supply a call for blocks that example did not reach. Collective over
-    ``group``. Idempotent: units already split are left alone.
+    ``group``. Idempotent: units already split are left alone. ``sequence_parallel`` and ``split_logits``: see
+    `apply_variant` (sequence parallelism needs ``verify``: the verification finds which parameters see part of
+    the tokens).
     """
     start = time.perf_counter()
     result = TPResult()
     modules = dict(model.named_modules())
+    split = functools.partial(apply_variant, sequence_parallel=sequence_parallel, split_logits=split_logits)
+    runs = sequence_runs(plan, modules, pipeline_layers) if sequence_parallel else []
+    result.errors += _blocks_without_regions(runs, plan)
     units = {n: u for n, u in plan.units.items() if _unsplit_here(u, modules)}
     blocks: dict[str, list[Unit]] = {}
     for unit in units.values():
@@ -174,10 +309,16 @@ def apply_tp(
     if verify and kinds:
         device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
         representatives = {names[0]: modules[names[0]] for names in kinds.values()}
-        calls = _capture(model, representatives, run_example, device) if run_example is not None else {}
+        chain: dict[str, tuple[Tensor | None, Tensor | None]] = {}
+        if run_example is not None:
+            run = _recording_chain(run_example, [b for run in runs for b in run if b in modules], modules, chain) if runs else run_example
+            calls = _capture(model, representatives, run, device)
+        else:
+            calls = {}
+        result.errors += _chain_breaks(runs, chain)
         for kind, names in kinds.items():
             call = calls.get(names[0]) or (example_input_for(names[0], modules[names[0]]) if example_input_for else None)
-            decisions[kind] = _search(names[0], modules[names[0]], blocks[names[0]], call, group, device, result)
+            decisions[kind] = _search(names[0], modules[names[0]], blocks[names[0]], call, group, device, result, split, sequence_parallel)
         result.verified_kinds = len(kinds)
     else:
         decisions = {kind: ({_rel(names[0], u.name): u.variants[0] for u in blocks[names[0]]}, set()) for kind, names in kinds.items()}
@@ -193,13 +334,123 @@ def apply_tp(
         for name in _split_apart(tied, per_unit, modules):
             del per_unit[name]
             result.unsplit[name] = "shares a weight with a module that is not split the same way"
+        result.errors += _unsplit_sequence_blocks(runs, blocks, per_unit)
+    if not result.errors:
         for name, variant in per_unit.items():
-            apply_variant(model, name, variant, group)
+            split(model, name, variant, group)
         _retie(model, tied)
+        _install_sequence_runs(runs, group, modules)
         result.chosen = per_unit
+        result.sequence_runs = runs
         result.partial_grads = {p for block, names in partial_by_block.items() for p in names if all(u.name in per_unit for u in blocks[block])}
     result.seconds = time.perf_counter() - start
     return result
+
+
+def sequence_runs(plan: TPPlan, modules: dict[str, nn.Module], pipeline_layers: tuple[str, ...]) -> list[list[str]]:
+    """Runs of consecutive blocks holding a paired unit (whose hidden states sequence parallelism splits), from
+    the whole plan (also blocks that other pipeline ranks hold): elements of one ``nn.ModuleList`` in index
+    order, or pipeline layers in pipeline order."""
+    blocks = {block_of(u.name, modules, pipeline_layers) for u in plan.units.values() if u.paired}
+
+    def position(block: str) -> tuple[str, int] | None:
+        parent, _, leaf = block.rpartition(".")
+        if block in pipeline_layers:
+            return "", pipeline_layers.index(block)
+        return (parent, int(leaf)) if leaf.isdigit() else None
+
+    ordered = sorted((position(b), b) for b in blocks if position(b) is not None)
+    runs: list[list[str]] = [[b] for b in blocks if position(b) is None]
+    for (container, index), block in ordered:
+        previous = position(runs[-1][-1]) if runs and runs[-1] else None
+        if previous is not None and previous == (container, index - 1):
+            runs[-1].append(block)
+        else:
+            runs.append([block])
+    return runs
+
+
+def _recording_chain(run: Callable, names: list[str], modules: dict[str, nn.Module], record: dict) -> Callable:
+    """``run`` with hooks recording each named block's main input and main output (first tensor) of its first call."""
+
+    def wrapped():
+        handles = []
+        for name in names:
+            def hook(module, args, kwargs, output, name=name):
+                if name not in record:
+                    inputs = _main_input(args, kwargs)
+                    out = output if isinstance(output, Tensor) else next((o for o in output if isinstance(o, Tensor)), None) if isinstance(output, tuple) else None
+                    record[name] = (inputs.detach().clone() if inputs is not None else None, out.detach().clone() if out is not None else None)
+
+            handles.append(modules[name].register_forward_hook(hook, with_kwargs=True))
+        try:
+            return run()
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    return wrapped
+
+
+def _chain_breaks(runs: list[list[str]], record: dict) -> list[str]:
+    """Errors where, in the example forward, a block of a sequence-split run did not receive the previous
+    block's output as its hidden states (the model does something between them that would see split tokens)."""
+    errors = []
+    for run in runs:
+        for before, after in zip(run, run[1:]):
+            if before in record and after in record:
+                out, nxt = record[before][1], record[after][0]
+                if out is None or nxt is None or out.shape != nxt.shape or not torch.equal(out, nxt):
+                    errors.append(
+                        f"sequence_parallel: {after} does not receive {before}'s output as its hidden states (the model"
+                        " does something between them), so the sequence cannot stay split between them. Use"
+                        " sequence_parallel=False."
+                    )
+    return errors
+
+
+def _blocks_without_regions(runs: list[list[str]], plan: TPPlan) -> list[str]:
+    """Errors for sequence-split blocks that are themselves a column/row unit: their norms and residual
+    additions sit between the unit's own layers, so nothing in them can run on part of the sequence."""
+    blocks = {b for run in runs for b in run}
+    whole = sorted(u.name for u in plan.units.values() if u.name in blocks and u.paired)
+    return [
+        f"sequence_parallel: {name} holds its column and row layers itself (attention and MLP in one module), so"
+        " its norms and residual additions cannot run on part of the sequence. Sequence parallelism needs the"
+        " attention and the MLP as modules of their own inside each block (as transformers models have them);"
+        " use sequence_parallel=False for this model."
+        for name in whole
+    ]
+
+
+def _unsplit_sequence_blocks(runs: list[list[str]], blocks: dict[str, list[Unit]], per_unit: dict[str, Variant]) -> list[str]:
+    """Errors for this rank's blocks of sequence-split runs whose attention/MLP units found no exact split:
+    they would see only part of the sequence."""
+    errors = []
+    for block in (b for run in runs for b in run if b in blocks):
+        whole = [u.name for u in blocks[block] if u.paired and u.name not in per_unit]
+        if whole:
+            errors.append(
+                f"sequence_parallel: {', '.join(whole)} found no split that is exact on sequence-split hidden states"
+                " (see the log of the attempts), so its block cannot run on part of the sequence. Use"
+                " sequence_parallel=False, or a tp_plan that splits it."
+            )
+    return errors
+
+
+def _install_sequence_runs(runs: list[list[str]], group: dist.ProcessGroup, modules: dict[str, nn.Module]) -> None:
+    """Split the sequence at each run's first block and gather it after its last, where this rank holds them
+    (another pipeline rank's layer is a parameterless stand-in here)."""
+    def held(name: str) -> nn.Module | None:
+        block = modules.get(name)
+        return None if block is None or type(block).__name__ == "RemoteLayer" else block
+
+    for run in runs:
+        if (first := held(run[0])) is not None:
+            # First of the block's pre-hooks: any other (a model's own argument hooks) sees the split sequence.
+            first.register_forward_pre_hook(_sequence_splitter(group), with_kwargs=True, prepend=True)
+        if (last := held(run[-1])) is not None:
+            last.register_forward_hook(_sequence_joiner(group))
 
 
 def _capture(model: nn.Module, blocks: dict[str, nn.Module], run: Callable, device: torch.device) -> dict[str, Captured]:
@@ -228,12 +479,14 @@ def _unsplit_here(unit: Unit, modules: dict[str, nn.Module]) -> bool:
 
 
 def _search(
-    block_name: str, block: nn.Module, units: list[Unit], call: Captured | None, group, device, result: TPResult
+    block_name: str, block: nn.Module, units: list[Unit], call: Captured | None, group, device, result: TPResult,
+    split: Callable = apply_variant, sequence_parallel: bool = False,
 ) -> tuple[dict[str, Variant], set[str]]:
-    """Unit by unit, the first variant that keeps ``block`` exact given the earlier units' choices."""
+    """Unit by unit, the first variant that keeps ``block`` exact given the earlier units' choices (``split``
+    applies a variant; with ``sequence_parallel`` a block with a paired unit is checked on sequence parts)."""
     chosen: dict[str, Variant] = {}
     partial: set[str] = set()
-    runnable = call is not None and check_block(block, {}, call, group, device, apply_variant).ok
+    runnable = call is not None and check_block(block, {}, call, group, device, split).ok
     if not runnable:
         result.errors.append(
             f"{block_name}: no example input reaches it, so its split cannot be verified. Set `example_input_array`"
@@ -244,7 +497,9 @@ def _search(
         rel = _rel(block_name, unit.name)
         failures = []
         for variant in unit.variants:
-            verdict = check_block(block, {**chosen, rel: variant}, call, group, device, apply_variant)
+            choices = {**chosen, rel: variant}
+            on_parts = sequence_parallel and any(is_paired(v) for v in choices.values())
+            verdict = check_block(block, choices, call, group, device, split, on_parts)
             if verdict.ok:
                 found = verdict.head_inputs.get(rel, ())
                 chosen[rel] = variant.with_head_inputs(tuple(k for k in found if k[0] != ""))

@@ -7,7 +7,11 @@ a fused projection (``[q; k; v]``, ``[gate; up]``) has several, each split on it
 is all that splitting, gathering and checkpoints need.
 
 The four autograd functions are the whole of the communication of a TP layer; each forward/backward pair
-is conjugate, so the gradient of a TP layer equals the gradient of the unsplit layer.
+is conjugate, so the gradient of a TP layer equals the gradient of the unsplit layer. Sequence parallelism
+adds four more along the sequence dimension (dim 1 of batch-first ``[B, T, H]`` activations; Megatron's
+SP operators): all-gather at a TP unit's entry (backward reduce-scatter), reduce-scatter at a row layer's
+exit (backward all-gather), and at the ends of a run of sequence-split blocks a split (backward all-gather)
+and an all-gather (backward split).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 
@@ -78,15 +83,9 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        if not x.is_contiguous():
-            x = x.contiguous()
-            dist.all_reduce(x, group=group)
-            return x
-        # Reduced in place: declaring it keeps the result an ordinary tensor that model code may modify in
-        # place (Falcon adds the residual with `+=`), rather than a view of this function's input.
-        dist.all_reduce(x, group=group)
-        ctx.mark_dirty(x)
-        return x
+        # Out of place (a functional collective): a selective checkpoint keeps the reduced output and never
+        # runs the reduction twice, and the result is an ordinary tensor model code may change in place.
+        return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -162,3 +161,110 @@ def sum_grads_over_tp_(grads: list[Tensor], group: dist.ProcessGroup) -> None:
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+# ---------------------------------------------------------------------------------------- sequence parallelism
+SEQ_DIM = 1  # batch-first activations [B, T, H]
+
+
+def _check_seq(x: Tensor, world: int) -> None:
+    if x.dim() <= SEQ_DIM or x.size(SEQ_DIM) % world != 0:
+        raise ValueError(
+            f"sequence_parallel needs activations [batch, sequence, ...] whose sequence length divides by tp={world};"
+            f" got a tensor of shape {list(x.shape)}. Use a sequence length that is a multiple of tp, or"
+            " sequence_parallel=False."
+        )
+
+
+def seq_all_gather(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """``[B, T/tp, ...]`` shards -> ``[B, T, ...]``, rank order along the sequence. A functional collective (it
+    makes its own output), so a selective checkpoint can run it again in backward instead of keeping it."""
+    shard = x.movedim(SEQ_DIM, 0).contiguous()
+    out = funcol.wait_tensor(funcol.all_gather_single(shard, gather_dim=0, group=group))
+    return out.movedim(0, SEQ_DIM).contiguous()
+
+
+def seq_reduce_scatter(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """``[B, T, ...]`` partial sums -> this rank's ``[B, T/tp, ...]`` of their sum over ``group`` (a functional
+    collective, as in `seq_all_gather`)."""
+    _check_seq(x, dist.get_world_size(group))
+    full = x.movedim(SEQ_DIM, 0).contiguous()
+    out = funcol.wait_tensor(funcol.reduce_scatter_tensor(full, "sum", 0, group))
+    return out.movedim(0, SEQ_DIM).contiguous()  # contiguous: pipeline stages send it as it is
+
+
+def seq_split(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """This rank's ``[B, T/tp, ...]`` of ``[B, T, ...]`` (a copy)."""
+    world = dist.get_world_size(group)
+    _check_seq(x, world)
+    return x.chunk(world, dim=SEQ_DIM)[dist.get_rank(group)].contiguous()
+
+
+class _GatherSequenceForTP(torch.autograd.Function):
+    """Forward: all-gather the sequence (a TP unit's input). Backward: reduce-scatter (each rank's gradient of
+    the whole input is its own heads' part)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return seq_all_gather(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return seq_reduce_scatter(grad, ctx.group), None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Forward: reduce-scatter over the sequence (a row layer's partial sums). Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return seq_reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return seq_all_gather(grad, ctx.group), None
+
+
+class _SplitSequence(torch.autograd.Function):
+    """Forward: keep this rank's part of the sequence (entering sequence-split blocks). Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return seq_split(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return seq_all_gather(grad, ctx.group), None
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Forward: all-gather the sequence (leaving sequence-split blocks). Backward: keep this rank's part (the
+    gradient of the whole is the same on every rank)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return seq_all_gather(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return seq_split(grad, ctx.group), None
+
+
+def gather_sequence_for_tp(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    return _GatherSequenceForTP.apply(x, group)
+
+
+def reduce_scatter_sequence(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    return _ReduceScatterSequence.apply(x, group)
+
+
+def split_sequence(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    return _SplitSequence.apply(x, group)
+
+
+def gather_sequence(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    return _GatherSequence.apply(x, group)

@@ -36,18 +36,22 @@ def _to(value, device: torch.device):
     return value
 
 
-def _max_length(module: nn.Module) -> int:
+def _example_length(module: nn.Module, multiple: int = 1) -> int:
+    """``LENGTH`` tokens, or ``LENGTH * multiple`` (sequence parallelism splits the sequence over ``multiple``
+    ranks), within the model's maximum length (then the largest multiple of ``multiple`` that fits)."""
     config = getattr(module, "config", None)
     limits = [getattr(config, a, None) for a in ("max_position_embeddings", "n_positions", "block_size", "max_seq_len")]
-    return min([LENGTH] + [v for v in limits if isinstance(v, int) and v > 0])
+    limit = min([LENGTH * multiple] + [v for v in limits if isinstance(v, int) and v > 0])
+    return max(limit // multiple, 1) * multiple
 
 
 def random_ids(vocab: int, length: int = LENGTH) -> Tensor:
     return torch.randint(0, vocab, (BATCH, length), generator=_generator())
 
 
-def model_example(module: nn.Module, device: torch.device) -> Callable[[], object] | None:
-    """A function running ``module`` (a LightningModule, unsplit) once on an example input, or ``None``."""
+def model_example(module: nn.Module, device: torch.device, multiple: int = 1) -> Callable[[], object] | None:
+    """A function running ``module`` (a LightningModule, unsplit) once on an example input, or ``None``; random
+    token ids are a multiple of ``multiple`` long."""
     example = getattr(module, "example_input_array", None)
     if example is not None:
         example = _to(example, device)
@@ -56,10 +60,10 @@ def model_example(module: nn.Module, device: torch.device) -> Callable[[], objec
         return lambda: module(*example) if isinstance(example, (list, tuple)) else module(example)
     inner = next((m for m in module.modules() if _is_transformers_model(m)), None)
     if inner is not None and callable(getattr(inner, "get_input_embeddings", None)):
-        ids = random_ids(inner.get_input_embeddings().num_embeddings, _max_length(inner)).to(device)
+        ids = random_ids(inner.get_input_embeddings().num_embeddings, _example_length(inner, multiple)).to(device)
         return lambda: inner(input_ids=ids)
     layers = module.pipeline_layers() if callable(getattr(module, "pipeline_layers", None)) else None
-    first = first_layer_example(module, layers[0], device) if layers else None
+    first = first_layer_example(module, layers[0], device, multiple) if layers else None
     if first is None:
         return None
 
@@ -72,7 +76,7 @@ def model_example(module: nn.Module, device: torch.device) -> Callable[[], objec
     return through_layers
 
 
-def first_layer_example(module: nn.Module, first_layer: nn.Module, device: torch.device) -> Tensor | None:
+def first_layer_example(module: nn.Module, first_layer: nn.Module, device: torch.device, multiple: int = 1) -> Tensor | None:
     """The input of pipeline layer 0: ``example_input_array`` (a tensor), or token ids when that layer is (or
     starts with) an ``nn.Embedding``."""
     example = getattr(module, "example_input_array", None)
@@ -80,16 +84,16 @@ def first_layer_example(module: nn.Module, first_layer: nn.Module, device: torch
         return example.to(device)
     embedding = next((m for m in first_layer.modules() if isinstance(m, nn.Embedding)), None)
     if embedding is not None:
-        return random_ids(embedding.num_embeddings, _max_length(module)).to(device)
+        return random_ids(embedding.num_embeddings, _example_length(module, multiple)).to(device)
     return None
 
 
-def synthetic_call(block: nn.Module) -> Captured | None:
-    """A call of a block the example did not reach: random hidden states ``[2, 11, d]`` (``d``: the input size
-    of its first linear-like module), or token ids for an embedding."""
+def synthetic_call(block: nn.Module, multiple: int = 1) -> Captured | None:
+    """A call of a block the example did not reach: random hidden states ``[2, 11 * multiple, d]`` (``d``: the
+    input size of its first linear-like module), or token ids for an embedding."""
     if isinstance(block, nn.Embedding):
         return Captured.of((random_ids(block.num_embeddings),), {})
     first = next((linear_shape(m) for m in block.modules() if linear_shape(m) is not None), None)
     if first is None:
         return None
-    return Captured.of((torch.randn(BATCH, LENGTH, first.in_features, generator=_generator()),), {})
+    return Captured.of((torch.randn(BATCH, LENGTH * multiple, first.in_features, generator=_generator()),), {})

@@ -25,9 +25,11 @@ from lightning_hybrid.tensor_parallel.comm import (
     gather_from_tp,
     gather_shard,
     reduce_from_tp,
+    reduce_scatter_sequence,
     scatter_to_tp,
     split_shard,
 )
+from lightning_hybrid.tensor_parallel.loss import SplitLogits
 
 
 class LinearShape(NamedTuple):
@@ -54,8 +56,14 @@ class ColumnParallelLinear(nn.Module):
     """``y = x A^T + b`` with ``A`` split by output features: local output ``[..., out_local]``.
 
     Input ``[..., in]`` (replicated over TP); output this rank's features (``[q_r; k_r; v_r]`` for a fused
-    projection of ``parts``) or, with ``gather_output``, the full ``[..., out]`` (all-gather over the TP group).
+    projection of ``parts``) or, with ``gather_output``, the full ``[..., out]`` (all-gather over the TP group;
+    with ``lazy_gather`` a `SplitLogits`: the shard, gathered only where code needs the whole, so that an LM
+    head's logits stay split for the vocab-parallel cross entropy). With ``sequence_parallel`` the input was
+    all-gathered along the sequence by its unit, whose backward reduce-scatters the input gradient: no
+    all-reduce here.
     """
+
+    sequence_parallel = False
 
     def __init__(
         self,
@@ -63,6 +71,7 @@ class ColumnParallelLinear(nn.Module):
         group: dist.ProcessGroup,
         gather_output: bool,
         part_sizes: tuple[int, ...],
+        lazy_gather: bool = False,
     ):
         super().__init__()
         shape = linear_shape(linear)
@@ -70,6 +79,7 @@ class ColumnParallelLinear(nn.Module):
         self.group = group
         self.in_features, self.out_features, self.transposed = shape
         self.gather_output = gather_output
+        self.lazy_gather = lazy_gather and gather_output
         self.part_sizes = tuple(part_sizes) or (shape.out_features,)
         self.output_spec = ShardSpec(-1, self.part_sizes)
         self.shard_specs = {"weight": ShardSpec(1 if self.transposed else 0, self.part_sizes)}
@@ -82,7 +92,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         weight = self.weight.t() if self.transposed else self.weight
-        y = F.linear(copy_to_tp(x, self.group), weight, self.bias)
+        y = F.linear(x if self.sequence_parallel else copy_to_tp(x, self.group), weight, self.bias)
+        if self.lazy_gather:
+            return SplitLogits.wrap(y, self.group, self.output_spec)
         if self.gather_output:
             y = gather_from_tp(y, self.group, self.output_spec)
         return y
@@ -92,7 +104,7 @@ class ColumnParallelLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features} (local {local}),"
             f" parts={list(self.part_sizes)},"
-            f" gather_output={self.gather_output}{', Conv1D layout' if self.transposed else ''}"
+            f" gather_output={'on demand' if self.lazy_gather else self.gather_output}{', Conv1D layout' if self.transposed else ''}"
         )
 
 
@@ -100,8 +112,11 @@ class RowParallelLinear(nn.Module):
     """``y = x A^T + b`` with ``A`` split by input features; bias ``[out]`` replicated.
 
     Input ``[..., in/tp]`` (``input_is_parallel``) or ``[..., in]`` (this rank's slice is taken); the partial
-    products are all-reduced (sum) over the TP group before the bias is added; output ``[..., out]``.
+    products are all-reduced (sum) over the TP group before the bias is added; output ``[..., out]``. With
+    ``sequence_parallel`` they are reduce-scattered along the sequence instead: output ``[B, T/tp, out]``.
     """
+
+    sequence_parallel = False
 
     def __init__(self, linear: nn.Module, group: dist.ProcessGroup, input_is_parallel: bool):
         super().__init__()
@@ -117,7 +132,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
-        y = reduce_from_tp(F.linear(x, self.weight.t() if self.transposed else self.weight), self.group)
+        partial = F.linear(x, self.weight.t() if self.transposed else self.weight)
+        reduce = reduce_scatter_sequence if self.sequence_parallel else reduce_from_tp
+        y = reduce(partial, self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

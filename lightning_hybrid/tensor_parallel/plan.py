@@ -49,6 +49,11 @@ class Unit:
     def explicit(self) -> bool:
         return self.source == "tp_plan"
 
+    @property
+    def paired(self) -> bool:
+        """A column/row pair inside a module (an attention or MLP), not a lone split module."""
+        return any(rel for rel in self.layers)
+
 
 @dataclass
 class TPPlan:

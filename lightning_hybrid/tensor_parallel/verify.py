@@ -122,12 +122,37 @@ def _perturb(module: nn.Module, seed: int) -> None:
             p.add_(noise.to(device=p.device, dtype=p.dtype))
 
 
-def _forward(module: nn.Module, call: Captured, device: torch.device) -> tuple[list[Tensor], list[Tensor]]:
-    """Outputs (tensors, flattened) and the inputs that require grad."""
+def _forward(
+    module: nn.Module, call: Captured, device: torch.device, seq_part: tuple[int, int] | None = None
+) -> tuple[list[Tensor], list[Tensor], int | None]:
+    """Outputs (tensors, flattened), the inputs that require grad, and (with ``seq_part = (rank, world)``, for
+    sequence parallelism) the index among them of the main input, which the module gets as this rank's part of
+    the sequence (dim 1)."""
     args, kwargs = call.materialize(device)
+    main_index = None
+    if seq_part is not None:
+        rank, world = seq_part
+
+        def part(t: Tensor) -> Tensor:
+            return t.detach().chunk(world, dim=1)[rank].clone().requires_grad_(t.requires_grad)
+
+        if args and isinstance(args[0], Tensor):
+            args = (part(args[0]), *args[1:])
+            main = args[0]
+        elif isinstance(kwargs.get("hidden_states"), Tensor):
+            kwargs = {**kwargs, "hidden_states": part(kwargs["hidden_states"])}
+            main = kwargs["hidden_states"]
+        else:
+            raise ValueError("sequence parallelism needs the hidden states as the first argument or `hidden_states`")
     outputs = [t for t in tree_flatten(module(*args, **kwargs))[0] if isinstance(t, Tensor)]
     inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.requires_grad]
-    return outputs, inputs
+    if seq_part is not None:
+        main_index = next(i for i, t in enumerate(inputs) if t is main)
+    return outputs, inputs, main_index
+
+
+def _seq_part(t: Tensor | None, seq_part: tuple[int, int]) -> Tensor | None:
+    return None if t is None else t.chunk(seq_part[1], dim=1)[seq_part[0]]
 
 
 def _backward(outputs: list[Tensor], cotangents: list[Tensor | None]) -> None:
@@ -143,9 +168,13 @@ def check_block(
     group: dist.ProcessGroup,
     device: torch.device,
     apply_variant: Callable,
+    sequence_parallel: bool = False,
 ) -> Verdict:
     """Whether ``block`` with ``choices`` (unit name relative to the block -> variant) applied equals the
-    unsplit block on ``call``. Collective over ``group``; every rank returns the same ``ok``."""
+    unsplit block on ``call``. With ``sequence_parallel`` the split block gets this rank's part of the sequence
+    of its main input and must give that part of the main output (and of the main input's gradient).
+    Collective over ``group``; every rank returns the same ``ok``."""
+    seq_part = (dist.get_rank(group), dist.get_world_size(group)) if sequence_parallel else None
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         reference = copy.deepcopy(block).float().to(device).eval()
         _perturb(reference, seed=1234)
@@ -156,19 +185,25 @@ def check_block(
                 found[rel] = []
                 apply_variant(holder, f"block.{rel}" if rel else "block", variant, group, detect=found[rel])
             candidate = holder["block"]
-            ref_out, ref_in = _forward(reference, call, device)
-            out, inputs = _forward(candidate, call, device)
+            ref_out, ref_in, _ = _forward(reference, call, device)
+            out, inputs, main_index = _forward(candidate, call, device, seq_part)
             heads = {v.heads for v in choices.values() if v.heads and any(not lp.gather_output for _, lp in v.layers)}
             # The same random output gradient for both (an extra per-head output gets this rank's heads of it).
             generator = torch.Generator(device="cpu").manual_seed(99)
             ref_cot = [torch.randn(o.shape, generator=generator).to(o) if o.is_floating_point() else None for o in ref_out]
             cot = [_head_slice(o, c, heads, group) if c is not None else None for o, c in zip(out, ref_cot)]
+            if seq_part is not None and cot:  # the main output: this rank's part of the sequence
+                cot[0] = _seq_part(cot[0], seq_part)
             _backward(ref_out, ref_cot)
             _backward(out, cot)
             if len(out) == len(ref_out):
                 ref_out = [_head_slice(o, r.detach(), heads, group) for o, r in zip(out, ref_out)]
+                if seq_part is not None and ref_out:
+                    ref_out[0] = _seq_part(ref_out[0], seq_part)
             out = [o.detach() for o in out]
             dx, ref_dx = [t.grad for t in inputs], [t.grad for t in ref_in]
+            if main_index is not None:
+                ref_dx[main_index] = _seq_part(ref_dx[main_index], seq_part)
             ran, detail = True, ""
         except Exception as err:  # a shape error in a wrong split: the same on every rank of the group
             ran, detail = False, f"{type(err).__name__}: {err}"
