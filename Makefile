@@ -27,6 +27,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_pipeline.py
 	$(PY) benchmarks/bench_memory.py
 	$(PY) benchmarks/bench_activations.py
+	$(PY) benchmarks/bench_planner.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

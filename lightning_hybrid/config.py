@@ -37,6 +37,7 @@ from omegaconf import MISSING, OmegaConf
 from lightning_hybrid.data import ByteCorpusDataModule, TokenCorpusDataModule
 from lightning_hybrid.hf import CausalLM
 from lightning_hybrid.models import GPTConfig, GPTLightningModule
+from lightning_hybrid.planner.auto import AutoLayoutConfig
 from lightning_hybrid.strategy import HybridStrategy
 
 __all__ = [
@@ -165,13 +166,15 @@ def _recipe_config() -> type:
         ("parallel", ParallelConfig, field(default_factory=ParallelConfig)),
         ("trainer", TrainerConfig, field(default_factory=TrainerConfig)),
         ("callbacks", Dict[str, Any], field(default_factory=dict)),
+        ("planner", Optional[AutoLayoutConfig], field(default=None)),
         ("seed", int, field(default=0)),
         ("max_steps", int, field(default=100)),
     ])
 
 
 #: The top level of every recipe: ``model``, ``data`` (any ``_target_``), ``parallel``, ``trainer``, extra
-#: ``callbacks`` by name, ``seed`` (``seed_everything`` before anything is built) and ``max_steps``.
+#: ``callbacks`` by name, ``planner`` (set by ``parallel=auto``: the planner chooses the layout,
+#: `lightning_hybrid.planner.auto`), ``seed`` (``seed_everything`` before anything is built) and ``max_steps``.
 RecipeConfig = _recipe_config()
 
 

@@ -40,6 +40,7 @@ from lightning_hybrid.config import register_configs
 from lightning_hybrid.launch import fresh_launch_environment, wait_for_launched_ranks
 from lightning_hybrid.memory import PeakMemoryMonitor
 from lightning_hybrid.mesh import ParallelDims
+from lightning_hybrid.planner.auto import choose_layout, predicted_metrics
 
 __all__ = ["ConfigError", "check", "check_arguments", "exit_on_config_error", "layout_label", "run", "world_layout"]
 
@@ -187,6 +188,13 @@ def run(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> Dict[str, Any]
     ``callbacks`` are added to the config's own ``callbacks``. Raises `ConfigError` for a config that cannot run
     -- before any process is launched.
     """
+    if cfg.get("planner") is not None:  # parallel=auto: the planner's layout written into the config
+        try:
+            cfg, why = choose_layout(cfg)
+        except ValueError as err:
+            raise ConfigError(f"parallel=auto: {err}") from err
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0:
+            print(why, flush=True)
     layout = check(cfg)
     hydra_run = _hydra_run()
     out_dir = hydra_run["out_dir"]
@@ -229,6 +237,7 @@ def run(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> Dict[str, Any]
             "tokens_per_s_per_replica": rates.get("device/items_per_sec"),
             "mfu": rates.get("device/mfu"),
             **peak_memory_per_rank(memory),
+            **predicted_metrics(cfg, layout, model),  # the planner's prediction for this layout, beside the measurement
         }
         if trainer.is_global_zero:
             (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")

@@ -19,10 +19,11 @@ from typing import Any, Dict, List, Optional
 
 from hydra.experimental.callback import Callback as _HydraCallback
 
-__all__ = ["SweepSummaryCallback", "collect_metrics", "main", "write_summary"]
+__all__ = ["SweepSummaryCallback", "collect_metrics", "main", "ranks", "spearman", "write_summary"]
 
 COLUMNS = ("job", "layout", "name", "model", "world_size", "dp", "tp", "pp", "zero_stage", "steps", "val_loss",
-           "tokens_per_s", "mfu", "peak_mib_max", "overrides")
+           "tokens_per_s", "predicted_tokens_per_s", "measured_rank", "planner_rank", "mfu", "peak_mib_max",
+           "predicted_peak_mib", "overrides")
 
 
 def collect_metrics(multirun_dir: Path) -> List[Dict[str, Any]]:
@@ -49,6 +50,34 @@ def _fastest(rows: List[Dict[str, Any]]) -> Optional[int]:
     return max(speeds)[1] if speeds else None
 
 
+def ranks(values: List[Optional[float]]) -> List[Optional[int]]:
+    """1 for the highest of ``values``, 2 for the next, ...; ``None`` where a value is missing."""
+    known = sorted((v for v in values if isinstance(v, (int, float)) and math.isfinite(v)), reverse=True)
+    return [known.index(v) + 1 if isinstance(v, (int, float)) and math.isfinite(v) else None for v in values]
+
+
+def spearman(xs: List[float], ys: List[float]) -> float:
+    """Spearman's rank correlation of two equally long lists (ties ranked by order of appearance)."""
+    n = len(xs)
+    rx, ry = ranks(list(xs)), ranks(list(ys))
+    mean = (n + 1) / 2
+    cov = sum((a - mean) * (b - mean) for a, b in zip(rx, ry))
+    var = sum((a - mean) ** 2 for a in rx) ** 0.5 * sum((b - mean) ** 2 for b in ry) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def _add_ranks(rows: List[Dict[str, Any]]) -> Optional[float]:
+    """Each row's rank by measured and by predicted tokens/s (the planner's, `lightning_hybrid.planner`);
+    returns their Spearman correlation over the rows that have both (None with fewer than 3)."""
+    for key, column in (("tokens_per_s", "measured_rank"), ("predicted_tokens_per_s", "planner_rank")):
+        for row, rank in zip(rows, ranks([r.get(key) for r in rows])):
+            row[column] = rank
+    both = [r for r in rows if r["measured_rank"] is not None and r["planner_rank"] is not None]
+    if len(both) < 3:
+        return None
+    return spearman([r["tokens_per_s"] for r in both], [r["predicted_tokens_per_s"] for r in both])
+
+
 def _fmt(value: Any) -> str:
     if value is None:
         return ""
@@ -68,6 +97,7 @@ def write_summary(multirun_dir: Path, out_dir: Optional[Path] = None) -> Dict[st
         return written
     best = _fastest(rows)
     written["fastest"] = rows[best]["job"] if best is not None else None
+    written["spearman"] = rho = _add_ranks(rows)
 
     with open(out_dir / "summary.csv", "w", newline="") as f:
         writer = csv.writer(f)
@@ -92,7 +122,11 @@ def write_summary(multirun_dir: Path, out_dir: Optional[Path] = None) -> Dict[st
         lines += ["", f"Fastest: **{b['layout']}** (job {b['job']}), {b['tokens_per_s']:.0f} tokens/s."]
     lines += ["", "tokens/s: global training tokens per second (Lightning's ThroughputMonitor over the last 100 steps or",
               "fewer, the first excluded); mfu: model FLOPs utilisation where the device's peak is known (CUDA);",
-              "peak_mib_max: max over ranks of the peak of live tensor bytes during the first training steps (lightning_hybrid.memory)."]
+              "peak_mib_max: max over ranks of the peak of live tensor bytes during the first training steps (lightning_hybrid.memory).",
+              "predicted_*: the planner's prediction for the job's layout on this machine (lightning_hybrid.planner);",
+              "measured_rank / planner_rank: 1 = the most tokens/s measured / predicted among these jobs."]
+    if rho is not None:
+        lines += ["", f"Spearman rank correlation of predicted and measured tokens/s: {rho:.2f}."]
     (out_dir / "summary.md").write_text("\n".join(lines) + "\n")
     written["files"].append(str(out_dir / "summary.md"))
 
@@ -116,9 +150,13 @@ def _plot(rows: List[Dict[str, Any]], best: Optional[int], path: Path) -> Option
     speed = [r.get("tokens_per_s") or 0.0 for r in rows]
     mem = [r.get("peak_mib_max") or 0.0 for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(rows) + 4), 4))
-    for ax, values, title, color in ((axes[0], speed, "tokens/s (higher is better)", "tab:blue"),
-                                     (axes[1], mem, "peak memory per rank, max [MiB]", "tab:orange")):
-        bars = ax.bar(range(len(rows)), values, color=color)
+    for ax, values, key, title, color in ((axes[0], speed, "predicted_tokens_per_s", "tokens/s (higher is better)", "tab:blue"),
+                                          (axes[1], mem, "predicted_peak_mib", "peak memory per rank, max [MiB]", "tab:orange")):
+        predicted = [r.get(key) or 0.0 for r in rows]
+        bars = ax.bar([i - 0.2 for i in range(len(rows))], values, width=0.4, color=color, label="measured")
+        ax.bar([i + 0.2 for i in range(len(rows))], predicted, width=0.4, color="none", edgecolor=color,
+               label="predicted (planner)")
+        ax.legend(fontsize=8)
         if best is not None:
             bars[best].set_edgecolor("black")
             bars[best].set_linewidth(2.5)
@@ -127,7 +165,7 @@ def _plot(rows: List[Dict[str, Any]], best: Optional[int], path: Path) -> Option
         ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
         ax.set_title(title)
     if best is not None:
-        axes[0].annotate("fastest", (best, speed[best]), ha="center", va="bottom")
+        axes[0].annotate("fastest", (best - 0.2, speed[best]), ha="center", va="bottom")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -1,0 +1,157 @@
+"""The planner in the recipes: ``parallel=auto`` picks the layout, and every run records the planner's
+prediction for its own layout (``predicted_*`` in ``metrics.json``, shown by the sweep summary).
+
+``parallel=auto`` (``configs/parallel/auto.yaml``) sets the top-level ``planner`` node (`AutoLayoutConfig`).
+`choose_layout` then plans the recipe's model on the machine it runs on -- ``trainer.devices x num_nodes``
+devices (null: every CUDA device, or every CPU core) of ``planner.cluster`` (null: this machine, `this_machine`)
+-- for the global batch ``planner.global_batch`` (null: ``data.batch_size x trainer.accumulate_grad_batches``,
+the batch one device would step on, so the run stays comparable to ``parallel=single``), and writes the best
+layout into the config: the ``parallel`` arguments, ``data.batch_size`` (a replica's batch), and
+``trainer.accumulate_grad_batches`` and ``trainer.devices``. Every rank plans the same way from the same
+inputs, so the ranks Lightning starts agree with rank 0 without a message passed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from .cluster import Cluster, cpu_cluster, load_cluster
+from .layout import Layout
+from .model import ModelSpec, model_spec
+from .memory import estimate_memory
+from .search import Plan, plan
+from .time import estimate_time
+
+__all__ = ["AutoLayoutConfig", "choose_layout", "predicted_metrics", "this_machine"]
+
+
+@dataclass
+class AutoLayoutConfig:
+    """``planner`` node of a recipe (set by ``parallel=auto``): ``cluster`` a preset or cluster JSON (null:
+    `this_machine`); ``global_batch`` sequences per optimizer step (null: ``data.batch_size x
+    trainer.accumulate_grad_batches``); ``show``: how many ranked layouts the log lists."""
+
+    cluster: Optional[str] = None
+    global_batch: Optional[int] = None
+    show: int = 5
+
+
+def this_machine(accelerator: str) -> Cluster:
+    """The cluster the recipe runs on: CUDA A100 / H100 by device name, else this CPU machine (`cpu_cluster`)."""
+    if accelerator in ("cuda", "gpu"):
+        import torch
+
+        name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+        for preset in ("a100", "h100"):
+            if preset in name.lower():
+                return load_cluster(preset)
+        raise ValueError(f"no cluster preset for the GPU {name!r}: set planner.cluster to a cluster JSON.")
+    return cpu_cluster()
+
+
+def _model(cfg: DictConfig, module: Any = None) -> ModelSpec:
+    """The recipe's model: `GPTLightningModule` fields, a `CausalLM`'s Hugging Face config, or any other
+    module (``module`` if the run built it already, else built here) counted (`ModelSpec.from_module`)."""
+    from lightning_hybrid.models import GPTConfig
+
+    node, target = cfg.model, str(cfg.model.get("_target_", ""))
+    seq_len = cfg.data.get("block_size")
+    if target.endswith("GPTLightningModule"):
+        names = {f.name for f in fields(GPTConfig)}
+        return ModelSpec.from_gpt({k: v for k, v in node.items() if k in names}, seq_len, name="gpt")
+    if target.endswith("CausalLM"):
+        if os.path.isdir(str(node.model)):
+            return model_spec(str(node.model), seq_len)
+        from transformers import AutoConfig
+
+        return ModelSpec.from_hf(AutoConfig.for_model(str(node.model), **dict(node.get("config") or {})), seq_len)
+    if module is None:
+        from hydra.utils import instantiate
+
+        module = instantiate(node, _convert_="all")
+        getattr(module, "configure_model", lambda: None)()
+    return ModelSpec.from_module(module, seq_len)
+
+
+def _cluster(cfg: DictConfig) -> Cluster:
+    name = cfg.planner.cluster if cfg.get("planner") is not None else None
+    return load_cluster(name) if name else this_machine(str(cfg.trainer.accelerator))
+
+
+def _devices(cfg: DictConfig) -> int:
+    nodes = int(cfg.trainer.num_nodes)
+    if cfg.trainer.devices is not None:
+        return int(cfg.trainer.devices) * nodes
+    if str(cfg.trainer.accelerator) in ("cuda", "gpu"):
+        import torch
+
+        return torch.cuda.device_count() * nodes
+    return (os.cpu_count() or 1) * nodes
+
+
+def explain(result: Plan, show: int) -> str:
+    """Why the chosen layout: the first ``show`` ranked with their predictions, and what did not fit."""
+    lines = [f"planner: {result.model.name} ({result.model.params / 1e6:.3g}M params) on {result.devices} x"
+             f" {result.cluster.name}, global batch {result.global_batch}: {len(result.ranked)} layouts fit,"
+             f" {len(result.too_big)} do not; fastest predicted first:"]
+    for i, c in enumerate(result.ranked[:show]):
+        lines.append(f"  {i + 1}. {c.layout.label():<44} {c.tokens_per_s:10.4g} tokens/s  step {c.time.total:.4g} s"
+                     f"  peak {c.memory.total / 2**20:.1f} MiB/device")
+    if result.too_big:
+        lines.append(f"  smallest that does not fit: {result.too_big[0].layout.label()}: {result.too_big[0].reason}")
+    return "\n".join(lines)
+
+
+def choose_layout(cfg: DictConfig) -> tuple[DictConfig, str]:
+    """A copy of ``cfg`` with the planner's best layout written in, and the explanation. Raises ``ValueError``
+    (a bad cluster, no ``data.batch_size``, nothing fits)."""
+    from lightning_hybrid import HybridStrategy
+
+    if "batch_size" not in cfg.data:
+        raise ValueError(f"parallel=auto sets data.batch_size, which {cfg.data.get('_target_')} does not take.")
+    accumulate = int(cfg.trainer.accumulate_grad_batches)
+    global_batch = int(cfg.planner.global_batch or int(cfg.data.batch_size) * accumulate)
+    has_sp = "sequence_parallel" in inspect.signature(HybridStrategy).parameters
+    result = plan(_model(cfg), _cluster(cfg), _devices(cfg), global_batch, sequence_parallel=has_sp)
+    best = result.best.layout
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    OmegaConf.set_struct(out, True)
+    with open_dict(out):
+        out.parallel.update(best.strategy_kwargs(HybridStrategy))
+        out.data.batch_size = best.micro_batch * (best.micro_batches if best.pp > 1 else 1)
+        out.trainer.accumulate_grad_batches = best.accumulation
+        out.trainer.devices = best.devices // int(cfg.trainer.num_nodes)
+    return out, explain(result, int(cfg.planner.show)) + f"\nplanner: running {best.label()}"
+
+
+def _recipe_layout(cfg: DictConfig, world: dict[str, int]) -> tuple[Layout, int]:
+    """The layout a recipe config runs (its per-replica batch split into micro-batches) and its global batch."""
+    par = cfg.parallel
+    batch, accumulate = int(cfg.data.batch_size), int(cfg.trainer.accumulate_grad_batches)
+    m = int(par.micro_batches or 2 * world["pp"]) if world["pp"] > 1 else accumulate
+    b = batch // m if world["pp"] > 1 else batch
+    checkpointing = bool(par.activation_checkpointing)
+    layout = Layout(world["dp"], world["tp"], world["pp"], int(par.zero_stage), max(1, b), m,
+                    str(par.schedule), int(par.virtual_stages if par.schedule != "zero_bubble" else 2),
+                    checkpointing, bool(par.get("sequence_parallel", False)), bool(par.get("loss_parallel", False)))
+    return layout, world["dp"] * batch * accumulate
+
+
+def predicted_metrics(cfg: DictConfig, world: dict[str, int], module: Any = None) -> dict[str, Any]:
+    """``predicted_peak_mib``, ``predicted_tokens_per_s`` and ``predicted_step_s`` of the layout ``cfg`` runs
+    (``world``: `lightning_hybrid.recipe.world_layout`; ``module``: the model the run built), on
+    ``planner.cluster`` or this machine; empty when the planner cannot describe the model or the machine."""
+    try:
+        model, cluster = _model(cfg, module), _cluster(cfg)
+        layout, global_batch = _recipe_layout(cfg, world)
+    except (ValueError, KeyError, TypeError):
+        return {}
+    memory = estimate_memory(model, layout, cluster.precision, cluster.activation_scale, float(cfg.parallel.bucket_cap_mb))
+    step = estimate_time(model, layout, cluster, float(cfg.parallel.bucket_cap_mb)).total
+    return {"predicted_peak_mib": round(memory.total / 2**20, 3), "predicted_step_s": step,
+            "predicted_tokens_per_s": global_batch * model.seq_len / step, "predicted_cluster": cluster.name}

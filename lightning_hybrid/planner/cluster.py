@@ -1,0 +1,258 @@
+"""What the planner knows about the machines: devices per node, memory, achievable FLOP/s, and the links.
+
+`Cluster` holds, for one kind of device, its memory, its achievable dense-matmul FLOP/s per dtype, and per link
+level (``intra``: within a node, ``inter``: across nodes) the bandwidth and latency a collective sees
+(`Link`). Presets (`CLUSTER_PRESETS`), every figure from a public datasheet times a stated efficiency:
+
+* ``a100``: DGX A100 nodes: 8 x A100-SXM4-80GB, NVSwitch, 8 x 200 Gb/s HDR InfiniBand per node.
+  - 312 TFLOP/s dense BF16/FP16, 19.5 TFLOP/s FP32 (A100 datasheet); achievable = x `MATMUL_EFFICIENCY`.
+    (FP32 matmuls run as TF32 at 156 TFLOP/s only when enabled; the planner uses plain FP32.)
+  - 80 GB HBM2e, 2.0 TB/s (datasheet).
+  - NVLink 3: 600 GB/s per GPU, both directions together (datasheet) -> 300 GB/s per direction; a ring
+    collective reaches x `LINK_EFFICIENCY` of it (NCCL's bus bandwidth on DGX A100 ~ 230-240 GB/s).
+  - InfiniBand HDR 200 Gb/s = 25 GB/s per GPU (one HCA per GPU), x `LINK_EFFICIENCY`.
+  - latencies: ~5 us per NVLink hop, ~10 us per InfiniBand hop (NCCL's small-message all-reduce latency
+    orders of magnitude; they matter only for small messages).
+* ``h100``: DGX H100 nodes: 8 x H100-SXM5-80GB; 989 TFLOP/s dense BF16, 67 FP32 (datasheet); 3.35 TB/s HBM3;
+  NVLink 4: 900 GB/s per GPU -> 450 per direction; 8 x 400 Gb/s NDR InfiniBand = 50 GB/s per GPU.
+* ``cpu``: this machine's processes (gloo), figures from `calibrate` when ``$LIGHTNING_HYBRID_CLUSTER``
+  or ``~/.cache/lightning_hybrid/cluster_cpu.json`` holds them, else conservative defaults. CPU ranks share
+  ``compute_units`` cores: more ranks than cores run at ``compute_units / ranks`` of their speed each.
+
+`calibrate` (``python -m lightning_hybrid.planner calibrate [--out PATH]``) measures, in under a minute, each
+figure the fastest of several repeats (the least disturbed by other processes): one process's fp32 matmul
+FLOP/s, element-wise memory bandwidth and AdamW step time per parameter; how many cores other users leave
+free (one matmul loop per core, together; noted only); the fixed cost of a small transformer block's forward
++ backward (Python and dispatch overhead the FLOP count does not see); gloo all-reduce latency and bandwidth
+between two local processes. It writes them as a cluster JSON (`Cluster.to_json`, read back by `load_cluster`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Union
+
+__all__ = ["CLUSTER_PRESETS", "DEFAULT_CALIBRATION", "Cluster", "Link", "calibrate", "cpu_cluster", "load_cluster"]
+
+#: Fraction of the datasheet's dense peak that large transformer GEMMs reach (cuBLAS on A100/H100 reaches
+#: ~70-80% on Megatron's shapes; the 0.7 is this model's one free constant at cluster scale, chosen once, before
+#: the comparison with published runs in the README).
+MATMUL_EFFICIENCY = 0.7
+#: Fraction of a link's datasheet bandwidth a ring collective reaches (NCCL bus bandwidth / link bandwidth).
+LINK_EFFICIENCY = 0.8
+#: Fraction of device memory the planner lets a layout use (allocator fragmentation, CUDA context, workspaces).
+USABLE_MEMORY = 0.9
+#: Where `calibrate` writes and the CPU preset reads this machine's figures (``$LIGHTNING_HYBRID_CLUSTER`` first).
+DEFAULT_CALIBRATION = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lightning_hybrid" / "cluster_cpu.json"
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link level: ``bandwidth`` bytes/s per device per direction as a ring collective sees it; ``latency``
+    seconds per ring step."""
+
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Devices of one kind in nodes of ``devices_per_node``.
+
+    ``flops``: dense-matmul peak FLOP/s per device by dtype (``"bf16"``, ``"fp32"``), of which ``matmul_efficiency``
+    is achievable (MFU is against the peak); ``memory``: bytes per
+    device; ``memory_bandwidth``: bytes/s (element-wise work); ``layer_overhead``: seconds per transformer block
+    per micro-batch per pass that do not scale with FLOPs (kernel launches, Python; measured on CPU);
+    ``step_overhead``: seconds per optimizer step of the training loop itself (Lightning, callbacks, logging);
+    ``optimizer_time_per_param``: seconds of an AdamW step per parameter (measured on CPU; 0: memory bound,
+    its states read and written once at ``memory_bandwidth``);
+    ``compute_units``: how many ranks can compute at once on one node (CPU: its cores; 0 = every device;
+    `calibrate` notes how many were free of other users' work when it ran, ``cores_free_at_calibration``);
+    ``activation_scale``: measured / predicted activation bytes (``step_overhead`` and ``activation_scale`` are
+    fitted by ``benchmarks/bench_planner.py`` from single-device runs and written into this machine's file).
+    """
+
+    name: str
+    devices_per_node: int
+    memory: float
+    flops: dict
+    memory_bandwidth: float
+    intra: Link
+    inter: Link
+    matmul_efficiency: float = 1.0
+    layer_overhead: float = 0.0
+    step_overhead: float = 0.0
+    optimizer_time_per_param: float = 0.0
+    compute_units: int = 0
+    activation_scale: float = 1.0
+    precision: str = "bf16-mixed"
+    notes: dict = field(default_factory=dict)
+
+    def link(self, group_size: int, stride: int) -> Link:
+        """The link a collective over ``group_size`` ranks ``stride`` ranks apart uses: within a node when the
+        group's span ``group_size * stride`` fits in one node, else across (the slowest hop sets a ring's pace)."""
+        return self.intra if group_size * stride <= self.devices_per_node else self.inter
+
+    def achievable_flops(self, precision: str) -> float:
+        """Matmul FLOP/s a device reaches at ``precision`` (fp32 for ``32-true``, else bf16)."""
+        return self.flops["fp32" if precision == "32-true" else "bf16"] * self.matmul_efficiency
+
+    def peak_flops(self, precision: str) -> float:
+        return self.flops["fp32" if precision == "32-true" else "bf16"]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Cluster":
+        data = dict(data)
+        data["intra"], data["inter"] = Link(**data["intra"]), Link(**data["inter"])
+        return cls(**data)
+
+
+def _gpu(name: str, tflops_bf16: float, tflops_fp32: float, hbm_tb_s: float, nvlink_gb_s: float, ib_gb_s: float) -> Cluster:
+    return Cluster(
+        name=name, devices_per_node=8, memory=80 * GB,
+        flops={"bf16": tflops_bf16 * 1e12, "fp32": tflops_fp32 * 1e12}, matmul_efficiency=MATMUL_EFFICIENCY,
+        memory_bandwidth=hbm_tb_s * 1e12,
+        intra=Link(nvlink_gb_s / 2 * GB * LINK_EFFICIENCY, 5e-6),
+        inter=Link(ib_gb_s * GB * LINK_EFFICIENCY, 10e-6),
+    )
+
+
+CLUSTER_PRESETS: dict[str, Cluster] = {
+    "a100": _gpu("a100", 312, 19.5, 2.0, 600, 25),
+    "h100": _gpu("h100", 989, 67, 3.35, 900, 50),
+}
+
+#: CPU ranks share the machine's RAM; the planner holds each rank to all of it (a loose bound).
+_RAM = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+#: This machine before `calibrate` ran: one core ~20 GFLOP/s fp32, gloo over loopback ~1 GB/s, 100 us a step.
+_CPU_DEFAULT = Cluster(name="cpu-default", devices_per_node=64, memory=_RAM, flops={"fp32": 20e9},
+                       memory_bandwidth=10 * GB, intra=Link(1 * GB, 100e-6), inter=Link(1 * GB, 100e-6),
+                       layer_overhead=1e-3, step_overhead=20e-3, compute_units=os.cpu_count() or 1, precision="32-true")
+
+
+def cpu_cluster() -> Cluster:
+    """This machine: the calibration file if there is one (``$LIGHTNING_HYBRID_CLUSTER``, else
+    `DEFAULT_CALIBRATION`), else defaults (``cpu-default``)."""
+    path = Path(os.environ.get("LIGHTNING_HYBRID_CLUSTER", DEFAULT_CALIBRATION))
+    return load_cluster(str(path)) if path.is_file() else _CPU_DEFAULT
+
+
+def load_cluster(text: str) -> Cluster:
+    """A preset name (``a100``, ``h100``, ``cpu``) or the path of a cluster JSON (`calibrate`'s output)."""
+    if text == "cpu":
+        return cpu_cluster()
+    if text in CLUSTER_PRESETS:
+        return CLUSTER_PRESETS[text]
+    path = Path(text)
+    if path.is_file():
+        return Cluster.from_dict(json.loads(path.read_text()))
+    raise ValueError(f"cluster {text!r} is neither a preset ({sorted([*CLUSTER_PRESETS, 'cpu'])}) nor a cluster JSON file.")
+
+
+# ------------------------------------------------------------------------------------------------ calibration
+def _fastest(fn, repeats: int) -> float:
+    """The shortest of ``repeats`` timed calls of ``fn`` (after one warm-up): on a shared machine the fastest
+    run is the one least disturbed by other processes."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _matmul_flops(n: int = 512, repeats: int = 50) -> float:
+    """FLOP/s of an ``n x n`` fp32 matmul."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / _fastest(lambda: a @ b, repeats)
+
+
+def _memory_bandwidth(n: int = 2**23, repeats: int = 10) -> float:
+    """Bytes/s of an element-wise op (``a + b`` into a new tensor: two reads and a write of ``4n`` bytes)."""
+    import torch
+
+    a, b = torch.randn(n), torch.randn(n)
+    return 3 * 4 * n / _fastest(lambda: a + b, repeats)
+
+
+def _adamw_time_per_param(n: int = 2**20, repeats: int = 10) -> float:
+    """Seconds per parameter of ``torch.optim.AdamW.step`` (fp32, the default foreach implementation)."""
+    import torch
+
+    p = torch.nn.Parameter(torch.randn(n))
+    p.grad = torch.randn(n)
+    return _fastest(torch.optim.AdamW([p]).step, repeats) / n
+
+
+def _block_overhead(flops: float, repeats: int = 30) -> float:
+    """Seconds of a tiny block's forward + backward beyond its FLOPs at ``flops``, per pass (forward or
+    backward), i.e. what a block costs whatever its size."""
+    import torch
+
+    from lightning_hybrid.models.gpt import Block, GPTConfig
+
+    config = GPTConfig(n_embd=32, n_head=4, block_size=16)
+    block, x = Block(config), torch.randn(1, 16, 32, requires_grad=True)
+    per_step = _fastest(lambda: block(x).sum().backward(), repeats)
+    work = 6 * 16 * (12 * 32 * 32) / flops
+    return max(0.0, per_step - work) / 3  # forward ~ 1 pass, backward ~ 2
+
+
+def _allreduce_worker(sizes: list[int], repeats: int) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    times = []
+    for n in sizes:
+        t = torch.zeros(n)
+        dist.barrier()
+        times.append(_fastest(lambda: dist.all_reduce(t), repeats))
+    return times
+
+
+def calibrate(out: Optional[Union[str, Path]] = None) -> Cluster:
+    """Measure this machine (< 60 s) and write it as a cluster JSON to ``out`` (default `DEFAULT_CALIBRATION`).
+
+    All-reduce between 2 processes: ``t(n) = 2 (latency) + 2 * (1/2) * 4n / bandwidth`` (a ring of 2, `time.py`)
+    fitted at 256 and 4M fp32 elements."""
+    from lightning_hybrid.testing import run_distributed
+
+    import torch
+
+    torch.set_num_threads(1)  # ranks run with one thread each (as run_distributed and Lightning's CPU ranks)
+    flops = _matmul_flops()
+    bandwidth_mem = _memory_bandwidth()
+    adamw = _adamw_time_per_param()
+    overhead = _block_overhead(flops)
+    cores = os.cpu_count() or 1
+    together = sum(run_distributed(_matmul_flops, cores, 512, 10))  # all cores at once: what other users leave free
+    small, large = 256, 4 * 2**20
+    t_small, t_large = (max(r) for r in zip(*run_distributed(_allreduce_worker, 2, [small, large], 20)))  # slower rank
+    latency = t_small / 2
+    bandwidth = 4 * large / max(t_large - t_small, 1e-9)  # 2 (n-1)/n * bytes = bytes for n = 2
+    cluster = dataclasses.replace(
+        _CPU_DEFAULT, name="cpu-calibrated", flops={"fp32": flops}, memory_bandwidth=bandwidth_mem,
+        optimizer_time_per_param=adamw, intra=Link(bandwidth, latency),
+        inter=Link(bandwidth, latency), layer_overhead=overhead, compute_units=cores,
+        notes={"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "matmul": "512x512 fp32, 1 thread",
+               "allreduce_s": {str(small): t_small, str(large): t_large},
+               "cores_free_at_calibration": round(together / flops, 2)},
+    )
+    path = Path(out) if out is not None else DEFAULT_CALIBRATION
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(cluster.to_json())
+    return cluster

@@ -1,0 +1,69 @@
+"""One candidate layout: the `HybridStrategy` arguments the planner chooses, plus the micro-batch size."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["Layout"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``dp x tp x pp`` with ZeRO ``zero_stage``; each replica's batch is ``micro_batches`` micro-batches of
+    ``micro_batch`` sequences (a pipeline's micro-batches, or gradient accumulation when ``pp == 1``);
+    ``schedule``/``virtual_stages`` as `lightning_hybrid.pipeline.resolve_schedule` takes them;
+    ``loss_parallel``: the LM head's logits stay split over the vocabulary under TP (the strategy's default;
+    not searched: it only saves)."""
+
+    dp: int
+    tp: int
+    pp: int
+    zero_stage: int
+    micro_batch: int
+    micro_batches: int
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    activation_checkpointing: bool = False
+    sequence_parallel: bool = False
+    loss_parallel: bool = True
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def accumulation(self) -> int:
+        """Optimizer step = this many backward passes outside a pipeline (1 under PP: the schedule runs them)."""
+        return self.micro_batches if self.pp == 1 else 1
+
+    def label(self) -> str:
+        """``dp2xtp2xpp2 zero1 mb2x4 1f1b ac sp`` (only what differs from the defaults)."""
+        parts = [f"dp{self.dp}xtp{self.tp}" + (f"xpp{self.pp}" if self.pp > 1 else "")]
+        parts += [f"zero{self.zero_stage}"] if self.zero_stage else []
+        parts.append(f"mb{self.micro_batch}x{self.micro_batches}")
+        if self.pp > 1:
+            parts.append(self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
+        parts += ["ac"] if self.activation_checkpointing else []
+        parts += ["sp"] if self.sequence_parallel else []
+        return " ".join(parts)
+
+    def strategy_kwargs(self, strategy_cls: Any = None) -> dict[str, Any]:
+        """Arguments of ``HybridStrategy`` (``strategy_cls``) for this layout; ``sequence_parallel`` only when the
+        strategy takes it (and it is on)."""
+        if strategy_cls is None:
+            from lightning_hybrid import HybridStrategy as strategy_cls
+        kwargs: dict[str, Any] = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "zero_stage": self.zero_stage,
+                                  "activation_checkpointing": self.activation_checkpointing}
+        if self.pp > 1:
+            kwargs.update(micro_batches=self.micro_batches, schedule=self.schedule, virtual_stages=self.virtual_stages)
+        accepted = inspect.signature(strategy_cls).parameters
+        if self.sequence_parallel and "sequence_parallel" in accepted:
+            kwargs["sequence_parallel"] = True
+        if "loss_parallel" in accepted:
+            kwargs["loss_parallel"] = self.loss_parallel
+        return kwargs
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,169 @@
+"""The search: every valid layout of a model on ``devices`` devices for a global batch, predicted and ranked.
+
+Dimensions: ``tp`` (a divisor of the devices within one node that divides the heads, key/value heads, MLP
+size and vocabulary: `tp_divides`), ``pp`` (at most one stage per pipeline layer), ``dp`` = the rest (it must
+divide the global batch), ZeRO stage (1-3 only with ``dp > 1``), the micro-batch size (a divisor of a
+replica's batch; the count is then a pipeline's micro-batches or, without PP, gradient accumulation), the
+schedule and its virtual stages (checked by the strategy's own `resolve_schedule`), activation
+checkpointing, and sequence parallelism (``tp > 1``). Each candidate gets `estimate_memory`; those that fit
+the device (`USABLE_MEMORY` of it) get `estimate_time` and are ranked by step time (then memory).
+
+The partition of the layers over stages is cached per stage count (`rank_layers`), so 1,024 devices search in
+one to two seconds (`benchmarks/bench_planner.py` times it).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence
+
+from lightning_hybrid.mesh import ParallelDims
+from lightning_hybrid.pipeline.executor import SCHEDULES, resolve_schedule
+
+from .cluster import USABLE_MEMORY, Cluster
+from .layout import Layout
+from .memory import MemoryEstimate, estimate_memory
+from .model import ModelSpec
+from .time import TimeEstimate, estimate_time
+
+__all__ = ["Candidate", "Plan", "enumerate_layouts", "evaluate", "plan", "tp_divides"]
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout with its predictions; ``reason`` says why it does not fit (empty when it does)."""
+
+    layout: Layout
+    memory: MemoryEstimate
+    time: Optional[TimeEstimate]
+    tokens_per_s: float
+    mfu: float
+    reason: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return not self.reason
+
+    def as_dict(self) -> dict:
+        return {"layout": self.layout.label(), **self.layout.as_dict(), "fits": self.fits, "reason": self.reason,
+                "memory_bytes": self.memory.as_dict(), "memory_rank": self.memory.rank,
+                "time_s": self.time.as_dict() if self.time else None, "tokens_per_s": self.tokens_per_s,
+                "mfu": self.mfu}
+
+
+@dataclass
+class Plan:
+    """``ranked``: the layouts that fit, fastest first; ``too_big``: those that do not, smallest first;
+    ``invalid``: how many sizes each rule turned away."""
+
+    model: ModelSpec
+    cluster: Cluster
+    devices: int
+    global_batch: int
+    ranked: list[Candidate] = field(default_factory=list)
+    too_big: list[Candidate] = field(default_factory=list)
+    invalid: Counter = field(default_factory=Counter)
+
+    @property
+    def best(self) -> Candidate:
+        if not self.ranked:
+            smallest = self.too_big[0].reason if self.too_big else "no valid layout"
+            raise ValueError(f"No layout of {self.model.name} fits {self.devices} x {self.cluster.name} at global batch"
+                             f" {self.global_batch}: the smallest {smallest}. Rules that turned sizes away: {dict(self.invalid)}.")
+        return self.ranked[0]
+
+    def rank_of(self, layout: Layout) -> Optional[int]:
+        """1-based rank of ``layout`` among those that fit (None if it is not among them)."""
+        return next((i + 1 for i, c in enumerate(self.ranked) if c.layout == layout), None)
+
+
+def tp_divides(model: ModelSpec, tp: int) -> bool:
+    """Whether ``tp`` splits every TP'd size evenly: heads, key/value heads, MLP size, vocabulary."""
+    return all(n % tp == 0 for n in (model.heads, model.kv_heads, model.ffn, model.vocab))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(model: ModelSpec, cluster: Cluster, devices: int, global_batch: int, *,
+                      sequence_parallel: bool = True, schedules: Sequence[str] = tuple(SCHEDULES),
+                      max_virtual_stages: int = 4, invalid: Optional[Counter] = None) -> Iterator[Layout]:
+    """Every valid layout (see the module docstring); the sizes turned away are counted in ``invalid``."""
+    invalid = Counter() if invalid is None else invalid
+    pipeline_layers = model.n_layer + 2
+    for tp in _divisors(devices):
+        if tp > cluster.devices_per_node:
+            invalid[f"tp > {cluster.devices_per_node} devices of a node"] += 1
+            continue
+        if not tp_divides(model, tp):
+            invalid["tp does not divide heads/kv heads/MLP/vocabulary"] += 1
+            continue
+        for pp in _divisors(devices // tp):
+            if pp > pipeline_layers:
+                invalid[f"pp > {pipeline_layers} pipeline layers"] += 1
+                continue
+            dims = ParallelDims.resolve(-1, tp, pp, world_size=devices)
+            if global_batch % dims.dp:
+                invalid["dp does not divide the global batch"] += 1
+                continue
+            replica_batch = global_batch // dims.dp
+            for b in _divisors(replica_batch):
+                m = replica_batch // b
+                yield from _schedules(model, dims, b, m, pipeline_layers, sequence_parallel, schedules,
+                                      max_virtual_stages, invalid)
+
+
+def _schedules(model, dims, b, m, pipeline_layers, sequence_parallel, schedules, max_virtual_stages, invalid):
+    tp, pp, dp = dims.tp, dims.pp, dims.dp
+    choices = [("1f1b", 1)] if pp == 1 else []
+    for name in (schedules if pp > 1 else ()):
+        per_rank = SCHEDULES[name].stages_per_rank
+        for v in (range(2, max_virtual_stages + 1) if per_rank == 0 else (per_rank,)):
+            if pp * v > pipeline_layers:
+                invalid["pp x virtual stages > pipeline layers"] += 1
+                continue
+            try:
+                resolve_schedule(name, pp, m, v)
+            except ValueError:
+                invalid[f"{name}: micro-batch count (resolve_schedule)"] += 1
+                continue
+            choices.append((name, v))
+    for name, v in choices:
+        for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
+            for ac in (False, True):
+                for sp in ((False, True) if tp > 1 and sequence_parallel else (False,)):
+                    yield Layout(dp, tp, pp, zero, b, m, name, v, ac, sp)
+
+
+def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: int) -> Candidate:
+    """Predictions for one layout: memory always, time when it fits."""
+    memory = estimate_memory(model, layout, cluster.precision, cluster.activation_scale)
+    usable = USABLE_MEMORY * cluster.memory
+    if memory.total > usable:
+        reason = (f"needs {memory.total / GIB:.2f} GiB on pipeline rank {memory.rank} > {usable / GIB:.2f} GiB usable"
+                  f" (params {memory.params / GIB:.1f}, grads {memory.grads / GIB:.1f}, optimizer"
+                  f" {memory.optimizer / GIB:.1f}, activations {memory.activations / GIB:.1f})")
+        return Candidate(layout, memory, None, 0.0, 0.0, reason)
+    time = estimate_time(model, layout, cluster)
+    tokens = global_batch * model.seq_len
+    tokens_per_s = tokens / time.total
+    mfu = model.flops_per_token() * tokens_per_s / (layout.devices * cluster.peak_flops(cluster.precision))
+    return Candidate(layout, memory, time, tokens_per_s, mfu)
+
+
+def plan(model: ModelSpec, cluster: Cluster, devices: int, global_batch: int, **search: object) -> Plan:
+    """All layouts of ``model`` on ``devices`` of ``cluster`` for ``global_batch`` sequences per optimizer step,
+    ranked. ``search``: `enumerate_layouts`'s options (``sequence_parallel``, ``schedules``, ...)."""
+    if devices < 1 or global_batch < 1:
+        raise ValueError(f"devices={devices}, global_batch={global_batch}: both must be positive integers.")
+    result = Plan(model, cluster, devices, global_batch)
+    for layout in enumerate_layouts(model, cluster, devices, global_batch, invalid=result.invalid, **search):
+        candidate = evaluate(model, layout, cluster, global_batch)
+        (result.ranked if candidate.fits else result.too_big).append(candidate)
+    result.ranked.sort(key=lambda c: (c.time.total, c.memory.total))
+    result.too_big.sort(key=lambda c: c.memory.total)
+    return result
