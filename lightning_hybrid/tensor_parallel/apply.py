@@ -21,6 +21,7 @@ verification, and their gradients are summed over TP.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -345,11 +346,19 @@ def apply_tp(
             split(model, name, variant, group)
         _retie(model, tied)
         _install_sequence_runs(runs, group, modules)
-        result.chosen = per_unit
+        result.chosen = {name: _as_applied(variant, split_logits) for name, variant in per_unit.items()}
         result.sequence_runs = runs
         result.partial_grads = {p for block, names in partial_by_block.items() for p in names if all(u.name in per_unit for u in blocks[block])}
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _as_applied(variant: Variant, split_logits: bool) -> Variant:
+    """The variant as the report names it: a lone gathered column layer keeps its logits split under
+    ``split_logits``."""
+    if split_logits and not is_paired(variant) and any(plan.gather_output for _, plan in variant.layers):
+        return dataclasses.replace(variant, label="logits split over the vocabulary (gathered on demand)")
+    return variant
 
 
 def sequence_runs(plan: TPPlan, modules: dict[str, nn.Module], pipeline_layers: tuple[str, ...]) -> list[list[str]]:

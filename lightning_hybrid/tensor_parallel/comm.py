@@ -189,7 +189,7 @@ def seq_reduce_scatter(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     collective, as in `seq_all_gather`)."""
     _check_seq(x, dist.get_world_size(group))
     full = x.movedim(SEQ_DIM, 0).contiguous()
-    out = funcol.wait_tensor(funcol.reduce_scatter_tensor(full, "sum", 0, group))
+    out = funcol.wait_tensor(funcol.reduce_scatter_single(full, "sum", 0, group))
     return out.movedim(0, SEQ_DIM).contiguous()  # contiguous: pipeline stages send it as it is
 
 
