@@ -104,7 +104,7 @@ class LM(nn.Module):
         return self.lm_head(self.trunk(ids))
 
 
-CONFIGS = {  # name -> (sequence_parallel, recompute)
+CONFIGS = {  # name -> (sequence_parallel, recompute); selective recompute at tp = 1 only, as HybridStrategy allows
     "TP": (False, "full"),
     "TP + SP": (True, "full"),
     "TP + selective": (False, "attention"),
@@ -161,8 +161,9 @@ def _worker(args) -> dict:
     targets = torch.randint(0, args.vocab, (args.batch, args.seq))
     out: dict = {}
     for name, (sp, recompute) in CONFIGS.items():
-        if sp and dist.get_world_size() == 1:
-            continue
+        tp = dist.get_world_size()
+        if (sp and tp == 1) or (recompute != "full" and tp > 1):
+            continue  # SP needs tp > 1; selective recompute is refused under tp > 1 (HybridStrategy)
         per_layers = {}
         for layers in (2, 4):
             model = _build(args, layers, sp, recompute)

@@ -42,6 +42,7 @@ if str(REPO_ROOT) not in sys.path:
 
 import lightning as L  # noqa: E402
 
+from benchmarks.bench_memory import StepTimer  # noqa: E402
 from lightning_hybrid import HybridStrategy  # noqa: E402
 from lightning_hybrid.data import ByteCorpusDataModule  # noqa: E402
 from lightning_hybrid.memory import PeakMemoryMonitor  # noqa: E402
@@ -68,18 +69,6 @@ LAYOUTS = {
 #: (model preset, GPUs, global batch, tp, pp, published TFLOP/s per GPU)
 PUBLISHED = [("gpt-1.7b", 32, 512, 1, 1, 137), ("gpt-18b", 256, 1024, 8, 1, 135), ("gpt-39b", 512, 1536, 8, 2, 138),
              ("gpt-145b", 1536, 2304, 8, 8, 148), ("gpt3-175b", 1024, 1536, 8, 8, 140), ("gpt-1t", 3072, 3072, 8, 64, 163)]
-
-
-class StepTimer(L.Callback):
-    def __init__(self, first: int) -> None:
-        self.first, self.times = first, []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._t0 = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if batch_idx >= self.first:
-            self.times.append(time.perf_counter() - self._t0)
 
 
 def layout_of(name: str, global_batch: int) -> Layout:

@@ -5,9 +5,9 @@ Full: a checkpointed layer keeps only its input during forward and recomputes al
 recomputation). Selective (Korthikanti et al. 2022), on torch's selective checkpointing
 (`create_selective_checkpoint_contexts`): the named ops are recomputed, and with them what costs no FLOPs worth
 keeping memory for -- element-wise ops, views, new buffers and what fills them in place (dropout masks, from
-the same random state), and the all-gathers of sequence parallelism (a second all-gather in backward, as
-Megatron does, rather than the gathered sequence kept); the outputs of everything else (matmuls, norms,
-reductions) are kept. ``"attention"`` names the attention core -- the scores ``Q K^T``, softmax, attention
+the same random state); the outputs of everything else (matmuls, norms) are kept. (Under tensor parallelism
+the strategy refuses selective recompute: its recomputation of the TP layers' collectives did not reproduce
+the gradients exactly.) ``"attention"`` names the attention core -- the scores ``Q K^T``, softmax, attention
 dropout and the product with ``V``, or a fused scaled-dot-product kernel -- whose activations grow with the
 square of the sequence (the ``5 a s / h`` term of Korthikanti's per-layer activation memory). An op that
 would change a kept output in place is an error (torch's check), never a silently different recomputation.
@@ -30,8 +30,6 @@ ATTENTION_OPS = (
     "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_cudnn_attention",
     "aten._scaled_dot_product_fused_attention_overrideable",
 )
-#: Functional collectives that make a new tensor: sequence parallelism's all-gather and its wait.
-_REGATHER = ("_c10d_functional.all_gather_into_tensor", "_c10d_functional.wait_tensor", "_c10d_functional._wrap_tensor_autograd")
 _FACTORIES = ("aten.empty", "aten.zeros", "aten.ones", "aten.full", "aten.new_", "aten.scalar_tensor")
 
 Recompute = Union[str, Sequence[str]]
@@ -74,9 +72,10 @@ def checkpoint_targets(module: nn.Module, target: bool | str, pipelined: bool = 
 #: Functional collectives that make a new tensor: sequence parallelism's all-gather and its wait.
 def _policy(recomputed: frozenset[str], ctx, op, *args, **kwargs) -> CheckpointPolicy:
     name = str(op.overloadpacket)
+    # In-place ops (collectives into their buffers included) run again on the recomputed buffers they fill.
     cheap = (
         torch.Tag.pointwise in op.tags or op.is_view or op._schema.is_mutable or name == "aten._unsafe_view"
-        or name.startswith(_FACTORIES) or name in _REGATHER
+        or name.startswith(_FACTORIES)
     )
     return CheckpointPolicy.PREFER_RECOMPUTE if cheap or name in recomputed else CheckpointPolicy.MUST_SAVE
 

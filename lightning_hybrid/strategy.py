@@ -112,7 +112,7 @@ class HybridStrategy(ParallelStrategy):
             layers under ``pp > 1``, else the elements of ``nn.ModuleList``s); a glob pattern picks modules by name.
         recompute: what a checkpointed layer recomputes: ``"full"`` (everything), ``"attention"`` (the attention
             core only: selective recompute) or a list of aten op names; anything but ``"full"`` checkpoints every
-            layer when ``activation_checkpointing`` is ``False``.
+            layer when ``activation_checkpointing`` is ``False``; selective recompute needs ``tp=1``.
         process_group_backend: overrides the backend chosen from the accelerator (gloo on CPU, nccl on CUDA).
         timeout: process group timeout.
     """
@@ -157,6 +157,12 @@ class HybridStrategy(ParallelStrategy):
         )
         self.split_points = list(split_points) if split_points is not None else None
         self._recompute_ops = recompute_ops(recompute)
+        if self._recompute_ops is not None and tp > 1:
+            raise ValueError(
+                f"recompute={recompute!r} (selective recompute) with tp={tp} is refused: the recomputation of a"
+                " tensor-parallel layer does not reproduce its gradients exactly yet. Use recompute='full'"
+                " (activation_checkpointing=True) with tp > 1, or selective recompute with tp=1."
+            )
         self.recompute = recompute
         self.activation_checkpointing = activation_checkpointing or self._recompute_ops is not None
         if not (tp_plan == "auto" or isinstance(tp_plan, Mapping)):

@@ -56,10 +56,10 @@ def test_world2_layouts_match_one_device():
     }.items()}
     runs["dp2-zero2-small-buckets-accumulate2"] = (dict(dp=2, zero_stage=2, bucket_cap_mb=0.01), model, {"accumulate_grad_batches": 2})
     runs["user-dp2-zero3"] = (dict(dp=2, zero_stage=3), UserLM, {})
-    # Sequence parallelism (logits split over the vocabulary, by default), also with selective recompute; and
-    # the gathered logits of loss_parallel=False.
+    # Sequence parallelism (logits split over the vocabulary, by default), also with full recompute; and the
+    # gathered logits of loss_parallel=False.
     runs["tp2-sp"] = (dict(tp=2, sequence_parallel=True), model, {})
-    runs["tp2-sp-recompute-attention"] = (dict(tp=2, sequence_parallel=True, recompute="attention"), model, {})
+    runs["tp2-sp-recompute-full"] = (dict(tp=2, sequence_parallel=True, activation_checkpointing=True), model, {})
     runs["tp2-gathered-logits"] = (dict(tp=2, loss_parallel=False), model, {})
     check_world(2, runs)
 

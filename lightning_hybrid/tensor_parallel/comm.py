@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 
@@ -83,9 +82,15 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        # Out of place (a functional collective): a selective checkpoint keeps the reduced output and never
-        # runs the reduction twice, and the result is an ordinary tensor model code may change in place.
-        return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
+        if not x.is_contiguous():
+            x = x.contiguous()
+            dist.all_reduce(x, group=group)
+            return x
+        # Reduced in place: declaring it keeps the result an ordinary tensor that model code may modify in
+        # place (Falcon adds the residual with `+=`), rather than a view of this function's input.
+        dist.all_reduce(x, group=group)
+        ctx.mark_dirty(x)
+        return x
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -177,19 +182,21 @@ def _check_seq(x: Tensor, world: int) -> None:
 
 
 def seq_all_gather(x: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """``[B, T/tp, ...]`` shards -> ``[B, T, ...]``, rank order along the sequence. A functional collective (it
-    makes its own output), so a selective checkpoint can run it again in backward instead of keeping it."""
+    """``[B, T/tp, ...]`` shards -> ``[B, T, ...]``, rank order along the sequence."""
+    world = dist.get_world_size(group)
     shard = x.movedim(SEQ_DIM, 0).contiguous()
-    out = funcol.wait_tensor(funcol.all_gather_single(shard, gather_dim=0, group=group))
+    out = torch.empty((world * shard.size(0), *shard.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_single(out, shard, group=group)
     return out.movedim(0, SEQ_DIM).contiguous()
 
 
 def seq_reduce_scatter(x: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """``[B, T, ...]`` partial sums -> this rank's ``[B, T/tp, ...]`` of their sum over ``group`` (a functional
-    collective, as in `seq_all_gather`)."""
-    _check_seq(x, dist.get_world_size(group))
+    """``[B, T, ...]`` partial sums -> this rank's ``[B, T/tp, ...]`` of their sum over ``group``."""
+    world = dist.get_world_size(group)
+    _check_seq(x, world)
     full = x.movedim(SEQ_DIM, 0).contiguous()
-    out = funcol.wait_tensor(funcol.reduce_scatter_single(full, "sum", 0, group))
+    out = torch.empty((full.size(0) // world, *full.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(out, full, group=group)
     return out.movedim(0, SEQ_DIM).contiguous()  # contiguous: pipeline stages send it as it is
 
 
