@@ -417,7 +417,7 @@ class HybridStrategy(ParallelStrategy):
             layers = module.pipeline_layers()
             stages = {s: stage_module([layers[i] for i in layout.ranges[s]]) for s in layout.local_stages}
             run_example = None if first_input is None else (
-                lambda: forward_through_stages(stages, layout.owners, first_input, self.pp_group, self.root_device)
+                lambda: forward_through_stages(stages, layout.owners, [first_input], self.pp_group, self.root_device)
             )
         result = apply_tp(
             module, self.tp_group, plan, run_example=run_example, verify=self.verify_tp_plan,

@@ -169,16 +169,16 @@ class PipelineExecutor:
 
 
 def forward_through_stages(
-    stage_modules: dict[int, nn.Module], owners: list[int], inputs: Tensor | list[Tensor], group: dist.ProcessGroup,
+    stage_modules: dict[int, nn.Module], owners: list[int], parts: list[Tensor], group: dist.ProcessGroup,
     device: torch.device,
-) -> Tensor | list[Tensor] | None:
-    """Run ``inputs`` (a tensor, or micro-batches) through every stage in order (``stage_modules``: this rank's
-    stages; ``owners[s]``: the PP rank of stage ``s``), sending activations between PP ranks. Stage by stage,
-    each does all micro-batches (sending each on as soon as it is done), so consecutive stages overlap and no
-    rank waits on a send. Returns the last stage's output(s) on its owner, ``None`` on the other ranks.
-    Collective over the PP ``group``."""
+) -> list[Tensor] | None:
+    """Run the micro-batches ``parts`` through every stage in order (``stage_modules``: this rank's stages;
+    ``owners[s]``: the PP rank of stage ``s``), sending activations between PP ranks. Stage by stage, each does
+    all micro-batches (sending each on as soon as it is done), so consecutive stages overlap and no rank waits
+    on a send. Returns the last stage's outputs on its owner, ``None`` on the other ranks. Collective over the
+    PP ``group``."""
     rank = dist.get_rank(group)
-    parts = list(inputs) if isinstance(inputs, list) else [inputs]
+    parts = list(parts)
     pending: list = []
     for index, owner in enumerate(owners):
         if owner != rank:
@@ -191,9 +191,7 @@ def forward_through_stages(
                 pending += isend_tensor(parts[i].detach(), owners[index + 1], group, device)
     for work in pending:
         work.wait()
-    if owners[-1] != rank:
-        return None
-    return parts if isinstance(inputs, list) else parts[0]
+    return parts if owners[-1] == rank else None
 
 
 # Tensors of unknown shape travel as a header (dtype, ndim, shape) followed by the data.

@@ -41,7 +41,7 @@ from lightning_hybrid.tensor_parallel.layers import (
 from lightning_hybrid.tensor_parallel.comm import gather_sequence, gather_sequence_for_tp, seq_all_gather, split_sequence
 from lightning_hybrid.tensor_parallel.plan import TPPlan, Unit
 from lightning_hybrid.tensor_parallel.variants import Variant
-from lightning_hybrid.tensor_parallel.verify import Captured, capture_inputs, check_block
+from lightning_hybrid.tensor_parallel.verify import Captured, capture_inputs, check_block, replace_main_input
 
 
 @dataclass
@@ -124,18 +124,6 @@ def apply_variant(
         unit.register_forward_pre_hook(_head_slicer(variant, rank, tp, detect), with_kwargs=True)
 
 
-def _replace_main_input(args: tuple, kwargs: dict, fn: Callable[[Tensor], Tensor]) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` with the main input (the first positional tensor, else ``hidden_states``) mapped by ``fn``."""
-    if args and isinstance(args[0], Tensor):
-        return (fn(args[0]), *args[1:]), kwargs
-    if isinstance(kwargs.get("hidden_states"), Tensor):
-        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
-    raise TypeError(
-        "sequence_parallel: a block or unit received no hidden states (neither a first positional tensor nor"
-        " `hidden_states`); it cannot be split along the sequence."
-    )
-
-
 def _sequence_gatherer(unit: nn.Module, group: dist.ProcessGroup) -> None:
     """Hooks of a paired unit under sequence parallelism: the whole sequence of its main input, gathered at
     entry. What the unit's layers keep of it for their backward is this rank's part, all-gathered again when
@@ -151,7 +139,7 @@ def _sequence_gatherer(unit: nn.Module, group: dist.ProcessGroup) -> None:
             shard = x
             return gather_sequence_for_tp(x, group)
 
-        args, kwargs = _replace_main_input(args, kwargs, gather)
+        args, kwargs = replace_main_input(args, kwargs, gather)
         full = _main_input(args, kwargs)
         # Saved-tensor hooks already active mean activation checkpointing: it decides what is kept.
         outer_hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -203,7 +191,7 @@ def _sequence_splitter(group: dist.ProcessGroup) -> Callable:
     """Pre-hook of the first block of a sequence-split run: this rank's part of the sequence."""
 
     def hook(module, args, kwargs):
-        return _replace_main_input(args, kwargs, lambda x: split_sequence(x, group))
+        return replace_main_input(args, kwargs, lambda x: split_sequence(x, group))
 
     return hook
 

@@ -133,22 +133,31 @@ def _forward(
     if seq_part is not None:
         rank, world = seq_part
 
-        def part(t: Tensor) -> Tensor:
-            return t.detach().chunk(world, dim=1)[rank].clone().requires_grad_(t.requires_grad)
+        parts: list[Tensor] = []
 
-        if args and isinstance(args[0], Tensor):
-            args = (part(args[0]), *args[1:])
-            main = args[0]
-        elif isinstance(kwargs.get("hidden_states"), Tensor):
-            kwargs = {**kwargs, "hidden_states": part(kwargs["hidden_states"])}
-            main = kwargs["hidden_states"]
-        else:
-            raise ValueError("sequence parallelism needs the hidden states as the first argument or `hidden_states`")
+        def part(t: Tensor) -> Tensor:
+            parts.append(t.detach().chunk(world, dim=1)[rank].clone().requires_grad_(t.requires_grad))
+            return parts[-1]
+
+        args, kwargs = replace_main_input(args, kwargs, part)
+        main = parts[0]
     outputs = [t for t in tree_flatten(module(*args, **kwargs))[0] if isinstance(t, Tensor)]
     inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.requires_grad]
     if seq_part is not None:
         main_index = next(i for i, t in enumerate(inputs) if t is main)
     return outputs, inputs, main_index
+
+
+def replace_main_input(args: tuple, kwargs: dict, fn: Callable[[Tensor], Tensor]) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with the main input (the first positional tensor, else ``hidden_states``) mapped by ``fn``."""
+    if args and isinstance(args[0], Tensor):
+        return (fn(args[0]), *args[1:]), kwargs
+    if isinstance(kwargs.get("hidden_states"), Tensor):
+        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+    raise TypeError(
+        "sequence_parallel: a block or unit received no hidden states (neither a first positional tensor nor"
+        " `hidden_states`); it cannot be split along the sequence."
+    )
 
 
 def _seq_part(t: Tensor | None, seq_part: tuple[int, int]) -> Tensor | None:
