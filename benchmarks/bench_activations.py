@@ -42,7 +42,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lightning_hybrid.activation_checkpointing import apply_activation_checkpointing, recompute_ops  # noqa: E402
+from lightning_hybrid.activation_checkpointing import apply_activation_checkpointing, recompute_selection  # noqa: E402
 from lightning_hybrid.memory import LiveTensorTracker  # noqa: E402
 from lightning_hybrid.tensor_parallel import apply_tp, resolve_tp_plan  # noqa: E402
 from lightning_hybrid.tensor_parallel.comm import sum_grad_over_tp  # noqa: E402
@@ -104,7 +104,7 @@ class LM(nn.Module):
         return self.lm_head(self.trunk(ids))
 
 
-CONFIGS = {  # name -> (sequence_parallel, recompute); selective recompute at tp = 1 only, as HybridStrategy allows
+CONFIGS = {  # name -> (sequence_parallel, recompute)
     "TP": (False, "full"),
     "TP + SP": (True, "full"),
     "TP + selective": (False, "attention"),
@@ -122,7 +122,7 @@ def _build(args, layers: int, sp: bool, recompute: str, split_logits: bool = Tru
         assert not result.errors, result.errors
         for name in result.partial_grads:
             sum_grad_over_tp(model.get_parameter(name), dist.group.WORLD)
-    ops = recompute_ops(recompute)
+    ops = recompute_selection(recompute)
     if ops is not None:
         apply_activation_checkpointing(model, [f"blocks.{i}" for i in range(layers)], ops)
     return model.train()
@@ -162,8 +162,8 @@ def _worker(args) -> dict:
     out: dict = {}
     for name, (sp, recompute) in CONFIGS.items():
         tp = dist.get_world_size()
-        if (sp and tp == 1) or (recompute != "full" and tp > 1):
-            continue  # SP needs tp > 1; selective recompute is refused under tp > 1 (HybridStrategy)
+        if sp and tp == 1:
+            continue  # SP needs tp > 1
         per_layers = {}
         for layers in (2, 4):
             model = _build(args, layers, sp, recompute)

@@ -2,57 +2,153 @@
 
 Full: a checkpointed layer keeps only its input during forward and recomputes all its activations in backward
 (``torch.utils.checkpoint``, non-reentrant, RNG state preserved, so dropout masks are the same in the
-recomputation). Selective (Korthikanti et al. 2022), on torch's selective checkpointing
-(`create_selective_checkpoint_contexts`): the named ops are recomputed, and with them what costs no FLOPs worth
-keeping memory for -- element-wise ops, views, new buffers and what fills them in place (dropout masks, from
-the same random state); the outputs of everything else (matmuls, norms) are kept. (Under tensor parallelism
-the strategy refuses selective recompute: its recomputation of the TP layers' collectives did not reproduce
-the gradients exactly.) ``"attention"`` names the attention core -- the scores ``Q K^T``, softmax, attention
-dropout and the product with ``V``, or a fused scaled-dot-product kernel -- whose activations grow with the
-square of the sequence (the ``5 a s / h`` term of Korthikanti's per-layer activation memory). An op that
-would change a kept output in place is an error (torch's check), never a silently different recomputation.
+recomputation).
+
+Selective, on torch's selective checkpointing (`create_selective_checkpoint_contexts`), with a policy that
+decides op by op during the forward which outputs the layer keeps:
+
+- ``"attention"`` (Korthikanti et al. 2022): the attention core is recomputed -- from the scores ``Q K^T`` (a
+  batched matmul of two activations) through everything computed from them (scale, mask, softmax, dropout)
+  up to the product with ``V``, whose output the output projection needs and which is kept; or a fused
+  scaled-dot-product kernel. Its activations grow with the square of the sequence (the ``5 a s / h`` term of
+  Korthikanti's per-layer memory). Everything else is kept.
+- ``"pointwise"``: the attention core and every element-wise op (norm pieces, activations, residual sums):
+  only matmul, norm and reduction outputs are kept -- less memory than ``"attention"`` for a few more FLOPs
+  (TorchTitan's op-level policy).
+- a list of aten op names: those ops.
+
+Always recomputed, whatever the choice, because keeping them would be wrong or saves nothing: views, copies
+(a kept copy would keep its source's bytes twice), new buffers and in-place ops (including torch.distributed's in-place collectives, whose schemas do not say they
+write), and random ops (dropout): the recomputation restores the random state at the layer's start and
+replays the random ops in their order, which only gives the forward's masks if it replays all of them.
+The forward collectives of TP/SP layers run as functional collectives inside a selective checkpoint
+(`tensor_parallel.comm.functional_collectives`). Reductions (a row layer's all-reduce or reduce-scatter) are
+kept, so the recomputation never runs them again; all-gathers run again, which is what sequence parallelism
+does without recompute too (a unit keeps its sequence shard and all-gathers it again in backward). An op that would change a kept output in place is an error (torch's check), never a silently
+different recomputation.
 """
 
 from __future__ import annotations
 
 import fnmatch
+from dataclasses import dataclass
 from functools import partial
-from typing import Sequence, Union
+from typing import Callable, Sequence, Union
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.weak import WeakIdKeyDictionary
 
-#: The attention core's ops (eager attention's batched matmuls, softmax and dropout; the fused SDPA kernels).
-ATTENTION_OPS = (
-    "aten.bmm", "aten.baddbmm", "aten._softmax", "aten.softmax", "aten.native_dropout", "aten.dropout",
+from lightning_hybrid.tensor_parallel.comm import functional_collectives
+
+#: Fused attention kernels: recomputed whole under ``"attention"`` and ``"pointwise"``.
+SDPA_OPS = frozenset({
     "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_flash_attention_for_cpu",
     "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_cudnn_attention",
     "aten._scaled_dot_product_fused_attention_overrideable",
-)
+})
+_BATCHED_MATMULS = frozenset({"aten.bmm", "aten.baddbmm"})
+_COPIES = frozenset({"aten.clone", "aten._to_copy", "aten.contiguous", "aten._unsafe_view"})
 _FACTORIES = ("aten.empty", "aten.zeros", "aten.ones", "aten.full", "aten.new_", "aten.scalar_tensor")
+MODES = ("full", "attention", "pointwise")
 
 Recompute = Union[str, Sequence[str]]
 
 
-def recompute_ops(recompute: Recompute) -> frozenset[str] | None:
-    """The ops a selective checkpoint recomputes beyond the cheap ones (``aten.<name>``), or ``None`` for full
-    recomputation.
+@dataclass(frozen=True)
+class Selection:
+    """What a selective checkpoint recomputes besides the always-recomputed ops (see the module's text)."""
+
+    ops: frozenset[str] = frozenset()  # aten op names ("aten.gelu")
+    attention_core: bool = False  # eager attention's core, followed from the scores
+    pointwise: bool = False  # every element-wise op
+
+
+def recompute_selection(recompute: Recompute) -> Selection | None:
+    """What ``recompute`` asks a checkpointed layer to recompute; ``None`` for full recomputation.
     Raises ``ValueError`` for an unknown mode or op name."""
     if recompute == "full":
         return None
     if recompute == "attention":
-        return frozenset(ATTENTION_OPS)
+        return Selection(ops=SDPA_OPS, attention_core=True)
+    if recompute == "pointwise":
+        return Selection(ops=SDPA_OPS, attention_core=True, pointwise=True)
     if isinstance(recompute, str) or not recompute:
         raise ValueError(
-            f"recompute={recompute!r} is invalid: use 'full' (the whole layer), 'attention' (the attention core only)"
-            " or a list of aten op names to recompute (e.g. ['aten.gelu', 'aten._softmax'])."
+            f"recompute={recompute!r} is invalid: use 'full' (the whole layer), 'attention' (the attention core"
+            " only), 'pointwise' (the attention core and element-wise ops) or a list of aten op names to"
+            " recompute (e.g. ['aten.gelu', 'aten._softmax'])."
         )
     names = frozenset(name if name.startswith("aten.") else f"aten.{name}" for name in recompute)
     unknown = sorted(n for n in names if not hasattr(torch.ops.aten, n[len("aten."):]))
     if unknown:
         raise ValueError(f"recompute names unknown aten ops {unknown}; names look like 'aten.gelu' or '_softmax'.")
-    return names
+    return Selection(ops=names)
+
+
+def _from_parameter(t: torch.Tensor) -> bool:
+    while t._base is not None:
+        t = t._base
+    return isinstance(t, nn.Parameter)
+
+
+class _Policy:
+    """The policy of one checkpointed forward (a new one each call: it follows the attention core's tensors)."""
+
+    def __init__(self, selection: Selection) -> None:
+        self.selection = selection
+        self.core = WeakIdKeyDictionary()  # tensors computed from attention scores
+        self.gathered = WeakIdKeyDictionary()  # outputs of all-gathers
+
+    def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        name = str(op.overloadpacket)
+        if op.namespace == "_c10d_functional":
+            # A TP/SP collective. Reductions are kept (never run again); all-gathers run again, as Megatron
+            # all-gathers a sequence-split input again in backward rather than keep it whole; a wait follows
+            # its collective.
+            inputs = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
+            if name == "_c10d_functional.all_gather_into_tensor" or (
+                name == "_c10d_functional.wait_tensor" and inputs and inputs[0] in self.gathered
+            ):
+                for out in tree_leaves(ctx.op_output):
+                    if isinstance(out, torch.Tensor):
+                        self.gathered[out] = True
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if self.selection.attention_core and self._in_core(name, inputs):
+            for out in tree_leaves(ctx.op_output):
+                if isinstance(out, torch.Tensor):
+                    self.core[out] = True
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        always = (
+            op.is_view or op._schema.is_mutable or op.namespace == "c10d" or name in _COPIES
+            or name.startswith(_FACTORIES) or torch.Tag.nondeterministic_seeded in op.tags
+        )
+        chosen = name in self.selection.ops or (self.selection.pointwise and torch.Tag.pointwise in op.tags)
+        return CheckpointPolicy.PREFER_RECOMPUTE if always or chosen else CheckpointPolicy.MUST_SAVE
+
+    def _in_core(self, name: str, inputs: list[torch.Tensor]) -> bool:
+        """Scores (a batched matmul of two activations) and what is computed from them, up to the product
+        with ``V`` (a batched matmul of a core tensor and an activation), which ends the core and is kept."""
+        from_core = [t in self.core for t in inputs]
+        if name in _BATCHED_MATMULS:
+            operands = inputs[-2:]
+            if any(_from_parameter(t) for t in operands):
+                return False
+            return not any(from_core[-2:])
+        return any(from_core)
+
+
+def _with_functional_collectives(forward: Callable, *args, **kwargs):
+    with functional_collectives():
+        return forward(*args, **kwargs)
+
+
+def _selective_contexts(selection: Selection):
+    return create_selective_checkpoint_contexts(_Policy(selection))
 
 
 def checkpoint_targets(module: nn.Module, target: bool | str, pipelined: bool = False) -> list[str]:
@@ -69,25 +165,18 @@ def checkpoint_targets(module: nn.Module, target: bool | str, pipelined: bool = 
     return [names[id(m)] for sub in module.modules() if isinstance(sub, nn.ModuleList) for m in sub]
 
 
-#: Functional collectives that make a new tensor: sequence parallelism's all-gather and its wait.
-def _policy(recomputed: frozenset[str], ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    name = str(op.overloadpacket)
-    # In-place ops (collectives into their buffers included) run again on the recomputed buffers they fill.
-    cheap = (
-        torch.Tag.pointwise in op.tags or op.is_view or op._schema.is_mutable or name == "aten._unsafe_view"
-        or name.startswith(_FACTORIES)
-    )
-    return CheckpointPolicy.PREFER_RECOMPUTE if cheap or name in recomputed else CheckpointPolicy.MUST_SAVE
-
-
-def apply_activation_checkpointing(module: nn.Module, names: list[str], ops: frozenset[str] | None = None) -> None:
+def apply_activation_checkpointing(module: nn.Module, names: list[str], selection: Selection | None = None) -> None:
     """Checkpoint each named submodule (in place; parameter names and state dicts do not change): fully, or
-    selectively, recomputing ``ops`` besides the cheap ones (see `recompute_ops`)."""
-    context = partial(create_selective_checkpoint_contexts, partial(_policy, ops))
-    options = {} if ops is None else {"context_fn": context}
+    selectively, recomputing what ``selection`` says (see `recompute_selection`). A selectively checkpointed
+    layer runs its TP/SP collectives as functional collectives, in its forward and in its recomputation."""
     for name in names:
         layer = module.get_submodule(name)
         if getattr(layer, "_activation_checkpointed", False):
             continue
-        layer.forward = partial(checkpoint, layer.forward, use_reentrant=False, **options)
+        if selection is None:
+            layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
+        else:
+            context = partial(_selective_contexts, selection)
+            forward = partial(_with_functional_collectives, layer.forward)
+            layer.forward = partial(checkpoint, forward, use_reentrant=False, context_fn=context)
         layer._activation_checkpointed = True

@@ -40,7 +40,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_hybrid.activation_checkpointing import Recompute, apply_activation_checkpointing, checkpoint_targets, recompute_ops
+from lightning_hybrid.activation_checkpointing import Recompute, apply_activation_checkpointing, checkpoint_targets, recompute_selection
 from lightning_hybrid.checkpoint import load_sharded, save_sharded
 from lightning_hybrid.checkpoint import remove as remove_checkpoint_path
 from lightning_hybrid.grad_norm import clip_grads_, global_grad_norm
@@ -111,8 +111,9 @@ class HybridStrategy(ParallelStrategy):
         activation_checkpointing: ``True`` recomputes every layer's activations in backward (the pipeline
             layers under ``pp > 1``, else the elements of ``nn.ModuleList``s); a glob pattern picks modules by name.
         recompute: what a checkpointed layer recomputes: ``"full"`` (everything), ``"attention"`` (the attention
-            core only: selective recompute) or a list of aten op names; anything but ``"full"`` checkpoints every
-            layer when ``activation_checkpointing`` is ``False``; selective recompute needs ``tp=1``.
+            core only: selective recompute, Korthikanti et al.), ``"pointwise"`` (the attention core and every
+            element-wise op) or a list of aten op names; anything but ``"full"`` checkpoints every layer when
+            ``activation_checkpointing`` is ``False``.
         process_group_backend: overrides the backend chosen from the accelerator (gloo on CPU, nccl on CUDA).
         timeout: process group timeout.
     """
@@ -156,15 +157,9 @@ class HybridStrategy(ParallelStrategy):
             resolve_schedule(schedule, pp, micro_batches, virtual_stages) if pp > 1 else (None, 1, micro_batches)
         )
         self.split_points = list(split_points) if split_points is not None else None
-        self._recompute_ops = recompute_ops(recompute)
-        if self._recompute_ops is not None and tp > 1:
-            raise ValueError(
-                f"recompute={recompute!r} (selective recompute) with tp={tp} is refused: the recomputation of a"
-                " tensor-parallel layer does not reproduce its gradients exactly yet. Use recompute='full'"
-                " (activation_checkpointing=True) with tp > 1, or selective recompute with tp=1."
-            )
+        self._recompute_selection = recompute_selection(recompute)
         self.recompute = recompute
-        self.activation_checkpointing = activation_checkpointing or self._recompute_ops is not None
+        self.activation_checkpointing = activation_checkpointing or self._recompute_selection is not None
         if not (tp_plan == "auto" or isinstance(tp_plan, Mapping)):
             raise ValueError(f"tp_plan={tp_plan!r} is invalid: use 'auto' or a dict of glob pattern -> style.")
         self._requested = {"dp": dp, "tp": tp, "pp": pp}
@@ -358,7 +353,7 @@ class HybridStrategy(ParallelStrategy):
         elif plan is not None:
             self._apply_tp(module, plan, layer_names, layout, first_input)
         self._tp_sharded_names = tp_sharded_parameter_names(module)
-        apply_activation_checkpointing(module, [n for n in checkpointed if not _is_under(n, self._remote_prefixes)], self._recompute_ops)
+        apply_activation_checkpointing(module, [n for n in checkpointed if not _is_under(n, self._remote_prefixes)], self._recompute_selection)
         if layout is not None:
             self._pipeline = self._build_pipeline(module, layout)
         elif self.zero_stage == 3 and dims.dp > 1:

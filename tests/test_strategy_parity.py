@@ -60,6 +60,8 @@ def test_world2_layouts_match_one_device():
     # gathered logits of loss_parallel=False.
     runs["tp2-sp"] = (dict(tp=2, sequence_parallel=True), model, {})
     runs["tp2-sp-recompute-full"] = (dict(tp=2, sequence_parallel=True, activation_checkpointing=True), model, {})
+    # Selective recompute with TP and SP collectives inside the recomputed layers (kept, never run again).
+    runs["tp2-sp-recompute-attention"] = (dict(tp=2, sequence_parallel=True, recompute="attention"), model, {})
     runs["tp2-gathered-logits"] = (dict(tp=2, loss_parallel=False), model, {})
     check_world(2, runs)
 
@@ -111,6 +113,8 @@ def test_pipeline_with_dp_and_tp_match_one_device():
         "pp2xdp2": (dict(pp=2, dp=2), model, {}),
         "pp2xtp2": (dict(pp=2, tp=2, split_points=[2]), model, {}),
         "pp2xtp2-sp-interleaved": (dict(pp=2, tp=2, sequence_parallel=True, schedule="interleaved_1f1b", virtual_stages=2), model, {}),
+        # Selective recompute of pipeline layers (the embedding's and the head's collectives inside) under TP.
+        "pp2xtp2-recompute-pointwise": (dict(pp=2, tp=2, recompute="pointwise"), model, {}),
         # Accumulation under a pipeline: ZeRO-1 buckets and ZeRO-3 (FSDP2) reduce once, after the last batch.
         "pp2xdp2-zero1-accumulate2": (dict(pp=2, dp=2, zero_stage=1, micro_batches=2), model, {"accumulate_grad_batches": 2}),
         "pp2xdp2-zero3-accumulate2": (dict(pp=2, dp=2, zero_stage=3, micro_batches=2), model, {"accumulate_grad_batches": 2}),

@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_hybrid.activation_checkpointing import apply_activation_checkpointing, recompute_selection
 from lightning_hybrid.tensor_parallel import (
     ColumnParallelLinear,
     LayerPlan,
@@ -642,6 +644,44 @@ def _sequence_parallel_checks(res, group, ids, hf_ids):
     res["results"]["sp_user"] = apply_tp(user, group, resolve_tp_plan(user, 2), run_example=lambda: user(even), **options)
 
 
+class _CollectiveCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.namespace in ("c10d", "_c10d_functional") and func.__name__ != "wait_tensor.default"
+        return func(*args, **(kwargs or {}))
+
+
+def _selective_recompute_checks(res, group, hf_ids):
+    """Selective recompute of split layers (eager attention, dropout 0.1, with and without SP) gives exactly
+    the gradients of the same split model without recompute, and its backward communicates no more than without
+    recompute: reductions are kept, all-gathers run again where SP all-gathers its kept shards anyway. (A model with dropout is compared with itself:
+    under TP its masks are not the unsplit model's.)"""
+    even = torch.cat([hf_ids, hf_ids[:, :5]], dim=1)
+    for mode, sp in (("attention", True), ("pointwise", False)):
+        key = f"selective_{mode}{'_sp' if sp else ''}"
+        models = []
+        for recompute in (False, True):
+            model = tiny_llama(attention_dropout=0.1, attn_implementation="eager").train()
+            res["results"][key] = apply_tp(model, group, resolve_tp_plan(model, dist.get_world_size(group)), sequence_parallel=sp,
+                                           run_example=lambda: model(input_ids=even), split_logits=True)
+            if recompute:
+                apply_activation_checkpointing(model, [f"model.layers.{i}" for i in range(2)], recompute_selection(mode))
+            models.append(model)
+        grads, collectives = [], []
+        for model in models:
+            torch.manual_seed(9)
+            loss = _hf_loss(model, even)[1]
+            with _CollectiveCounter() as counter:
+                loss.backward()
+            grads.append({n: p.grad for n, p in model.named_parameters()})
+            collectives.append(counter.count)
+        res["err"][f"{key}/grads"] = max(_err(grads[1][n], g) for n, g in grads[0].items() if g is not None)
+        res["ok"][f"{key}/no_more_communication_in_recompute"] = collectives[0] == collectives[1] > 0
+
+
 def _split_logits_checks(res, group):
     """`SplitLogits` against the gathered logits: what stays split, cross entropy (mean, sum, none, ignored
     targets) and its gradient from the shards, argmax, fused parts, and every other op through a gather."""
@@ -692,6 +732,7 @@ def _tp_worker() -> dict:
     _check_model(res, "gpt2", group, tiny_gpt2, _hf_loss, 128, lambda m: m(input_ids=hf_ids))
     _sequence_parallel_checks(res, group, ids, hf_ids)
     _split_logits_checks(res, group)
+    _selective_recompute_checks(res, group, hf_ids)
     # A wrong explicit split (parts that are not the layout of the fused projection) is named, not trained.
     _check_model(res, "planted", group, _tiny_lm, _lm_loss, 64, lambda m: m(ids),
                  tp_plan={"blocks.1.attn.c_attn": {"style": "colwise", "part_sizes": [16, 16, 32]}})
@@ -722,7 +763,8 @@ def test_tp_layers_match_unsplit(tp_results, prefix):
     _assert_close(tp_results, prefix)
 
 
-@pytest.mark.parametrize("model", ["tiny_lm", "tiny_lm_tied", "alibi", "llama", "gpt2", "sp_tiny_lm", "sp_llama", "sp_gpt2"])
+@pytest.mark.parametrize("model", ["tiny_lm", "tiny_lm_tied", "alibi", "llama", "gpt2", "sp_tiny_lm", "sp_llama", "sp_gpt2",
+                                   "selective_attention_sp", "selective_pointwise"])
 def test_verified_split_models_match_unsplit(tp_results, model):
     assert tp_results[0]["results"][model][3] == []
     _assert_close(tp_results, f"{model}/")

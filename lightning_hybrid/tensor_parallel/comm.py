@@ -16,11 +16,33 @@ and an all-gather (backward split).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
+
+# Inside a selective activation checkpoint the forward collectives are functional (out of place, each a single
+# op with its own output), so the checkpoint keeps their results and its recomputation does not communicate.
+# A context variable, set around the checkpointed function only, like torch's own grad and dispatch modes.
+_FUNCTIONAL = contextvars.ContextVar("lightning_hybrid_functional_collectives", default=False)
+
+
+_C10D = torch.ops._c10d_functional
+
+
+@contextlib.contextmanager
+def functional_collectives() -> Iterator[None]:
+    """Run the forward collectives of TP and SP layers as functional collectives (see `_FUNCTIONAL`)."""
+    token = _FUNCTIONAL.set(True)
+    try:
+        yield
+    finally:
+        _FUNCTIONAL.reset(token)
 
 
 @dataclass(frozen=True)
@@ -53,8 +75,11 @@ def gather_shard(t: Tensor, spec: ShardSpec, group: dist.ProcessGroup) -> Tensor
     world = dist.get_world_size(group)
     if world == 1:
         return t
-    shards = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(shards, t.contiguous(), group=group)
+    if _FUNCTIONAL.get():
+        shards = list(_C10D.wait_tensor(_C10D.all_gather_into_tensor(t.contiguous(), world, group.group_name)).chunk(world))
+    else:
+        shards = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(shards, t.contiguous(), group=group)
     per_rank = [spec.chunks(r, world) for r in range(world)]
     pieces = []
     for index in range(len(spec.part_sizes)):
@@ -82,6 +107,9 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        if _FUNCTIONAL.get():
+            # The clone is the tensor model code may change in place (recomputed; the reduction is kept).
+            return _C10D.wait_tensor(_C10D.all_reduce(x.contiguous(), "sum", group.group_name)).clone()
         if not x.is_contiguous():
             x = x.contiguous()
             dist.all_reduce(x, group=group)
@@ -185,8 +213,11 @@ def seq_all_gather(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     """``[B, T/tp, ...]`` shards -> ``[B, T, ...]``, rank order along the sequence."""
     world = dist.get_world_size(group)
     shard = x.movedim(SEQ_DIM, 0).contiguous()
-    out = torch.empty((world * shard.size(0), *shard.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_single(out, shard, group=group)
+    if _FUNCTIONAL.get():
+        out = _C10D.wait_tensor(_C10D.all_gather_into_tensor(shard, world, group.group_name))
+    else:
+        out = torch.empty((world * shard.size(0), *shard.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_single(out, shard, group=group)
     return out.movedim(0, SEQ_DIM).contiguous()
 
 
@@ -195,8 +226,11 @@ def seq_reduce_scatter(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     world = dist.get_world_size(group)
     _check_seq(x, world)
     full = x.movedim(SEQ_DIM, 0).contiguous()
-    out = torch.empty((full.size(0) // world, *full.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_single(out, full, group=group)
+    if _FUNCTIONAL.get():
+        out = _C10D.wait_tensor(_C10D.reduce_scatter_tensor(full, "sum", world, group.group_name))
+    else:
+        out = torch.empty((full.size(0) // world, *full.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_single(out, full, group=group)
     return out.movedim(0, SEQ_DIM).contiguous()  # contiguous: pipeline stages send it as it is
 
 
@@ -275,3 +309,58 @@ def split_sequence(x: Tensor, group: dist.ProcessGroup) -> Tensor:
 
 def gather_sequence(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     return _GatherSequence.apply(x, group)
+
+
+# ----------------------------------------------------------------------------- a row layer as one op (selective)
+@torch.library.custom_op("lightning_hybrid::row_parallel_linear", mutates_args=())
+def _row_parallel_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], group_name: str, world: int,
+                         sequence_parallel: bool) -> Tensor:
+    partial = F.linear(x, weight)
+    if sequence_parallel:
+        full = partial.movedim(SEQ_DIM, 0).contiguous()
+        out = _C10D.wait_tensor(_C10D.reduce_scatter_tensor(full, "sum", world, group_name)).movedim(0, SEQ_DIM).contiguous()
+    else:
+        out = _C10D.wait_tensor(_C10D.all_reduce(partial.contiguous(), "sum", group_name))
+    return out if bias is None else out + bias
+
+
+@_row_parallel_linear.register_fake
+def _(x, weight, bias, group_name, world, sequence_parallel):
+    shape = [*x.shape[:-1], weight.size(0)]
+    if sequence_parallel:
+        shape[SEQ_DIM] //= world
+    return x.new_empty(shape)
+
+
+def _row_setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, group_name, world, sequence_parallel = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.group_name, ctx.world, ctx.sequence_parallel, ctx.has_bias = group_name, world, sequence_parallel, bias is not None
+
+
+def _row_backward(ctx, grad: Tensor):
+    x, weight = ctx.saved_tensors
+    grad_bias = grad.sum(dim=tuple(range(grad.dim() - 1))) if ctx.has_bias else None
+    if ctx.sequence_parallel:  # the reduce-scatter's backward: all-gather the sequence
+        shard = grad.movedim(SEQ_DIM, 0).contiguous()
+        grad = _C10D.wait_tensor(_C10D.all_gather_into_tensor(shard, ctx.world, ctx.group_name)).movedim(0, SEQ_DIM)
+    grad_x = grad.matmul(weight)
+    grad_weight = grad.reshape(-1, grad.size(-1)).t().mm(x.reshape(-1, x.size(-1)))
+    return grad_x, grad_weight, grad_bias, None, None, None
+
+
+_row_parallel_linear.register_autograd(_row_backward, setup_context=_row_setup_context)
+
+
+def row_parallel_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: dist.ProcessGroup,
+                        sequence_parallel: bool) -> Tensor:
+    """A row layer's ``reduce(x W^T) + b`` (all-reduce, or reduce-scatter along the sequence) as one op, for a
+    selective checkpoint: it keeps the op's output only, where the partial product and the reduced sum of the
+    op-by-op form would each be a kept, full-size tensor. Backward: ``x`` and ``W``'s gradients from the
+    output's (all-gathered along the sequence first under SP)."""
+    return _row_parallel_linear(x, weight, bias, group.group_name, dist.get_world_size(group), sequence_parallel)
+
+
+def functional_collectives_active() -> bool:
+    """Whether the forward runs inside a selective checkpoint (`functional_collectives`)."""
+    return _FUNCTIONAL.get()

@@ -22,10 +22,12 @@ from torch import Tensor, nn
 from lightning_hybrid.tensor_parallel.comm import (
     ShardSpec,
     copy_to_tp,
+    functional_collectives_active,
     gather_from_tp,
     gather_shard,
     reduce_from_tp,
     reduce_scatter_sequence,
+    row_parallel_linear,
     scatter_to_tp,
     split_shard,
 )
@@ -132,7 +134,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
-        partial = F.linear(x, self.weight.t() if self.transposed else self.weight)
+        weight = self.weight.t() if self.transposed else self.weight
+        if functional_collectives_active():  # in a selective checkpoint: one op, one kept output
+            return row_parallel_linear(x, weight, self.bias, self.group, self.sequence_parallel)
+        partial = F.linear(x, weight)
         reduce = reduce_scatter_sequence if self.sequence_parallel else reduce_from_tp
         y = reduce(partial, self.group)
         return y if self.bias is None else y + self.bias
