@@ -18,9 +18,10 @@ formula (fp32, CPU)   = Korthikanti's per-layer bytes, s*b*h*(10 + 24/t + 5*a*s/
                         12*a*s^2*b/t, TP+SP s*b*h*72/t + 12*a*s^2*b/t.
 logits per rank       = live bytes the LM head and the cross entropy leave for the backward (Linear output and
                         the loss's saved softmax), with the logits kept split (loss_parallel) or gathered
-step time             = forward + backward of the 4-layer model, the fastest of --steps after one warm-up (the
-                        slowest rank each time: the least disturbed step on a shared machine); ratio against
-                        plain TP at the same tp (tp ranks on 2 cores: oversubscribed at tp 4)
+step time             = forward + backward of the 4-layer model, the median of --steps after one warm-up (the
+                        slowest rank each time), the configurations timed round-robin, one step each in turn,
+                        so that load on the shared machine falls on all alike; ratio against plain TP at the
+                        same tp (tp ranks on 2 cores: oversubscribed at tp 4)
 
 The table is printed and written to benchmarks/ACTIVATIONS.md.
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -45,7 +47,7 @@ from torch import nn  # noqa: E402
 from lightning_hybrid.activation_checkpointing import apply_activation_checkpointing, recompute_selection  # noqa: E402
 from lightning_hybrid.memory import LiveTensorTracker  # noqa: E402
 from lightning_hybrid.tensor_parallel import apply_tp, resolve_tp_plan  # noqa: E402
-from lightning_hybrid.tensor_parallel.comm import sum_grad_over_tp  # noqa: E402
+from lightning_hybrid.tensor_parallel.comm import sum_grads_over_tp_  # noqa: E402
 from lightning_hybrid.testing import run_distributed  # noqa: E402
 
 DROPOUT = 0.1
@@ -120,12 +122,18 @@ def _build(args, layers: int, sp: bool, recompute: str, split_logits: bool = Tru
         result = apply_tp(model, dist.group.WORLD, resolve_tp_plan(model, tp), run_example=lambda: model(example),
                           sequence_parallel=sp, split_logits=split_logits)
         assert not result.errors, result.errors
-        for name in result.partial_grads:
-            sum_grad_over_tp(model.get_parameter(name), dist.group.WORLD)
+        model.partial_grads = sorted(result.partial_grads)
     ops = recompute_selection(recompute)
     if ops is not None:
         apply_activation_checkpointing(model, [f"blocks.{i}" for i in range(layers)], ops)
     return model.train()
+
+
+def _train_step(model: LM, ids: torch.Tensor, targets: torch.Tensor) -> None:
+    """Forward, backward and the strategy's sum over TP of the gradients that are per-rank parts."""
+    F.cross_entropy(model(ids).flatten(0, 1), targets.flatten()).backward()
+    if dist.get_world_size() > 1:
+        sum_grads_over_tp_([model.get_parameter(n).grad for n in model.partial_grads], dist.group.WORLD)
 
 
 def _tracker(*tensors) -> LiveTensorTracker:
@@ -160,6 +168,7 @@ def _worker(args) -> dict:
     ids = torch.randint(0, args.vocab, (args.batch, args.seq))
     targets = torch.randint(0, args.vocab, (args.batch, args.seq))
     out: dict = {}
+    models = {}
     for name, (sp, recompute) in CONFIGS.items():
         tp = dist.get_world_size()
         if sp and tp == 1:
@@ -170,16 +179,22 @@ def _worker(args) -> dict:
             saved, loss = _saved_bytes(model, ids, targets)
             loss.backward()
             per_layers[layers] = saved
-        times = []
-        for step in range(args.steps + 1):
+        out[name] = {"per_layer": (per_layers[4] - per_layers[2]) / 2}
+        models[name] = model
+    # Step times round-robin over the configurations (one step of each in turn), so that load that comes and
+    # goes on the shared machine falls on all of them alike.
+    times: dict = {name: [] for name in models}
+    for step in range(args.steps + 1):
+        for name, model in models.items():
             dist.barrier()
             start = time.perf_counter()
-            F.cross_entropy(model(ids).flatten(0, 1), targets.flatten()).backward()
+            _train_step(model, ids, targets)
             elapsed = torch.tensor(time.perf_counter() - start)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if step:
-                times.append(elapsed.item())
-        out[name] = {"per_layer": (per_layers[4] - per_layers[2]) / 2, "step_s": min(times)}
+                times[name].append(elapsed.item())
+    for name in models:
+        out[name]["step_s"] = statistics.median(times[name])
     for split_logits in (True, False):
         model = _build(args, 1, False, "full", split_logits=split_logits)
         out[f"logits split={split_logits}"] = _head_bytes(model, ids, targets)
@@ -200,7 +215,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--tps", type=int, nargs="+", default=[1, 2, 4])
     args = parser.parse_args()
     s, b, h, a = args.seq, args.batch, args.hidden, args.heads

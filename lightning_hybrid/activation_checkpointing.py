@@ -19,8 +19,10 @@ decides op by op during the forward which outputs the layer keeps:
 
 Always recomputed, whatever the choice, because keeping them would be wrong or saves nothing: views, copies
 (a kept copy would keep its source's bytes twice), new buffers and in-place ops (including torch.distributed's in-place collectives, whose schemas do not say they
-write), and random ops (dropout): the recomputation restores the random state at the layer's start and
-replays the random ops in their order, which only gives the forward's masks if it replays all of them.
+write), random ops (dropout): the recomputation restores the random state at the layer's start and
+replays the random ops in their order, which only gives the forward's masks if it replays all of them -- and
+the element-wise ops that apply a random mask (the kept inputs of what follows them make their outputs
+unnecessary to keep).
 The forward collectives of TP/SP layers run as functional collectives inside a selective checkpoint
 (`tensor_parallel.comm.functional_collectives`). Reductions (a row layer's all-reduce or reduce-scatter) are
 kept, so the recomputation never runs them again; all-gathers run again, which is what sequence parallelism
@@ -101,6 +103,7 @@ class _Policy:
         self.selection = selection
         self.core = WeakIdKeyDictionary()  # tensors computed from attention scores
         self.gathered = WeakIdKeyDictionary()  # outputs of all-gathers
+        self.random = WeakIdKeyDictionary()  # outputs of random ops (dropout masks)
 
     def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
         name = str(op.overloadpacket)
@@ -123,9 +126,17 @@ class _Policy:
                 if isinstance(out, torch.Tensor):
                     self.core[out] = True
             return CheckpointPolicy.PREFER_RECOMPUTE
+        if torch.Tag.nondeterministic_seeded in op.tags:
+            for out in tree_leaves(ctx.op_output):
+                if isinstance(out, torch.Tensor):
+                    self.random[out] = True
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        # Applying a random mask (dropout's product) is recomputed too: what it gives is kept by the ops after
+        # it where they need it, and its other input is kept already.
+        masked = torch.Tag.pointwise in op.tags and any(t in self.random for t in inputs)
         always = (
             op.is_view or op._schema.is_mutable or op.namespace == "c10d" or name in _COPIES
-            or name.startswith(_FACTORIES) or torch.Tag.nondeterministic_seeded in op.tags
+            or name.startswith(_FACTORIES) or masked
         )
         chosen = name in self.selection.ops or (self.selection.pointwise and torch.Tag.pointwise in op.tags)
         return CheckpointPolicy.PREFER_RECOMPUTE if always or chosen else CheckpointPolicy.MUST_SAVE

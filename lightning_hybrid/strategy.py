@@ -67,7 +67,7 @@ from lightning_hybrid.tensor_parallel import (
     resolve_tp_plan,
     tp_sharded_parameter_names,
 )
-from lightning_hybrid.tensor_parallel.comm import sum_grad_over_tp, sum_grads_over_tp_
+from lightning_hybrid.tensor_parallel.comm import sum_grads_over_tp_
 from lightning_hybrid.tensor_parallel.examples import first_layer_example, model_example, synthetic_call
 from lightning_hybrid.tensor_parallel.layerwise import Representatives, is_meta, materialise_split_layers
 from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB, ZeroOptimizer, apply_fsdp, apply_fsdp_units
@@ -358,9 +358,6 @@ class HybridStrategy(ParallelStrategy):
             self._pipeline = self._build_pipeline(module, layout)
         elif self.zero_stage == 3 and dims.dp > 1:
             self._fsdp_roots = apply_fsdp(module, self.device_mesh["dp"])
-        if not self._fsdp_roots:  # FSDP2 accumulates gradients after any hook: summed in `reduce_gradients`
-            for name in self._partial_grads:
-                sum_grad_over_tp(module.get_parameter(name), self.tp_group)
         self._parallelized_module = module
 
     def _on_every_rank(self, step: Callable[[], None]) -> None:
@@ -520,18 +517,37 @@ class HybridStrategy(ParallelStrategy):
             self.reduce_gradients()
 
     def reduce_gradients(self) -> None:
-        """Reduce the accumulated gradients over DP (ZeRO-3: FSDP2 already did, in backward); under ZeRO-3 also
-        sum over TP the gradients that are per-rank parts (elsewhere a hook did, before accumulation)."""
-        if self._fsdp_roots and self._partial_grads:
-            assert self.lightning_module is not None
-            grads = [self.lightning_module.get_parameter(n).grad for n in self._partial_grads]
-            sum_grads_over_tp_([g._local_tensor if hasattr(g, "_local_tensor") else g for g in grads if g is not None], self.tp_group)
+        """Reduce the accumulated gradients over DP (ZeRO-3: FSDP2 already did, in backward), then sum over TP
+        the gradients that are per-rank parts (`_partial_grads`)."""
         for buckets in self._gradient_buckets():  # ZeRO 0-2 with dp > 1
             if self._pipeline is not None:
                 buckets.reduce()  # the schedule's backward passes ran without sync
             else:
                 buckets.wait()  # started during the backward
             buckets.sync = True
+        self._sum_partial_grads_over_tp()
+
+    def _sum_partial_grads_over_tp(self) -> None:
+        """One all-reduce over TP of every gradient that is a per-rank part (norms and row biases in sequence-
+        split regions, per-head norms), once per optimizer step, after the DP reduction (both are sums, so their
+        order does not matter): where the optimizer reads them -- the parameters' ``.grad`` (FSDP2's local
+        shards under ZeRO-3), or under ZeRO 1-2 the parts of the bucket slices that hold them (the TP peers of a
+        DP rank lay out their buckets alike). A hook per parameter would stop the backward at each of them."""
+        if not self._partial_grads:
+            return
+        assert self.lightning_module is not None
+        params = {id(self.lightning_module.get_parameter(n)) for n in self._partial_grads}
+        grads: list[Tensor] = []
+        for opt in self.optimizers:
+            if isinstance(opt, ZeroOptimizer) and opt.shards_state:
+                grads += opt.grad_slices(params)
+        sliced = {pid for opt in self.optimizers if isinstance(opt, ZeroOptimizer) and opt.shards_state
+                  for b in opt.buckets for pid in map(id, b.params)}
+        for name in self._partial_grads:
+            param = self.lightning_module.get_parameter(name)
+            if id(param) not in sliced and param.grad is not None:
+                grads.append(param.grad._local_tensor if hasattr(param.grad, "_local_tensor") else param.grad)
+        sum_grads_over_tp_(grads, self.tp_group)
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:

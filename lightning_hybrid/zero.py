@@ -347,6 +347,18 @@ class ZeroOptimizer(Optimizer):
         reduced gradient exactly once over the DP group."""
         return [(b.shard.grad, b.tp_sharded) for b in self.buckets if self.stage and b.shard.grad is not None]
 
+    def grad_slices(self, params: set[int]) -> list[Tensor]:
+        """Stages 1-2: the parts of this rank's reduced slices that hold the gradients of ``params`` (ids)."""
+        out = []
+        for bucket in self.buckets:
+            if bucket.shard.grad is None:
+                continue
+            for p, offset in zip(bucket.params, bucket.offsets):
+                lo, hi = max(offset, bucket.lo), min(offset + p.numel(), bucket.hi)
+                if id(p) in params and lo < hi:
+                    out.append(bucket.shard.grad[lo - bucket.lo : hi - bucket.lo])
+        return out
+
     def state_dict(self):
         return self.optimizer.state_dict()
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 
 from lightning_hybrid.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -38,7 +39,13 @@ from lightning_hybrid.tensor_parallel.layers import (
     linear_shape,
     shard_embedding,
 )
-from lightning_hybrid.tensor_parallel.comm import gather_sequence, gather_sequence_for_tp, seq_all_gather, split_sequence
+from lightning_hybrid.tensor_parallel.comm import (
+    gather_sequence,
+    gather_sequence_for_tp,
+    seq_all_gather,
+    seq_all_gather_async,
+    split_sequence,
+)
 from lightning_hybrid.tensor_parallel.plan import TPPlan, Unit
 from lightning_hybrid.tensor_parallel.variants import Variant
 from lightning_hybrid.tensor_parallel.verify import Captured, capture_inputs, check_block, replace_main_input
@@ -126,9 +133,11 @@ def apply_variant(
 
 def _sequence_gatherer(unit: nn.Module, group: dist.ProcessGroup) -> None:
     """Hooks of a paired unit under sequence parallelism: the whole sequence of its main input, gathered at
-    entry. What the unit's layers keep of it for their backward is this rank's part, all-gathered again when
-    the backward needs it (as Megatron does), so the gathered sequence does not stay alive from forward to
-    backward. (Inside activation checkpointing the checkpoint decides what is kept: nothing is changed there.)"""
+    entry. What the unit's layers keep of it for their backward is this rank's part, all-gathered again in
+    backward (as Megatron does), so the gathered sequence does not stay alive from forward to backward; that
+    all-gather starts when the unit's backward starts (a hook on its output's gradient), under the backward of
+    its row layer and attention, and is waited for where the column layers need it. (Inside activation
+    checkpointing the checkpoint decides what is kept: nothing is changed there.)"""
     scopes: list = []
 
     def pre(module, args, kwargs):
@@ -143,25 +152,31 @@ def _sequence_gatherer(unit: nn.Module, group: dist.ProcessGroup) -> None:
         full = _main_input(args, kwargs)
         # Saved-tensor hooks already active mean activation checkpointing: it decides what is kept.
         outer_hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        scope = None
+        scope, prefetch = None, None
         if torch.is_grad_enabled() and outer_hooks is None:
-            scope = torch.autograd.graph.saved_tensors_hooks(*_regather_hooks(shard, full, group))
+            pack, unpack, prefetch = _regather_hooks(shard, full, group)
+            scope = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
             scope.__enter__()
-        scopes.append(scope)
+        scopes.append((scope, prefetch))
         return args, kwargs
 
     def post(module, args, kwargs, output):
-        scope = scopes.pop()
-        if scope is not None:
-            scope.__exit__(None, None, None)
+        scope, prefetch = scopes.pop()
+        if scope is None:
+            return
+        scope.__exit__(None, None, None)
+        main = next((t for t in tree_leaves(output) if isinstance(t, Tensor)), None)
+        if main is not None and main.requires_grad:
+            main.register_hook(lambda grad: prefetch())
 
     unit.register_forward_pre_hook(pre, with_kwargs=True)
     unit.register_forward_hook(post, with_kwargs=True, always_call=True)
 
 
-def _regather_hooks(shard: Tensor, full: Tensor, group: dist.ProcessGroup) -> tuple[Callable, Callable]:
+def _regather_hooks(shard: Tensor, full: Tensor, group: dist.ProcessGroup) -> tuple[Callable, Callable, Callable]:
     """Saved-tensor hooks that keep ``shard`` instead of ``full`` (or a view of it) and all-gather it again
-    on unpacking; one gather serves all the views unpacked in a row (q, k and v keep the same input)."""
+    on unpacking; one gather serves all the views unpacked in a row (q, k and v keep the same input). The third
+    function starts that all-gather early (it returns ``None``: a gradient hook that changes nothing)."""
     storage = full.untyped_storage()._cdata
     shard = shard.detach()
     cache: dict = {}
@@ -172,11 +187,16 @@ def _regather_hooks(shard: Tensor, full: Tensor, group: dist.ProcessGroup) -> tu
         cache["pending"] = cache.get("pending", 0) + 1
         return ("regather", t.size(), t.stride(), t.storage_offset())
 
+    def prefetch() -> None:
+        if cache.get("pending") and "full" not in cache and "started" not in cache:
+            cache["started"] = seq_all_gather_async(shard, group)
+
     def unpack(packed):
         if not isinstance(packed, tuple) or not packed or packed[0] != "regather":
             return packed
         if "full" not in cache:
-            cache["full"] = seq_all_gather(shard, group)
+            started = cache.pop("started", None)
+            cache["full"] = started() if started is not None else seq_all_gather(shard, group)
         regathered = cache["full"]
         cache["pending"] -= 1
         if not cache["pending"]:
@@ -184,7 +204,7 @@ def _regather_hooks(shard: Tensor, full: Tensor, group: dist.ProcessGroup) -> tu
         _, size, stride, offset = packed
         return regathered.as_strided(size, stride, offset)
 
-    return pack, unpack
+    return pack, unpack, prefetch
 
 
 def _sequence_splitter(group: dist.ProcessGroup) -> Callable:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -184,8 +184,8 @@ def sum_grad_over_tp(param: Tensor, group: dist.ProcessGroup):
 
 @torch.no_grad()
 def sum_grads_over_tp_(grads: list[Tensor], group: dist.ProcessGroup) -> None:
-    """In place, one all-reduce (sum) over ``group`` of these gradients (local tensors of DTensors): for
-    gradients that another engine (FSDP2) accumulated after the hooks of `sum_grad_over_tp` could run."""
+    """In place, one all-reduce (sum) over ``group`` of these gradients (or local tensors of DTensors, or slices
+    of ZeRO buckets): the strategy's summation of per-rank parts, once per optimizer step."""
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -209,29 +209,63 @@ def _check_seq(x: Tensor, world: int) -> None:
         )
 
 
+def _rank_major(x: Tensor, world: int) -> Tensor:
+    """``[B, T, ...]`` -> ``[world, B, T/world, ...]``, contiguous (one copy): rank ``r``'s part of the
+    sequence, of every sequence of the batch, at index ``r``."""
+    return x.reshape(x.size(0), world, x.size(1) // world, *x.shape[2:]).transpose(0, 1).contiguous()
+
+
+def _sequence_major(gathered: Tensor, world: int) -> Tensor:
+    """``[world * B, T/world, ...]`` (the rank parts, rank after rank) -> ``[B, T, ...]``, contiguous."""
+    parts = gathered.view(world, -1, *gathered.shape[1:])
+    return parts.transpose(0, 1).reshape(parts.size(1), world * parts.size(2), *parts.shape[3:])
+
+
 def seq_all_gather(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     """``[B, T/tp, ...]`` shards -> ``[B, T, ...]``, rank order along the sequence."""
     world = dist.get_world_size(group)
-    shard = x.movedim(SEQ_DIM, 0).contiguous()
+    shard = x.contiguous()
     if _FUNCTIONAL.get():
-        out = _C10D.wait_tensor(_C10D.all_gather_into_tensor(shard, world, group.group_name))
-    else:
-        out = torch.empty((world * shard.size(0), *shard.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_single(out, shard, group=group)
-    return out.movedim(0, SEQ_DIM).contiguous()
+        return _sequence_major(_C10D.wait_tensor(_C10D.all_gather_into_tensor(shard, world, group.group_name)), world)
+    out = torch.empty((world * shard.size(0), *shard.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_single(out, shard, group=group)
+    return _sequence_major(out, world)
+
+
+def seq_all_gather_async(x: Tensor, group: dist.ProcessGroup) -> Callable[[], Tensor]:
+    """`seq_all_gather` started now; the function returned waits for it and gives its result."""
+    world = dist.get_world_size(group)
+    shard = x.contiguous()
+    out = torch.empty((world * shard.size(0), *shard.shape[1:]), dtype=x.dtype, device=x.device)
+    work = dist.all_gather_single(out, shard, group=group, async_op=True)
+
+    def finish() -> Tensor:
+        work.wait()
+        return _sequence_major(out, world)
+
+    return finish
 
 
 def seq_reduce_scatter(x: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """``[B, T, ...]`` partial sums -> this rank's ``[B, T/tp, ...]`` of their sum over ``group``."""
+    """``[B, T, ...]`` partial sums -> this rank's ``[B, T/tp, ...]`` of their sum over ``group`` (contiguous:
+    pipeline stages send it as it is)."""
     world = dist.get_world_size(group)
     _check_seq(x, world)
-    full = x.movedim(SEQ_DIM, 0).contiguous()
+    send = _rank_major(x, world)
+    gloo = dist.get_backend(group) == dist.Backend.GLOO
+    # Gloo reduce-scatters by all-reducing (2 (n-1)/n of the bytes, and its time); an all-to-all of the parts
+    # and a local sum move (n-1)/n, like NCCL's reduce-scatter.
+    if _FUNCTIONAL.get() and gloo:
+        return _C10D.wait_tensor(_C10D.all_to_all_single(send, [1] * world, [1] * world, group.group_name)).sum(0)
     if _FUNCTIONAL.get():
-        out = _C10D.wait_tensor(_C10D.reduce_scatter_tensor(full, "sum", world, group.group_name))
-    else:
-        out = torch.empty((full.size(0) // world, *full.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.reduce_scatter_single(out, full, group=group)
-    return out.movedim(0, SEQ_DIM).contiguous()  # contiguous: pipeline stages send it as it is
+        return _C10D.wait_tensor(_C10D.reduce_scatter_tensor(send.flatten(0, 1), "sum", world, group.group_name))
+    if gloo:
+        parts = torch.empty_like(send)
+        dist.all_to_all_single(parts, send, group=group)
+        return parts.sum(0)
+    out = torch.empty(send.shape[1:], dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(out, send.flatten(0, 1), group=group)
+    return out
 
 
 def seq_split(x: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -314,18 +348,21 @@ def gather_sequence(x: Tensor, group: dist.ProcessGroup) -> Tensor:
 # ----------------------------------------------------------------------------- a row layer as one op (selective)
 @torch.library.custom_op("lightning_hybrid::row_parallel_linear", mutates_args=())
 def _row_parallel_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], group_name: str, world: int,
-                         sequence_parallel: bool) -> Tensor:
+                         sequence_parallel: bool, all_to_all: bool) -> Tensor:
     partial = F.linear(x, weight)
     if sequence_parallel:
-        full = partial.movedim(SEQ_DIM, 0).contiguous()
-        out = _C10D.wait_tensor(_C10D.reduce_scatter_tensor(full, "sum", world, group_name)).movedim(0, SEQ_DIM).contiguous()
+        send = _rank_major(partial, world)
+        if all_to_all:  # gloo: see seq_reduce_scatter
+            out = _C10D.wait_tensor(_C10D.all_to_all_single(send, [1] * world, [1] * world, group_name)).sum(0)
+        else:
+            out = _C10D.wait_tensor(_C10D.reduce_scatter_tensor(send.flatten(0, 1), "sum", world, group_name))
     else:
         out = _C10D.wait_tensor(_C10D.all_reduce(partial.contiguous(), "sum", group_name))
     return out if bias is None else out + bias
 
 
 @_row_parallel_linear.register_fake
-def _(x, weight, bias, group_name, world, sequence_parallel):
+def _(x, weight, bias, group_name, world, sequence_parallel, all_to_all):
     shape = [*x.shape[:-1], weight.size(0)]
     if sequence_parallel:
         shape[SEQ_DIM] //= world
@@ -333,7 +370,7 @@ def _(x, weight, bias, group_name, world, sequence_parallel):
 
 
 def _row_setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, group_name, world, sequence_parallel = inputs
+    x, weight, bias, group_name, world, sequence_parallel, all_to_all = inputs
     ctx.save_for_backward(x, weight)
     ctx.group_name, ctx.world, ctx.sequence_parallel, ctx.has_bias = group_name, world, sequence_parallel, bias is not None
 
@@ -342,11 +379,11 @@ def _row_backward(ctx, grad: Tensor):
     x, weight = ctx.saved_tensors
     grad_bias = grad.sum(dim=tuple(range(grad.dim() - 1))) if ctx.has_bias else None
     if ctx.sequence_parallel:  # the reduce-scatter's backward: all-gather the sequence
-        shard = grad.movedim(SEQ_DIM, 0).contiguous()
-        grad = _C10D.wait_tensor(_C10D.all_gather_into_tensor(shard, ctx.world, ctx.group_name)).movedim(0, SEQ_DIM)
+        gathered = _C10D.wait_tensor(_C10D.all_gather_into_tensor(grad.contiguous(), ctx.world, ctx.group_name))
+        grad = _sequence_major(gathered, ctx.world)
     grad_x = grad.matmul(weight)
     grad_weight = grad.reshape(-1, grad.size(-1)).t().mm(x.reshape(-1, x.size(-1)))
-    return grad_x, grad_weight, grad_bias, None, None, None
+    return grad_x, grad_weight, grad_bias, None, None, None, None
 
 
 _row_parallel_linear.register_autograd(_row_backward, setup_context=_row_setup_context)
@@ -358,7 +395,8 @@ def row_parallel_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], group
     selective checkpoint: it keeps the op's output only, where the partial product and the reduced sum of the
     op-by-op form would each be a kept, full-size tensor. Backward: ``x`` and ``W``'s gradients from the
     output's (all-gathered along the sequence first under SP)."""
-    return _row_parallel_linear(x, weight, bias, group.group_name, dist.get_world_size(group), sequence_parallel)
+    gloo = dist.get_backend(group) == dist.Backend.GLOO
+    return _row_parallel_linear(x, weight, bias, group.group_name, dist.get_world_size(group), sequence_parallel, gloo)
 
 
 def functional_collectives_active() -> bool:
