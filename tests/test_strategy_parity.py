@@ -75,6 +75,7 @@ def test_world4_layouts_match_one_device():
         "dp2xtp2-zero2": dict(dp=2, tp=2, zero_stage=2),
         "dp2xtp2-zero3": dict(dp=2, tp=2, zero_stage=3),
         "dp2xtp2-zero2-sp": dict(dp=2, tp=2, zero_stage=2, sequence_parallel=True),
+        "dp2xtp2-zero1-sp-recompute-attention": dict(dp=2, tp=2, zero_stage=1, sequence_parallel=True, recompute="attention"),
     }.items()})
 
 
