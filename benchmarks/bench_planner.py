@@ -5,7 +5,7 @@ prediction of published large-scale runs.
     python benchmarks/bench_planner.py --quick          # two layouts of a tiny GPT: a smoke run
 
 1. Calibration (``python -m lightning_hybrid.planner calibrate``, < 60 s): this machine's matmul FLOP/s, a
-   block's fixed cost, gloo all-reduce latency and bandwidth -> a cluster JSON (``--cluster-file``).
+   block's fixed cost, gloo all-reduce latency and bandwidth, the cost of a collective between computation -> a cluster JSON (``--cluster-file``).
 2. Each layout of the reference GPT (fp32, AdamW, global batch ``--global-batch`` sequences, bucket
    ``--bucket-cap-mb``) runs in a fresh process group (`lightning_hybrid.testing.run_distributed`): peak memory =
    `PeakMemoryMonitor` over the first ``--measure-steps`` steps, max over ranks; step time = the slower rank's
@@ -22,7 +22,8 @@ prediction of published large-scale runs.
    of Narayanan et al. 2021's published configurations (Table 1 and GPT-3 175B on 1,024 GPUs), counted as they
    count it (FLOPs with full recomputation, ``96 B s l h^2 (1 + s/6h + V/(16 l h))`` per step).
 
-Tables are printed and written to ``benchmarks/PLANNER.md``.
+Tables are printed and written to ``benchmarks/PLANNER.md``; the measured peaks and every timed step of both
+passes to ``benchmarks/PLANNER.json`` (to check a change of the time model against them without measuring again).
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ LAYOUTS = {
     "dp2-zero2": (2, 1, 1, 2, 1, "1f1b", False),
     "dp2-zero3": (2, 1, 1, 3, 1, "1f1b", False),
     "tp2-ac": (1, 2, 1, 0, 1, "1f1b", True),
+    "single-ac": (1, 1, 1, 0, 1, "1f1b", True),
+    "tp2": (1, 2, 1, 0, 1, "1f1b", False),
     "pp2-1f1b": (1, 1, 2, 0, 4, "1f1b", False),
     "dp2xtp2-zero1": (2, 2, 1, 1, 1, "1f1b", False),
     "dp2xtp2xpp2-zero1": (2, 2, 2, 1, 2, "1f1b", False),
@@ -100,8 +103,9 @@ def measure(layout: Layout, cfg: dict) -> dict:
     ranks = run_distributed(worker, layout.devices, layout, cfg)
     n = min(len(r["times"]) for r in ranks)
     top = max(ranks, key=lambda r: r["peak"])
+    steps = [max(r["times"][i] for r in ranks) for i in range(n)]
     return {"peak": top["peak"], "breakdown": top["breakdown"], "wall_s": time.perf_counter() - t0,
-            "step_s": min(max(r["times"][i] for r in ranks) for i in range(n))}
+            "step_s": min(steps), "steps": steps}
 
 
 def predict(model: ModelSpec, layout: Layout, cluster: Cluster, bucket_cap_mb: float):
@@ -193,9 +197,13 @@ def main(argv=None) -> int:
 
     for name in reversed(names[1:]):  # a second timing pass in the reverse order: load that comes and goes
         results[name]["step_s1"] = results[name]["step_s"]
-        results[name]["step_s2"] = measure(results[name]["layout"], cfg)["step_s"]
+        again_run = measure(results[name]["layout"], cfg)
+        results[name]["step_s2"], results[name]["steps2"] = again_run["step_s"], again_run["steps"]
         results[name]["step_s"] = min(results[name]["step_s"], results[name]["step_s2"])
         print(f"  {name:<20} second pass step {results[name]['step_s2']:.3f}s", flush=True)
+    raw = {n: {"peak": results[n]["peak"], "steps": results[n]["steps"], "steps2": results[n].get("steps2")} for n in names}
+    args.out.with_suffix(".json").write_text(json.dumps({"layouts": raw, "global_batch": args.global_batch,
+                                                        "model": model_cfg}, indent=1))
     # How well the measurement orders itself: the two passes' step times, rank-correlated (the noise ceiling).
     again = [n for n in names[1:]]
     self_rho = spearman([-results[n]["step_s1"] for n in again], [-results[n]["step_s2"] for n in again]) if len(again) > 2 else float("nan")

@@ -24,7 +24,9 @@ figure the fastest of several repeats (the least disturbed by other processes): 
 FLOP/s, element-wise memory bandwidth and AdamW step time per parameter; how many cores other users leave
 free (one matmul loop per core, together; noted only); the fixed cost of a small transformer block's forward
 + backward (Python and dispatch overhead the FLOP count does not see); gloo all-reduce latency and bandwidth
-between two local processes. It writes them as a cluster JSON (`Cluster.to_json`, read back by `load_cluster`).
+between two local processes; and what a collective costs beyond its transfer when it comes between computation
+(two processes alternating a matmul and a small all-reduce, against each alone: ranks that arrive apart and
+communication threads that wake, milliseconds on this machine). It writes them as a cluster JSON (`Cluster.to_json`, read back by `load_cluster`).
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ class Cluster:
     ``step_overhead``: seconds per optimizer step of the training loop itself (Lightning, callbacks, logging);
     ``optimizer_time_per_param``: seconds of an AdamW step per parameter (measured on CPU; 0: memory bound,
     its states read and written once at ``memory_bandwidth``);
+    ``collective_overhead``: seconds a rank loses per collective beyond its transfer when the collectives come
+    between computation (the ranks arrive apart and the communication threads wake; measured on CPU, where it
+    is milliseconds; 0 for the GPU presets, whose launch latency is in the links' latency);
     ``compute_units``: how many ranks can compute at once on one node (CPU: its cores; 0 = every device;
     `calibrate` notes how many were free of other users' work when it ran, ``cores_free_at_calibration``);
     ``activation_scale``: measured / predicted activation bytes (``step_overhead`` and ``activation_scale`` are
@@ -90,6 +95,7 @@ class Cluster:
     layer_overhead: float = 0.0
     step_overhead: float = 0.0
     optimizer_time_per_param: float = 0.0
+    collective_overhead: float = 0.0
     compute_units: int = 0
     activation_scale: float = 1.0
     precision: str = "bf16-mixed"
@@ -224,6 +230,32 @@ def _allreduce_worker(sizes: list[int], repeats: int) -> list[float]:
     return times
 
 
+def _collective_overhead_worker(repeats: int) -> float:
+    """Seconds per collective that alternating computation and small all-reduces cost beyond the two alone
+    (medians of 5 timings)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    a, b, t = torch.randn(1024, 512), torch.randn(512, 512), torch.zeros(1024)
+
+    def timed(fn) -> float:  # the median: a step pays the typical cost of its many collectives, not the least
+        fn()
+        times = []
+        for _ in range(5):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[2]
+
+    compute = timed(lambda: [a @ b for _ in range(repeats)])
+    communicate = timed(lambda: [dist.all_reduce(t) for _ in range(repeats)])
+    both = timed(lambda: [(a @ b, dist.all_reduce(t)) for _ in range(repeats)])
+    return max(0.0, both - compute - communicate) / repeats
+
+
 def calibrate(out: Optional[Union[str, Path]] = None) -> Cluster:
     """Measure this machine (< 60 s) and write it as a cluster JSON to ``out`` (default `DEFAULT_CALIBRATION`).
 
@@ -243,10 +275,11 @@ def calibrate(out: Optional[Union[str, Path]] = None) -> Cluster:
     small, large = 256, 4 * 2**20
     t_small, t_large = (max(r) for r in zip(*run_distributed(_allreduce_worker, 2, [small, large], 20)))  # slower rank
     latency = t_small / 2
+    collective_overhead = max(run_distributed(_collective_overhead_worker, 2, 30))
     bandwidth = 4 * large / max(t_large - t_small, 1e-9)  # 2 (n-1)/n * bytes = bytes for n = 2
     cluster = dataclasses.replace(
         _CPU_DEFAULT, name="cpu-calibrated", flops={"fp32": flops}, memory_bandwidth=bandwidth_mem,
-        optimizer_time_per_param=adamw, intra=Link(bandwidth, latency),
+        optimizer_time_per_param=adamw, intra=Link(bandwidth, latency), collective_overhead=collective_overhead,
         inter=Link(bandwidth, latency), layer_overhead=overhead, compute_units=cores,
         notes={"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "matmul": "512x512 fp32, 1 thread",
                "allreduce_s": {str(small): t_small, str(large): t_large},

@@ -36,9 +36,12 @@ or takes the measured time per parameter (CPU).
 
 A step also costs the cluster's ``step_overhead`` (the training loop's own time; measured on CPU).
 
-Shared compute (CPU ranks on ``compute_units`` cores): the step is at least the work of all the node's ranks
-(computation and the optimizer) over its cores, plus the waits (communication, the training loop's own time,
-which the ranks spend side by side).
+Collectives between computation cost ``collective_overhead`` each beyond their transfer (ranks that arrive apart,
+threads that wake; measured on CPU, milliseconds; 0 on the GPU presets), counted per step for TP, PP and DP.
+
+CPU (``compute_units`` > 0): the transfers are the cores' own work, so nothing overlaps computation; and the
+node's ranks share its cores: with more ranks than cores everything a rank does (computation, communication,
+the training loop) runs ``ranks / cores`` times slower.
 """
 
 from __future__ import annotations
@@ -157,21 +160,44 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     else:
         reduce = ring_time(n, P * gb, dp_link, "reduce_scatter", messages)
         gather = ring_time(n, P * pb, dp_link, "all_gather", messages)
-    overlap = 0.0 if lay.pp > 1 else compute_mb * 2 / passes  # the last backward
+    # On a CPU the transfers are the cores' own work: nothing overlaps computation.
+    overlap = 0.0 if lay.pp > 1 or cluster.compute_units else compute_mb * 2 / passes  # the last backward
     if lay.zero_stage == 3 and lay.pp > 1:  # a stage gathered once, reduced after the schedule
         dp_comm = reduce + gather
     elif lay.zero_stage == 3:  # gathered per block in forward and backward, prefetched under compute
-        dp_comm = max(0.0, reduce - overlap) + max(0.0, m * (2 * gather - compute_mb))
+        dp_comm = max(0.0, reduce - overlap) + max(0.0, m * (2 * gather - (0.0 if cluster.compute_units else compute_mb)))
     else:
         dp_comm = max(0.0, reduce - overlap) + gather
     per_param = cluster.optimizer_time_per_param or 2 * (pb + gb + ob) / cluster.memory_bandwidth
     optimizer = per_param * P / (n if lay.zero_stage else 1)  # ZeRO 1-3 step a 1/dp slice
 
     own = m * compute_mb + optimizer  # what a rank computes itself
-    waits = m * (tp_mb + pp_mb) + dp_comm + cluster.step_overhead
+    # Collectives the fullest rank takes part in per step, each costing ``collective_overhead`` beyond its
+    # transfer. TP: per block and micro-batch 2 per pass of the forward and 2 in backward (with SP an
+    # all-gather + reduce-scatter per unit in forward; a reduce-scatter, an all-gather and the regather of the
+    # kept input per unit in backward), the head's 3 (vocab-parallel loss) or 1, the embedding's 1. PP: a send
+    # and a receive per stage and micro-batch. DP: one per bucket (ZeRO 1-2: and a gather), ZeRO-3 three per
+    # unit (gather in forward and in backward, reduce-scatter), per micro-batch without a pipeline.
+    blocks = max(sum(1 for i in layers if 0 < i < head_index) for layers in ranks)
+    if t > 1:
+        per_block = (10 if lay.sequence_parallel else 4) + (4 if lay.sequence_parallel else 2) * recompute
+        tp_colls = m * (blocks * per_block + (3 if lay.loss_parallel else 1) + 1)
+    else:
+        tp_colls = 0
+    pp_colls = m * 2 * per_rank if lay.pp > 1 else 0
+    if n == 1:
+        dp_colls = 0
+    elif lay.zero_stage == 3:
+        dp_colls = 3 * messages * (1 if lay.pp > 1 else m)
+    else:
+        dp_colls = messages * (2 if lay.zero_stage else 1)
+    sync = (tp_colls + pp_colls + dp_colls) * cluster.collective_overhead
+    waits = m * (tp_mb + pp_mb) + dp_comm + sync + cluster.step_overhead
     critical = own + bubble + waits
-    if cluster.compute_units:  # a node's ranks share its cores: their work added up, over the cores
+    if cluster.compute_units:
+        # A node's ranks share its cores, and on a CPU all of a rank's work -- computing, moving the bytes of
+        # its collectives, the training loop -- is the cores' work: more ranks than cores run that much slower.
         on_node = min(lay.devices, cluster.devices_per_node)
-        critical = max(critical, own * on_node / cluster.compute_units + waits)
+        critical = max(critical, (own + waits) * max(1.0, on_node / cluster.compute_units))
     return TimeEstimate(compute=m * compute_mb, tp_comm=m * tp_mb, pp_comm=m * pp_mb, bubble=bubble,
                         dp_comm=dp_comm, optimizer=optimizer, total=critical)
