@@ -18,16 +18,17 @@ decides op by op during the forward which outputs the layer keeps:
 - a list of aten op names: those ops.
 
 Always recomputed, whatever the choice, because keeping them would be wrong or saves nothing: views, copies
-(a kept copy would keep its source's bytes twice), new buffers and in-place ops (including torch.distributed's in-place collectives, whose schemas do not say they
-write), random ops (dropout): the recomputation restores the random state at the layer's start and
-replays the random ops in their order, which only gives the forward's masks if it replays all of them -- and
-the element-wise ops that apply a random mask (the kept inputs of what follows them make their outputs
-unnecessary to keep).
+(a kept copy would keep its source's bytes twice), new buffers, in-place ops (torch.distributed's in-place
+collectives included, whose schemas do not say they write), random ops (dropout: the recomputation restores
+the random state at the layer's start and replays the random ops in their order, which gives the forward's
+masks only if it replays all of them) and the element-wise ops that apply a random mask (what follows them
+keeps what it needs).
+
 The forward collectives of TP/SP layers run as functional collectives inside a selective checkpoint
 (`tensor_parallel.comm.functional_collectives`). Reductions (a row layer's all-reduce or reduce-scatter) are
 kept, so the recomputation never runs them again; all-gathers run again, which is what sequence parallelism
-does without recompute too (a unit keeps its sequence shard and all-gathers it again in backward). An op that would change a kept output in place is an error (torch's check), never a silently
-different recomputation.
+does without recompute too (a unit keeps its sequence shard and all-gathers it again in backward). An op that
+would change a kept output in place is an error (torch's check), never a silently different recomputation.
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ SDPA_OPS = frozenset({
 _BATCHED_MATMULS = frozenset({"aten.bmm", "aten.baddbmm"})
 _COPIES = frozenset({"aten.clone", "aten._to_copy", "aten.contiguous", "aten._unsafe_view"})
 _FACTORIES = ("aten.empty", "aten.zeros", "aten.ones", "aten.full", "aten.new_", "aten.scalar_tensor")
-MODES = ("full", "attention", "pointwise")
 
 Recompute = Union[str, Sequence[str]]
 

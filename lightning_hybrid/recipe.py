@@ -17,12 +17,14 @@ a process; `exit_on_config_error` prints it as one ``error: ...`` line and exits
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import functools
 import importlib.util
 import inspect
 import json
 import os
 import shlex
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Sequence
@@ -186,8 +188,11 @@ def run(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> Dict[str, Any]
     written to ``metrics.json`` (every rank returns them; rank 0 writes and prints them).
 
     ``callbacks`` are added to the config's own ``callbacks``. Raises `ConfigError` for a config that cannot run
-    -- before any process is launched.
+    -- before any process is launched. ``SIGUSR1`` to a rank of the run prints every thread's Python stack to
+    its stderr (`faulthandler`): what a hung rank is waiting in.
     """
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     if cfg.get("planner") is not None:  # parallel=auto: the planner's layout written into the config
         try:
             cfg, why = choose_layout(cfg)

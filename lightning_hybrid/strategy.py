@@ -16,6 +16,8 @@ It composes, in one fixed order, what the other modules implement:
 from __future__ import annotations
 
 import copy
+import os
+import signal
 from collections.abc import Callable, Generator, Mapping
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
@@ -57,6 +59,7 @@ from lightning_hybrid.pipeline.stages import (
     keep_local_layers,
     plan_stages,
 )
+from lightning_hybrid.ports import free_main_port
 from lightning_hybrid.precision import with_global_norm_clipping
 from lightning_hybrid.rank_zero import library_warnings_from_rank_zero
 from lightning_hybrid.tensor_parallel import (
@@ -257,7 +260,18 @@ class HybridStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
+            if "MASTER_PORT" not in os.environ and self.num_processes * self.num_nodes > 1:
+                os.environ["MASTER_PORT"] = str(free_main_port())  # see free_main_port; read by the launcher
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def on_exception(self, exception: BaseException) -> None:
+        """On the process that started the other ranks (Lightning's launcher): stop them. Lightning leaves them
+        running on an error, and they would wait for this rank -- in the rendezvous, or in a collective -- until
+        the process group's timeout."""
+        super().on_exception(exception)
+        launcher = self._launcher
+        if isinstance(launcher, _SubprocessScriptLauncher) and launcher.procs:
+            launcher.kill(_sigkill())
 
     def setup_environment(self) -> None:
         self._set_world_ranks()
@@ -687,6 +701,10 @@ class HybridStrategy(ParallelStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self._run_scope.close()
+
+
+def _sigkill() -> signal.Signals:
+    return getattr(signal, "SIGKILL", signal.SIGTERM)  # Windows has no SIGKILL
 
 
 def _param_device(module: torch.nn.Module) -> torch.device:

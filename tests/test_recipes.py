@@ -12,8 +12,10 @@ import inspect
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -128,8 +130,20 @@ def _run(args, cwd: Path, recipe: Path = RECIPE) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=pythonpath)
     for k in ("LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "NODE_RANK", "HYDRA_FULL_ERROR"):
         env.pop(k, None)
-    return subprocess.run([sys.executable, str(recipe), *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
+    # A session of its own: on a timeout every rank (the ranks Lightning starts stay in it) prints its threads'
+    # stacks (the recipe's SIGUSR1 handler) before all are killed, and the failure shows what they waited in.
+    proc = subprocess.Popen([sys.executable, str(recipe), *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGUSR1)
+        time.sleep(5)
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"recipe run timed out after {TIMEOUT_S} s: {args}\n--- stdout (end)\n{out[-4000:]}"
+                             f"\n--- stderr (end, with every rank's stacks)\n{err[-20000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _check_metrics(path: Path, layout: str, world_size: int) -> dict:

@@ -95,3 +95,16 @@ def test_lightning_launcher_starts_the_ranks():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"world=2 dp=1 tp=2 val_loss=\d+\.\d+", done.stdout), done.stdout[-2000:]
+
+
+def test_rank_zero_failing_after_starting_the_ranks_stops_them():
+    """Rank 0 fails after Lightning's launcher started rank 1 (here: its store's port is taken): the run ends
+    with rank 0's error instead of rank 1 waiting for a rank 0 that is gone (the run returns only once no rank
+    holds its output open)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    script = ROOT / "tests" / "scripts" / "fit_with_lightning_launcher.py"
+    done = subprocess.run([sys.executable, str(script), "--devices", "2", "--tp", "2", "--occupy-main-port"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert re.search(r"(?i)address already in use|failed to listen", done.stderr), done.stderr[-3000:]

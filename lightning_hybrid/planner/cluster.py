@@ -26,7 +26,8 @@ free (one matmul loop per core, together; noted only); the fixed cost of a small
 + backward (Python and dispatch overhead the FLOP count does not see); gloo all-reduce latency and bandwidth
 between two local processes; and what a collective costs beyond its transfer when it comes between computation
 (two processes alternating a matmul and a small all-reduce, against each alone: ranks that arrive apart and
-communication threads that wake, milliseconds on this machine). It writes them as a cluster JSON (`Cluster.to_json`, read back by `load_cluster`).
+communication threads that wake, milliseconds on this machine). It writes them as a cluster JSON
+(`Cluster.to_json`, read back by `load_cluster`).
 """
 
 from __future__ import annotations

@@ -165,7 +165,8 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     if lay.zero_stage == 3 and lay.pp > 1:  # a stage gathered once, reduced after the schedule
         dp_comm = reduce + gather
     elif lay.zero_stage == 3:  # gathered per block in forward and backward, prefetched under compute
-        dp_comm = max(0.0, reduce - overlap) + max(0.0, m * (2 * gather - (0.0 if cluster.compute_units else compute_mb)))
+        hidden = 0.0 if cluster.compute_units else compute_mb
+        dp_comm = max(0.0, reduce - overlap) + max(0.0, m * (2 * gather - hidden))
     else:
         dp_comm = max(0.0, reduce - overlap) + gather
     per_param = cluster.optimizer_time_per_param or 2 * (pb + gb + ob) / cluster.memory_bandwidth

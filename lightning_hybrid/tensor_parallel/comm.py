@@ -30,8 +30,6 @@ from torch import Tensor
 # op with its own output), so the checkpoint keeps their results and its recomputation does not communicate.
 # A context variable, set around the checkpointed function only, like torch's own grad and dispatch modes.
 _FUNCTIONAL = contextvars.ContextVar("lightning_hybrid_functional_collectives", default=False)
-
-
 _C10D = torch.ops._c10d_functional
 
 
@@ -76,7 +74,8 @@ def gather_shard(t: Tensor, spec: ShardSpec, group: dist.ProcessGroup) -> Tensor
     if world == 1:
         return t
     if _FUNCTIONAL.get():
-        shards = list(_C10D.wait_tensor(_C10D.all_gather_into_tensor(t.contiguous(), world, group.group_name)).chunk(world))
+        gathered = _C10D.wait_tensor(_C10D.all_gather_into_tensor(t.contiguous(), world, group.group_name))
+        shards = list(gathered.chunk(world))
     else:
         shards = [torch.empty_like(t) for _ in range(world)]
         dist.all_gather(shards, t.contiguous(), group=group)
@@ -372,7 +371,8 @@ def _(x, weight, bias, group_name, world, sequence_parallel, all_to_all):
 def _row_setup_context(ctx, inputs, output) -> None:
     x, weight, bias, group_name, world, sequence_parallel, all_to_all = inputs
     ctx.save_for_backward(x, weight)
-    ctx.group_name, ctx.world, ctx.sequence_parallel, ctx.has_bias = group_name, world, sequence_parallel, bias is not None
+    ctx.group_name, ctx.world, ctx.sequence_parallel = group_name, world, sequence_parallel
+    ctx.has_bias = bias is not None
 
 
 def _row_backward(ctx, grad: Tensor):

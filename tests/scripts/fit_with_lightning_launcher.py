@@ -1,9 +1,14 @@
 """Run as a script: Lightning's own launcher starts the other ranks (`devices=N` re-runs this file).
 
     python tests/scripts/fit_with_lightning_launcher.py --devices 2 --tp 2
+
+``--occupy-main-port``: the first process listens on a port itself and names it ``MASTER_PORT``, so that rank 0
+cannot create its store there after starting the other ranks (which then connect to a port nobody serves).
 """
 
 import argparse
+import os
+import socket
 
 import lightning as L
 
@@ -16,7 +21,13 @@ if __name__ == "__main__":
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--zero-stage", type=int, default=0)
+    parser.add_argument("--occupy-main-port", action="store_true")
     args = parser.parse_args()
+    if args.occupy_main_port and "LOCAL_RANK" not in os.environ:
+        occupier = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        occupier.bind(("127.0.0.1", 0))
+        occupier.listen()
+        os.environ["MASTER_PORT"] = str(occupier.getsockname()[1])
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(
         accelerator="cpu",
