@@ -39,7 +39,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lightning_hybrid.callbacks import ReplicaThroughputMonitor, ValidationPrinter, model_summary_callback
 from lightning_hybrid.config import register_configs
-from lightning_hybrid.launch import fresh_launch_environment, wait_for_launched_ranks
+from lightning_hybrid.launch import fresh_launch_environment, take_over_launched_ranks, wait_for_launched_ranks
 from lightning_hybrid.memory import PeakMemoryMonitor
 from lightning_hybrid.mesh import ParallelDims
 from lightning_hybrid.planner.auto import choose_layout, predicted_metrics
@@ -222,6 +222,7 @@ def run(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> Dict[str, Any]
             callbacks=[*own, *extra, *callbacks], enable_model_summary=False,  # no summary of Lightning's own
         )
         trainer.fit(model, datamodule=data)
+        launched = take_over_launched_ranks(trainer)
 
         val = trainer.callback_metrics.get("val_loss")
         rates = throughput.training_rates
@@ -247,7 +248,7 @@ def run(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> Dict[str, Any]
         if trainer.is_global_zero:
             (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
             print(_final_line(metrics, out_dir / "metrics.json"), flush=True)
-    wait_for_launched_ranks(trainer)
+    wait_for_launched_ranks(launched)
     return metrics
 
 

@@ -178,6 +178,17 @@ USER_MODEL = ["model=custom", "model._target_=tests.user_model.TinyLM", "model.w
               "trainer.max_steps=3", "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false"]
 
 
+def test_a_rank_crashing_in_its_teardown_does_not_stop_the_sweep(tmp_path):
+    """Rank 1 of the first job aborts while its interpreter shuts down, after the job completed: the job's
+    results stand (reported), and the next job runs (Lightning's observer would kill the Hydra process)."""
+    sweep = tmp_path / "sweep"
+    res = _run(["-m", "parallel=tp,single", *USER_MODEL, "+callbacks.abort._target_=tests.user_model.AbortAtExitOnRank1",
+                f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (sweep / "0" / "metrics.json").is_file() and (sweep / "1" / "metrics.json").is_file()
+    assert re.search(r"rank 1 \(pid \d+\) exited with code -6 after the run had finished", res.stderr), res.stderr[-3000:]
+
+
 def test_user_module_and_data_in_a_layout_sweep_up_to_3d(tmp_path):
     """A LightningModule and a LightningDataModule of the user's own, named by `_target_` on the command line,
     in a 4-job sweep up to dp2 x tp2 x pp2 (13 ranks in all), with its summary."""

@@ -8,6 +8,9 @@ rank (under ``pp > 1``: the pipeline's forward-only path).
 
 from __future__ import annotations
 
+import atexit
+import os
+
 import lightning as L
 import torch
 import torch.nn.functional as F
@@ -82,3 +85,12 @@ class CountingTokens(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.items[: 4 * self.batch_size], batch_size=self.batch_size, drop_last=True)
+
+
+class AbortAtExitOnRank1(L.Callback):
+    """Rank 1's process aborts while its interpreter shuts down, after a complete run (as a TP rank's teardown
+    rarely does, "terminate called without an active exception")."""
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_rank == 1:
+            atexit.register(os.abort)
