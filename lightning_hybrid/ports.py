@@ -11,7 +11,8 @@ __all__ = ["free_main_port"]
 def _ephemeral_ports() -> tuple[int, int]:
     """The range the OS takes local ports of outgoing connections from (Linux's, else its default)."""
     try:
-        low, high = (int(v) for v in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
         return low, high
     except (OSError, ValueError):
         return 32768, 60999
