@@ -551,12 +551,9 @@ class HybridStrategy(ParallelStrategy):
             return
         assert self.lightning_module is not None
         params = {id(self.lightning_module.get_parameter(n)) for n in self._partial_grads}
-        grads: list[Tensor] = []
-        for opt in self.optimizers:
-            if isinstance(opt, ZeroOptimizer) and opt.shards_state:
-                grads += opt.grad_slices(params)
-        sliced = {pid for opt in self.optimizers if isinstance(opt, ZeroOptimizer) and opt.shards_state
-                  for b in opt.buckets for pid in map(id, b.params)}
+        sharding = [opt for opt in self.optimizers if isinstance(opt, ZeroOptimizer) and opt.shards_state]
+        grads: list[Tensor] = [g for opt in sharding for g in opt.grad_slices(params)]
+        sliced = {id(p) for opt in sharding for bucket in opt.buckets for p in bucket.params}
         for name in self._partial_grads:
             param = self.lightning_module.get_parameter(name)
             if id(param) not in sliced and param.grad is not None:

@@ -168,19 +168,6 @@ def scatter_to_tp(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     return _ScatterToTP.apply(x, group)
 
 
-def sum_grad_over_tp(param: Tensor, group: dist.ProcessGroup):
-    """Make every gradient that reaches ``param`` (a replicated parameter whose gradient on each TP rank is only
-    that rank's part, e.g. a per-head norm between a column and a row layer) the sum over ``group``, before it
-    is accumulated. Returns the hook handle."""
-
-    def hook(grad: Tensor) -> Tensor:
-        grad = grad.clone()
-        dist.all_reduce(grad, group=group)
-        return grad
-
-    return param.register_hook(hook)
-
-
 @torch.no_grad()
 def sum_grads_over_tp_(grads: list[Tensor], group: dist.ProcessGroup) -> None:
     """In place, one all-reduce (sum) over ``group`` of these gradients (or local tensors of DTensors, or slices
