@@ -113,7 +113,7 @@ class ShardedSummary(Summary):
         super().__init__(model, max_depth)
         specs = tp_shard_specs(model)
         rows = self.layer_names
-        whole = torch.zeros(len(rows) + 2, dtype=torch.float64)  # rows..., total, trainable
+        whole = torch.zeros(len(rows) + 2, dtype=torch.float64, device="cpu")  # rows..., total, trainable
         self.local_rows = [0] * len(rows)
         for name, p in model.named_parameters():
             full = math.prod(unsplit_shape(name, p, specs))

@@ -176,7 +176,7 @@ def save_sharded(path: str | Path, strategy, checkpoint: dict[str, Any]) -> None
     optimizers = list(strategy.optimizers) if "optimizer_states" in checkpoint else []
     plan = _save_plan(module, optimizers, specs)
     part_of = _parts(plan, int(getattr(strategy, "bucket_cap_mb", 25) * 2**20))
-    parts = torch.tensor(max(part_of.values(), default=-1) + 1)
+    parts = torch.tensor(max(part_of.values(), default=-1) + 1, device=strategy.root_device)
     dist.all_reduce(parts, op=dist.ReduceOp.MAX)  # every rank takes part in every part's (collective) save
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, {key: (part_of[key], shape, dtype) for key, shape, dtype in plan})
@@ -264,7 +264,7 @@ def _read_parts(path: Path, meta: dict, keys: Iterable[str], no_dist: bool = Fal
     for key in keys:
         by_part.setdefault(tensors[key][0], []).append(key)
     for part in range(parts):
-        wanted = {key: torch.empty(tensors[key][1], dtype=tensors[key][2]) for key in by_part.get(part, [])}
+        wanted = {key: torch.empty(tensors[key][1], dtype=tensors[key][2], device="cpu") for key in by_part.get(part, [])}
         dcp.load(wanted, checkpoint_id=str(_part_dir(path, part)), planner=dcp.DefaultLoadPlanner(allow_partial_load=True),
                  no_dist=no_dist)
         yield wanted

@@ -24,17 +24,26 @@ def global_grad_norm(
     tp_group: dist.ProcessGroup | None,
     dp_group: dist.ProcessGroup | None,
     pp_group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
 ) -> Tensor:
     """L2 norm of the full gradient. ``grads``: ``(grad, is_tp_shard, is_dp_shard)``; pipeline stages hold
     disjoint parameters, so the squares are summed over ``pp_group`` too. Collective over all three groups.
+    ``device``: where the sums live and are reduced (the rank's device; default: the gradients'), so that a rank
+    without gradients takes part on the right device.
 
-    Returns a float32 scalar on the gradients' device, identical on every rank of the groups.
+    Returns a float32 scalar on ``device``, identical on every rank of the groups; no host synchronisation.
     """
-    device = _local(grads[0][0]).device if grads else torch.device("cpu")
-    # sums[tp_shard][dp_shard]
+    if device is None:
+        device = _local(grads[0][0]).device if grads else torch.device("cpu")
+    # sums[tp_shard][dp_shard]: one fused norm per kind and dtype (torch._foreach_norm), squared.
     sums = torch.zeros(2, 2, dtype=torch.float32, device=device)
+    kinds: dict[tuple[int, int, torch.dtype, torch.device], list[Tensor]] = {}
     for grad, tp_shard, dp_shard in grads:
-        sums[int(tp_shard), int(dp_shard)] += _local(grad).detach().float().pow(2).sum()
+        local = _local(grad).detach()
+        kinds.setdefault((int(tp_shard), int(dp_shard), local.dtype, local.device), []).append(local)
+    for (tp_shard, dp_shard, _, _), tensors in kinds.items():
+        norms = torch._foreach_norm(tensors, 2.0)
+        sums[tp_shard, dp_shard] += torch.stack(norms).float().pow(2).sum().to(device)
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dp_sharded = sums[:, 1].contiguous()
         dist.all_reduce(dp_sharded, group=dp_group)
@@ -51,8 +60,12 @@ def global_grad_norm(
 
 @torch.no_grad()
 def clip_grads_(grads: Sequence[Tensor], max_norm: float, total_norm: Tensor) -> None:
-    """Scale ``grads`` in place as ``torch.nn.utils.clip_grad_norm_`` does, given the global ``total_norm``."""
+    """Scale ``grads`` in place as ``torch.nn.utils.clip_grad_norm_`` does, given the global ``total_norm``
+    (one fused multiply per device and dtype; no host synchronisation)."""
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    kinds: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     for grad in grads:
         local = _local(grad)
-        local.mul_(coef.to(local.dtype))
+        kinds.setdefault((local.dtype, local.device), []).append(local)
+    for (dtype, device), tensors in kinds.items():
+        torch._foreach_mul_(tensors, coef.to(device=device, dtype=dtype))

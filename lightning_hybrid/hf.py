@@ -318,11 +318,11 @@ def _standin_copy(module: nn.Module, generator: torch.Generator, head: bool = Fa
         shape = list(p.shape)
         if rows is not None and shape:
             shape[0] = min(shape[0], rows)
-        t = torch.randn(shape, generator=generator) * 0.5 + (1.0 if p.dim() == 1 and "weight" in name else 0.0)
+        t = torch.randn(shape, generator=generator, device=generator.device) * 0.5 + (1.0 if p.dim() == 1 and "weight" in name else 0.0)
         out._parameters[name] = nn.Parameter(t, requires_grad=False)
     for name, b in module._buffers.items():
         if b is not None and b.is_meta:
-            out._buffers[name] = torch.zeros(b.shape, dtype=b.dtype)
+            out._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=generator.device)
     return out
 
 
@@ -331,7 +331,8 @@ def check_decomposition(model: nn.Module, structure: _Structure) -> None:
     hands its first decoder layer, and the epilogue modules and head give the model's logits from what its
     last decoder layer returns -- both on small random stand-ins of those modules (same classes and hooks)."""
     try:
-        _check_decomposition(model, structure)
+        with torch.device("cpu"):  # the stand-ins are on the CPU, whatever the ambient device (Lightning's init context)
+            _check_decomposition(model, structure)
     except PipelineDecompositionError:
         raise
     except Exception as e:  # the model's code does not run on its layers as the pipeline calls them
@@ -342,12 +343,12 @@ def check_decomposition(model: nn.Module, structure: _Structure) -> None:
 
 
 def _check_decomposition(model: nn.Module, s: _Structure) -> None:
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(device="cpu").manual_seed(0)
     trunk = s.trunk
     pro = {n: _standin_copy(getattr(trunk, n), generator) for n in s.prologue}
     epi = {n: _standin_copy(getattr(trunk, n), generator) for n in s.epilogue}
     head = _standin_copy(getattr(model, s.head_name), generator, head=True)
-    ids = torch.randint(0, _CHECK_VOCAB, (2, _CHECK_TOKENS), generator=generator)
+    ids = torch.randint(0, _CHECK_VOCAB, (2, _CHECK_TOKENS), generator=generator, device=generator.device)
     n = len(getattr(trunk, s.layers_name))
     with torch.no_grad():
         # Prologue: the model's own forward up to its first decoder layer ...
@@ -373,7 +374,7 @@ def _check_decomposition(model: nn.Module, s: _Structure) -> None:
                 " reproduce it."
             )
         # Epilogue: whatever the last decoder layer returns, the model's logits from it ...
-        last = torch.randn(*x.shape, generator=generator)
+        last = torch.randn(*x.shape, generator=generator, device=generator.device)
         y: Any = last
         for name in s.epilogue:
             y = epi[name](y)
@@ -521,7 +522,7 @@ class CausalLM(L.LightningModule):
             return
         from transformers import AutoModelForCausalLM
 
-        per_layer = torch.empty(0).device.type == "meta"
+        per_layer = torch.get_default_device().type == "meta"  # the strategy's init context under pp > 1
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(
                 self.hf_config, attn_implementation=self.hparams.attn_implementation, dtype=torch.float32
@@ -617,11 +618,17 @@ class CausalLM(L.LightningModule):
         if self._weights is not None and pretrained:
             self._load(index, layer)
             return
-        devices = [layer_device] if (layer_device := _device_of(layer)).type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
+        # The model's init draws from the global generator of the tensors' device: it runs on a CPU twin of the
+        # layer, so that the values are those of a CPU run on every device (a CUDA generator draws others).
+        on_cpu = _device_of(layer).type == "cpu"
+        target = layer if on_cpu else _cpu_twin(layer)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(self.hparams.init_seed * 1_000_003 + index)
-            for m in layer.modules():
+            for m in target.modules():
                 self.model._init_weights(m)
+            if not on_cpu:
+                for (_, t), (_, value) in zip(_tensors(layer), _tensors(target)):
+                    t.copy_(value)
 
     def load_pipeline_layer_slices(self, index: int, layer: nn.Module) -> bool:
         """Fill the materialised, TP-split layer ``index`` from the folder, reading only this rank's pieces of
@@ -711,18 +718,31 @@ class CausalLM(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
+        """AdamW (`lightning_hybrid.optim.adamw`: decay on matrices, fused on CUDA), linear warmup."""
+        from lightning_hybrid.optim import adamw
+
         assert self.model is not None
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": self.hparams.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr, betas=tuple(self.hparams.betas), eps=1e-8)
+        optimizer = adamw(self.model, self.hparams.lr, self.hparams.weight_decay, tuple(self.hparams.betas))
         warmup = int(self.hparams.warmup_steps)
         if warmup <= 0:
             return optimizer
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
+    return [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+
+
+def _cpu_twin(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers are new, uninitialised CPU tensors (nothing of the
+    original's values is copied)."""
+    memo: dict[int, Any] = {}
+    for _, t in _tensors(module):
+        if id(t) not in memo:
+            empty = torch.empty_like(t, device="cpu")
+            memo[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    return copy.deepcopy(module, memo)
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -732,27 +752,43 @@ def _device_of(module: nn.Module) -> torch.device:
 
 
 def _resolve_config(spec: Any, overrides: dict[str, Any]):
+    """The config transformers makes from ``spec`` (a folder, a model type, or a config's dict with its
+    ``model_type``) with ``overrides`` given to its own constructor, so that the fields it derives from others
+    follow them (llama's ``head_dim`` from ``hidden_size`` and the head count). An override the config class does
+    not know is an error naming it (a typo would otherwise be stored and ignored)."""
+    import difflib
+
     from transformers import AutoConfig
 
     if isinstance(spec, Mapping):
         spec = dict(spec)
         model_type = spec.pop("model_type")
-        config = AutoConfig.for_model(model_type, **spec)
+        make = lambda **kw: AutoConfig.for_model(model_type, **{**spec, **kw})  # noqa: E731
     elif isinstance(spec, str) and Path(spec).is_dir():
-        config = AutoConfig.from_pretrained(spec)
+        folder = spec
+        make = lambda **kw: AutoConfig.from_pretrained(folder, **kw)  # noqa: E731
     elif isinstance(spec, str):
-        try:
-            config = AutoConfig.for_model(spec)
-        except ValueError as err:
-            raise ValueError(
-                f"model={spec!r} is neither a local folder (save_pretrained's output) nor a model type of"
-                f" transformers (such as 'llama', 'qwen2', 'gpt2')."
-            ) from err
+        model_type = spec
+        make = lambda **kw: AutoConfig.for_model(model_type, **kw)  # noqa: E731
     else:
         raise TypeError(f"model={spec!r}: give a local pretrained folder, a model type such as 'llama', or a PretrainedConfig.")
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    return config
+    try:
+        default = make()
+    except ValueError as err:
+        raise ValueError(
+            f"model={spec!r} is neither a local folder (save_pretrained's output) nor a model type of"
+            f" transformers (such as 'llama', 'qwen2', 'gpt2')."
+        ) from err
+    unknown = [key for key in overrides if not hasattr(default, key)]
+    if unknown:
+        known = sorted(default.to_dict())
+        hints = {key: difflib.get_close_matches(key, known, n=3) for key in unknown}
+        raise ValueError(
+            f"config overrides {unknown} are not fields of {type(default).__name__}"
+            + "".join(f"; {key!r}: did you mean {close}?" for key, close in hints.items() if close)
+            + f". Its fields: {known}."
+        )
+    return make(**overrides) if overrides else default
 
 
 # ---------------------------------------------------------------------------------------------- export

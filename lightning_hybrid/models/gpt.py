@@ -251,7 +251,8 @@ class GPT(nn.Module):
                 if module.weight.is_meta:  # built on the meta device: a pipeline rank initialises its own layers
                     continue
                 std = residual_std if name.rsplit(".", 1)[-1] in self.RESIDUAL_PROJECTIONS else 0.02
-                values = torch.empty(module.weight.shape).normal_(0.0, std, generator=generator)
+                # Drawn on the generator's device, then copied: the same values on every device.
+                values = torch.empty(module.weight.shape, device=generator.device).normal_(0.0, std, generator=generator)
                 module.weight.copy_(values)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)

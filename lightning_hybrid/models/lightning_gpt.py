@@ -18,6 +18,7 @@ import torchmetrics
 
 from lightning_hybrid.checkpoint import lightning_checkpoint
 from lightning_hybrid.models.gpt import GPT, GPTConfig
+from lightning_hybrid.optim import adamw
 
 __all__ = ["GPTLightningModule"]
 
@@ -153,17 +154,11 @@ class GPTLightningModule(L.LightningModule):
 
     # -------------------------------------------------------------- optimizer
     def configure_optimizers(self) -> Any:
-        """AdamW with weight decay on matrices/embeddings (``dim >= 2``) only."""
+        """AdamW with weight decay on matrices/embeddings (``dim >= 2``) only, fused on CUDA
+        (`lightning_hybrid.optim.adamw`)."""
         if self.model is None:
             raise RuntimeError("call configure_model() before configure_optimizers()")
-        params = [p for _, p in self.model.named_parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        groups = [
-            {"params": decay, "weight_decay": self.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, eps=1e-8)
+        optimizer = adamw(self.model, self.lr, self.weight_decay, self.betas)
         if self.warmup_steps <= 0:
             return optimizer
         warmup = self.warmup_steps

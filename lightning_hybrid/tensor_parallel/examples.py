@@ -46,7 +46,8 @@ def _example_length(module: nn.Module, multiple: int = 1) -> int:
 
 
 def random_ids(vocab: int, length: int = LENGTH) -> Tensor:
-    return torch.randint(0, vocab, (BATCH, length), generator=_generator())
+    generator = _generator()
+    return torch.randint(0, vocab, (BATCH, length), generator=generator, device=generator.device)
 
 
 def model_example(module: nn.Module, device: torch.device, multiple: int = 1) -> Callable[[], object] | None:
@@ -96,4 +97,6 @@ def synthetic_call(block: nn.Module, multiple: int = 1) -> Captured | None:
     first = next((linear_shape(m) for m in block.modules() if linear_shape(m) is not None), None)
     if first is None:
         return None
-    return Captured.of((torch.randn(BATCH, LENGTH * multiple, first.in_features, generator=_generator()),), {})
+    generator = _generator()
+    hidden = torch.randn(BATCH, LENGTH * multiple, first.in_features, generator=generator, device=generator.device)
+    return Captured.of((hidden,), {})

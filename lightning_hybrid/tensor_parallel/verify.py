@@ -62,7 +62,8 @@ class Captured:
             out = t.detach().clone()
             if wanted and out.is_floating_point() and out.numel():
                 scale = 0.1 * (out.float().std().item() if out.numel() > 1 else 1.0) or 0.1
-                out = out + (torch.randn(out.shape, generator=generator) * scale).to(out.dtype)
+                noise = torch.randn(out.shape, generator=generator, device=generator.device) * scale
+                out = out + noise.to(device=out.device, dtype=out.dtype)
             out = out.to(device)
             return out.requires_grad_(wanted and out.is_floating_point())
 
@@ -118,7 +119,8 @@ def _perturb(module: nn.Module, seed: int) -> None:
     generator = torch.Generator(device="cpu").manual_seed(seed)
     for p in module.parameters():
         if p.is_floating_point():
-            noise = torch.randn(p.shape, generator=generator) * (0.02 + 0.1 * p.detach().float().abs().mean().item())
+            noise = torch.randn(p.shape, generator=generator, device=generator.device)
+            noise = noise * (0.02 + 0.1 * p.detach().float().abs().mean().item())
             p.add_(noise.to(device=p.device, dtype=p.dtype))
 
 
@@ -199,7 +201,10 @@ def check_block(
             heads = {v.heads for v in choices.values() if v.heads and any(not lp.gather_output for _, lp in v.layers)}
             # The same random output gradient for both (an extra per-head output gets this rank's heads of it).
             generator = torch.Generator(device="cpu").manual_seed(99)
-            ref_cot = [torch.randn(o.shape, generator=generator).to(o) if o.is_floating_point() else None for o in ref_out]
+            ref_cot = [
+                torch.randn(o.shape, generator=generator, device=generator.device).to(o) if o.is_floating_point() else None
+                for o in ref_out
+            ]
             cot = [_head_slice(o, c, heads, group) if c is not None else None for o, c in zip(out, ref_cot)]
             if seq_part is not None and cot:  # the main output: this rank's part of the sequence
                 cot[0] = _seq_part(cot[0], seq_part)
