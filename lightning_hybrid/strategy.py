@@ -44,6 +44,7 @@ from torch.optim import Optimizer
 
 from lightning_hybrid.activation_checkpointing import Recompute, apply_activation_checkpointing, checkpoint_targets, recompute_selection
 from lightning_hybrid.checkpoint import load_sharded, save_sharded
+from lightning_hybrid.compile import Compile, apply_compile, compile_options
 from lightning_hybrid.checkpoint import remove as remove_checkpoint_path
 from lightning_hybrid.grad_norm import clip_grads_, global_grad_norm
 from lightning_hybrid.mesh import ParallelDims, validate_zero_stage
@@ -117,6 +118,10 @@ class HybridStrategy(ParallelStrategy):
             core only: selective recompute, Korthikanti et al.), ``"pointwise"`` (the attention core and every
             element-wise op) or a list of aten op names; anything but ``"full"`` checkpoints every layer when
             ``activation_checkpointing`` is ``False``.
+        compile: ``torch.compile`` each layer (the decoder blocks -- the elements of the module's
+            ``nn.ModuleList``s -- or under ``pp > 1`` the pipeline layers), after TP and activation checkpointing
+            and before ZeRO-3 and the pipeline executor, as TorchTitan does; ``True`` or a dict of
+            ``torch.compile`` arguments (``{"mode": "max-autotune"}``). Off by default.
         process_group_backend: overrides the backend chosen from the accelerator (gloo on CPU, nccl on CUDA).
         timeout: process group timeout.
     """
@@ -140,6 +145,7 @@ class HybridStrategy(ParallelStrategy):
         split_points: Optional[list[int]] = None,
         activation_checkpointing: Union[bool, str] = False,
         recompute: Recompute = "full",
+        compile: Compile = False,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -163,6 +169,8 @@ class HybridStrategy(ParallelStrategy):
         self._recompute_selection = recompute_selection(recompute)
         self.recompute = recompute
         self.activation_checkpointing = activation_checkpointing or self._recompute_selection is not None
+        self._compile_options = compile_options(compile)
+        self.compile = compile
         if not (tp_plan == "auto" or isinstance(tp_plan, Mapping)):
             raise ValueError(f"tp_plan={tp_plan!r} is invalid: use 'auto' or a dict of glob pattern -> style.")
         self._requested = {"dp": dp, "tp": tp, "pp": pp}
@@ -368,6 +376,9 @@ class HybridStrategy(ParallelStrategy):
             self._apply_tp(module, plan, layer_names, layout, first_input)
         self._tp_sharded_names = tp_sharded_parameter_names(module)
         apply_activation_checkpointing(module, [n for n in checkpointed if not _is_under(n, self._remote_prefixes)], self._recompute_selection)
+        if self._compile_options is not None:
+            layers = checkpoint_targets(module, True, pipelined=dims.pp > 1)
+            apply_compile(module, [n for n in layers if not _is_under(n, self._remote_prefixes)], self._compile_options)
         if layout is not None:
             self._pipeline = self._build_pipeline(module, layout)
         elif self.zero_stage == 3 and dims.dp > 1:
@@ -590,7 +601,7 @@ class HybridStrategy(ParallelStrategy):
                 for name, p in self.lightning_module.named_parameters()
                 if id(p) in wanted and p.grad is not None
             ]
-        return global_grad_norm(grads, self.tp_group, self.dp_group, self.pp_group)
+        return global_grad_norm(grads, self.tp_group, self.dp_group, self.pp_group, device=self.root_device)
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         """Clip by the global norm across TP and ZeRO shards and pipeline stages; the norm is kept in

@@ -44,7 +44,9 @@ def _context():
     return ctx
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, env: dict) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, env: dict, one_rank_per_node: bool = False
+) -> None:
     # The fork server's environment is that of its start: this call's environment is handed over explicitly.
     os.environ.clear()
     os.environ.update(env)
@@ -58,6 +60,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
         NODE_RANK="0",
         GROUP_RANK="0",
     )
+    if one_rank_per_node:  # rank r is the only process of "node" r: local rank 0, so every rank takes device 0
+        os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", NODE_RANK=str(rank), GROUP_RANK=str(rank))
     torch.set_num_threads(1)
     try:
         # By value (plain pickle): tensors sent through shared memory would die with this process.
@@ -71,11 +75,16 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any) -> list[Any]:
+def run_distributed(fn: Callable, world_size: int, *args: Any, one_rank_per_node: bool = False) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` new rank processes (torchrun-style env); return results by rank.
 
     If a rank fails, the others are killed and the first traceback is raised: no test hangs on a
     collective that a failed rank will never join.
+
+    ``one_rank_per_node``: each rank is the one process of a "node" of its own (``LOCAL_RANK=0``,
+    ``LOCAL_WORLD_SIZE=1``, ``GROUP_RANK=NODE_RANK=RANK``), as torchrun sets it for ``--nnodes N
+    --nproc-per-node 1``: with ``Trainer(devices=1, num_nodes=world_size)`` every rank takes device 0, so several
+    ranks share one GPU (over gloo: NCCL refuses two ranks on one device).
     """
     env_threads = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # before the fork server starts: it imports torch
@@ -83,7 +92,10 @@ def run_distributed(fn: Callable, world_size: int, *args: Any) -> list[Any]:
     queue = ctx.Queue()
     port = _free_port()
     env = dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, env), daemon=True) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, env, one_rank_per_node), daemon=True)
+        for r in range(world_size)
+    ]
     try:
         for p in procs:
             p.start()

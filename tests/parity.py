@@ -42,6 +42,7 @@ def fit_and_record(strategy, devices: int, make_module, dp: int = 1, steps: int 
     data_class = OneDeviceInDistributedOrder if strategy == "auto" else ByteCorpusDataModule
     data = data_class(max_bytes=80_000, block_size=BLOCK, batch_size=GLOBAL_BATCH // dp)
     recorder = Recorder()
+    graphs_before, breaks_before = _dynamo_counts()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -58,7 +59,10 @@ def fit_and_record(strategy, devices: int, make_module, dp: int = 1, steps: int 
     hybrid = isinstance(trainer.strategy, HybridStrategy)
     full = trainer.strategy.full_state_dict() if hybrid else module.state_dict()
     report = trainer.strategy.tensor_parallel_report if hybrid else None
+    graphs, breaks = _dynamo_counts()
     return {
+        "compiled_graphs": graphs - graphs_before,  # torch.compile's graphs made in this run (0 in eager)
+        "graph_breaks": breaks - breaks_before,
         "losses": recorder.losses,
         "grad_norms": recorder.grad_norms,
         "grad_reductions": getattr(trainer.strategy, "_test_reductions", None),
@@ -68,6 +72,13 @@ def fit_and_record(strategy, devices: int, make_module, dp: int = 1, steps: int 
         "state": {k: v.cpu() for k, v in full.items()},
         "tp_split": {name: variant.label for name, variant in report.chosen.items()} if report else {},
     }
+
+
+def _dynamo_counts() -> tuple[int, int]:
+    """How many graphs torch.compile has made in this process, and how many graph breaks it met."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
 class CountingHybridStrategy(HybridStrategy):
@@ -115,4 +126,8 @@ def check_world(world: int, runs: dict[str, tuple], steps: int = STEPS, referenc
         for name, (*_, tolerances) in ((n, (*r, (RTOL, PARAM_ATOL))[:4]) for n, r in runs.items()):
             assert_matches(f"{name} (rank {rank})", per_run[name], references[name], *tolerances)
             assert per_run[name]["grad_reductions"] == steps, f"{name}: one gradient reduction per optimizer step"
+            if runs[name][0].get("compile"):  # the layers ran compiled, in whole graphs
+                assert per_run[name]["compiled_graphs"] > 0 and per_run[name]["graph_breaks"] == 0, (name, per_run[name])
+            else:
+                assert per_run[name]["compiled_graphs"] == 0, name
     return results

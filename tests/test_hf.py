@@ -117,6 +117,8 @@ def test_families_under_tp_pp_and_3d_layouts_match_one_device():
     # pp=1: the model stays on the meta device and each rank initialises one layer at a time, keeping its slices.
     runs["dp2xtp2-zero3-gpt_neox"] = (dict(dp=2, tp=2, zero_stage=3), partial(_lm, "gpt_neox"), {})
     runs["tp2xpp2-sp-gpt2"] = (dict(tp=2, pp=2, micro_batches=2, sequence_parallel=True), partial(_lm, "gpt2"), {})
+    # transformers' decoder layers compiled (TorchTitan's per-block torch.compile), TP-split and FSDP2-sharded.
+    runs["dp2xtp2-zero3-compile-llama"] = (dict(dp=2, tp=2, zero_stage=3, compile=True), partial(_lm, "llama"), {})
     references: dict = {}
     _no_rank_holds_the_whole_model(check_world(4, runs, steps=STEPS, references=references), references)
     runs = {

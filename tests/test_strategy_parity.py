@@ -63,6 +63,10 @@ def test_world2_layouts_match_one_device():
     # Selective recompute with TP and SP collectives inside the recomputed layers (kept, never run again).
     runs["tp2-sp-recompute-attention"] = (dict(tp=2, sequence_parallel=True, recompute="attention"), model, {})
     runs["tp2-gathered-logits"] = (dict(tp=2, loss_parallel=False), model, {})
+    # torch.compile per block (inductor, whole graphs: the harness checks there is no graph break) against the
+    # eager one-device run: with TP+SP collectives and selective recompute inside, and under FSDP2.
+    runs["tp2-sp-recompute-attention-compile"] = (dict(tp=2, sequence_parallel=True, recompute="attention", compile=True), model, {})
+    runs["dp2-zero3-compile"] = (dict(dp=2, zero_stage=3, compile=True), model, {})
     check_world(2, runs)
 
 
@@ -104,6 +108,7 @@ def test_pipeline_schedules_match_one_device():
             dict(pp=2, activation_checkpointing=True, micro_batches=2), model, {"accumulate_grad_batches": 2}
         ),
         "pp2-recompute-attention": (dict(pp=2, recompute="attention"), model, {}),
+        "pp2-compile": (dict(pp=2, compile=True), model, {}),
     })
 
 
@@ -116,6 +121,8 @@ def test_pipeline_with_dp_and_tp_match_one_device():
         "pp2xtp2-sp-interleaved": (dict(pp=2, tp=2, sequence_parallel=True, schedule="interleaved_1f1b", virtual_stages=2), model, {}),
         # Selective recompute of pipeline layers (the embedding's and the head's collectives inside) under TP.
         "pp2xtp2-recompute-pointwise": (dict(pp=2, tp=2, recompute="pointwise"), model, {}),
+        # Compiled pipeline layers: the embedding's and the split head's collectives inside the graphs.
+        "pp2xtp2-sp-compile": (dict(pp=2, tp=2, sequence_parallel=True, compile=True), model, {}),
         # Accumulation under a pipeline: ZeRO-1 buckets and ZeRO-3 (FSDP2) reduce once, after the last batch.
         "pp2xdp2-zero1-accumulate2": (dict(pp=2, dp=2, zero_stage=1, micro_batches=2), model, {"accumulate_grad_batches": 2}),
         "pp2xdp2-zero3-accumulate2": (dict(pp=2, dp=2, zero_stage=3, micro_batches=2), model, {"accumulate_grad_batches": 2}),

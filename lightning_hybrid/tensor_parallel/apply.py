@@ -150,9 +150,14 @@ def _sequence_gatherer(unit: nn.Module, group: dist.ProcessGroup) -> None:
 
         args, kwargs = replace_main_input(args, kwargs, gather)
         full = _main_input(args, kwargs)
-        # Saved-tensor hooks already active mean activation checkpointing: it decides what is kept.
-        outer_hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        # Saved-tensor hooks already active mean activation checkpointing: it decides what is kept. Under
+        # torch.compile the compiler decides (dynamo cannot trace saved-tensor hooks): the unit keeps its gathered
+        # input, as without sequence parallelism.
         scope, prefetch = None, None
+        if torch.compiler.is_compiling():
+            outer_hooks = "compiled"
+        else:
+            outer_hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if torch.is_grad_enabled() and outer_hooks is None:
             pack, unpack, prefetch = _regather_hooks(shard, full, group)
             scope = torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -33,6 +33,13 @@ _FUNCTIONAL = contextvars.ContextVar("lightning_hybrid_functional_collectives", 
 _C10D = torch.ops._c10d_functional
 
 
+def _functional() -> bool:
+    """Whether forward collectives run as functional collectives: inside `functional_collectives`, and under
+    ``torch.compile``, which traces them into its graph (torch.distributed's in-place collectives, and the look-up
+    of the context variable, would break the graph there)."""
+    return torch.compiler.is_compiling() or _FUNCTIONAL.get()
+
+
 @contextlib.contextmanager
 def functional_collectives() -> Iterator[None]:
     """Run the forward collectives of TP and SP layers as functional collectives (see `_FUNCTIONAL`)."""
@@ -73,7 +80,7 @@ def gather_shard(t: Tensor, spec: ShardSpec, group: dist.ProcessGroup) -> Tensor
     world = dist.get_world_size(group)
     if world == 1:
         return t
-    if _FUNCTIONAL.get():
+    if _functional():
         gathered = _C10D.wait_tensor(_C10D.all_gather_into_tensor(t.contiguous(), world, group.group_name))
         shards = list(gathered.chunk(world))
     else:
@@ -106,7 +113,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        if _FUNCTIONAL.get():
+        if _functional():
             # The clone is the tensor model code may change in place (recomputed; the reduction is kept).
             return _C10D.wait_tensor(_C10D.all_reduce(x.contiguous(), "sum", group.group_name)).clone()
         if not x.is_contiguous():
@@ -211,7 +218,7 @@ def seq_all_gather(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     """``[B, T/tp, ...]`` shards -> ``[B, T, ...]``, rank order along the sequence."""
     world = dist.get_world_size(group)
     shard = x.contiguous()
-    if _FUNCTIONAL.get():
+    if _functional():
         return _sequence_major(_C10D.wait_tensor(_C10D.all_gather_into_tensor(shard, world, group.group_name)), world)
     out = torch.empty((world * shard.size(0), *shard.shape[1:]), dtype=x.dtype, device=x.device)
     dist.all_gather_single(out, shard, group=group)
@@ -241,9 +248,9 @@ def seq_reduce_scatter(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     gloo = dist.get_backend(group) == dist.Backend.GLOO
     # Gloo reduce-scatters by all-reducing (2 (n-1)/n of the bytes, and its time); an all-to-all of the parts
     # and a local sum move (n-1)/n, like NCCL's reduce-scatter.
-    if _FUNCTIONAL.get() and gloo:
+    if _functional() and gloo:
         return _C10D.wait_tensor(_C10D.all_to_all_single(send, [1] * world, [1] * world, group.group_name)).sum(0)
-    if _FUNCTIONAL.get():
+    if _functional():
         return _C10D.wait_tensor(_C10D.reduce_scatter_tensor(send.flatten(0, 1), "sum", world, group.group_name))
     if gloo:
         parts = torch.empty_like(send)
@@ -387,5 +394,6 @@ def row_parallel_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], group
 
 
 def functional_collectives_active() -> bool:
-    """Whether the forward runs inside a selective checkpoint (`functional_collectives`)."""
-    return _FUNCTIONAL.get()
+    """Whether the forward collectives are functional: inside a selective checkpoint (`functional_collectives`)
+    or under ``torch.compile``."""
+    return _functional()
