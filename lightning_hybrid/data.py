@@ -320,7 +320,7 @@ class ByteCorpusDataModule(L.LightningDataModule):
         self._resume_batches = int(state_dict.get("batches", 0))
 
     def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator()
+        generator = torch.Generator(device="cpu")  # the sampler's: batches are made on the CPU
         generator.manual_seed(self.seed)
         skip, self._resume_batches = getattr(self, "_resume_batches", 0), 0
         return ResumableDataLoader(
@@ -381,7 +381,7 @@ class TokenCorpusDataModule(ByteCorpusDataModule):
             return super().tokenize(corpus)
         text = corpus.decode("utf-8", errors="replace")
         ids = self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-        return torch.tensor(ids, dtype=torch.int32 if self.vocab_size < 2**31 else torch.int64)
+        return torch.tensor(ids, dtype=torch.int32 if self.vocab_size < 2**31 else torch.int64, device="cpu")
 
 
 #: Files that mark a folder as holding a Hugging Face tokenizer.

@@ -183,7 +183,7 @@ def _matmul_flops(n: int = 512, repeats: int = 50) -> float:
     """FLOP/s of an ``n x n`` fp32 matmul."""
     import torch
 
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, device="cpu"), torch.randn(n, n, device="cpu")
     return 2 * n**3 / _fastest(lambda: a @ b, repeats)
 
 
@@ -191,7 +191,7 @@ def _memory_bandwidth(n: int = 2**23, repeats: int = 10) -> float:
     """Bytes/s of an element-wise op (``a + b`` into a new tensor: two reads and a write of ``4n`` bytes)."""
     import torch
 
-    a, b = torch.randn(n), torch.randn(n)
+    a, b = torch.randn(n, device="cpu"), torch.randn(n, device="cpu")
     return 3 * 4 * n / _fastest(lambda: a + b, repeats)
 
 
@@ -199,8 +199,8 @@ def _adamw_time_per_param(n: int = 2**20, repeats: int = 10) -> float:
     """Seconds per parameter of ``torch.optim.AdamW.step`` (fp32, the default foreach implementation)."""
     import torch
 
-    p = torch.nn.Parameter(torch.randn(n))
-    p.grad = torch.randn(n)
+    p = torch.nn.Parameter(torch.randn(n, device="cpu"))
+    p.grad = torch.randn(n, device="cpu")
     return _fastest(torch.optim.AdamW([p]).step, repeats) / n
 
 
@@ -212,7 +212,7 @@ def _block_overhead(flops: float, repeats: int = 30) -> float:
     from lightning_hybrid.models.gpt import Block, GPTConfig
 
     config = GPTConfig(n_embd=32, n_head=4, block_size=16)
-    block, x = Block(config), torch.randn(1, 16, 32, requires_grad=True)
+    block, x = Block(config).to("cpu"), torch.randn(1, 16, 32, requires_grad=True, device="cpu")
     per_step = _fastest(lambda: block(x).sum().backward(), repeats)
     work = 6 * 16 * (12 * 32 * 32) / flops
     return max(0.0, per_step - work) / 3  # forward ~ 1 pass, backward ~ 2
@@ -225,7 +225,7 @@ def _allreduce_worker(sizes: list[int], repeats: int) -> list[float]:
     dist.init_process_group("gloo")
     times = []
     for n in sizes:
-        t = torch.zeros(n)
+        t = torch.zeros(n, device="cpu")
         dist.barrier()
         times.append(_fastest(lambda: dist.all_reduce(t), repeats))
     return times
@@ -239,7 +239,7 @@ def _collective_overhead_worker(repeats: int) -> float:
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    a, b, t = torch.randn(1024, 512), torch.randn(512, 512), torch.zeros(1024)
+    a, b, t = torch.randn(1024, 512, device="cpu"), torch.randn(512, 512, device="cpu"), torch.zeros(1024, device="cpu")
 
     def timed(fn) -> float:  # the median: a step pays the typical cost of its many collectives, not the least
         fn()
