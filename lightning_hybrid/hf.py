@@ -779,7 +779,10 @@ def _resolve_config(spec: Any, overrides: dict[str, Any]):
             f"model={spec!r} is neither a local folder (save_pretrained's output) nor a model type of"
             f" transformers (such as 'llama', 'qwen2', 'gpt2')."
         ) from err
-    unknown = [key for key in overrides if not hasattr(default, key)]
+    config = make(**overrides) if overrides else default
+    # The constructor consumes what it knows (legacy names too: gpt_neox's rotary_pct); what it does not know, it
+    # stores as it is, an attribute the default config lacks.
+    unknown = [key for key in overrides if key in vars(config) and not hasattr(default, key)]
     if unknown:
         known = sorted(default.to_dict())
         hints = {key: difflib.get_close_matches(key, known, n=3) for key in unknown}
@@ -788,7 +791,7 @@ def _resolve_config(spec: Any, overrides: dict[str, Any]):
             + "".join(f"; {key!r}: did you mean {close}?" for key, close in hints.items() if close)
             + f". Its fields: {known}."
         )
-    return make(**overrides) if overrides else default
+    return config
 
 
 # ---------------------------------------------------------------------------------------------- export

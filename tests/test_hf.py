@@ -298,3 +298,47 @@ def test_a_folder_that_does_not_fit_the_model_is_refused_when_built(tmp_path):
     save_file({**tensors, "model.norm.weight": torch.ones(31)}, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"model.norm.weight: the folder's tensor is \(31,\), the model's \(32,\)"):
         _built(str(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------- the config
+_SHAPES = dict(hidden_size=64, num_attention_heads=8, num_hidden_layers=2, intermediate_size=128, vocab_size=256)
+
+
+def _shapes(model) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def _transformers_own(model_type: str, **arguments):
+    config = T.AutoConfig.for_model(model_type, **arguments)  # the config class's own constructor
+    with torch.device("meta"):
+        return T.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("model_type, overrides", [
+    ("llama", dict(_SHAPES, num_key_value_heads=2)),  # head_dim follows hidden_size / heads (8, not llama's 128)
+    ("qwen2", dict(_SHAPES, num_key_value_heads=4)),
+    ("mistral", _SHAPES),
+    ("qwen3", dict(_SHAPES, head_dim=16)),
+    ("gemma", dict(_SHAPES, num_key_value_heads=1)),
+    ("phi3", dict(_SHAPES, pad_token_id=0)),
+    ("gpt_neox", dict(_SHAPES, rotary_pct=0.5)),
+    ("gpt2", dict(n_embd=64, n_head=8, n_layer=2, vocab_size=256)),
+])
+def test_the_model_is_what_transformers_builds_from_the_same_arguments(model_type, overrides):
+    module = CausalLM(model_type, config=overrides)
+    module.configure_model()
+    assert _shapes(module.model) == _shapes(_transformers_own(model_type, **overrides))
+
+
+def test_overrides_of_a_config_object_and_of_a_folder_are_given_to_transformers(tmp_path):
+    base = T.LlamaConfig(**_SHAPES)  # head_dim 8
+    module = CausalLM(base, config={"num_hidden_layers": 1})
+    assert module.hf_config.num_hidden_layers == 1 and module.hf_config.head_dim == 8
+    base.save_pretrained(tmp_path)
+    folder = CausalLM(str(tmp_path), config={"num_hidden_layers": 1, "rms_norm_eps": 1e-5})
+    assert (folder.hf_config.num_hidden_layers, folder.hf_config.rms_norm_eps, folder.hf_config.head_dim) == (1, 1e-5, 8)
+
+
+def test_an_override_the_config_does_not_know_is_refused():
+    with pytest.raises(ValueError, match=r"\['hiden_size'\].*did you mean \['hidden_size'"):
+        CausalLM("llama", config={"hiden_size": 64})

@@ -36,6 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
         (dict(tp=2, sequence_parallel=True, verify_tp_plan=False), r"sequence_parallel=True needs verify_tp_plan=True"),
         (dict(recompute="most"), r"recompute='most' is invalid: use 'full' \(the whole layer\), 'attention'"),
         (dict(recompute=["gelu", "no_such_op"]), r"recompute names unknown aten ops \['aten.no_such_op'\]"),
+        (dict(compile="yes"), r"compile='yes' is invalid: use True, False, or a dict of torch.compile arguments"),
+        (dict(compile={"modes": "max-autotune"}), r"\['modes'\] are not arguments of torch.compile"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, message):
