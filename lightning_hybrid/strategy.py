@@ -98,18 +98,16 @@ class HybridStrategy(ParallelStrategy):
         tp_plan: ``"auto"`` (the model's own plan where it ships one, else the heuristic) or a dict of glob
             patterns over module names -> ``"colwise" | "rowwise" | "replicate"`` (or a dict pinning
             ``part_sizes``, ``gather_output``, ``input_is_parallel``) overriding it where it matches.
-        verify_tp_plan: check at setup, before the first step, that every kind of split block reproduces the
-            unsplit one (outputs and gradients, fp32, collectives live); a split that does not is an error
-            (explicit plan) or is replaced by the next exact candidate.
         micro_batches: micro-batches per training batch under ``pp > 1`` (default ``2 * pp``).
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` (``virtual_stages >= 2``) or ``"zero_bubble"``
-            (ZB-V: two stages per rank).
-        virtual_stages: stages per rank for the interleaved schedule.
+        schedule: ``"gpipe"``, ``"1f1b"`` (default), ``"interleaved_1f1b"`` (``virtual_stages >= 2``) or
+            ``"zero_bubble"`` (ZB-V: two stages per rank).
+        virtual_stages: stages per rank for the interleaved schedule (default 1).
         split_points: explicit pipeline split: indices of the layers that start stages 1..n-1 (default: stages
             balanced by parameter count).
-        sequence_parallel: under ``tp > 1``, split the activations between the TP regions (norms, residuals,
+            The four pipeline arguments are refused at ``pp=1``, where nothing would use them.
+        sequence_parallel: under ``tp > 1`` (refused at ``tp=1``), split the activations between the TP regions (norms, residuals,
             dropout) along the sequence over the TP group (Megatron SP): blocks holding an attention or MLP pair
-            take and give ``[B, T/tp, H]``; verified like every split (needs ``verify_tp_plan``).
+            take and give ``[B, T/tp, H]``; verified like every split.
         loss_parallel: a column-split LM head's logits stay split over the vocabulary (`SplitLogits`):
             ``F.cross_entropy`` on them is computed from the shards, any other use gathers them on demand.
         activation_checkpointing: ``True`` recomputes every layer's activations in backward (the pipeline
@@ -136,12 +134,11 @@ class HybridStrategy(ParallelStrategy):
         zero_stage: int = 0,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         tp_plan: Union[str, dict[str, Any]] = "auto",
-        verify_tp_plan: bool = True,
         sequence_parallel: bool = False,
         loss_parallel: bool = True,
         micro_batches: Optional[int] = None,
-        schedule: str = "1f1b",
-        virtual_stages: int = 1,
+        schedule: Optional[str] = None,
+        virtual_stages: Optional[int] = None,
         split_points: Optional[list[int]] = None,
         activation_checkpointing: Union[bool, str] = False,
         recompute: Recompute = "full",
@@ -162,6 +159,10 @@ class HybridStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         ParallelDims.check_sizes(dp, tp, pp)
+        _refuse_unused(pp=pp, tp=tp, schedule=schedule, micro_batches=micro_batches, virtual_stages=virtual_stages,
+                       split_points=split_points, sequence_parallel=sequence_parallel, tp_plan=tp_plan,
+                       checkpoint_io=checkpoint_io)
+        schedule, virtual_stages = schedule or "1f1b", virtual_stages or 1
         self._schedule_spec, self._stages_per_rank, micro_batches = (
             resolve_schedule(schedule, pp, micro_batches, virtual_stages) if pp > 1 else (None, 1, micro_batches)
         )
@@ -179,13 +180,7 @@ class HybridStrategy(ParallelStrategy):
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} is invalid: it must be a positive number of MiB.")
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.tp_plan = dict(tp_plan) if isinstance(tp_plan, Mapping) else tp_plan
-        self.verify_tp_plan = bool(verify_tp_plan)
-        if sequence_parallel and not self.verify_tp_plan:
-            raise ValueError(
-                "sequence_parallel=True needs verify_tp_plan=True: the verification finds which parameters see only"
-                " part of the tokens (their gradients are summed over TP)."
-            )
-        self.sequence_parallel = bool(sequence_parallel) and tp > 1
+        self.sequence_parallel = bool(sequence_parallel)
         self.loss_parallel = bool(loss_parallel)
         self.micro_batches, self.schedule, self.virtual_stages = micro_batches, schedule, virtual_stages
         self._process_group_backend = process_group_backend
@@ -263,6 +258,12 @@ class HybridStrategy(ParallelStrategy):
         # Lightning hands the plugin it chose for `Trainer(precision=...)` to this setter. Its stock
         # `clip_grad_by_norm` would clip by this rank's local norm; ours clips by the global one.
         self._precision_plugin = None if plugin is None else with_global_norm_clipping(plugin, self.clip_grad_by_norm)
+
+    @ParallelStrategy.checkpoint_io.setter
+    def checkpoint_io(self, io: Optional[Any]) -> None:
+        # Lightning hands a CheckpointIO given to the Trainer as a plugin to this setter: refused, as the argument.
+        _refuse_unused(pp=2, tp=2, checkpoint_io=io)
+        self._checkpoint_io = io
 
     # ------------------------------------------------------------------ processes
     def _configure_launcher(self) -> None:
@@ -437,7 +438,7 @@ class HybridStrategy(ParallelStrategy):
                 lambda: forward_through_stages(stages, layout.owners, [first_input], self.pp_group, self.root_device)
             )
         result = apply_tp(
-            module, self.tp_group, plan, run_example=run_example, verify=self.verify_tp_plan,
+            module, self.tp_group, plan, run_example=run_example,
             pipeline_layers=layer_names, device=self.root_device,
             example_input_for=example_input_for or (lambda name, block: synthetic_call(block, self._example_multiple)),
             representative=representative, sequence_parallel=self.sequence_parallel, split_logits=self.loss_parallel,
@@ -528,9 +529,11 @@ class HybridStrategy(ParallelStrategy):
         super().setup_optimizers(trainer)
         if self.zero_stage in (0, 1, 2) and self.parallel_dims.dp > 1:
             assert self.lightning_module is not None
-            tp_sharded = {id(p) for n, p in self.lightning_module.named_parameters() if n in self._tp_sharded_names}
+            names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+            tp_sharded = {i for i, n in names.items() if n in self._tp_sharded_names}
             self.optimizers = [
-                ZeroOptimizer(opt, self.dp_group, self.zero_stage, tp_sharded, self.bucket_cap_mb) for opt in self.optimizers
+                ZeroOptimizer(opt, self.dp_group, self.zero_stage, tp_sharded, self.bucket_cap_mb, names)
+                for opt in self.optimizers
             ]
 
     def _gradient_buckets(self) -> list[Any]:
@@ -709,6 +712,28 @@ class HybridStrategy(ParallelStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self._run_scope.close()
+
+
+def _refuse_unused(pp: int, tp: int, **given: Any) -> None:
+    """``ValueError`` naming the arguments that were given but that nothing would use with this ``pp`` and ``tp``
+    (every accepted argument is used or refused: a run never differs silently from what was asked)."""
+    unused = []
+    if pp == 1:
+        unused += [f"{k}={given[k]!r}" for k in ("schedule", "micro_batches", "virtual_stages", "split_points") if given.get(k) is not None]
+    if tp == 1:
+        unused += [f"{k}={given[k]!r}" for k in ("sequence_parallel",) if given.get(k)]
+        unused += [f"tp_plan={given['tp_plan']!r}" for _ in [0] if isinstance(given.get("tp_plan"), Mapping)]
+    if unused:
+        raise ValueError(
+            f"{', '.join(unused)} {'is' if len(unused) == 1 else 'are'} not used with pp={pp}, tp={tp}: the pipeline"
+            " arguments (schedule, micro_batches, virtual_stages, split_points) need pp > 1, sequence_parallel and a"
+            " tp_plan dict need tp > 1. Leave them unset for this layout."
+        )
+    if given.get("checkpoint_io") is not None:
+        raise ValueError(
+            f"checkpoint_io={given['checkpoint_io']!r} would not be used: HybridStrategy writes sharded, reshardable"
+            " checkpoints itself (lightning_hybrid.checkpoint, through torch.distributed.checkpoint). Leave it unset."
+        )
 
 
 def _sigkill() -> signal.Signals:

@@ -20,7 +20,10 @@
 Gradients are reduced once per optimizer step: nothing is reduced during the earlier backward passes of an
 accumulation window (``sync = False``) or inside a pipeline schedule (`GradientBuckets.reduce` after it).
 Element-wise optimizers (SGD, Adam, AdamW, ...) give exactly the one-device update on the flat slices; an
-optimizer that looks across a whole tensor (LAMB, Adafactor, Shampoo) does not.
+optimizer that looks across a whole tensor (LAMB, Adafactor, Muon, LBFGS) does not, and stages 1-2 refuse it
+(`check_elementwise`; a custom optimizer declares itself with a class attribute ``elementwise_update = True``).
+A parameter without a gradient on any DP rank is skipped by one device's optimizer; a slice cannot skip part of
+itself, so stages 1-2 refuse such a step with an error naming the parameters (stage 0 skips it as one device does).
 """
 
 from __future__ import annotations
@@ -39,6 +42,28 @@ DEFAULT_BUCKET_CAP_MB = 25.0
 # documents it; gloo measured in tests/test_zero.py).
 _IN_PLACE_REDUCE_SCATTER = ("gloo", "nccl")
 MAX_IN_FLIGHT = 1  # stage 2: reductions running while backward fills the next bucket
+
+#: torch's optimizers whose update of an element reads only that element's parameter, gradient and state (and
+#: scalars such as the learning rate and the step count): they step flat slices exactly as whole tensors.
+ELEMENTWISE_OPTIMIZERS = frozenset({
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+    torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.Rprop, torch.optim.ASGD,
+})
+
+
+def check_elementwise(optimizer: Optimizer, stage: int) -> None:
+    """``TypeError`` unless ``optimizer``'s class updates element by element (`ELEMENTWISE_OPTIMIZERS`, or a class
+    that declares ``elementwise_update = True``): ZeRO stages 1-2 step flat slices that cut across tensors."""
+    cls = type(optimizer)
+    if cls in ELEMENTWISE_OPTIMIZERS or getattr(cls, "elementwise_update", False) is True:
+        return
+    raise TypeError(
+        f"zero_stage={stage} steps flat slices of the parameters, which only an element-wise optimizer updates as it"
+        f" would whole tensors; {cls.__module__}.{cls.__qualname__} is not known to be one (an optimizer reading a"
+        " whole tensor -- norms, factored moments, orthogonalisation -- would silently train another model). Use"
+        f" one of {sorted(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}, zero_stage 0 or 3, or declare a custom"
+        " element-wise optimizer with the class attribute `elementwise_update = True`."
+    )
 
 
 class _Bucket:
@@ -161,8 +186,9 @@ class GradientBuckets:
     backward passes with ``sync = False``) starts and waits for all of them. Collective over the DP ``group``.
     """
 
-    def __init__(self, buckets: list[_Bucket], group: dist.ProcessGroup, stage: int) -> None:
+    def __init__(self, buckets: list[_Bucket], group: dist.ProcessGroup, stage: int, names: dict[int, str] | None = None) -> None:
         self.buckets, self.group, self.stage = buckets, group, stage
+        self.names = names or {}  # id(parameter) -> its name, for errors
         self.sync = True
         self._where = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
         self._seen: set[int] = set()  # parameters whose gradient is in their bucket in this window
@@ -235,8 +261,7 @@ class GradientBuckets:
         for bucket in self._pending:
             bucket.finish()
         self._pending = []
-        if self.stage == 0:
-            self._presence()
+        self._presence()
         self._seen.clear()
         self._launched.clear()
 
@@ -250,14 +275,28 @@ class GradientBuckets:
         self.wait()
 
     def _presence(self) -> None:
-        """Stage 0: a parameter without a gradient on every rank keeps ``grad=None`` (the optimizer skips it,
-        as on one device); one with a gradient somewhere gets the average with zeros from the others."""
+        """A parameter without a gradient on every rank: under stage 0 it keeps ``grad=None`` (the optimizer skips
+        it, as on one device; one with a gradient somewhere gets the average with zeros from the others); stages
+        1-2 would step it with a zero gradient in its slice, so they raise ``RuntimeError`` naming it (on every
+        rank alike)."""
         params = [p for b in self.buckets for p in b.params]
-        views = [v for b in self.buckets for v in b.views]
-        seen = torch.tensor([id(p) in self._seen for p in params], dtype=torch.int32, device=views[0].device)
+        device = self.buckets[0].flat.device if self.stage else self.buckets[0].views[0].device
+        seen = torch.tensor([id(p) in self._seen for p in params], dtype=torch.int32, device=device)
         dist.all_reduce(seen, group=self.group)
-        for p, view, count in zip(params, views, seen.tolist()):
-            p.grad = view if count else None
+        counts = seen.tolist()
+        if self.stage == 0:
+            views = [v for b in self.buckets for v in b.views]
+            for p, view, count in zip(params, views, counts):
+                p.grad = view if count else None
+            return
+        absent = [self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}") for p, count in zip(params, counts) if not count]
+        if absent:
+            raise RuntimeError(
+                f"zero_stage={self.stage}: {absent} got no gradient on any data-parallel rank in this step. One device"
+                " would skip them; ZeRO-1/2 step flat slices and would update them with a zero gradient (weight decay,"
+                " moments): another model. Freeze them (requires_grad=False), leave them out of the optimizer, or use"
+                " zero_stage 0 or 3."
+            )
 
     def clear(self) -> None:
         """Gradients to ``None`` (``zero_grad``); the buffers keep their memory and are written fresh by the
@@ -280,15 +319,18 @@ class ZeroOptimizer(Optimizer):
     The user's optimizer object is kept (LR schedulers hold it). Stage 0 leaves its param groups as they are;
     stages 1-2 re-point them at this rank's bucket slices, keeping every hyper-parameter. ``tp_sharded`` holds
     the ids of parameters that are TP shards, kept in other buckets than replicated ones so the gradient norm
-    can count each once. ``bucket_cap_mb``: the size cap of one bucket.
+    can count each once. ``bucket_cap_mb``: the size cap of one bucket. ``names``: id(parameter) -> name, for
+    errors. Stages 1-2 take element-wise optimizers only (`check_elementwise`).
     """
 
     def __init__(
         self, optimizer: Optimizer, group: dist.ProcessGroup, stage: int, tp_sharded: set[int],
-        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, names: dict[int, str] | None = None,
     ):
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeroOptimizer implements zero_stage 0, 1 and 2, got {stage}.")
+        if stage:
+            check_elementwise(optimizer, stage)
         if optimizer.state and stage:
             raise ValueError("ZeroOptimizer must wrap a fresh optimizer (its state is not empty).")
         if not bucket_cap_mb > 0:
@@ -306,7 +348,7 @@ class ZeroOptimizer(Optimizer):
             self.buckets.extend(group_buckets)
             if stage:
                 param_group["params"] = [b.shard for b in group_buckets] + [p for p in params if not p.requires_grad]
-        self.gradients = GradientBuckets(self.buckets, group, stage)
+        self.gradients = GradientBuckets(self.buckets, group, stage, names)
         self.param_groups = optimizer.param_groups
         self.defaults = optimizer.defaults
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()

@@ -33,7 +33,13 @@ ROOT = Path(__file__).resolve().parents[1]
         (dict(pp=4, schedule="1f1b", micro_batches=2), r"needs micro_batches >= pp \(4\), got 2"),
         (dict(tp_plan="everything"), r"tp_plan='everything' is invalid"),
         (dict(bucket_cap_mb=0), r"bucket_cap_mb=0 is invalid: it must be a positive number of MiB"),
-        (dict(tp=2, sequence_parallel=True, verify_tp_plan=False), r"sequence_parallel=True needs verify_tp_plan=True"),
+        # Accepted and unused is refused: nothing trains differently from what was asked without an error.
+        (dict(schedule="round_robin"), r"schedule='round_robin' is not used with pp=1, tp=1"),
+        (dict(tp=2, micro_batches=4, virtual_stages=2, split_points=[1]),
+         r"micro_batches=4, virtual_stages=2, split_points=\[1\] are not used with pp=1, tp=2"),
+        (dict(pp=2, sequence_parallel=True), r"sequence_parallel=True is not used with pp=2, tp=1"),
+        (dict(tp_plan={"*.q_proj": "colwise"}), r"tp_plan=\{'\*.q_proj': 'colwise'\} is not used with pp=1, tp=1"),
+        (dict(checkpoint_io=object()), r"checkpoint_io=<object object at .*> would not be used: HybridStrategy writes"),
         (dict(recompute="most"), r"recompute='most' is invalid: use 'full' \(the whole layer\), 'attention'"),
         (dict(recompute=["gelu", "no_such_op"]), r"recompute names unknown aten ops \['aten.no_such_op'\]"),
         (dict(compile="yes"), r"compile='yes' is invalid: use True, False, or a dict of torch.compile arguments"),
@@ -110,3 +116,10 @@ def test_rank_zero_failing_after_starting_the_ranks_stops_them():
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert re.search(r"(?i)address already in use|failed to listen", done.stderr), done.stderr[-3000:]
+
+
+def test_a_checkpoint_io_plugin_is_refused_when_the_trainer_is_built():
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    with pytest.raises(ValueError, match=r"checkpoint_io=<.*TorchCheckpointIO.*> would not be used"):
+        L.Trainer(accelerator="cpu", devices=1, strategy=HybridStrategy(), plugins=[TorchCheckpointIO()], **QUIET_TRAINER)

@@ -130,8 +130,9 @@ def _bucket_checks() -> dict:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4))
         unused = nn.Linear(3, 3)
-        params = [*model.parameters(), *unused.parameters()]
-        reference = [p.detach().clone() for p in params]
+        # Stage 0 skips a parameter without a gradient, as one device does; stages 1-2 refuse the step (below).
+        params = [*model.parameters(), *(unused.parameters() if stage == 0 else ())]
+        reference = [p.detach().clone() for p in [*model.parameters(), *unused.parameters()]]
         opt = ZeroOptimizer(torch.optim.SGD(params, lr=1.0), dist.group.WORLD, stage, set(), bucket_cap_mb=8 * 8 * 4 / 2**20)
         buckets = opt.gradients
         launched_in_backward = []
@@ -168,6 +169,17 @@ def _bucket_checks() -> dict:
             "views": views,
         }
         buckets.remove()
+        if stage:
+            names = {id(p): n for n, p in [*model.named_parameters(prefix="model"), *unused.named_parameters(prefix="unused")]}
+            opt = ZeroOptimizer(torch.optim.SGD([*model.parameters(), *unused.parameters()], lr=1.0), dist.group.WORLD,
+                                stage, set(), names=names)
+            model(x).sum().backward()
+            try:
+                opt.gradients.wait()
+                out[stage]["refused"] = None
+            except RuntimeError as e:
+                out[stage]["refused"] = str(e)
+            opt.gradients.remove()
     dist.destroy_process_group()
     return out
 
@@ -182,3 +194,24 @@ def test_gradient_buckets_reduce_during_backward_and_match_one_device():
                 assert got["views"], (rank, stage, got)
                 # No gradient on any rank: skipped by the optimizer, as on one device.
                 assert got["unused_grad_none"] and not got["unused_moved"], (rank, stage, got)
+            else:  # a slice cannot skip part of itself: the step is refused, naming the parameters, on every rank
+                assert "['unused.bias', 'unused.weight'] got no gradient on any data-parallel rank" in got["refused"], got
+
+
+def test_stages_1_and_2_take_element_wise_optimizers_only():
+    from lightning_hybrid.zero import check_elementwise
+
+    params = [nn.Parameter(torch.zeros(2, 2, device="cpu"))]
+    for optimizer in (torch.optim.AdamW(params), torch.optim.SGD(params, lr=0.1, momentum=0.9), torch.optim.Adagrad(params)):
+        check_elementwise(optimizer, 1)
+    for optimizer in (torch.optim.Adafactor(params), torch.optim.LBFGS(params)):
+        with pytest.raises(TypeError, match=rf"zero_stage=2 steps flat slices.*{type(optimizer).__qualname__} is not known"):
+            check_elementwise(optimizer, 2)
+
+    class AdamWithClipping(torch.optim.Adam):  # a subclass may change the update: it must say it is element-wise
+        pass
+
+    with pytest.raises(TypeError, match="AdamWithClipping is not known to be one"):
+        check_elementwise(AdamWithClipping(params), 1)
+    AdamWithClipping.elementwise_update = True
+    check_elementwise(AdamWithClipping(params), 1)

@@ -137,7 +137,7 @@ def _recipe_layout(cfg: DictConfig, world: dict[str, int]) -> tuple[Layout, int]
     b = batch // m if world["pp"] > 1 else batch
     checkpointing = bool(par.activation_checkpointing)
     layout = Layout(world["dp"], world["tp"], world["pp"], int(par.zero_stage), max(1, b), m,
-                    str(par.schedule), int(par.virtual_stages if par.schedule != "zero_bubble" else 2),
+                    str(par.schedule or "1f1b"), int(par.virtual_stages or 1) if par.schedule != "zero_bubble" else 2,
                     checkpointing, bool(par.get("sequence_parallel", False)), bool(par.get("loss_parallel", False)))
     return layout, world["dp"] * batch * accumulate
 

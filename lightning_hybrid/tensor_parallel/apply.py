@@ -290,7 +290,6 @@ def apply_tp(
     plan: TPPlan,
     *,
     run_example: Callable[[], object] | None = None,
-    verify: bool = True,
     pipeline_layers: tuple[str, ...] = (),
     device: torch.device | None = None,
     example_input_for: Callable[[str, nn.Module], Captured | None] | None = None,
@@ -305,8 +304,8 @@ def apply_tp(
     ``representative(name, block)`` gives the module verified for a kind of block in its place (a materialised
     copy of a block on the meta device; the model itself is then split on the meta device). Collective over
     ``group``. Idempotent: units already split are left alone. ``sequence_parallel`` and ``split_logits``: see
-    `apply_variant` (sequence parallelism needs ``verify``: the verification finds which parameters see part of
-    the tokens).
+    `apply_variant`. There is no unverified path: a unit is split only as a verified variant says (the
+    verification also finds the parameters whose gradients are per-rank parts).
     """
     start = time.perf_counter()
     result = TPResult()
@@ -323,7 +322,7 @@ def apply_tp(
         kind = (type(modules[block]).__qualname__, tuple(u.kind for u in members), tuple(_rel(block, u.name) for u in members))
         kinds.setdefault(kind, []).append(block)
     decisions: dict[tuple, tuple[dict[str, Variant], set[str]]] = {}
-    if verify and kinds:
+    if kinds:
         device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
         representatives = {names[0]: modules[names[0]] for names in kinds.values()}
         chain: dict[str, tuple[Tensor | None, Tensor | None]] = {}
@@ -339,8 +338,6 @@ def apply_tp(
             decisions[kind] = _search(names[0], block, blocks[names[0]], call, group, device, result, split, sequence_parallel)
             del block  # a materialised representative lives while its kind is verified
         result.verified_kinds = len(kinds)
-    else:
-        decisions = {kind: ({_rel(names[0], u.name): u.variants[0] for u in blocks[names[0]]}, set()) for kind, names in kinds.items()}
     if not result.errors:
         per_unit: dict[str, Variant] = {}
         partial_by_block: dict[str, set[str]] = {}
@@ -519,7 +516,7 @@ def _search(
     if not runnable:
         result.errors.append(
             f"{block_name}: no example input reaches it, so its split cannot be verified. Set `example_input_array`"
-            " on the LightningModule to an input of its forward (or pass verify_tp_plan=False)."
+            " on the LightningModule to an input of its forward."
         )
         return chosen, partial
     for unit in units:
