@@ -18,6 +18,15 @@ def _local(t: Tensor) -> Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
+def _sum_of_squares(tensors: list[Tensor]) -> Tensor:
+    """``sum(t**2)`` over ``tensors`` (one device and dtype), float32: one fused norm kernel on an accelerator; on the
+    CPU an element-wise square and a sum per tensor, since the CPU's norm kernel loses precision with size (1e-5
+    relative at a million elements, where the sum's cascade keeps 1e-7)."""
+    if tensors[0].device.type == "cpu":
+        return torch.stack([t.float().pow(2).sum() for t in tensors]).sum()
+    return torch.stack(torch._foreach_norm(tensors, 2.0)).float().pow(2).sum()
+
+
 @torch.no_grad()
 def global_grad_norm(
     grads: Sequence[tuple[Tensor, bool, bool]],
@@ -35,15 +44,14 @@ def global_grad_norm(
     """
     if device is None:
         device = _local(grads[0][0]).device if grads else torch.device("cpu")
-    # sums[tp_shard][dp_shard]: one fused norm per kind and dtype (torch._foreach_norm), squared.
+    # sums[tp_shard][dp_shard], by kind, device and dtype.
     sums = torch.zeros(2, 2, dtype=torch.float32, device=device)
     kinds: dict[tuple[int, int, torch.dtype, torch.device], list[Tensor]] = {}
     for grad, tp_shard, dp_shard in grads:
         local = _local(grad).detach()
         kinds.setdefault((int(tp_shard), int(dp_shard), local.dtype, local.device), []).append(local)
     for (tp_shard, dp_shard, _, _), tensors in kinds.items():
-        norms = torch._foreach_norm(tensors, 2.0)
-        sums[tp_shard, dp_shard] += torch.stack(norms).float().pow(2).sum().to(device)
+        sums[tp_shard, dp_shard] += _sum_of_squares(tensors).to(device)
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dp_sharded = sums[:, 1].contiguous()
         dist.all_reduce(dp_sharded, group=dp_group)
@@ -69,3 +77,32 @@ def clip_grads_(grads: Sequence[Tensor], max_norm: float, total_norm: Tensor) ->
         kinds.setdefault((local.dtype, local.device), []).append(local)
     for (dtype, device), tensors in kinds.items():
         torch._foreach_mul_(tensors, coef.to(device=device, dtype=dtype))
+
+
+@torch.no_grad()
+def parameter_grad_norms(
+    pieces: dict[str, list[Tensor]],
+    tp_sharded: set[str],
+    dp_sharded: set[str],
+    tp_group: dist.ProcessGroup | None,
+    dp_group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> dict[str, Tensor]:
+    """The L2 norm of each parameter's whole gradient, by name, from this rank's pieces of it (``pieces``: name ->
+    local tensors; DTensors by their local shard): the squares of a TP shard are summed over ``tp_group``, of a
+    DP shard (ZeRO 1-2 slices, ZeRO-3 shards) over ``dp_group``; a replicated piece is this rank's own copy, so a
+    rank whose copy differs shows it. Every rank of a TP or DP group must list the same names (they hold the same
+    parameters). Collective over both groups; float32 scalars on ``device``, no host synchronisation."""
+    names = sorted(pieces)
+    squares = torch.zeros(len(names), dtype=torch.float32, device=device)
+    for i, name in enumerate(names):
+        if pieces[name]:
+            squares[i] = _sum_of_squares([_local(t).detach() for t in pieces[name]]).to(device)
+    for group, sharded in ((dp_group, dp_sharded), (tp_group, tp_sharded)):
+        if group is None or dist.get_world_size(group) == 1:
+            continue
+        mask = torch.tensor([n in sharded for n in names], dtype=torch.bool, device=device)
+        summed = torch.where(mask, squares, torch.zeros_like(squares))
+        dist.all_reduce(summed, group=group)
+        squares = torch.where(mask, summed, squares)
+    return dict(zip(names, squares.sqrt().unbind()))

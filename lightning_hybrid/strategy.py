@@ -46,7 +46,7 @@ from lightning_hybrid.activation_checkpointing import Recompute, apply_activatio
 from lightning_hybrid.checkpoint import load_sharded, save_sharded
 from lightning_hybrid.compile import Compile, apply_compile, compile_options
 from lightning_hybrid.checkpoint import remove as remove_checkpoint_path
-from lightning_hybrid.grad_norm import clip_grads_, global_grad_norm
+from lightning_hybrid.grad_norm import clip_grads_, global_grad_norm, parameter_grad_norms
 from lightning_hybrid.mesh import ParallelDims, validate_zero_stage
 from lightning_hybrid.pipeline import PipelineExecutor, check_protocol, resolve_schedule, stage_module
 from lightning_hybrid.pipeline.executor import forward_through_stages
@@ -605,6 +605,27 @@ class HybridStrategy(ParallelStrategy):
                 if id(p) in wanted and p.grad is not None
             ]
         return global_grad_norm(grads, self.tp_group, self.dp_group, self.pp_group, device=self.root_device)
+
+    def parameter_grad_norms(self) -> dict[str, Tensor]:
+        """The L2 norm of each parameter's whole gradient (unsplit, reduced over DP), by name, for the parameters
+        this rank holds (its pipeline stages'): what ``p.grad.norm()`` gives on one device (0 for a parameter
+        without a gradient). Collective over TP and DP: every rank calls it where the gradients are complete
+        (``on_before_optimizer_step``); per-layer gradient norms to log, and the parity harness's per-tensor check."""
+        module = self.lightning_module
+        assert module is not None
+        pieces: dict[str, list[Tensor]] = {n: [] for n, _ in module.named_parameters()}
+        names = {id(p): n for n, p in module.named_parameters()}
+        sliced: set[str] = set()
+        for opt in self.optimizers:
+            if isinstance(opt, ZeroOptimizer) and opt.shards_state:
+                sliced |= {names[id(p)] for bucket in opt.buckets for p in bucket.params}
+                for p, g in opt.grad_pieces():
+                    pieces[names[id(p)]].append(g)
+        for name, p in module.named_parameters():
+            if name not in sliced and p.grad is not None:
+                pieces[name].append(p.grad)
+        dp_sharded = sliced | {n for n, p in module.named_parameters() if hasattr(p, "_local_tensor")}
+        return parameter_grad_norms(pieces, self._tp_sharded_names, dp_sharded, self.tp_group, self.dp_group, self.root_device)
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         """Clip by the global norm across TP and ZeRO shards and pipeline stages; the norm is kept in

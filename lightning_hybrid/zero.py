@@ -389,17 +389,22 @@ class ZeroOptimizer(Optimizer):
         reduced gradient exactly once over the DP group."""
         return [(b.shard.grad, b.tp_sharded) for b in self.buckets if self.stage and b.shard.grad is not None]
 
-    def grad_slices(self, params: set[int]) -> list[Tensor]:
-        """Stages 1-2: the parts of this rank's reduced slices that hold the gradients of ``params`` (ids)."""
+    def grad_pieces(self) -> list[tuple[nn.Parameter, Tensor]]:
+        """Stages 1-2: ``(parameter, the part of this rank's reduced slice that holds its gradient)`` for every
+        parameter with such a part (flat; over the DP group the parts of a parameter make up its gradient)."""
         out = []
         for bucket in self.buckets:
             if bucket.shard.grad is None:
                 continue
             for p, offset in zip(bucket.params, bucket.offsets):
                 lo, hi = max(offset, bucket.lo), min(offset + p.numel(), bucket.hi)
-                if id(p) in params and lo < hi:
-                    out.append(bucket.shard.grad[lo - bucket.lo : hi - bucket.lo])
+                if lo < hi:
+                    out.append((p, bucket.shard.grad[lo - bucket.lo : hi - bucket.lo]))
         return out
+
+    def grad_slices(self, params: set[int]) -> list[Tensor]:
+        """Stages 1-2: the parts of this rank's reduced slices that hold the gradients of ``params`` (ids)."""
+        return [g for p, g in self.grad_pieces() if id(p) in params]
 
     def state_dict(self):
         return self.optimizer.state_dict()

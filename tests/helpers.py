@@ -14,16 +14,25 @@ QUIET_TRAINER = dict(logger=False, enable_checkpointing=False, enable_progress_b
 
 
 class Recorder(L.Callback):
-    """Records, per optimizer step, the synced ``train_loss`` and the global gradient norm before clipping."""
+    """Records, per optimizer step, the synced ``train_loss``, the global gradient norm before clipping, and the
+    norm of each parameter's whole gradient (this rank's parameters; `HybridStrategy.parameter_grad_norms`), so
+    that an error in one tensor's gradient shows even where the optimizer would hide it."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.grad_norms: list[float] = []
+        self.param_grad_norms: list[dict[str, float]] = []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if not isinstance(trainer.strategy, HybridStrategy):  # one device: the plain norm is the global one
-            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-            self.grad_norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
+        if isinstance(trainer.strategy, HybridStrategy):
+            norms = trainer.strategy.parameter_grad_norms()
+        else:  # one device: the plain norms are the whole gradients'
+            # In float64: the reference is as exact as the data allows (the CPU's float32 norm loses precision with size).
+            zero = torch.zeros((), dtype=torch.float64, device="cpu")
+            norms = {n: p.grad.double().norm() if p.grad is not None else zero for n, p in pl_module.named_parameters()}
+            self.grad_norms.append(torch.linalg.vector_norm(torch.stack(list(norms.values()))).item())
+        values = torch.stack([v.float().cpu() for v in norms.values()]).tolist()
+        self.param_grad_norms.append(dict(zip(norms, values)))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(trainer.callback_metrics["train_loss"].item())

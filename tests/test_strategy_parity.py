@@ -12,13 +12,27 @@ from functools import partial
 import torch
 
 from lightning_hybrid.models import GPTConfig, GPTLightningModule
-from tests.parity import BLOCK, check_world
+from tests.parity import BLOCK, PARAM_ATOL, RTOL, SGDGPT, DoubleOneGradient, check_world, mismatches, run_world
 from tests.user_modules import UserLM
 
-def gpt(**overrides):
+# The user module trains at lr 3e-3, where Adam turns eps-scale gradient noise into parameter noise of 7.6e-6.
+USER_TOLERANCES = (RTOL, 2.5e-5)
+# bf16-mixed against fp32 at lr 5e-3: losses within 5e-3 relative (measured 1.9e-3); single parameters are as far
+# apart as they moved (Adam's eps-scale elements), so the model's distance from fp32 is held against its movement
+# (measured 0.03; a run that never updates: 1).
+BF16_LR = 5e-3
+BF16_TOLERANCES = (5e-3, float("inf"), 0.1, 0.1)  # a tensor's gradient norm: within 3.1e-2 measured
+# Plain SGD at lr 0.1: parameters within 1.2e-7 of one device.
+SGD_TOLERANCES = (RTOL, 1e-6)
+
+
+def gpt(sgd: bool = False, lr: float = 5e-4, **overrides):
+    """The reference GPT (AdamW, or with ``sgd`` plain SGD at lr 0.1: `SGDGPT`)."""
     base = dict(vocab_size=256, block_size=BLOCK, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp="swiglu", dropout=0.0)
     base.update(overrides)
-    return partial(GPTLightningModule, config=GPTConfig(**base), lr=5e-4, weight_decay=0.1)
+    if sgd:
+        return partial(SGDGPT, config=GPTConfig(**base), lr=0.1)
+    return partial(GPTLightningModule, config=GPTConfig(**base), lr=lr, weight_decay=0.1)
 
 
 class TinyLlama(GPTLightningModule):
@@ -55,7 +69,7 @@ def test_world2_layouts_match_one_device():
         "dp2-zero1-small-buckets": dict(dp=2, zero_stage=1, bucket_cap_mb=0.01),
     }.items()}
     runs["dp2-zero2-small-buckets-accumulate2"] = (dict(dp=2, zero_stage=2, bucket_cap_mb=0.01), model, {"accumulate_grad_batches": 2})
-    runs["user-dp2-zero3"] = (dict(dp=2, zero_stage=3), UserLM, {})
+    runs["user-dp2-zero3"] = (dict(dp=2, zero_stage=3), UserLM, {}, USER_TOLERANCES)
     # Sequence parallelism (logits split over the vocabulary, by default), also with full recompute; and the
     # gathered logits of loss_parallel=False.
     runs["tp2-sp"] = (dict(tp=2, sequence_parallel=True), model, {})
@@ -67,7 +81,33 @@ def test_world2_layouts_match_one_device():
     # eager one-device run: with TP+SP collectives and selective recompute inside, and under FSDP2.
     runs["tp2-sp-recompute-attention-compile"] = (dict(tp=2, sequence_parallel=True, recompute="attention", compile=True), model, {})
     runs["dp2-zero3-compile"] = (dict(dp=2, zero_stage=3, compile=True), model, {})
+    # Plain SGD: a gradient error in any element moves the parameters (AdamW would cancel a scale per tensor).
+    runs.update({f"{name}-sgd": (kwargs, gpt(sgd=True), {}, SGD_TOLERANCES) for name, kwargs in LAYOUT_FAMILIES.items()})
     check_world(2, runs)
+
+
+#: One layout of each kind on two ranks: DP, ZeRO 1-3, TP, PP.
+LAYOUT_FAMILIES = {
+    "dp2": dict(dp=2), "dp2-zero1": dict(dp=2, zero_stage=1), "dp2-zero2": dict(dp=2, zero_stage=2),
+    "dp2-zero3": dict(dp=2, zero_stage=3), "tp2": dict(tp=2), "pp2": dict(pp=2),
+}
+
+
+def test_the_harness_sees_a_doubled_gradient_of_one_small_tensor_on_one_rank():
+    """The check that the checks can fail: on rank 1 only, the gradient of one norm's bias (32 numbers, in the
+    pipeline's second stage) is doubled, under each kind of layout, with AdamW (which cancels a constant scale per
+    tensor: the per-tensor gradient norms must see it) and with SGD (the parameters must see it too)."""
+    inject = DoubleOneGradient("model.blocks.1.ln_2", rank=1)
+    runs = {}
+    for name, kwargs in LAYOUT_FAMILIES.items():
+        runs[name] = (kwargs, gpt(), {"callbacks": [inject]})
+        runs[f"{name}-sgd"] = (kwargs, gpt(sgd=True), {"callbacks": [inject]}, SGD_TOLERANCES)
+    results, references = run_world(2, runs, steps=3)
+    for name, (*_, tolerances) in ((n, (*r, (RTOL, PARAM_ATOL))[:4]) for n, r in runs.items()):
+        seen = [mismatches(per_run[name], references[name], *tolerances) for per_run in results]
+        assert any("tensor_grad_norm" in bad for bad in seen), (name, seen)
+        if name.endswith("-sgd"):
+            assert any("param" in bad for bad in seen), (name, seen)
 
 
 def test_world4_layouts_match_one_device():
@@ -91,8 +131,9 @@ def test_accumulation_foreign_model_and_bf16_match_one_device():
         "dp2xtp2-zero0-accumulate2": (dict(dp=2, tp=2), gpt(), {"accumulate_grad_batches": 2}),
         "llama-dp2xtp2-zero1": (dict(dp=2, tp=2, zero_stage=1), partial(TinyLlama, lr=5e-4), {}),
         "llama-dp2xtp2-zero3-sp": (dict(dp=2, tp=2, zero_stage=3, sequence_parallel=True), partial(TinyLlama, lr=5e-4), {}),
-        "bf16-dp2xtp2-zero3": (dict(dp=2, tp=2, zero_stage=3), gpt(), {"precision": "bf16-mixed"}, (2e-2, 1e-2)),
-        "bf16-pp2xtp2": (dict(pp=2, tp=2), gpt(), {"precision": "bf16-mixed"}, (2e-2, 1e-2)),
+        # Against the fp32 one-device run, at a learning rate where the parameters move 20x the tolerance.
+        "bf16-dp2xtp2-zero3": (dict(dp=2, tp=2, zero_stage=3), gpt(lr=BF16_LR), {"precision": "bf16-mixed"}, BF16_TOLERANCES),
+        "bf16-pp2xtp2": (dict(pp=2, tp=2), gpt(lr=BF16_LR), {"precision": "bf16-mixed"}, BF16_TOLERANCES),
     })
 
 
@@ -135,7 +176,7 @@ def test_3d_with_every_zero_stage_matches_one_device():
     each rank holds about 1/(pp*tp) of the GPT (1/dp more under ZeRO-3)."""
     config = gpt(n_layer=2, n_embd=64)
     runs = {f"3d-zero{stage}": (dict(pp=2, dp=2, tp=2, zero_stage=stage), config, {}) for stage in range(4)}
-    runs.update({f"user-3d-zero{stage}": (dict(pp=2, dp=2, tp=2, zero_stage=stage), UserLM, {}) for stage in range(4)})
+    runs.update({f"user-3d-zero{stage}": (dict(pp=2, dp=2, tp=2, zero_stage=stage), UserLM, {}, USER_TOLERANCES) for stage in range(4)})
     runs["3d-zero1-sp"] = (dict(pp=2, dp=2, tp=2, zero_stage=1, sequence_parallel=True), config, {})
     results = check_world(8, runs)
     one_device = config()
