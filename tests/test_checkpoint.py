@@ -36,36 +36,73 @@ def _fit(world: int, layout: dict, steps: int, ckpt_in=None, ckpt_out=None, make
         **{"limit_val_batches": 0, **QUIET_TRAINER, **trainer_kwargs},
     )
     data = ByteCorpusDataModule(max_bytes=80_000, block_size=BLOCK, batch_size=GLOBAL_BATCH // layout.get("dp", 1))
-    trainer.fit(make_module(), data, ckpt_path=ckpt_in)
+    module = make_module()
+    trainer.fit(module, data, ckpt_path=ckpt_in)
     if ckpt_out:
         trainer.save_checkpoint(ckpt_out)
     val = trainer.callback_metrics.get("val_loss")
-    return {"losses": recorder.losses, "val_loss": None if val is None else val.item()}
+    return {"losses": recorder.losses, "val_loss": None if val is None else val.item(), **_rank_state(trainer, module)}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t._local_tensor if hasattr(t, "_local_tensor") else t).detach().clone()
+
+
+def _rank_state(trainer, module) -> dict:
+    """This rank's own tensors after training: its parameters and their last gradients (local shards; ZeRO 1-2:
+    the reduced bucket slices), the optimizer state it holds, and the whole model (gathered)."""
+    grads = {n: _local(p.grad) for n, p in module.named_parameters() if p.grad is not None}
+    optimizer = {}
+    for i, opt in enumerate(trainer.optimizers):
+        if hasattr(opt, "grad_shards"):
+            grads.update({f"zero{i}.slice{j}": _local(g) for j, (g, _) in enumerate(opt.grad_shards())})
+        for key, state in opt.state_dict()["state"].items():
+            optimizer.update({f"{i}.{key}.{k}": _local(v) for k, v in state.items() if isinstance(v, torch.Tensor)})
+    return {
+        "params": {n: _local(p) for n, p in module.named_parameters()},
+        "grads": grads,
+        "optimizer": optimizer,
+        "whole": {k: v.cpu() for k, v in trainer.strategy.full_state_dict().items()},
+    }
 
 
 def _train_then_save(ckpt: str) -> dict:
     full = _fit(8, SAVED_LAYOUT, 20)
     first = _fit(8, SAVED_LAYOUT, 10, ckpt_out=ckpt, limit_val_batches=2, val_check_interval=10)
-    return {"full": full["losses"], "first": first["losses"], "val_loss": first["val_loss"]}
+    return {"full": full, "first": first["losses"], "val_loss": first["val_loss"]}
 
 
 def _resume_under_each_layout(ckpt: str) -> dict:
     layouts = {"same": SAVED_LAYOUT, **RESHARDED}
-    return {name: _fit(8, layout, 20, ckpt_in=ckpt)["losses"] for name, layout in layouts.items()}
+    return {name: _fit(8, layout, 20, ckpt_in=ckpt) for name, layout in layouts.items()}
+
+
+def _assert_equal(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys() and want, what
+    for key, value in want.items():
+        assert torch.equal(got[key], value), f"{what}: {key} differs by {(got[key].float() - value.float()).abs().max().item():.3g}"
 
 
 def test_resume_is_exact_and_reshards_to_other_layouts(tmp_path):
     ckpt = str(tmp_path / "step10.ckpt")
-    saved = run_distributed(_train_then_save, 8, ckpt)[0]
-    assert saved["first"] == saved["full"][:10]
+    saved_by_rank = run_distributed(_train_then_save, 8, ckpt)
+    saved = saved_by_rank[0]
+    assert saved["first"] == saved["full"]["losses"][:10]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step10.ckpt"]  # no partial folder left behind
     assert read_meta(ckpt)["lightning_hybrid"]["layout"] == {"dp": 2, "tp": 2, "pp": 2, "zero_stage": 1}
 
-    resumed = run_distributed(_resume_under_each_layout, 8, ckpt)[0]
-    expected = torch.tensor(saved["full"][10:])
-    torch.testing.assert_close(torch.tensor(resumed["same"]), expected, rtol=1e-6, atol=0)
-    for name in RESHARDED:
-        torch.testing.assert_close(torch.tensor(resumed[name]), expected, rtol=1e-5, atol=0, msg=name)
+    resumed_by_rank = run_distributed(_resume_under_each_layout, 8, ckpt)
+    for rank, (resumed, full) in enumerate(zip(resumed_by_rank, (s["full"] for s in saved_by_rank))):
+        # Same layout: every rank ends bit-identical to the uninterrupted run -- losses, its parameters, their last
+        # gradients and its optimizer state.
+        assert resumed["same"]["losses"] == full["losses"][10:], rank
+        for what in ("params", "grads", "optimizer"):
+            _assert_equal(resumed["same"][what], full[what], f"rank {rank}: {what}")
+        # Another layout: the same run within fp32 reordering, losses and the whole model.
+        for name in RESHARDED:
+            torch.testing.assert_close(torch.tensor(resumed[name]["losses"]), torch.tensor(full["losses"][10:]), rtol=1e-6, atol=0,
+                                       msg=f"{name} rank {rank}")
+            torch.testing.assert_close(resumed[name]["whole"], full["whole"], rtol=0, atol=5e-6, msg=f"{name} rank {rank}")
 
     # One plain file that the unparallelised module loads; it gives the sharded run's validation loss.
     out = tmp_path / "plain.pt"
