@@ -240,7 +240,9 @@ def main() -> None:
               " this one's (> 1 faster)")
     text = "\n".join([header, "", *rows, "", *logits_rows, ""])
     print(text)
-    (REPO_ROOT / "benchmarks" / "ACTIVATIONS.md").write_text("# Activation memory (benchmarks/bench_activations.py)\n\n" + text)
+    from benchmarks.report import header
+
+    (REPO_ROOT / "benchmarks" / "ACTIVATIONS.md").write_text(header("Activation memory (benchmarks/bench_activations.py)") + text)
 
 
 if __name__ == "__main__":

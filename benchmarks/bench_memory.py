@@ -252,8 +252,9 @@ def main(argv=None) -> int:
             print(f"  dp={dp} {STRATEGIES[name][0]:<28} {line}  (run {r['wall_s']:.0f}s)", flush=True)
     total = time.perf_counter() - t_start
 
-    lines = ["# Peak memory and step time: HybridStrategy ZeRO 0-3 vs Lightning DDP / FSDP2", "",
-             f"`python benchmarks/bench_memory.py {' '.join(sys.argv[1:] if argv is None else argv)}`".replace(" `", "`"), "",
+    from benchmarks.report import header
+
+    lines = [header("Peak memory and step time: HybridStrategy ZeRO 0-3 vs Lightning DDP / FSDP2").rstrip(), "",
              settings + f"; total wall time {total:.0f}s.", "",
              "Peak = highest live tensor bytes over the measured steps (PeakMemoryMonitor), max over ranks; the breakdown"
              " (MiB) is that rank's; act+temp = activations + backward temporaries; rest = buffers, optimizer-step"

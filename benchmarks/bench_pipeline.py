@@ -367,4 +367,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks.report import printed_to
+
+    with printed_to(REPO_ROOT / "benchmarks" / "PIPELINE.md", "Pipeline schedules (benchmarks/bench_pipeline.py)"):
+        code = main()
+    sys.exit(code)

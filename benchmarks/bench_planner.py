@@ -230,9 +230,7 @@ def main(argv=None) -> int:
                 f" (GELU, {model.params:,} parameters), fp32 AdamW, global batch {args.global_batch} sequences,"
                 f" bucket_cap_mb={args.bucket_cap_mb:g}; {args.measure_steps} measured + {args.warmup} warm-up +"
                 f" {args.steps} timed steps; CPU ({cluster.compute_units} cores, shared), gloo, 1 thread per rank.")
-    lines = ["# The planner against measurements", "",
-             f"`python benchmarks/bench_planner.py {' '.join(sys.argv[1:] if argv is None else argv)}`".replace(" `", "`"), "",
-             settings, "", f"Calibration: {calibration_s:.0f} s; fitted on the first layout: activation_scale ="
+    lines = [settings, "", f"Calibration: {calibration_s:.0f} s; fitted on the first layout: activation_scale ="
              f" {cluster.activation_scale:.3f}, step_overhead = {cluster.step_overhead * 1e3:.1f} ms.", "", *rows, "",
              f"Peak memory within 15%: {within} of {len(names)} layouts. Spearman rank correlation of predicted and"
              f" measured step times: {rho:.2f}; of the two measured passes with each other (layouts 2-{len(names)}):"
@@ -245,7 +243,9 @@ def main(argv=None) -> int:
              f"Total wall time {time.perf_counter() - t_start:.0f} s."]
     text = "\n".join(lines) + "\n"
     print("\n" + text)
-    args.out.write_text(text)
+    from benchmarks.report import header
+
+    args.out.write_text(header("The planner against measurements (benchmarks/bench_planner.py)") + text)
     print(f"written to {args.out}")
     return 0
 

@@ -417,4 +417,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks.report import printed_to
+
+    with printed_to(REPO_ROOT / "benchmarks" / "STRATEGIES.md", "HybridStrategy against Lightning's strategies (benchmarks/bench_strategies.py)"):
+        code = main()
+    sys.exit(code)

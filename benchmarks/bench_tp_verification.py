@@ -7,7 +7,7 @@ init), one `Trainer(strategy=HybridStrategy(tp=2))` fit on the byte corpus, 2 pr
 ``verification`` is the time `apply_tp` spent capturing the example forward and checking every kind of block
 (it is in the plan's log line, `HybridStrategy.tensor_parallel_report.seconds`); ``training`` is the time of
 the ``--steps`` training batches (on_train_batch_start of the first to on_train_batch_end of the last). The
-goal: verification under 2% of a 100-step run.
+goal: verification under 2% of a 100-step run. The table is written to benchmarks/TP_VERIFICATION.md.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_hybrid import HybridStrategy  # noqa: E402
+from benchmarks.report import printed_to  # noqa: E402
 from lightning_hybrid.data import ByteCorpusDataModule  # noqa: E402
 from lightning_hybrid.models import GPTLightningModule  # noqa: E402
 from lightning_hybrid.testing import run_distributed  # noqa: E402
@@ -90,12 +91,13 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = run_distributed(_measure, args.tp, args.models.split(","), args.steps, args.tp)[0]
-    print(f"| model (tp={args.tp}) | verification, s | {args.steps} training steps, s | verification / training |")
-    print("|---|---:|---:|---:|")
-    for name, (verify_s, train_s, _) in results.items():
-        print(f"| {name} | {verify_s:.2f} | {train_s:.1f} | {100 * verify_s / train_s:.2f}% |")
-    for name, (_, _, summary) in results.items():
-        print(f"\n{name}: {summary}")
+    with printed_to(REPO_ROOT / "benchmarks" / "TP_VERIFICATION.md", "TP verification cost (benchmarks/bench_tp_verification.py)"):
+        print(f"| model (tp={args.tp}) | verification, s | {args.steps} training steps, s | verification / training |")
+        print("|---|---:|---:|---:|")
+        for name, (verify_s, train_s, _) in results.items():
+            print(f"| {name} | {verify_s:.2f} | {train_s:.1f} | {100 * verify_s / train_s:.2f}% |")
+        for name, (_, _, summary) in results.items():
+            print(f"\n{name}: {summary}")
 
 
 if __name__ == "__main__":

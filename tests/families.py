@@ -26,11 +26,9 @@ def tiny_config(family: str):
         "phi3": lambda: T.Phi3Config(**llama_like, pad_token_id=0, original_max_position_embeddings=64),
         "falcon": lambda: T.FalconConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                                          vocab_size=VOCAB, new_decoder_architecture=True, num_kv_heads=2),
-        "falcon_mqa": lambda: T.FalconConfig(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, vocab_size=VOCAB),
         "llama": lambda: T.LlamaConfig(**llama_like),
         "qwen2": lambda: T.Qwen2Config(**llama_like),
         "mistral": lambda: T.MistralConfig(**llama_like),
-        "qwen3": lambda: T.Qwen3Config(**llama_like, head_dim=8),
     }
     config = configs[family]()
     for name in _DROPOUTS:

@@ -246,7 +246,8 @@ def _load_under(folder: str, layouts: dict) -> dict:
     for name, layout in layouts.items():
         module, peak = CausalLM(folder), _SetupPeak()
         trainer = L.Trainer(accelerator="cpu", devices=4, max_steps=1, limit_val_batches=0, num_sanity_val_steps=0,
-                            strategy=HybridStrategy(micro_batches=2, **layout), callbacks=[peak], **QUIET_TRAINER)
+                            strategy=HybridStrategy(**layout, **({'micro_batches': 2} if layout.get('pp', 1) > 1 else {})),
+                            callbacks=[peak], **QUIET_TRAINER)
         strategy_module.materialise_split_layers = peak.load(materialise)  # measured, in this process only
         try:
             trainer.fit(module, ByteCorpusDataModule(max_bytes=5_000, block_size=16, batch_size=2))
