@@ -44,8 +44,8 @@ from torch.optim import Optimizer
 
 from lightning_hybrid.activation_checkpointing import Recompute, apply_activation_checkpointing, checkpoint_targets, recompute_selection
 from lightning_hybrid.checkpoint import load_sharded, save_sharded
-from lightning_hybrid.compile import Compile, apply_compile, compile_options
 from lightning_hybrid.checkpoint import remove as remove_checkpoint_path
+from lightning_hybrid.compile import Compile, apply_compile, compile_options
 from lightning_hybrid.grad_norm import clip_grads_, global_grad_norm, parameter_grad_norms
 from lightning_hybrid.mesh import ParallelDims, validate_zero_stage
 from lightning_hybrid.pipeline import PipelineExecutor, check_protocol, resolve_schedule, stage_module
@@ -105,9 +105,9 @@ class HybridStrategy(ParallelStrategy):
         split_points: explicit pipeline split: indices of the layers that start stages 1..n-1 (default: stages
             balanced by parameter count).
             The four pipeline arguments are refused at ``pp=1``, where nothing would use them.
-        sequence_parallel: under ``tp > 1`` (refused at ``tp=1``), split the activations between the TP regions (norms, residuals,
-            dropout) along the sequence over the TP group (Megatron SP): blocks holding an attention or MLP pair
-            take and give ``[B, T/tp, H]``; verified like every split.
+        sequence_parallel: under ``tp > 1`` (refused at ``tp=1``), split the activations between the TP regions
+            (norms, residuals, dropout) along the sequence over the TP group (Megatron SP): blocks holding an
+            attention or MLP pair take and give ``[B, T/tp, H]``; verified like every split.
         loss_parallel: a column-split LM head's logits stay split over the vocabulary (`SplitLogits`):
             ``F.cross_entropy`` on them is computed from the shards, any other use gathers them on demand.
         activation_checkpointing: ``True`` recomputes every layer's activations in backward (the pipeline
@@ -160,8 +160,8 @@ class HybridStrategy(ParallelStrategy):
         )
         ParallelDims.check_sizes(dp, tp, pp)
         _refuse_unused(pp=pp, tp=tp, schedule=schedule, micro_batches=micro_batches, virtual_stages=virtual_stages,
-                       split_points=split_points, sequence_parallel=sequence_parallel, tp_plan=tp_plan,
-                       checkpoint_io=checkpoint_io)
+                       split_points=split_points, sequence_parallel=sequence_parallel, tp_plan=tp_plan)
+        _refuse_checkpoint_io(checkpoint_io)
         schedule, virtual_stages = schedule or "1f1b", virtual_stages or 1
         self._schedule_spec, self._stages_per_rank, micro_batches = (
             resolve_schedule(schedule, pp, micro_batches, virtual_stages) if pp > 1 else (None, 1, micro_batches)
@@ -262,7 +262,7 @@ class HybridStrategy(ParallelStrategy):
     @ParallelStrategy.checkpoint_io.setter
     def checkpoint_io(self, io: Optional[Any]) -> None:
         # Lightning hands a CheckpointIO given to the Trainer as a plugin to this setter: refused, as the argument.
-        _refuse_unused(pp=2, tp=2, checkpoint_io=io)
+        _refuse_checkpoint_io(io)
         self._checkpoint_io = io
 
     # ------------------------------------------------------------------ processes
@@ -735,25 +735,30 @@ class HybridStrategy(ParallelStrategy):
         self._run_scope.close()
 
 
+_PIPELINE_ARGUMENTS = ("schedule", "micro_batches", "virtual_stages", "split_points")
+
+
 def _refuse_unused(pp: int, tp: int, **given: Any) -> None:
     """``ValueError`` naming the arguments that were given but that nothing would use with this ``pp`` and ``tp``
     (every accepted argument is used or refused: a run never differs silently from what was asked)."""
-    unused = []
-    if pp == 1:
-        unused += [f"{k}={given[k]!r}" for k in ("schedule", "micro_batches", "virtual_stages", "split_points") if given.get(k) is not None]
-    if tp == 1:
-        unused += [f"{k}={given[k]!r}" for k in ("sequence_parallel",) if given.get(k)]
-        unused += [f"tp_plan={given['tp_plan']!r}" for _ in [0] if isinstance(given.get("tp_plan"), Mapping)]
+    unused = [f"{k}={given[k]!r}" for k in _PIPELINE_ARGUMENTS if pp == 1 and given.get(k) is not None]
+    if tp == 1 and given.get("sequence_parallel"):
+        unused.append(f"sequence_parallel={given['sequence_parallel']!r}")
+    if tp == 1 and isinstance(given.get("tp_plan"), Mapping):
+        unused.append(f"tp_plan={given['tp_plan']!r}")
     if unused:
         raise ValueError(
             f"{', '.join(unused)} {'is' if len(unused) == 1 else 'are'} not used with pp={pp}, tp={tp}: the pipeline"
-            " arguments (schedule, micro_batches, virtual_stages, split_points) need pp > 1, sequence_parallel and a"
-            " tp_plan dict need tp > 1. Leave them unset for this layout."
+            f" arguments ({', '.join(_PIPELINE_ARGUMENTS)}) need pp > 1, sequence_parallel and a tp_plan dict need"
+            " tp > 1. Leave them unset for this layout."
         )
-    if given.get("checkpoint_io") is not None:
+
+
+def _refuse_checkpoint_io(io: Any) -> None:
+    if io is not None:
         raise ValueError(
-            f"checkpoint_io={given['checkpoint_io']!r} would not be used: HybridStrategy writes sharded, reshardable"
-            " checkpoints itself (lightning_hybrid.checkpoint, through torch.distributed.checkpoint). Leave it unset."
+            f"checkpoint_io={io!r} would not be used: HybridStrategy writes sharded, reshardable checkpoints itself"
+            " (lightning_hybrid.checkpoint, through torch.distributed.checkpoint). Leave it unset."
         )
 
 
