@@ -31,8 +31,10 @@ FAMILIES = [
 ]
 # Small sizes, each given under the field names the config knows (its attribute map included).
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-            vocab_size=256, max_position_embeddings=64, num_local_experts=4, num_experts=4, moe_intermediate_size=32,
-            shared_expert_intermediate_size=32, num_experts_per_tok=2, head_dim=8, tie_word_embeddings=False)
+            ffn_dim=64, word_embed_proj_dim=32, rotary_dim=8, vocab_size=256, max_position_embeddings=64,
+            num_local_experts=4, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            num_experts_per_tok=2, head_dim=8, tie_word_embeddings=False,
+            logit_scale=1.0)  # Cohere's default 1/16 leaves gradients too small for the harness's active clipping
 DROPOUTS = ("attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout", "attention_dropout", "embed_dropout",
             "activation_dropout", "dropout", "summary_first_dropout", "emb_pdrop")
 LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2, micro_batches=2)}
@@ -43,10 +45,18 @@ def tiny_overrides(model_type: str) -> dict:
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type)
-    out = {k: v for k, v in TINY.items() if hasattr(default, k)}
+
+    def settable(key: str) -> bool:  # a field of the config, not a property derived from others (Falcon's head_dim)
+        prop = getattr(type(default), key, None)
+        return hasattr(default, key) and not (isinstance(prop, property) and prop.fset is None)
+
+    out = {k: v for k, v in TINY.items() if settable(k)}
     out.update({k: 0.0 for k in DROPOUTS if isinstance(getattr(default, k, None), float)})
+    pad = getattr(default, "pad_token_id", None)
+    if isinstance(pad, int) and pad >= TINY["vocab_size"]:
+        out["pad_token_id"] = 0
     if model_type == "mpt":
-        out["attn_config"] = {"attn_pdrop": 0.0}
+        out["attn_config"] = {"attn_pdrop": 0}
     return out
 
 
