@@ -538,6 +538,8 @@ class CausalLM(L.LightningModule):
         with torch.device("cpu"):
             for name in self._structure.shared:  # rotary embeddings and the like: on every stage
                 self._materialise(getattr(self._structure.trunk, name), torch.device("cpu"))
+            for owner in self._structure._path_modules():  # buffers held by the model and its trunk themselves
+                self._materialise_own_buffers(owner)
             if not (per_layer or (self._tp_size() > 1 and self._layerwise())):
                 for index, layer in enumerate(self._structure.layers()):
                     layer.to_empty(device="cpu")
@@ -584,6 +586,16 @@ class CausalLM(L.LightningModule):
             with torch.no_grad():
                 for m in module.modules():
                     self.model._init_weights(m)
+
+    @torch.no_grad()
+    def _materialise_own_buffers(self, module: nn.Module) -> None:
+        """The buffers ``module`` holds directly (GPT-BigCode's causal mask on its trunk), on the CPU, with the values
+        the model's own init gives them (every stage has them, as the parameter-free shared modules)."""
+        meta = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
+        if meta:
+            for name in meta:
+                module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
+            self.model._init_weights(module)
 
     def _names(self, index: int, layer: nn.Module) -> dict[str, str]:
         """``{folder name: name in the layer}`` of pipeline layer ``index``'s parameters and buffers."""

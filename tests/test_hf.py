@@ -345,3 +345,12 @@ def test_overrides_of_a_config_object_and_of_a_folder_are_given_to_transformers(
 def test_an_override_the_config_does_not_know_is_refused():
     with pytest.raises(ValueError, match=r"\['hiden_size'\].*did you mean \['hidden_size'"):
         CausalLM("llama", config={"hiden_size": 64})
+
+
+def test_buffers_the_model_holds_itself_are_materialised_with_their_values():
+    """GPT-BigCode keeps its causal mask on its trunk (not in a layer): built on the meta device, it is given the
+    value the model's own init computes, on every rank (it once stayed on meta: "Cannot copy out of meta tensor")."""
+    module = CausalLM("gpt_bigcode", config=dict(n_embd=32, n_layer=2, n_head=4, vocab_size=256, n_positions=16))
+    module.configure_model()
+    assert not any(t.is_meta for t in [*module.model.parameters(), *module.model.buffers()])
+    torch.testing.assert_close(module.model.transformer.bias, torch.tril(torch.ones(16, 16, dtype=torch.bool, device="cpu")))
