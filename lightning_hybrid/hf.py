@@ -231,6 +231,7 @@ class _PipelineCalls:
         self.sequence_split = 1
         self._cache: "OrderedDict[tuple, list]" = OrderedDict()
         self._hooked: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+        self._handles: list = []  # of the hooks installed, to remove them from a model its layers cannot reproduce
         self._filled: set[int] = set()
 
     def kwargs_for(self, index: int, hidden: Tensor) -> tuple[tuple, dict]:
@@ -257,6 +258,13 @@ class _PipelineCalls:
                 self._hook_position_embedding(layer)
             self._hooked.add(layer)
 
+    def uninstall(self) -> None:
+        """Remove every hook `install` put on the layers (the model's own forward is then exactly its own)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._hooked = weakref.WeakSet()
+
     def _hook_decoder_layer(self, layer: nn.Module, index: int) -> None:
         def pre(module, args, kwargs):
             if kwargs or len(args) != 1:
@@ -271,8 +279,7 @@ class _PipelineCalls:
                 return output[0] if isinstance(output, tuple) else output
             return None
 
-        layer.register_forward_pre_hook(pre, with_kwargs=True)
-        layer.register_forward_hook(post, with_kwargs=True)
+        self._handles += [layer.register_forward_pre_hook(pre, with_kwargs=True), layer.register_forward_hook(post, with_kwargs=True)]
 
     def _hook_position_embedding(self, layer: nn.Module) -> None:
         stash: list[Tensor] = []
@@ -289,8 +296,7 @@ class _PipelineCalls:
                 return stash.pop() + output
             return None
 
-        layer.register_forward_pre_hook(pre)
-        layer.register_forward_hook(post)
+        self._handles += [layer.register_forward_pre_hook(pre), layer.register_forward_hook(post)]
 
 
 # ---------------------------------------------------------------------------------------------- the check
@@ -620,7 +626,11 @@ class CausalLM(L.LightningModule):
         first = not self._calls._hooked
         self._calls.install(layers)
         if first:
-            check_decomposition(self.model, self._structure)
+            try:
+                check_decomposition(self.model, self._structure)
+            except PipelineDecompositionError:
+                self._calls.uninstall()  # refused: the model keeps its own forward, untouched (pp=1 trains it whole)
+                raise
         return layers
 
     def init_pipeline_layer(self, index: int, layer: nn.Module, pretrained: bool = True) -> None:

@@ -354,3 +354,22 @@ def test_buffers_the_model_holds_itself_are_materialised_with_their_values():
     module.configure_model()
     assert not any(t.is_meta for t in [*module.model.parameters(), *module.model.buffers()])
     torch.testing.assert_close(module.model.transformer.bias, torch.tril(torch.ones(16, 16, dtype=torch.bool, device="cpu")))
+
+
+def test_a_refused_decomposition_leaves_the_models_own_forward_untouched():
+    """OPT's position embedding is not what the pipeline's hooks expect, and its layers are refused; the hooks put on
+    for the check must go with the refusal, or the model's own forward (pp=1: trained whole) breaks."""
+    import copy
+
+    module = CausalLM("opt", config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+                                         word_embed_proj_dim=32, vocab_size=256, max_position_embeddings=64,
+                                         tie_word_embeddings=False))
+    module.configure_model()
+    reference = copy.deepcopy(module.model)
+    layers = module._structure.layers()
+    with pytest.raises(PipelineDecompositionError):
+        module.pipeline_layers()
+    assert not any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers)
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator(device="cpu").manual_seed(0), device="cpu")
+    module.eval(), reference.eval()  # no dropout
+    torch.testing.assert_close(module(ids), reference(input_ids=ids, use_cache=False).logits, rtol=0, atol=0)
