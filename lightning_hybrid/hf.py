@@ -51,6 +51,8 @@ import torch.nn.functional as F
 import torchmetrics
 from torch import Tensor, nn
 
+from lightning_hybrid.devices import module_device
+
 __all__ = ["CausalLM", "ExportPretrained", "PipelineDecompositionError", "export_pretrained", "pipeline_structure"]
 
 Batch = tuple[Tensor, Tensor]
@@ -642,7 +644,7 @@ class CausalLM(L.LightningModule):
             return
         # The model's init draws from the global generator of the tensors' device: it runs on a CPU twin of the
         # layer, so that the values are those of a CPU run on every device (a CUDA generator draws others).
-        on_cpu = _device_of(layer).type == "cpu"
+        on_cpu = module_device(layer).type == "cpu"
         target = layer if on_cpu else _cpu_twin(layer)
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(self.hparams.init_seed * 1_000_003 + index)
@@ -765,12 +767,6 @@ def _cpu_twin(module: nn.Module) -> nn.Module:
             empty = torch.empty_like(t, device="cpu")
             memo[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
     return copy.deepcopy(module, memo)
-
-
-def _device_of(module: nn.Module) -> torch.device:
-    for t in [*module.parameters(), *module.buffers()]:
-        return t.device
-    return torch.device("cpu")
 
 
 def _resolve_config(spec: Any, overrides: dict[str, Any]):

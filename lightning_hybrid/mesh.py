@@ -45,7 +45,7 @@ class ParallelDims:
             if world_size % (tp * pp) != 0:
                 raise ValueError(
                     f"The world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}, so dp cannot be"
-                    f" inferred. Valid tp*pp for this world size are its divisors: {_divisors(world_size)}."
+                    f" inferred. Valid tp*pp for this world size are its divisors: {divisors(world_size)}."
                 )
             dp = world_size // (tp * pp)
         if dp * tp * pp != world_size:
@@ -74,5 +74,6 @@ def validate_zero_stage(stage: int) -> int:
     return stage
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]

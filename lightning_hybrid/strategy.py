@@ -46,6 +46,7 @@ from lightning_hybrid.activation_checkpointing import Recompute, apply_activatio
 from lightning_hybrid.checkpoint import load_sharded, save_sharded
 from lightning_hybrid.checkpoint import remove as remove_checkpoint_path
 from lightning_hybrid.compile import Compile, apply_compile, compile_options
+from lightning_hybrid.devices import is_meta, module_device
 from lightning_hybrid.grad_norm import clip_grads_, global_grad_norm, parameter_grad_norms
 from lightning_hybrid.mesh import ParallelDims, validate_zero_stage
 from lightning_hybrid.pipeline import PipelineExecutor, check_protocol, resolve_schedule, stage_module
@@ -73,7 +74,7 @@ from lightning_hybrid.tensor_parallel import (
 )
 from lightning_hybrid.tensor_parallel.comm import sum_grads_over_tp_
 from lightning_hybrid.tensor_parallel.examples import first_layer_example, model_example, synthetic_call
-from lightning_hybrid.tensor_parallel.layerwise import Representatives, is_meta, materialise_split_layers
+from lightning_hybrid.tensor_parallel.layerwise import Representatives, materialise_split_layers
 from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB, ZeroOptimizer, apply_fsdp, apply_fsdp_units
 
 if TYPE_CHECKING:
@@ -430,7 +431,7 @@ class HybridStrategy(ParallelStrategy):
             )
             example_input_for = representative.example_call
         elif layout is None:
-            run_example = model_example(module, _param_device(module), self._example_multiple)
+            run_example = model_example(module, module_device(module), self._example_multiple)
         else:
             layers = module.pipeline_layers()
             stages = {s: stage_module([layers[i] for i in layout.ranges[s]]) for s in layout.local_stages}
@@ -764,10 +765,6 @@ def _refuse_checkpoint_io(io: Any) -> None:
 
 def _sigkill() -> signal.Signals:
     return getattr(signal, "SIGKILL", signal.SIGTERM)  # Windows has no SIGKILL
-
-
-def _param_device(module: torch.nn.Module) -> torch.device:
-    return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
 def _is_under(name: str, prefixes: list[str]) -> bool:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_hybrid.tensor_parallel.layerwise import Representatives, is_meta
+from lightning_hybrid.devices import is_meta
+from lightning_hybrid.tensor_parallel.layerwise import Representatives
 
 
 class Block(nn.Module):

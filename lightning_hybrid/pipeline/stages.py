@@ -15,7 +15,10 @@ from lightning_hybrid.pipeline.protocol import PROTOCOL_HELP
 
 
 class RemoteLayer(nn.Module):
-    """Stands in the module tree for a layer that another pipeline rank holds (it has no parameters)."""
+    """Stands in the module tree for a layer that another pipeline rank holds (it has no parameters). Other
+    dimensions recognise it by ``pipeline_standin``, not by its name."""
+
+    pipeline_standin = True
 
     def __init__(self, index: int) -> None:
         super().__init__()

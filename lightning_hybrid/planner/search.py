@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
-from lightning_hybrid.mesh import ParallelDims
+from lightning_hybrid.mesh import ParallelDims, divisors
 from lightning_hybrid.pipeline.executor import SCHEDULES, resolve_schedule
 
 from .cluster import USABLE_MEMORY, Cluster
@@ -85,24 +85,20 @@ def tp_divides(model: ModelSpec, tp: int) -> bool:
     return all(n % tp == 0 for n in (model.heads, model.kv_heads, model.ffn, model.vocab))
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def enumerate_layouts(model: ModelSpec, cluster: Cluster, devices: int, global_batch: int, *,
                       sequence_parallel: bool = True, schedules: Sequence[str] = tuple(SCHEDULES),
                       max_virtual_stages: int = 4, invalid: Optional[Counter] = None) -> Iterator[Layout]:
     """Every valid layout (see the module docstring); the sizes turned away are counted in ``invalid``."""
     invalid = Counter() if invalid is None else invalid
     pipeline_layers = model.n_layer + 2
-    for tp in _divisors(devices):
+    for tp in divisors(devices):
         if tp > cluster.devices_per_node:
             invalid[f"tp > {cluster.devices_per_node} devices of a node"] += 1
             continue
         if not tp_divides(model, tp):
             invalid["tp does not divide heads/kv heads/MLP/vocabulary"] += 1
             continue
-        for pp in _divisors(devices // tp):
+        for pp in divisors(devices // tp):
             if pp > pipeline_layers:
                 invalid[f"pp > {pipeline_layers} pipeline layers"] += 1
                 continue
@@ -111,7 +107,7 @@ def enumerate_layouts(model: ModelSpec, cluster: Cluster, devices: int, global_b
                 invalid["dp does not divide the global batch"] += 1
                 continue
             replica_batch = global_batch // dims.dp
-            for b in _divisors(replica_batch):
+            for b in divisors(replica_batch):
                 m = replica_batch // b
                 yield from _schedules(model, dims, b, m, pipeline_layers, sequence_parallel, schedules,
                                       max_virtual_stages, invalid)

@@ -46,7 +46,7 @@ from lightning_hybrid.tensor_parallel.comm import (
     seq_all_gather_async,
     split_sequence,
 )
-from lightning_hybrid.tensor_parallel.plan import TPPlan, Unit
+from lightning_hybrid.tensor_parallel.plan import TPPlan, Unit, _join
 from lightning_hybrid.tensor_parallel.variants import Variant
 from lightning_hybrid.tensor_parallel.verify import Captured, capture_inputs, check_block, replace_main_input
 
@@ -77,10 +77,6 @@ class TPResult:
         sequence = f"; sequence split in [{runs}]" if runs else ""
         return (f"tensor parallel: [{split or 'nothing split'}]; left whole: [{kept or 'nothing'}]{partial}{sequence};"
                 f" verified {self.verified_kinds} block kinds in {self.seconds:.2f}s")
-
-
-def _join(unit: str, rel: str) -> str:
-    return f"{unit}.{rel}" if unit and rel else unit or rel
 
 
 def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
@@ -469,7 +465,7 @@ def _install_sequence_runs(runs: list[list[str]], group: dist.ProcessGroup, modu
     (another pipeline rank's layer is a parameterless stand-in here)."""
     def held(name: str) -> nn.Module | None:
         block = modules.get(name)
-        return None if block is None or type(block).__name__ == "RemoteLayer" else block
+        return None if block is None or getattr(block, "pipeline_standin", False) else block
 
     for run in runs:
         if (first := held(run[0])) is not None:

@@ -2,7 +2,7 @@
 
 Each layer is built from the unsplit module it replaces and copies this rank's slice of its weights, so a TP
 model starts from exactly the one-device initialisation. ``shard_specs`` names, for each split parameter, its
-`ShardSpec`: all that the state-dict helpers (`state.py`) and checkpoints need to re-assemble unsplit tensors.
+`ShardSpec`: all that `gather_full_state_dict` (below) and checkpoints need to re-assemble unsplit tensors.
 
 Linear-like modules are ``nn.Linear`` (weight ``[out, in]``) and ``transformers``' ``Conv1D`` (GPT-2; weight
 ``[in, out]``, ``y = x W + b``): the TP layers keep the original weight layout, so parameter names and unsplit

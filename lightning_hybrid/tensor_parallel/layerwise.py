@@ -24,14 +24,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from lightning_hybrid.devices import is_meta
 from lightning_hybrid.tensor_parallel.examples import synthetic_call
 from lightning_hybrid.tensor_parallel.layers import local_piece, tp_shard_specs
 from lightning_hybrid.tensor_parallel.verify import Captured, capture_inputs
-
-
-def is_meta(module: nn.Module) -> bool:
-    """Whether any parameter or buffer of ``module`` is on the meta device."""
-    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
 
 
 def init_unsplit_layer(module: nn.Module, index: int, layer: nn.Module, stored: bool = True) -> None:

@@ -168,7 +168,6 @@ def resolve_tp_plan(
     tp: int,
     tp_plan: str | dict = "auto",
     *,
-    use_model_plan: bool = True,
     pipeline_layers: tuple[str, ...] = (),
 ) -> TPPlan:
     """Decide how to split ``model`` over ``tp`` ranks. ``pipeline_layers``: names of the modules that pipeline
@@ -180,8 +179,7 @@ def resolve_tp_plan(
     auto, reasons = _auto_styles(modules, splittable)
     styles: dict[str, tuple[str, dict]] = {n: (s, {}) for n, s in auto.items()}
     sources = {n: "auto" for n in styles}
-    if use_model_plan:
-        _overlay(splittable, model_tp_plan(model), styles, sources, reasons, "model plan", strict=False)
+    _overlay(splittable, model_tp_plan(model), styles, sources, reasons, "model plan", strict=False)
     if isinstance(tp_plan, dict):
         _overlay(splittable, dict(tp_plan), styles, sources, reasons, "tp_plan", strict=True)
     plan = TPPlan(replicated=reasons)

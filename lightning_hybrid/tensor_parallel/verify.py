@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_hybrid.devices import module_device
 from lightning_hybrid.tensor_parallel.comm import gather_shard
 from lightning_hybrid.tensor_parallel.layers import tp_shard_specs
 from lightning_hybrid.tensor_parallel.variants import Variant
@@ -282,7 +283,7 @@ def _compare_params(candidate: nn.Module, reference: nn.Module, group: dist.Proc
                 problems.append(f"gradient of {name}: max error {err:.3g}")
         else:
             replicated.append((name, grad))
-    summed = torch.cat([g.reshape(-1).float() for _, g in replicated] + [torch.zeros(0, device=_device(candidate))])
+    summed = torch.cat([g.reshape(-1).float() for _, g in replicated] + [torch.zeros(0, device=module_device(candidate))])
     dist.all_reduce(summed, group=group)
     partial, offset = [], 0
     for name, grad in replicated:
@@ -296,7 +297,3 @@ def _compare_params(candidate: nn.Module, reference: nn.Module, group: dist.Proc
         else:
             problems.append(f"gradient of replicated {name}: max error {_close(grad, target, floor)[1]:.3g}")
     return not problems, "; ".join(problems[:3]), partial
-
-
-def _device(module: nn.Module) -> torch.device:
-    return next((p.device for p in module.parameters()), torch.device("cpu"))

@@ -1,0 +1,18 @@
+"""Where a module lives: the helpers every dimension shares (one of each)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """The device of ``module``'s first parameter or buffer; the CPU for a module that holds none."""
+    for t in [*module.parameters(), *module.buffers()]:
+        return t.device
+    return torch.device("cpu")
+
+
+def is_meta(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is on the meta device."""
+    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
