@@ -609,9 +609,7 @@ class CausalLM(L.LightningModule):
         """``{folder name: name in the layer}`` of pipeline layer ``index``'s parameters and buffers."""
         assert self._structure is not None
         prefix = self._structure.layer_names()[index]
-        return {f"{prefix}.{k}": k for k, _ in layer.named_parameters(remove_duplicate=False)} | {
-            f"{prefix}.{k}": k for k, _ in layer.named_buffers(remove_duplicate=False)
-        }
+        return {f"{prefix}.{k}": k for k, _ in _tensors(layer)}
 
     # ------------------------------------------------------------------ pipeline protocol
     def pipeline_layers(self) -> list[nn.Module]:

@@ -280,8 +280,7 @@ class GradientBuckets:
         1-2 would step it with a zero gradient in its slice, so they raise ``RuntimeError`` naming it (on every
         rank alike)."""
         params = [p for b in self.buckets for p in b.params]
-        device = self.buckets[0].flat.device if self.stage else self.buckets[0].views[0].device
-        seen = torch.tensor([id(p) in self._seen for p in params], dtype=torch.int32, device=device)
+        seen = torch.tensor([id(p) in self._seen for p in params], dtype=torch.int32, device=params[0].device)
         dist.all_reduce(seen, group=self.group)
         counts = seen.tolist()
         if self.stage == 0:

@@ -83,8 +83,8 @@ def fit_and_record(strategy, devices: int, make_module, dp: int = 1, steps: int 
         "local_params": sum(p.numel() for p in module.parameters() if p.requires_grad),
         "param_bytes": storage_bytes(module.parameters()),
         "val_loss": trainer.callback_metrics["val_loss"].item(),
-        "initial": initial_state,  # one device: the floating-point state when training started
         "val_acc": trainer.callback_metrics["val_acc"].item(),
+        "initial": initial_state,  # one device: the floating-point state when training started
         "state": {k: v.cpu() for k, v in full.items()},
         "tp_split": {name: variant.label for name, variant in report.chosen.items()} if report else {},
     }
@@ -141,11 +141,21 @@ class _ReductionCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def dp_size(kwargs: dict, world: int) -> int:
+    """The DP size of the layout ``kwargs`` (HybridStrategy arguments) on ``world`` ranks."""
+    return kwargs.get("dp", world // (kwargs.get("tp", 1) * kwargs.get("pp", 1)))
+
+
+def tolerances_of(run: tuple, default: tuple) -> tuple:
+    """A run's ``(strategy kwargs, module factory, trainer kwargs[, tolerances])`` -> its tolerances."""
+    return run[3] if len(run) > 3 else default
+
+
 def _fit_runs(runs: dict[str, tuple], steps: int) -> dict[str, dict]:
     world = int(os.environ["WORLD_SIZE"])
     results = {}
     for name, (kwargs, make_module, trainer_kwargs, *_) in runs.items():
-        dp = kwargs.get("dp", world // (kwargs.get("tp", 1) * kwargs.get("pp", 1)))
+        dp = dp_size(kwargs, world)
         # Counted where torch.compile is off (it runs eagerly under a dispatch mode).
         counter = None if kwargs.get("compile") else DPReductions()
         callbacks = [*trainer_kwargs.get("callbacks", []), *([counter] if counter else [])]
@@ -242,25 +252,26 @@ def check_world(world: int, runs: dict[str, tuple], steps: int = STEPS, referenc
     The parameters must have moved by more than 20 times that atol in the one-device run, so that matching them
     means something (an infinite atol leaves the parameters to the movement check: bf16)."""
     results, references = run_world(world, runs, steps, references)
-    default = tolerances
-    for name in runs:  # every parameter's gradient was seen, on some rank (a pipeline stage holds its own)
+    for name, run in runs.items():
+        # Every parameter's gradient was seen, on some rank (a pipeline stage holds its own) ...
         seen = {n for per_run in results for step in per_run[name]["param_grad_norms"] for n in step}
         assert seen == set(references[name]["param_grad_norms"][0]), (name, seen ^ set(references[name]["param_grad_norms"][0]))
+        # ... and the one-device parameters moved far beyond their tolerance.
+        atol = tolerances_of(run, tolerances)[1]
+        moved = max((references[name]["state"][k].float() - v).abs().max().item() for k, v in references[name]["initial"].items())
+        assert moved > 20 * atol or atol == float("inf"), (name, moved, atol)
     for rank, per_run in enumerate(results):
-        for name, (*_, tolerances) in ((n, (*r, default)[:4]) for n, r in runs.items()):
-            moved = max((references[name]["state"][k].float() - v).abs().max().item() for k, v in references[name]["initial"].items())
-            assert moved > 20 * tolerances[1] or tolerances[1] == float("inf"), (name, moved, tolerances)
-            assert_matches(f"{name} (rank {rank})", per_run[name], references[name], *tolerances)
-            # One gradient reduction per optimizer step, counted at the DP group: this rank's parameters (padded to
-            # a multiple of dp, plus a few scalars: the norm, the logged loss, which parameters have gradients).
-            reduced, local = per_run[name]["dp_reduced"] or [0] * steps, per_run[name]["local_params"]
-            assert len(reduced) == steps, name
-            dp = runs[name][0].get("dp", world // (runs[name][0].get("tp", 1) * runs[name][0].get("pp", 1)))
-            if dp > 1 and per_run[name]["dp_reduced"] is not None:
-                assert all(local <= n <= 1.02 * local + 256 for n in reduced), (name, rank, reduced, local)
-            else:
-                assert all(n <= 256 for n in reduced), (name, rank, reduced)
-            if runs[name][0].get("compile"):  # the layers ran compiled, in whole graphs
+        for name, run in runs.items():
+            assert_matches(f"{name} (rank {rank})", per_run[name], references[name], *tolerances_of(run, tolerances))
+            # One gradient reduction per optimizer step, counted at the DP group (eager runs): this rank's
+            # parameters (padded to a multiple of dp, plus a few scalars: the norm, the logged loss, which
+            # parameters have gradients); nothing of the kind without DP.
+            reduced, local = per_run[name]["dp_reduced"], per_run[name]["local_params"]
+            if reduced is not None:
+                assert len(reduced) == steps, name
+                low, high = (local, 1.02 * local + 256) if dp_size(run[0], world) > 1 else (0, 256)
+                assert all(low <= n <= high for n in reduced), (name, rank, reduced, local)
+            if run[0].get("compile"):  # the layers ran compiled, in whole graphs
                 assert per_run[name]["compiled_graphs"] > 0 and per_run[name]["graph_breaks"] == 0, (name, per_run[name])
             else:
                 assert per_run[name]["compiled_graphs"] == 0, name

@@ -12,7 +12,7 @@ from functools import partial
 import torch
 
 from lightning_hybrid.models import GPTConfig, GPTLightningModule
-from tests.parity import BLOCK, PARAM_ATOL, RTOL, SGDGPT, DoubleOneGradient, check_world, mismatches, run_world
+from tests.parity import BLOCK, PARAM_ATOL, RTOL, SGDGPT, DoubleOneGradient, check_world, mismatches, run_world, tolerances_of
 from tests.user_modules import UserLM
 
 # The user module trains at lr 3e-3, where Adam turns eps-scale gradient noise into parameter noise of 7.6e-6.
@@ -103,8 +103,8 @@ def test_the_harness_sees_a_doubled_gradient_of_one_small_tensor_on_one_rank():
         runs[name] = (kwargs, gpt(), {"callbacks": [inject]})
         runs[f"{name}-sgd"] = (kwargs, gpt(sgd=True), {"callbacks": [inject]}, SGD_TOLERANCES)
     results, references = run_world(2, runs, steps=3)
-    for name, (*_, tolerances) in ((n, (*r, (RTOL, PARAM_ATOL))[:4]) for n, r in runs.items()):
-        seen = [mismatches(per_run[name], references[name], *tolerances) for per_run in results]
+    for name, run in runs.items():
+        seen = [mismatches(per_run[name], references[name], *tolerances_of(run, (RTOL, PARAM_ATOL))) for per_run in results]
         assert any("tensor_grad_norm" in bad for bad in seen), (name, seen)
         if name.endswith("-sgd"):
             assert any("param" in bad for bad in seen), (name, seen)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
+from lightning_hybrid.devices import module_device
 from lightning_hybrid.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -150,11 +151,12 @@ def _sequence_gatherer(unit: nn.Module, group: dist.ProcessGroup) -> None:
         # torch.compile the compiler decides (dynamo cannot trace saved-tensor hooks): the unit keeps its gathered
         # input, as without sequence parallelism.
         scope, prefetch = None, None
-        if torch.compiler.is_compiling():
-            outer_hooks = "compiled"
-        else:
-            outer_hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if torch.is_grad_enabled() and outer_hooks is None:
+        keep_shard = (
+            torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+            and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        )
+        if keep_shard:
             pack, unpack, prefetch = _regather_hooks(shard, full, group)
             scope = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
             scope.__enter__()
@@ -319,7 +321,7 @@ def apply_tp(
         kinds.setdefault(kind, []).append(block)
     decisions: dict[tuple, tuple[dict[str, Variant], set[str]]] = {}
     if kinds:
-        device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
+        device = device or module_device(model)
         representatives = {names[0]: modules[names[0]] for names in kinds.values()}
         chain: dict[str, tuple[Tensor | None, Tensor | None]] = {}
         if run_example is not None:
