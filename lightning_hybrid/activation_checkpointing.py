@@ -163,17 +163,26 @@ def _selective_contexts(selection: Selection):
 
 
 def checkpoint_targets(module: nn.Module, target: bool | str, pipelined: bool = False) -> list[str]:
-    """Names of the modules to checkpoint: ``True`` -> every layer (the pipeline layers when the module is
-    ``pipelined``, else the elements of its ``nn.ModuleList``s); a glob pattern -> the modules whose names match."""
+    """Names of the modules to checkpoint (or compile) layer by layer: ``True`` -> every layer (the pipeline layers
+    when the module is ``pipelined``; else the elements of its ``nn.ModuleList``s, or without any its pipeline
+    layers); a glob pattern -> the modules whose names match. ``ValueError`` when that finds none: the option would
+    otherwise be accepted and do nothing."""
     names = {id(m): n for n, m in module.named_modules()}
     if isinstance(target, str):
         chosen = [n for n in names.values() if n and fnmatch.fnmatchcase(n, target)]
         if not chosen:
             raise ValueError(f"activation_checkpointing={target!r} matches no module; names look like {list(names.values())[1:8]}")
         return chosen
-    if pipelined:
-        return [names[id(layer)] for layer in module.pipeline_layers() if id(layer) in names]
-    return [names[id(m)] for sub in module.modules() if isinstance(sub, nn.ModuleList) for m in sub]
+    listed = [] if pipelined else [names[id(m)] for sub in module.modules() if isinstance(sub, nn.ModuleList) for m in sub]
+    if not listed and callable(getattr(module, "pipeline_layers", None)):
+        listed = [names[id(layer)] for layer in module.pipeline_layers() if id(layer) in names]
+    if not listed:
+        raise ValueError(
+            f"{type(module).__name__} holds its layers neither in an nn.ModuleList nor in pipeline_layers(), so"
+            " activation checkpointing and compile have no layer to apply to: hold the blocks in an nn.ModuleList,"
+            " implement pipeline_layers(), or give activation_checkpointing a glob pattern of module names."
+        )
+    return listed
 
 
 def apply_activation_checkpointing(module: nn.Module, names: list[str], selection: Selection | None = None) -> None:

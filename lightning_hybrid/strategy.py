@@ -118,7 +118,8 @@ class HybridStrategy(ParallelStrategy):
             element-wise op) or a list of aten op names; anything but ``"full"`` checkpoints every layer when
             ``activation_checkpointing`` is ``False``.
         compile: ``torch.compile`` each layer (the decoder blocks -- the elements of the module's
-            ``nn.ModuleList``s -- or under ``pp > 1`` the pipeline layers), after TP and activation checkpointing
+            ``nn.ModuleList``s, or without any its pipeline layers -- or under ``pp > 1`` the pipeline layers;
+            `checkpoint_targets`), after TP and activation checkpointing
             and before ZeRO-3 and the pipeline executor, as TorchTitan does; ``True`` or a dict of
             ``torch.compile`` arguments (``{"mode": "max-autotune"}``). Off by default.
         process_group_backend: overrides the backend chosen from the accelerator (gloo on CPU, nccl on CUDA).

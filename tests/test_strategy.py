@@ -123,3 +123,26 @@ def test_a_checkpoint_io_plugin_is_refused_when_the_trainer_is_built():
 
     with pytest.raises(ValueError, match=r"checkpoint_io=<.*TorchCheckpointIO.*> would not be used"):
         L.Trainer(accelerator="cpu", devices=1, strategy=HybridStrategy(), plugins=[TorchCheckpointIO()], **QUIET_TRAINER)
+
+
+def test_layer_by_layer_options_find_the_layers_or_refuse():
+    """activation_checkpointing=True and compile apply to the layers: the elements of nn.ModuleLists, else the
+    pipeline layers of a module that holds its blocks as plain attributes; with neither, an error -- the option
+    was once accepted and did nothing."""
+    from torch import nn
+
+    from lightning_hybrid.activation_checkpointing import checkpoint_targets
+    from tests.user_modules import UserLM
+
+    class Attributes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.block_a, self.block_b = nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def pipeline_layers(self) -> list[nn.Module]:
+            return [self.embed, self.block_a, self.block_b]
+
+    assert checkpoint_targets(UserLM(), True) == ["blocks.0", "blocks.1"]
+    assert checkpoint_targets(Attributes(), True) == ["embed", "block_a", "block_b"]
+    with pytest.raises(ValueError, match=r"Sequential holds its layers neither in an nn.ModuleList nor in pipeline_layers"):
+        checkpoint_targets(nn.Sequential(nn.Linear(4, 4)), True)
