@@ -614,7 +614,7 @@ def job_throughput(a: dict) -> dict:
     trainer.fit(module, train_dataloaders=data)
     fit_s = time.perf_counter() - start
     graphs, breaks = counters["stats"]["unique_graphs"] - graphs_before, sum(counters["graph_break"].values()) - breaks_before
-    device = next(module.parameters()).device
+    device = trainer.strategy.root_device  # the module's own device: plain Lightning moves it to the CPU after fit
     elapsed = clock.end - clock.warm
     step_s = elapsed / a["steps"]
     flops = getattr(module, "flops_per_batch", None)
@@ -701,7 +701,7 @@ def multirank_fit(layout: Optional[dict], accelerator: str, backend: Optional[st
     trainer.fit(module, data)
     import torch.distributed as dist
 
-    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "device": str(next(module.parameters()).device),
+    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "device": str(trainer.strategy.root_device),
             "backend": dist.get_backend() if dist.is_initialized() else None, "rank": int(os.environ.get("RANK", "0")),
             "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")}}
 

@@ -34,6 +34,7 @@ would change a kept output in place is an error (torch's check), never a silentl
 from __future__ import annotations
 
 import fnmatch
+import inspect
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Sequence, Union
@@ -41,7 +42,7 @@ from typing import Callable, Sequence, Union
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, checkpoint, create_selective_checkpoint_contexts
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_hybrid.tensor_parallel.comm import functional_collectives
@@ -70,9 +71,15 @@ class Selection:
 
 def recompute_selection(recompute: Recompute) -> Selection | None:
     """What ``recompute`` asks a checkpointed layer to recompute; ``None`` for full recomputation.
-    Raises ``ValueError`` for an unknown mode or op name."""
+    Raises ``ValueError`` for an unknown mode or op name, and for selective recompute on a torch whose selective
+    checkpoint does not hand the policy each op's output (older than 2.13; the policy follows tensors by it)."""
     if recompute == "full":
         return None
+    if "op_output" not in inspect.signature(SelectiveCheckpointContext.__init__).parameters:
+        raise ValueError(
+            f"recompute={recompute!r} needs torch >= 2.13 (its selective checkpoint passes each op's output to the"
+            f" policy); this is torch {torch.__version__}. Use recompute='full'."
+        )
     if recompute == "attention":
         return Selection(ops=SDPA_OPS, attention_core=True)
     if recompute == "pointwise":

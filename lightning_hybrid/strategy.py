@@ -294,7 +294,9 @@ class HybridStrategy(ParallelStrategy):
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
-        device_id = self.root_device if self.root_device.type != "cpu" else None
+        # Binding the process group to the device (NCCL's eager init) also makes DeviceMesh split it, which deep-copies
+        # the backend's options: gloo's cannot be copied (torch 2.11, ranks sharing a GPU over gloo). Only NCCL gains.
+        device_id = self.root_device if self._process_group_backend == "nccl" else None
         assert self.cluster_environment is not None
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
