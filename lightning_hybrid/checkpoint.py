@@ -35,6 +35,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
+from lightning_hybrid.mesh import barrier
+from lightning_hybrid.tensor_parallel import gather_full_state_dict
 from lightning_hybrid.tensor_parallel.layers import load_full_state_dict, local_piece, tp_shard_specs, unsplit, unsplit_shape
 
 META_FILE = "meta.pt"
@@ -64,15 +66,13 @@ def _param_names(module: nn.Module) -> dict[int, str]:
 # state dict, then each optimizer's state: ZeRO-1/2 bucket by bucket), in parts of at most ``budget`` unsplit
 # bytes: a rank holds the rank's own state plus one part (and the one tensor being gathered) at any time.
 def _optimizer_entries(optimizer, module: nn.Module) -> list[tuple[str, nn.Parameter, list[str], Any]]:
-    """``(parameter name, model parameter, state keys, bucket or None)`` for each parameter of ``optimizer``
-    that has state, in bucket order for ZeRO-1/2 (whose state is per bucket slice)."""
-    from lightning_hybrid.zero import ZeroOptimizer
-
+    """``(parameter name, model parameter, state keys, SlicePlace or None)`` for each parameter of ``optimizer``
+    that has state, in bucket order for ZeRO-1/2 (whose state is per bucket slice: `ZeroOptimizer.slice_places`)."""
     names = _param_names(module)
-    if isinstance(optimizer, ZeroOptimizer) and optimizer.shards_state:
+    if _slices_state(optimizer):
         return [
-            (names[id(p)], p, sorted(optimizer.state.get(b.shard, {})), b)
-            for b in optimizer.buckets for p in b.params if optimizer.state.get(b.shard)
+            (names[id(p)], p, sorted(optimizer.state.get(place.shard, {})), place)
+            for p, place in optimizer.slice_places() if optimizer.state.get(place.shard)
         ]
     return [
         (names[id(p)], p, sorted(optimizer.state[p]), None)
@@ -80,12 +80,18 @@ def _optimizer_entries(optimizer, module: nn.Module) -> list[tuple[str, nn.Param
     ]
 
 
+def _slices_state(optimizer) -> bool:
+    from lightning_hybrid.zero import ZeroOptimizer
+
+    return isinstance(optimizer, ZeroOptimizer) and optimizer.shards_state
+
+
 def _save_plan(module: nn.Module, optimizers: list, specs: dict) -> list[tuple[str, list[int], torch.dtype]]:
     """``(key, unsplit shape, dtype)`` of every tensor this rank saves, in the shared order (no communication)."""
     out = [(f"model/{n}", unsplit_shape(n, t, specs), t.dtype) for n, t in module.state_dict(keep_vars=True).items()]
     for index, optimizer in enumerate(optimizers):
-        for name, param, keys, bucket in _optimizer_entries(optimizer, module):
-            state = optimizer.state[bucket.shard if bucket is not None else param]
+        for name, param, keys, place in _optimizer_entries(optimizer, module):
+            state = optimizer.state[place.shard if place is not None else param]
             for key in keys:
                 value = state[key]
                 if torch.is_tensor(value):
@@ -100,29 +106,28 @@ def _unsplit_tensors(module: nn.Module, optimizers: list, specs: dict):
     for name, tensor in module.state_dict(keep_vars=True).items():
         yield unsplit(name, tensor, specs)
     for optimizer in optimizers:
-        gathered_bucket, gathered = None, {}
-        for name, param, keys, bucket in _optimizer_entries(optimizer, module):
-            if bucket is None:
+        gathered_shard, gathered = None, {}
+        for name, param, keys, place in _optimizer_entries(optimizer, module):
+            if place is None:
                 state = optimizer.state[param]
                 for key in keys:
                     if torch.is_tensor(state[key]):
                         yield unsplit(name, state[key], specs if state[key].dim() > 0 else {})  # scalars (step) are not split
                 continue
-            state = optimizer.state[bucket.shard]
-            if bucket is not gathered_bucket:  # this bucket's slices of every rank, once per bucket
-                gathered_bucket, gathered = bucket, {}
+            state = optimizer.state[place.shard]
+            if place.shard is not gathered_shard:  # this bucket's slices of every rank, once per bucket
+                gathered_shard, gathered = place.shard, {}
                 for key, value in state.items():
-                    if torch.is_tensor(value) and value.shape == bucket.shard.shape:
-                        flat = value.new_empty(bucket.flat.numel())
-                        dist.all_gather_single(flat, value.contiguous(), group=bucket.group)
+                    if torch.is_tensor(value) and value.shape == place.shard.shape:
+                        flat = value.new_empty(place.size)
+                        dist.all_gather_single(flat, value.contiguous(), group=place.group)
                         gathered[key] = flat
-            offset = bucket.offset(param)
             for key in keys:
                 value = state[key]
                 if not torch.is_tensor(value):
                     continue
                 if key in gathered:
-                    value = gathered[key][offset : offset + param.numel()].view_as(param)
+                    value = gathered[key][place.start : place.start + param.numel()].view_as(param)
                 yield unsplit(name, value, specs if value.dim() > 0 else {})
 
 
@@ -158,34 +163,37 @@ def _group_settings(optimizer) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------------------------- save
-def save_sharded(path: str | Path, strategy, checkpoint: dict[str, Any]) -> None:
-    """Write ``checkpoint`` (Lightning's dict; weights and optimizer state are taken from the live model)
-    to the folder ``path``, atomically, in parts of at most the strategy's bucket size of unsplit tensors.
-    Collective over every rank."""
-    module = strategy.lightning_module
-    dims = strategy.parallel_dims
+def save_sharded(
+    path: str | Path, module: nn.Module, optimizers: list, mesh, checkpoint: dict[str, Any], zero_stage: int,
+    part_bytes: int, device: torch.device,
+) -> None:
+    """Write ``checkpoint`` (Lightning's dict; weights and optimizer state are taken from the live ``module`` and
+    ``optimizers``, parallelised over the ``(pp, dp, tp)`` ``mesh``) to the folder ``path``, atomically, in parts of
+    at most ``part_bytes`` of unsplit tensors. ``zero_stage`` is recorded with the layout. Collective over every
+    rank; ``path`` must be the same on every rank."""
     path = Path(path)
-    token = strategy.broadcast(uuid.uuid4().hex[:12] if strategy.is_global_zero else None)
+    first = dist.get_rank() == 0
+    token = _broadcast(uuid.uuid4().hex[:12] if first else None)
     partial = path.parent / f".{path.name}{PARTIAL_MARK}{token}"
-    mesh = strategy.device_mesh
+    dp, tp, pp = mesh["dp"].size(), mesh["tp"].size(), mesh["pp"].size()
     # Replicas of a tensor across (dp, tp) of one pipeline rank: the holder that writes it.
-    holders = dims.dp * dims.tp
-    me = mesh["dp"].get_local_rank() * dims.tp + mesh["tp"].get_local_rank()
+    holders = dp * tp
+    me = mesh["dp"].get_local_rank() * tp + mesh["tp"].get_local_rank()
     specs = tp_shard_specs(module)
     # `trainer.save_checkpoint(weights_only=True)` leaves "optimizer_states" out of Lightning's dict.
-    optimizers = list(strategy.optimizers) if "optimizer_states" in checkpoint else []
+    optimizers = list(optimizers) if "optimizer_states" in checkpoint else []
     plan = _save_plan(module, optimizers, specs)
-    part_of = _parts(plan, int(getattr(strategy, "bucket_cap_mb", 25) * 2**20))
-    parts = torch.tensor(max(part_of.values(), default=-1) + 1, device=strategy.root_device)
+    part_of = _parts(plan, part_bytes)
+    parts = torch.tensor(max(part_of.values(), default=-1) + 1, device=device)
     dist.all_reduce(parts, op=dist.ReduceOp.MAX)  # every rank takes part in every part's (collective) save
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, {key: (part_of[key], shape, dtype) for key, shape, dtype in plan})
     tensors = {k: v for per_rank in everyone for k, v in per_rank.items()}
 
-    if strategy.is_global_zero:
+    if first:
         for part in range(int(parts)):
             _part_dir(partial, part).mkdir(parents=True)
-    strategy.barrier()
+    barrier(device)
     current, state = 0, {}
     for (key, _, _), tensor in zip(plan, _unsplit_tensors(module, optimizers, specs)):
         while part_of[key] > current:
@@ -197,19 +205,37 @@ def save_sharded(path: str | Path, strategy, checkpoint: dict[str, Any]) -> None
     for part in range(current, int(parts)):
         dcp.save(state, checkpoint_id=str(_part_dir(partial, part)))
         state = {}
-    if strategy.is_global_zero:
+    if first:
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         meta["lightning_hybrid"] = {
             "model_shapes": {k[len("model/"):]: v[1] for k, v in tensors.items() if k.startswith("model/")},
             "tensors": tensors,  # key -> (part, unsplit shape, dtype)
             "optimizers": [{"param_groups": _group_settings(o)} for o in optimizers],
-            "layout": {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "zero_stage": strategy.zero_stage},
+            "layout": {"dp": dp, "tp": tp, "pp": pp, "zero_stage": zero_stage},
         }
         torch.save(meta, partial / META_FILE)
-    strategy.barrier()
-    if strategy.is_global_zero:
+    barrier(device)
+    if first:
         commit(partial, path, token)
-    strategy.barrier()
+    barrier(device)
+
+
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    objects = [obj]
+    dist.broadcast_object_list(objects, 0)
+    return objects[0]
+
+
+def full_state_dict(module: nn.Module, pp_group: dist.ProcessGroup) -> dict[str, Tensor]:
+    """The full (unsplit) state dict of a parallelised ``module`` on every rank: gathered over TP, ZeRO-3 and the
+    pipeline stages (``pp_group``). Collective over the whole mesh; the plain module loads it."""
+    state = gather_full_state_dict(module)
+    if dist.get_world_size(pp_group) > 1:
+        parts: list[Any] = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(parts, {k: v.cpu() for k, v in state.items()}, group=pp_group)
+        state = {k: v for part in parts for k, v in part.items()}
+    return state
 
 
 def commit(partial: Path, path: Path, token: str) -> None:
@@ -270,12 +296,12 @@ def _read_parts(path: Path, meta: dict, keys: Iterable[str], no_dist: bool = Fal
         yield wanted
 
 
-def load_sharded(path: str | Path, strategy) -> dict[str, Any]:
-    """Load a checkpoint written under any layout into the live (parallelised) model and optimizers, one part
-    at a time. Returns the Lightning checkpoint dict (loops, schedulers, ...). Collective over every rank."""
+def load_sharded(path: str | Path, module: nn.Module, optimizers: list) -> dict[str, Any]:
+    """Load a checkpoint written under any layout into the live (parallelised) ``module`` and its ``optimizers``,
+    one part at a time. Returns the Lightning checkpoint dict (loops, schedulers, ...). Collective over every
+    rank; ``path`` must be the same on every rank."""
     path = Path(path)
     meta = read_meta(path)
-    module = strategy.lightning_module
     specs = tp_shard_specs(module)
     saved_shapes = meta["lightning_hybrid"]["model_shapes"]
 
@@ -286,19 +312,19 @@ def load_sharded(path: str | Path, strategy) -> dict[str, Any]:
     check_model_fits(saved_shapes, {k: v for part in everyone for k, v in part.items()})
 
     saved_optimizers = meta["lightning_hybrid"]["optimizers"]
-    if saved_optimizers and strategy.optimizers and len(saved_optimizers) != len(strategy.optimizers):
-        raise CheckpointError(f"The checkpoint has {len(saved_optimizers)} optimizers, the module configures {len(strategy.optimizers)}.")
-    optimizers = list(strategy.optimizers) if saved_optimizers else []  # none in a weights-only checkpoint
-    places: dict[str, tuple] = {}  # key -> (optimizer, parameter name, parameter, state key, bucket)
+    if saved_optimizers and optimizers and len(saved_optimizers) != len(optimizers):
+        raise CheckpointError(f"The checkpoint has {len(saved_optimizers)} optimizers, the module configures {len(optimizers)}.")
+    optimizers = list(optimizers) if saved_optimizers else []  # none in a weights-only checkpoint
+    places: dict[str, tuple] = {}  # key -> (optimizer, parameter name, parameter, state key, SlicePlace or None)
     saved = meta["lightning_hybrid"]["tensors"]
     for index, optimizer in enumerate(optimizers):
         for group, settings in zip(optimizer.param_groups, saved_optimizers[index]["param_groups"]):
             group.update(settings)
-        for name, param, bucket in _optimizer_params(optimizer, module):
+        for name, param, place in _optimizer_params(optimizer, module):
             prefix = f"optim/{index}/{name}/"
             for key in saved:
                 if key.startswith(prefix) and "/" not in key[len(prefix):]:
-                    places[key] = (optimizer, name, param, key[len(prefix):], bucket)
+                    places[key] = (optimizer, name, param, key[len(prefix):], place)
     model_keys = [f"model/{n}" for n in targets]
     for loaded in _read_parts(path, meta, [*model_keys, *places]):
         load_full_state_dict(module, {k[len("model/"):]: v for k, v in loaded.items() if k.startswith("model/")}, strict=False)
@@ -309,32 +335,31 @@ def load_sharded(path: str | Path, strategy) -> dict[str, Any]:
 
 
 def _optimizer_params(optimizer, module: nn.Module) -> list[tuple[str, nn.Parameter, Any]]:
-    """``(parameter name, model parameter, ZeRO-1/2 bucket or None)`` for every parameter of ``optimizer``."""
-    from lightning_hybrid.zero import ZeroOptimizer
-
+    """``(parameter name, model parameter, ZeRO-1/2 SlicePlace or None)`` for every parameter of ``optimizer``."""
     names = _param_names(module)
-    if isinstance(optimizer, ZeroOptimizer) and optimizer.shards_state:
-        return [(names[id(p)], p, b) for b in optimizer.buckets for p in b.params]
+    if _slices_state(optimizer):
+        return [(names[id(p)], p, place) for p, place in optimizer.slice_places()]
     return [(names[id(p)], p, None) for group in optimizer.param_groups for p in group["params"]]
 
 
-def _place_state(optimizer, name: str, param: Tensor, state_key: str, bucket, full: Tensor, specs: dict) -> None:
+def _place_state(optimizer, name: str, param: Tensor, state_key: str, place, full: Tensor, specs: dict) -> None:
     """Put one unsplit optimizer-state tensor where ``param``'s state lives on this rank: its TP (and ZeRO-3)
-    piece, or for ZeRO-1/2 the part of it inside this rank's slice ``[lo, hi)`` of the bucket."""
-    if bucket is None:
+    piece, or for ZeRO-1/2 the part of it inside this rank's slice ``[lo, hi)`` of the bucket (``place``)."""
+    if place is None:
         optimizer.state[param][state_key] = _place(name, full, param, specs)
         return
-    state = optimizer.state[bucket.shard]
+    shard = place.shard
+    state = optimizer.state[shard]
     if full.dim() == 0:  # a scalar (Adam's step) shared by the bucket
-        state[state_key] = full.clone().to(bucket.flat.device)
+        state[state_key] = full.clone().to(shard.device)
         return
     if state_key not in state:
-        state[state_key] = torch.zeros(bucket.hi - bucket.lo, dtype=bucket.flat.dtype, device=bucket.flat.device)
-    start = bucket.offset(param)
-    lo, hi = max(start, bucket.lo), min(start + param.numel(), bucket.hi)
+        state[state_key] = torch.zeros(place.hi - place.lo, dtype=shard.dtype, device=shard.device)
+    start = place.start
+    lo, hi = max(start, place.lo), min(start + param.numel(), place.hi)
     if lo < hi:
         piece = local_piece(name, full, param, specs).reshape(-1)
-        state[state_key][lo - bucket.lo : hi - bucket.lo] = piece[lo - start : hi - start].to(state[state_key].device)
+        state[state_key][lo - place.lo : hi - place.lo] = piece[lo - start : hi - start].to(state[state_key].device)
 
 
 def _place(name: str, full: Tensor, param: Tensor, specs: dict) -> Tensor:

@@ -166,10 +166,7 @@ def _gradient_buffers(optimizers: list) -> list[Tensor]:
     """The gradient buckets of the strategy's ZeRO 0-2 optimizers (views of which are the ``.grad``)."""
     from lightning_hybrid.zero import ZeroOptimizer
 
-    return [
-        t for o in optimizers if isinstance(o, ZeroOptimizer) for b in o.buckets for t in (b.grad, b.shard_grad, b.shard.grad if b.stage else None)
-        if t is not None
-    ]
+    return [t for o in optimizers if isinstance(o, ZeroOptimizer) for t in o.gradient_buffers()]
 
 
 def _optimizer_state(optimizers: list) -> list[Tensor]:

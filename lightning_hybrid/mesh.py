@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -77,3 +78,11 @@ def validate_zero_stage(stage: int) -> int:
 def divisors(n: int) -> list[int]:
     """The divisors of ``n``, ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def barrier(device: torch.device) -> None:
+    """A barrier over the default process group; NCCL's names the device, so that it does not guess one."""
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -155,6 +156,20 @@ class _Bucket:
     @torch.no_grad()
     def gather_parameters(self) -> None:
         dist.all_gather_single(self.flat, self.shard.detach().clone(), group=self.group)
+
+
+@dataclass(frozen=True, eq=False)
+class SlicePlace:
+    """Where a parameter's ZeRO-1/2 optimizer state lives: in the state of ``shard``, this rank's slice
+    ``[lo, hi)`` of a flat bucket of ``size`` elements reduced over ``group``; the parameter's elements start at
+    ``start`` in that bucket. Parameters of one bucket share their ``shard``."""
+
+    shard: nn.Parameter
+    start: int
+    lo: int
+    hi: int
+    size: int
+    group: dist.ProcessGroup
 
 
 def _layout(params: list[nn.Parameter], cap_bytes: int, key) -> list[list[nn.Parameter]]:
@@ -401,9 +416,24 @@ class ZeroOptimizer(Optimizer):
                     out.append((p, bucket.shard.grad[lo - bucket.lo : hi - bucket.lo]))
         return out
 
-    def grad_slices(self, params: set[int]) -> list[Tensor]:
-        """Stages 1-2: the parts of this rank's reduced slices that hold the gradients of ``params`` (ids)."""
-        return [g for p, g in self.grad_pieces() if id(p) in params]
+    def sliced_params(self) -> list[nn.Parameter]:
+        """Stages 1-2: the parameters whose gradients and optimizer state live in bucket slices (every trainable
+        one); stage 0: none."""
+        return [p for b in self.buckets for p in b.params] if self.stage else []
+
+    def slice_places(self) -> list[tuple[nn.Parameter, SlicePlace]]:
+        """Stages 1-2: ``(parameter, where its optimizer state lives)`` in bucket order (the order checkpoints
+        save and load them in)."""
+        return [
+            (p, SlicePlace(b.shard, offset, b.lo, b.hi, b.padded, b.group))
+            for b in self.buckets if self.stage for p, offset in zip(b.params, b.offsets)
+        ]
+
+    def gradient_buffers(self) -> list[Tensor]:
+        """The flat gradient buffers the buckets hold now (of which the ``.grad`` are views) and the slices'
+        gradients: what gradients occupy beyond the ``.grad`` themselves."""
+        held = [t for b in self.buckets for t in (b.grad, b.shard_grad, b.shard.grad if b.stage else None)]
+        return [t for t in held if t is not None]
 
     def state_dict(self):
         return self.optimizer.state_dict()

@@ -2,8 +2,8 @@
 ``self.loss_fn`` mean once the strategy has cut it into stages.
 
 `PipelineModule` is the protocol (`check_protocol` enforces it at setup); `LayerwiseInit` is the optional
-part that lets each rank build only its own layers, and `SliceLoading` the part that lets it read only its
-TP slices of them. The binding that `HybridStrategy` gives these methods
+part that lets each rank build only its own layers, `DeferredLayers` the explicit signal that a module left
+them for the strategy to build, and `SliceLoading` the part that lets each rank read only its TP slices of them. The binding that `HybridStrategy` gives these methods
 under ``pp > 1`` is part of the contract and is written down in `PipelineModule`'s docstring.
 """
 
@@ -13,7 +13,10 @@ from typing import Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
-__all__ = ["PROTOCOL_HELP", "LayerwiseInit", "PipelineModule", "SliceLoading", "check_protocol"]
+__all__ = [
+    "PROTOCOL_HELP", "DeferredLayers", "LayerwiseInit", "PipelineModule", "SliceLoading", "builds_per_rank",
+    "check_protocol",
+]
 
 PROTOCOL_HELP = (
     "To train with pp > 1, the LightningModule must implement `pipeline_layers(self) -> list[nn.Module]` (its"
@@ -72,6 +75,32 @@ class SliceLoading(Protocol):
     the stored weights: the blocks TP verification materialises and throws away)."""
 
     def load_pipeline_layer_slices(self, index: int, layer: nn.Module) -> bool: ...
+
+
+@runtime_checkable
+class DeferredLayers(Protocol):
+    """Optional, beside `LayerwiseInit`: the module says, after ``configure_model``, whether it left its pipeline
+    layers unbuilt (on the meta device) for the strategy to build per rank with ``init_pipeline_layer``
+    (``layers_deferred = True``) -- as `lightning_hybrid.hf.CausalLM` does under ``tp > 1`` on its own. A
+    `LayerwiseInit` module without the attribute is built per rank when the strategy's init context built it on
+    the meta device (``pp > 1``), the one case the strategy asks for it."""
+
+    layers_deferred: bool
+
+
+def builds_per_rank(module: nn.Module) -> bool:
+    """Whether the strategy builds ``module``'s pipeline layers per rank (`DeferredLayers`; without the signal,
+    a `LayerwiseInit` module still on the meta device, where the strategy's init context put it). ``TypeError``
+    for a module on the meta device that cannot initialise its layers."""
+    from lightning_hybrid.devices import is_meta
+
+    if isinstance(module, DeferredLayers):
+        deferred = bool(module.layers_deferred)
+    else:
+        deferred = is_meta(module)
+    if deferred and not isinstance(module, LayerwiseInit):
+        raise TypeError(f"{type(module).__name__} was built on the meta device but has no `init_pipeline_layer`. {PROTOCOL_HELP}")
+    return deferred
 
 
 def check_protocol(module: nn.Module) -> None:

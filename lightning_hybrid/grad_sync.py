@@ -1,0 +1,219 @@
+"""`GradientSync`: everything that happens to gradients between the backward and the optimizer step, in one object.
+
+It owns
+* the **accumulation window**: inside `accumulating` (Lightning's ``block_backward_sync``, the backward passes of
+  a window but the last) nothing is reduced -- ZeRO 0-2's buckets, FSDP2's roots and the pipeline's stages all
+  hold their reduction;
+* the **pipeline's gradient stash**: under ``pp > 1`` the schedule runs the backward inside ``training_step``;
+  without buckets the gradients are kept away from Lightning's ``zero_grad`` (which comes between
+  ``training_step`` and ``backward``) and given back in `unstash`;
+* the **DP reduction** (`reduce`): ZeRO 0-2's buckets (`lightning_hybrid.zero`; their layout stays private to
+  it) are waited for (or, under PP, reduced); ZeRO-3's FSDP2 has reduced in backward;
+* the **TP partial-gradient sum**: replicated parameters whose per-rank gradient is a part (norms and row biases in
+  sequence-split regions, per-head norms) are summed over TP once per step, after the DP reduction;
+* the **gradient norm**: the global norm over TP and ZeRO shards and pipeline stages (clipping by it), and each
+  parameter's whole-gradient norm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Optional, TypeVar
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_hybrid.grad_norm import clip_grads_, global_grad_norm, parameter_grad_norms
+from lightning_hybrid.parallelize import Parallelized
+from lightning_hybrid.tensor_parallel.comm import sum_grads_over_tp_
+from lightning_hybrid.zero import ZeroOptimizer
+
+T = TypeVar("T")
+
+
+class GradientSync:
+    """The gradient synchronisation of one parallelised module (`Parallelized`) under ``zero_stage``.
+
+    `wrap_optimizers` puts the user's optimizers on gradient buckets (ZeRO 0-2 with ``dp > 1``); the other methods
+    are called by `HybridStrategy` at the points of Lightning's loop their names say. Collectives run on the
+    mesh's groups: the DP reduction over ``dp``, the partial sums over ``tp``, the norm over all three.
+    """
+
+    def __init__(self, parallelized: Parallelized, zero_stage: int, bucket_cap_mb: float, device: torch.device) -> None:
+        self.parallelized, self.zero_stage, self.bucket_cap_mb, self.device = parallelized, zero_stage, bucket_cap_mb, device
+        mesh = parallelized.mesh
+        self.dp_group, self.tp_group, self.pp_group = (mesh[n].get_group() for n in ("dp", "tp", "pp"))
+        self.dp = mesh["dp"].size()
+        self.optimizers: list[Optimizer] = []
+        self.blocked = False
+        self._stash: list[tuple[torch.nn.Parameter, Optional[Tensor]]] = []
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.parallelized.module
+
+    # ------------------------------------------------------------------ optimizers
+    def wrap_optimizers(self, optimizers: list[Optimizer]) -> list[Optimizer]:
+        """ZeRO 0-2 over DP (``dp > 1``): each optimizer wrapped by `ZeroOptimizer` on gradient buckets; else as
+        they are. The returned list is the one the other methods work with."""
+        self.close()
+        if self.zero_stage in (0, 1, 2) and self.dp > 1:
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            tp_sharded = {i for i, n in names.items() if n in self.parallelized.tp_sharded}
+            optimizers = [
+                ZeroOptimizer(opt, self.dp_group, self.zero_stage, tp_sharded, self.bucket_cap_mb, names)
+                for opt in optimizers
+            ]
+        self.optimizers = list(optimizers)
+        return self.optimizers
+
+    def _zero(self) -> list[ZeroOptimizer]:
+        return [opt for opt in self.optimizers if isinstance(opt, ZeroOptimizer)]
+
+    def close(self) -> None:
+        """Remove the buckets' backward hooks (a later fit wraps new optimizers with buckets of their own)."""
+        for opt in self._zero():
+            opt.gradients.remove()
+        self.optimizers = []
+
+    # ------------------------------------------------------------------ the accumulation window
+    @contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """The backward passes of an accumulation window but the last: no reduction anywhere."""
+        self.blocked = True
+        for root in self.parallelized.fsdp_roots:
+            root.set_requires_gradient_sync(False)
+        for opt in self._zero():
+            opt.gradients.sync = False
+        try:
+            yield
+        finally:
+            self.blocked = False
+            for root in self.parallelized.fsdp_roots:
+                root.set_requires_gradient_sync(True)
+            for opt in self._zero():
+                opt.gradients.sync = True
+
+    def pipeline_step(self, run: Callable[[], T], first_in_window: bool) -> T:
+        """Run ``run()`` -- a training step whose pipeline schedule runs forward and backward -- so that its
+        gradients add up over the accumulation window and reach `reduce` whole. ``first_in_window``: the step
+        starts a window (the ``zero_grad`` Lightning would have done before a backward is done here)."""
+        pipeline = self.parallelized.pipeline
+        assert pipeline is not None
+        pipeline.reduce_grads = not self.blocked
+        zero = self._zero()
+        if zero:
+            # Gradients collect in the buckets (Lightning's zero_grad, which comes after this, leaves them there)
+            # and are reduced in `reduce`.
+            for opt in zero:
+                if first_in_window:
+                    opt.gradients.clear()
+                opt.gradients.sync = False
+            return run()
+        # No buckets (dp=1, ZeRO-3): the schedule starts from no gradients; what earlier batches of the window
+        # left is added back afterwards; the sum is kept away from Lightning's zero_grad until `unstash`.
+        params = list(self.module.parameters())
+        earlier = _take_grads(params)
+        output = run()
+        now = _take_grads(params)
+        self._stash = [(p, g if first_in_window else _add(e, g)) for p, e, g in zip(params, earlier, now)]
+        return output
+
+    def unstash(self) -> None:
+        """Give the parameters back the gradients `pipeline_step` kept (Lightning's ``backward`` under PP)."""
+        for p, grad in self._stash:
+            p.grad = grad
+        self._stash = []
+
+    # ------------------------------------------------------------------ reductions
+    def reduce(self) -> None:
+        """After the last backward of a window (nothing inside `accumulating`): reduce the gradients over DP
+        (ZeRO-3: FSDP2 already did, in backward), then sum over TP those that are per-rank parts."""
+        if self.blocked:
+            return
+        for opt in self._zero():
+            if self.parallelized.pipeline is not None:
+                opt.gradients.reduce()  # the schedule's backward passes ran without sync
+            else:
+                opt.gradients.wait()  # started during the backward
+            opt.gradients.sync = True
+        self._sum_partial_grads_over_tp()
+
+    def _sum_partial_grads_over_tp(self) -> None:
+        """One all-reduce over TP of every gradient that is a per-rank part, once per optimizer step, after the DP
+        reduction (both are sums: their order does not matter), where the optimizer reads it: the ``.grad``
+        (FSDP2's local shard under ZeRO-3), or under ZeRO 1-2 the parts of the bucket slices that hold it (the TP
+        peers of a DP rank lay out their buckets alike). A hook per parameter would stop the backward at each."""
+        names = self.parallelized.partial_grads
+        if not names:
+            return
+        params = [self.module.get_parameter(n) for n in names]
+        ids = {id(p) for p in params}
+        sharding = [opt for opt in self._zero() if opt.shards_state]
+        grads: list[Tensor] = [g for opt in sharding for p, g in opt.grad_pieces() if id(p) in ids]
+        sliced = {id(p) for opt in sharding for p in opt.sliced_params()}
+        for param in params:
+            if id(param) not in sliced and param.grad is not None:
+                grads.append(_local(param.grad))
+        sum_grads_over_tp_(grads, self.tp_group)
+
+    # ------------------------------------------------------------------ norms
+    def grad_norm(self, optimizer: Optimizer) -> Tensor:
+        """The global L2 norm of the gradients of ``optimizer``'s parameters (equal to one device's)."""
+        if isinstance(optimizer, ZeroOptimizer) and optimizer.shards_state:
+            grads = [(g, tp_shard, True) for g, tp_shard in optimizer.grad_shards()]
+        else:
+            wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            dp_shard = bool(self.parallelized.fsdp_roots)
+            grads = [
+                (p.grad, name in self.parallelized.tp_sharded, dp_shard)
+                for name, p in self.module.named_parameters()
+                if id(p) in wanted and p.grad is not None
+            ]
+        return global_grad_norm(grads, self.tp_group, self.dp_group, self.pp_group, device=self.device)
+
+    def clip(self, optimizer: Optimizer, max_norm: float) -> Tensor:
+        """Clip ``optimizer``'s gradients by their global norm; returns the norm (before clipping)."""
+        norm = self.grad_norm(optimizer)
+        clip_grads_([p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None], max_norm, norm)
+        return norm
+
+    def parameter_grad_norms(self) -> dict[str, Tensor]:
+        """The L2 norm of each parameter's whole gradient (unsplit, reduced over DP), by name, for the parameters
+        this rank holds: what ``p.grad.norm()`` gives on one device (0 for a parameter without a gradient).
+        Collective over TP and DP; called where the gradients are complete (``on_before_optimizer_step``)."""
+        named = list(self.module.named_parameters())
+        names = {id(p): n for n, p in named}
+        pieces: dict[str, list[Tensor]] = {n: [] for n, _ in named}
+        sliced: set[str] = set()
+        for opt in self._zero():
+            if opt.shards_state:
+                sliced |= {names[id(p)] for p in opt.sliced_params()}
+                for p, g in opt.grad_pieces():
+                    pieces[names[id(p)]].append(g)
+        for name, p in named:
+            if name not in sliced and p.grad is not None:
+                pieces[name].append(p.grad)
+        dp_sharded = sliced | {n for n, p in named if hasattr(p, "_local_tensor")}
+        return parameter_grad_norms(
+            pieces, self.parallelized.tp_sharded, dp_sharded, self.tp_group, self.dp_group, self.device
+        )
+
+
+def _local(t: Tensor) -> Tensor:
+    """A DTensor's local shard (FSDP2's parameters and gradients); a plain tensor as it is."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _take_grads(params: list[torch.nn.Parameter]) -> list[Optional[Tensor]]:
+    """The parameters' gradients; the parameters are left without any."""
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return grads
+
+
+def _add(a: Optional[Tensor], b: Optional[Tensor]) -> Optional[Tensor]:
+    return b if a is None else a if b is None else a + b

@@ -1,0 +1,245 @@
+"""`parallelize`: the one place the parallel dimensions are composed, in the order they must run.
+
+    plan -> checkpoint targets -> pipeline cut -> TP/SP split (verified) -> materialise
+         -> activation checkpointing -> compile -> ZeRO-3 (FSDP2) -> pipeline executor
+
+Each step is one named function taking the mesh (or its sub-meshes and groups) and plain values from the frozen
+`ParallelOptions`, never the strategy; a new dimension is one more step here. `HybridStrategy.setup` calls
+`parallelize` and then moves the module to its device, applies the precision, wraps the optimizers and builds the
+`GradientSync` (`lightning_hybrid.grad_sync`) from the returned `Parallelized`. It runs without a ``Trainer``:
+``parallelize(module, mesh, options, device)`` on every rank of a process group (collective over the mesh).
+
+Building per rank: a module whose layers are still to be built (`builds_per_rank`: it says so, or the strategy's
+init context built it on the meta device under ``pp > 1``) is cut on the meta device, split over TP there, and
+then each rank materialises only its own layers -- under TP only its slices of them
+(`lightning_hybrid.tensor_parallel.layerwise`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_hybrid.activation_checkpointing import apply_activation_checkpointing, checkpoint_targets
+from lightning_hybrid.compile import apply_compile
+from lightning_hybrid.devices import module_device
+from lightning_hybrid.options import ParallelOptions
+from lightning_hybrid.pipeline import PipelineExecutor, check_protocol, stage_module
+from lightning_hybrid.pipeline.executor import forward_through_stages
+from lightning_hybrid.pipeline.protocol import builds_per_rank
+from lightning_hybrid.pipeline.stages import (
+    StageLayout,
+    check_materialised,
+    drop_remote_layers,
+    keep_local_layers,
+    plan_stages,
+)
+from lightning_hybrid.tensor_parallel import TPPlan, TPResult, apply_tp, resolve_tp_plan, tp_sharded_parameter_names
+from lightning_hybrid.tensor_parallel.examples import first_layer_example, model_example, synthetic_call
+from lightning_hybrid.tensor_parallel.layerwise import Representatives, materialise_split_layers
+from lightning_hybrid.zero import apply_fsdp, apply_fsdp_units
+
+__all__ = ["Parallelized", "parallelize"]
+
+
+@dataclass
+class Parallelized:
+    """What `parallelize` made of a module (split, cut and wrapped in place) and what the later pieces need.
+
+    ``tp_sharded``: names of the parameters that are TP shards (the gradient norm counts their pieces once per TP
+    rank). ``partial_grads``: replicated parameters whose per-rank gradient is a part, summed over TP once per
+    step. ``fsdp_roots``: the FSDP2 roots of ZeRO-3 (their gradient sync is switched off inside an accumulation
+    window). ``pipeline``: the executor under ``pp > 1``. ``remote_prefixes``: module names of the pipeline layers
+    other ranks hold. ``tp_report``: what TP split and how.
+    """
+
+    module: nn.Module
+    mesh: DeviceMesh
+    tp_sharded: frozenset[str] = frozenset()
+    partial_grads: tuple[str, ...] = ()
+    fsdp_roots: list[nn.Module] = field(default_factory=list)
+    pipeline: Optional[PipelineExecutor] = None
+    remote_prefixes: tuple[str, ...] = ()
+    tp_report: Optional[TPResult] = None
+
+
+def parallelize(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, device: torch.device) -> Parallelized:
+    """Parallelise ``module`` in place over the ``(pp, dp, tp)`` ``mesh`` as ``options`` say; its layers end on
+    ``device`` where they were built here (the rest moves with the strategy's ``model_to_device``). Collective over
+    the mesh; an error on any rank is raised on every rank before the next collective."""
+    pp, dp, tp = (mesh[name].size() for name in ("pp", "dp", "tp"))
+    per_rank = builds_per_rank(module)
+    layerwise = tp > 1 and per_rank  # split on the meta device, then materialise each rank's slices
+    layer_names = pipeline_layer_names(module) if pp > 1 or layerwise else ()
+    plan = plan_tp(module, tp, options, layer_names)
+    checkpointed = checkpoint_targets(module, options.activation_checkpointing, pp > 1) if options.activation_checkpointing else []
+    first_input = None
+    if pp > 1 or layerwise:  # known on every rank before the cut (the layers are still there, perhaps on meta)
+        first_input = first_layer_example(module, module.pipeline_layers()[0], device, options.example_multiple)
+    layout = cut_pipeline(module, mesh, options, device, keep_unbuilt=layerwise) if pp > 1 else None
+    unbuilt = unsplit_copies(module, layout) if layerwise else {}  # on meta: what random init fills, layer by layer
+    report = None
+    if plan is not None:
+        report = split_tp(module, mesh, plan, options, device, layer_names, layout, first_input, layerwise)
+    if layerwise:
+        materialise(module, unbuilt, device)
+    remote = tuple(layout.remote_prefixes) if layout is not None else ()
+    apply_activation_checkpointing(module, _local(checkpointed, remote), options.recompute)
+    if options.compile is not None:
+        apply_compile(module, _local(checkpoint_targets(module, True, pp > 1), remote), dict(options.compile))
+    fsdp_roots, pipeline = [], None
+    if layout is not None:
+        stages = local_stages(module, layout)
+        if options.zero_stage == 3 and dp > 1:
+            fsdp_roots = shard_stages(stages, mesh["dp"])
+        pipeline = build_pipeline(module, stages, layout, mesh, options, device)
+    elif options.zero_stage == 3 and dp > 1:
+        fsdp_roots = apply_fsdp(module, mesh["dp"])
+    return Parallelized(
+        module, mesh, frozenset(tp_sharded_parameter_names(module)),
+        tuple(sorted(report.partial_grads)) if report is not None else (), fsdp_roots, pipeline, remote, report,
+    )
+
+
+# ----------------------------------------------------------------------------------------------- the steps
+def plan_tp(module: nn.Module, tp: int, options: ParallelOptions, layer_names: tuple[str, ...]) -> Optional[TPPlan]:
+    """The TP plan, made on the whole model (before a pipeline cuts it), so that it is the same for every pp."""
+    if tp == 1:
+        return None
+    plan = dict(options.tp_plan) if options.tp_plan != "auto" else "auto"
+    return resolve_tp_plan(module, tp, plan, pipeline_layers=layer_names)
+
+
+def cut_pipeline(
+    module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, device: torch.device, keep_unbuilt: bool
+) -> StageLayout:
+    """Partition the pipeline layers into stages and keep this rank's: the others become `RemoteLayer` stand-ins.
+    The kept layers are materialised on ``device`` here, unless ``keep_unbuilt`` (TP splits them on meta first)."""
+    assert options.schedule_spec is not None
+    pp_mesh = mesh["pp"]
+    layout = plan_stages(module, pp_mesh.size(), pp_mesh.get_local_rank(), options.stages_per_rank,
+                         options.schedule_spec.style, list(options.split_points) if options.split_points else None)
+    if keep_unbuilt:
+        drop_remote_layers(module, layout)
+    else:
+        keep_local_layers(module, layout, device)
+    return layout
+
+
+def split_tp(
+    module: nn.Module, mesh: DeviceMesh, plan: TPPlan, options: ParallelOptions, device: torch.device,
+    layer_names: tuple[str, ...], layout: Optional[StageLayout], first_input: Optional[Tensor], layerwise: bool,
+) -> TPResult:
+    """Split this rank's modules over TP, each kind of block verified against its unsplit self first (an example
+    forward captures the blocks' inputs: the whole model, or the pipeline stages in order). With ``layerwise`` the
+    model is on the meta device: each kind is verified on a materialised copy of one block (`Representatives`:
+    called with its pipeline layer's input, ``first_input`` for layer 0, random hidden states for the others) and
+    the split is made on meta. A split that is not exact on any rank is a ``ValueError`` on every rank."""
+    multiple = options.example_multiple
+    run_example: Optional[Callable[[], Any]] = None
+    representative = example_input_for = None
+    if layerwise:
+        representative = Representatives(module, module.pipeline_layers(), layer_names, device, first_input, multiple)
+        example_input_for = representative.example_call
+    elif layout is None:
+        run_example = model_example(module, module_device(module), multiple)
+    elif first_input is not None:
+        stages = local_stages(module, layout)
+        pp_group = mesh["pp"].get_group()
+        run_example = lambda: forward_through_stages(stages, layout.owners, [first_input], pp_group, device)  # noqa: E731
+    result = apply_tp(
+        module, mesh["tp"].get_group(), plan, run_example=run_example, pipeline_layers=layer_names, device=device,
+        example_input_for=example_input_for or (lambda name, block: synthetic_call(block, multiple)),
+        representative=representative, sequence_parallel=options.sequence_parallel, split_logits=options.loss_parallel,
+    )
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, result.errors)
+    messages = list(dict.fromkeys(m for per_rank in errors for m in per_rank))
+    if messages:
+        raise ValueError("Tensor parallelism cannot split this model exactly:\n- " + "\n- ".join(messages))
+    rank_zero_info(result.summary())
+    return result
+
+
+def unsplit_copies(module: nn.Module, layout: Optional[StageLayout]) -> dict[int, nn.Module]:
+    """Copies of this rank's pipeline layers, still on the meta device and not split: taken before the TP split,
+    they are what `materialise` initialises (one at a time) to keep this rank's slices of."""
+    layers = module.pipeline_layers()
+    local = layout.local_layers() if layout is not None else range(len(layers))
+    return {i: copy.deepcopy(layers[i]) for i in local}
+
+
+def materialise(module: nn.Module, unsplit: dict[int, nn.Module], device: torch.device) -> None:
+    """Build this rank's layers (split on the meta device) on ``device``, each rank filling only its slices of
+    ``unsplit`` copies; the values are those of a one-device init (or the module's stored weights). Errors are
+    raised on every rank."""
+
+    def build() -> None:
+        materialise_split_layers(module, list(unsplit), unsplit, device)
+        check_materialised(module)
+
+    on_every_rank(build, "materialising the model")
+
+
+def local_stages(module: nn.Module, layout: StageLayout) -> dict[int, nn.Module]:
+    """This rank's pipeline stages: stage index -> the stage's layers as one module."""
+    layers = module.pipeline_layers()
+    return {s: stage_module([layers[i] for i in layout.ranges[s]]) for s in layout.local_stages}
+
+
+def shard_stages(stages: dict[int, nn.Module], dp_mesh: DeviceMesh) -> list[nn.Module]:
+    """ZeRO-3 under PP: each stage an FSDP2 root (the pipeline stage drives its gradient sync), each layer a unit."""
+    return [apply_fsdp_units(list(stage), stage, dp_mesh) for stage in stages.values()]
+
+
+def build_pipeline(
+    module: nn.Module, stages: dict[int, nn.Module], layout: StageLayout, mesh: DeviceMesh, options: ParallelOptions,
+    device: torch.device,
+) -> PipelineExecutor:
+    assert options.schedule_spec is not None and options.micro_batches is not None
+    rank_zero_info(
+        f"pipeline: {len(layout.ranges)} stages over pp={mesh['pp'].size()} ({options.schedule},"
+        f" {options.micro_batches} micro-batches), layers per stage {[len(r) for r in layout.ranges]}"
+    )
+    return PipelineExecutor(
+        stages, len(layout.ranges), layout.owners, options.schedule_spec, options.micro_batches, module.loss_fn,
+        mesh["pp"].get_group(), device,
+    )
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def pipeline_layer_names(module: nn.Module) -> tuple[str, ...]:
+    """The module-tree names of the pipeline layers, in order (checks the pipeline protocol first)."""
+    check_protocol(module)
+    names = {id(m): n for n, m in module.named_modules()}
+    return tuple(names[id(layer)] for layer in module.pipeline_layers() if id(layer) in names)
+
+
+def on_every_rank(step: Callable[[], None], what: str) -> None:
+    """Run ``step()``; an exception on any rank is raised on every rank (this rank's own, else one naming the
+    ranks that failed), so that none goes on to a collective the others never reach. Collective over the world."""
+    error: Optional[BaseException] = None
+    try:
+        step()
+    except Exception as e:  # re-raised below, on every rank
+        error = e
+    failures: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = {rank: message for rank, message in enumerate(failures) if message is not None}
+    if failed:
+        raise RuntimeError(f"{what} failed on rank(s) {sorted(failed)}: {next(iter(failed.values()))}")
+
+
+def _local(names: list[str], remote: tuple[str, ...]) -> list[str]:
+    """``names`` without those inside a layer another pipeline rank holds (``a.b`` is inside ``a``)."""
+    return [n for n in names if not any(n == p or n.startswith(p + ".") for p in remote)]
