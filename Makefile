@@ -19,7 +19,9 @@ install: $(VENV)/.installed
 run: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) recipes/pretrain.py parallel=3d model=small max_steps=200 trainer.val_check_interval=40
 
+# The linter first (ruff, configured in pyproject.toml: line length 120), then the test suite.
 test: $(VENV)/.installed
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed

@@ -234,7 +234,8 @@ def main() -> None:
             rows.append(f"| {tp} | {config} | {got / mib:.2f} | {want / mib:.2f} | {got / want:.2f} |"
                         f" {base / result[config]['step_s']:.2f} |")
         split, gathered = result["logits split=True"], result["logits split=False"]
-        logits_rows.append(f"| {tp} | {split / mib:.2f} | {gathered / mib:.2f} | {split / gathered:.2f} | {1 / tp:.2f} |")
+        logits_rows.append(f"| {tp} | {split / mib:.2f} | {gathered / mib:.2f} | {split / gathered:.2f}"
+                           f" | {1 / tp:.2f} |")
         print("\n".join(rows[-len(result) + 2:]), flush=True)
     header = (f"s={s}, b={b}, h={h}, a={a}, V={args.vocab}, fp32, dropout {DROPOUT}; step time vs TP = TP's step time /"
               " this one's (> 1 faster)")
@@ -242,7 +243,8 @@ def main() -> None:
     print(text)
     from benchmarks.report import header
 
-    (REPO_ROOT / "benchmarks" / "ACTIVATIONS.md").write_text(header("Activation memory (benchmarks/bench_activations.py)") + text)
+    title = header("Activation memory (benchmarks/bench_activations.py)")
+    (REPO_ROOT / "benchmarks" / "ACTIVATIONS.md").write_text(title + text)
 
 
 if __name__ == "__main__":

@@ -119,7 +119,8 @@ def worker(name: str, dp: int, cfg: dict) -> dict:
     L.seed_everything(0, verbose=False)
     strategy, module_cls = _make(name, dp, cfg["bucket_cap_mb"])
     module = module_cls(config=GPTConfig(**cfg["model"]), lr=1e-3)
-    data = ByteCorpusDataModule(max_bytes=cfg["max_bytes"], block_size=cfg["model"]["block_size"], batch_size=cfg["batch"])
+    data = ByteCorpusDataModule(max_bytes=cfg["max_bytes"], block_size=cfg["model"]["block_size"],
+                                batch_size=cfg["batch"])
     monitor, timer = PeakMemoryMonitor(steps=cfg["measure_steps"]), StepTimer(cfg["measure_steps"] + cfg["warmup"])
     trainer = L.Trainer(
         accelerator="cpu", devices=dp, strategy=strategy, max_steps=cfg["measure_steps"] + cfg["warmup"] + cfg["steps"],
@@ -163,8 +164,8 @@ def report(dp: int, res: dict, psi: int, tokens: int) -> list[str]:
     ok = lambda n: n in res and "error" not in res[n]  # noqa: E731
     base = res["zero0"]["total"] if ok("zero0") else None
     out = [f"### dp = {dp}", "",
-           "| strategy | peak MiB | params | grads | optim | act+temp | rest | saved vs Hybrid ZeRO-0 | ZeRO formula promises"
-           " | ratio | step s | tokens/s | other load |", "|---|" + "---:|" * 12]
+           "| strategy | peak MiB | params | grads | optim | act+temp | rest | saved vs Hybrid ZeRO-0"
+           " | ZeRO formula promises | ratio | step s | tokens/s | other load |", "|---|" + "---:|" * 12]
     for name, (label, stage) in STRATEGIES.items():
         r = res.get(name)
         if r is None:
@@ -178,15 +179,17 @@ def report(dp: int, res: dict, psi: int, tokens: int) -> list[str]:
         promised = (formula(0, psi, dp) - formula(stage, psi, dp)) / MIB
         saved = (base - r["total"]) / MIB if base is not None else float("nan")
         ratio = f"{saved / promised:.3f}" if promised else "-"
-        out.append(f"| {label} | {r['total'] / MIB:.1f} | {b['parameters']:.1f} | {b['gradients']:.1f} | {b['optimizer_state']:.1f}"
-                   f" | {act:.1f} | {rest:.1f} | {saved:.1f} | {promised:.1f} | {ratio} | {r['step_s']:.3f}"
+        out.append(f"| {label} | {r['total'] / MIB:.1f} | {b['parameters']:.1f} | {b['gradients']:.1f}"
+                   f" | {b['optimizer_state']:.1f} | {act:.1f} | {rest:.1f} | {saved:.1f} | {promised:.1f} | {ratio}"
+                   f" | {r['step_s']:.3f}"
                    f" | {tokens / r['step_s']:.0f} | {r['other_load']:.2f} |")
     out.append("")
     verdict = lambda good: "met" if good else "NOT MET"  # noqa: E731
     for s in (1, 2, 3):
         if ok(f"zero{s}") and base is not None:
             ratio = (base - res[f"zero{s}"]["total"]) / (formula(0, psi, dp) - formula(s, psi, dp))
-            out.append(f"- ZeRO-{s} saved / promised = {ratio:.3f} (goal >= {RATIO_GOAL}): {verdict(ratio >= RATIO_GOAL)}")
+            out.append(f"- ZeRO-{s} saved / promised = {ratio:.3f} (goal >= {RATIO_GOAL}):"
+                       f" {verdict(ratio >= RATIO_GOAL)}")
     for hyb, lit in (("zero0", "ddp_view"), ("zero3", "fsdp2")):
         h, l_ = STRATEGIES[hyb][0], STRATEGIES[lit][0]
         if not (ok(hyb) and ok(lit)):
@@ -202,7 +205,8 @@ def report(dp: int, res: dict, psi: int, tokens: int) -> list[str]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dps", type=int, nargs="+", default=[2, 4], help="data-parallel sizes (= world sizes)")
     p.add_argument("--measure-steps", type=int, default=3, help="first steps, measured by PeakMemoryMonitor")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after the measured ones")
@@ -215,7 +219,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-cap-mb", type=float, default=4.0, help="HybridStrategy(bucket_cap_mb=...)")
     p.add_argument("--only", nargs="+", choices=list(STRATEGIES), default=list(STRATEGIES), help="strategies to run")
     p.add_argument("--quick", action="store_true", help="smoke run: n_layer 4, n_embd 256, 2 + 1 + 2 steps")
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "MEMORY.md", help="results file (overwritten)")
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "MEMORY.md",
+                   help="results file (overwritten)")
     args = p.parse_args(argv)
     if args.quick:
         args.n_layer, args.n_embd, args.measure_steps, args.warmup, args.steps = 4, 256, 2, 1, 2
@@ -234,11 +239,12 @@ def main(argv=None) -> int:
     max_bytes = int((samples * args.block_size + 1) / (1 - VAL_FRACTION)) + 4 * args.block_size
     cfg = dict(model=model, batch=args.batch, measure_steps=args.measure_steps, warmup=args.warmup, steps=args.steps,
                bucket_cap_mb=args.bucket_cap_mb, max_bytes=max_bytes)
-    settings = (f"model: GPT n_layer={args.n_layer} n_embd={args.n_embd} n_head={args.n_head} block_size={args.block_size}"
-                f" swiglu, Psi = {psi:,} parameters ({4 * psi / MIB:.1f} MiB fp32); per-rank batch {args.batch};"
+    settings = (f"model: GPT n_layer={args.n_layer} n_embd={args.n_embd} n_head={args.n_head}"
+                f" block_size={args.block_size} swiglu, Psi = {psi:,} parameters ({4 * psi / MIB:.1f} MiB fp32);"
+                f" per-rank batch {args.batch};"
                 f" AdamW fp32; {args.measure_steps} measured + {args.warmup} warm-up + {args.steps} timed steps;"
-                f" Hybrid bucket_cap_mb={args.bucket_cap_mb:g}; CPU, gloo, 1 thread per rank; torch {torch.__version__},"
-                f" lightning {L.__version__}, {os.cpu_count()} CPUs")
+                f" Hybrid bucket_cap_mb={args.bucket_cap_mb:g}; CPU, gloo, 1 thread per rank;"
+                f" torch {torch.__version__}, lightning {L.__version__}, {os.cpu_count()} CPUs")
     print(settings, flush=True)
     results: dict[int, dict] = {}
     t_start = time.perf_counter()
@@ -256,8 +262,9 @@ def main(argv=None) -> int:
 
     lines = [header("Peak memory and step time: HybridStrategy ZeRO 0-3 vs Lightning DDP / FSDP2").rstrip(), "",
              settings + f"; total wall time {total:.0f}s.", "",
-             "Peak = highest live tensor bytes over the measured steps (PeakMemoryMonitor), max over ranks; the breakdown"
-             " (MiB) is that rank's; act+temp = activations + backward temporaries; rest = buffers, optimizer-step"
+             "Peak = highest live tensor bytes over the measured steps (PeakMemoryMonitor), max over ranks; the"
+             " breakdown (MiB) is that rank's; act+temp = activations + backward temporaries; rest = buffers,"
+             " optimizer-step"
              " temporaries, other. Step time = slower rank per step, mean over the timed steps; other load = CPUs that"
              " other processes kept busy during the run.", ""]
     for dp in args.dps:

@@ -256,7 +256,8 @@ def _session(fn, world: int, cfg: dict):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=6, help="timed steps per configuration (after warmup)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration")
     p.add_argument("--layers", type=int, default=8, help="transformer blocks (n_layer)")
@@ -317,7 +318,8 @@ def main(argv=None) -> int:
           f" other processes {base['other']:.2f} CPUs), saved activations {r1[1]['act_peak'] / 2**20:.1f} MiB")
     chunked = {m: times([r1[m]]) for m in args.micro_batches}
     print("pp=1 as m sequential micro-batches: " + ", ".join(
-        f"m={m}: {chunked[m]['med'] * 1e3:.0f} ms (min {chunked[m]['min'] * 1e3:.0f}, CPU {chunked[m]['cpu'][0] * 1e3:.0f})"
+        f"m={m}: {chunked[m]['med'] * 1e3:.0f} ms (min {chunked[m]['min'] * 1e3:.0f},"
+        f" CPU {chunked[m]['cpu'][0] * 1e3:.0f})"
         for m in args.micro_batches))
     print()
     print("| schedule | m | step ms pp=2 median (min) | speed-up median (min) | ideal | vs ideal median (min) |"

@@ -5,7 +5,8 @@ prediction of published large-scale runs.
     python benchmarks/bench_planner.py --quick          # two layouts of a tiny GPT: a smoke run
 
 1. Calibration (``python -m lightning_hybrid.planner calibrate``, < 60 s): this machine's matmul FLOP/s, a
-   block's fixed cost, gloo all-reduce latency and bandwidth, the cost of a collective between computation -> a cluster JSON (``--cluster-file``).
+   block's fixed cost, gloo all-reduce latency and bandwidth, the cost of a collective between computation -> a
+   cluster JSON (``--cluster-file``).
 2. Each layout of the reference GPT (fp32, AdamW, global batch ``--global-batch`` sequences, bucket
    ``--bucket-cap-mb``) runs in a fresh process group (`lightning_hybrid.testing.run_distributed`): peak memory =
    `PeakMemoryMonitor` over the first ``--measure-steps`` steps, max over ranks; step time = the slower rank's
@@ -71,7 +72,8 @@ LAYOUTS = {
 #: Narayanan et al. 2021 (Megatron-LM on A100 clusters), Table 1 rows and the GPT-3 175B run of section 5.1:
 #: (model preset, GPUs, global batch, tp, pp, published TFLOP/s per GPU)
 PUBLISHED = [("gpt-1.7b", 32, 512, 1, 1, 137), ("gpt-18b", 256, 1024, 8, 1, 135), ("gpt-39b", 512, 1536, 8, 2, 138),
-             ("gpt-145b", 1536, 2304, 8, 8, 148), ("gpt3-175b", 1024, 1536, 8, 8, 140), ("gpt-1t", 3072, 3072, 8, 64, 163)]
+             ("gpt-145b", 1536, 2304, 8, 8, 148), ("gpt3-175b", 1024, 1536, 8, 8, 140),
+             ("gpt-1t", 3072, 3072, 8, 64, 163)]
 
 
 def layout_of(name: str, global_batch: int) -> Layout:
@@ -125,7 +127,8 @@ def fit_constants(model: ModelSpec, layout: Layout, measured: dict, cluster: Clu
 def published_rows() -> list[str]:
     a100 = dataclasses.replace(load_cluster("a100"), precision="megatron")  # fp16 weights + fp32 master (K = 12)
     rows = ["| model | GPUs | batch | layout (tp x pp, micro-batch 1, full recomputation) | published TFLOP/s/GPU |"
-            " predicted | predicted / published | planner's best layout (predicted speed-up) |", "|---|---:|---:|---|---:|---:|---:|---|"]
+            " predicted | predicted / published | planner's best layout (predicted speed-up) |",
+            "|---|---:|---:|---|---:|---:|---:|---|"]
     for name, gpus, batch, tp, pp, published in PUBLISHED:
         m = model_spec(name)
         dp = gpus // (tp * pp)
@@ -133,12 +136,13 @@ def published_rows() -> list[str]:
         layout = Layout(dp, tp, pp, 0, 1, batch // dp, schedule, 2 if pp > 2 else 1, True, False)
         c = evaluate(m, layout, a100, batch)
         # Megatron counts 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) FLOPs per step: the forward recomputed.
-        h, s, l, V = m.hidden, m.seq_len, m.n_layer, m.vocab
-        megatron_flops = 96 * batch * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+        h, s, layers, V = m.hidden, m.seq_len, m.n_layer, m.vocab
+        megatron_flops = 96 * batch * s * layers * h * h * (1 + s / (6 * h) + V / (16 * layers * h))
         predicted = megatron_flops / (c.time.total * gpus) / 1e12 if c.time else float("nan")
         best = plan(m, a100, gpus, batch, sequence_parallel=False).best  # Megatron 2021 had no sequence parallelism
         rows.append(f"| {name} | {gpus} | {batch} | {layout.label()} | {published} | {predicted:.0f} |"
-                    f" {predicted / published:.2f} | {best.layout.label()} ({best.tokens_per_s / c.tokens_per_s:.2f}x) |")
+                    f" {predicted / published:.2f} | {best.layout.label()}"
+                    f" ({best.tokens_per_s / c.tokens_per_s:.2f}x) |")
     return rows
 
 
@@ -176,7 +180,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     cluster = calibrate(args.cluster_file)
     calibration_s = time.perf_counter() - t0
-    print(f"calibrated in {calibration_s:.0f}s: {json.dumps({k: v for k, v in dataclasses.asdict(cluster).items() if k != 'notes'})}", flush=True)
+    calibrated = {k: v for k, v in dataclasses.asdict(cluster).items() if k != "notes"}
+    print(f"calibrated in {calibration_s:.0f}s: {json.dumps(calibrated)}", flush=True)
 
     results = {}
     for i, name in enumerate(names):
@@ -201,12 +206,14 @@ def main(argv=None) -> int:
         results[name]["step_s2"], results[name]["steps2"] = again_run["step_s"], again_run["steps"]
         results[name]["step_s"] = min(results[name]["step_s"], results[name]["step_s2"])
         print(f"  {name:<20} second pass step {results[name]['step_s2']:.3f}s", flush=True)
-    raw = {n: {"peak": results[n]["peak"], "steps": results[n]["steps"], "steps2": results[n].get("steps2")} for n in names}
+    raw = {n: {"peak": results[n]["peak"], "steps": results[n]["steps"], "steps2": results[n].get("steps2")}
+           for n in names}
     args.out.with_suffix(".json").write_text(json.dumps({"layouts": raw, "global_batch": args.global_batch,
                                                         "model": model_cfg}, indent=1))
     # How well the measurement orders itself: the two passes' step times, rank-correlated (the noise ceiling).
     again = [n for n in names[1:]]
-    self_rho = spearman([-results[n]["step_s1"] for n in again], [-results[n]["step_s2"] for n in again]) if len(again) > 2 else float("nan")
+    self_rho = (spearman([-results[n]["step_s1"] for n in again], [-results[n]["step_s2"] for n in again])
+                if len(again) > 2 else float("nan"))
 
     t0 = time.perf_counter()
     big = plan(model_spec("gpt3-175b"), load_cluster("a100"), 1024, 1536)
@@ -225,8 +232,10 @@ def main(argv=None) -> int:
                     f" {r['pred_peak'] / MIB:.1f} | {ratio:.2f} | {r['step_s']:.3f} | {r['pred_step']:.3f} |"
                     f" {tokens / r['step_s']:.0f} | {tokens / r['pred_step']:.0f} | {meas_rank.index(name) + 1} |"
                     f" {pred_rank.index(name) + 1} |")
-    rho = spearman([-results[n]["step_s"] for n in names], [-results[n]["pred_step"] for n in names]) if len(names) > 2 else float("nan")
-    settings = (f"Reference GPT n_layer={args.n_layer} n_embd={args.n_embd} n_head={args.n_head} block_size={args.block_size}"
+    rho = (spearman([-results[n]["step_s"] for n in names], [-results[n]["pred_step"] for n in names])
+           if len(names) > 2 else float("nan"))
+    settings = (f"Reference GPT n_layer={args.n_layer} n_embd={args.n_embd} n_head={args.n_head}"
+                f" block_size={args.block_size}"
                 f" (GELU, {model.params:,} parameters), fp32 AdamW, global batch {args.global_batch} sequences,"
                 f" bucket_cap_mb={args.bucket_cap_mb:g}; {args.measure_steps} measured + {args.warmup} warm-up +"
                 f" {args.steps} timed steps; CPU ({cluster.compute_units} cores, shared), gloo, 1 thread per rank.")

@@ -249,7 +249,8 @@ def summarize_run(ranks: list[dict], warmup: int) -> dict:
 
 # ---------------------------------------------------------------------------------------------- driver
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=20, help="measured optimizer steps per run (after warmup)")
     p.add_argument("--warmup", type=int, default=5, help="steps dropped from the measurement")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions of each configuration")
@@ -331,12 +332,14 @@ def main(argv=None) -> int:
         busy0, own0, t0 = system_busy_s(), cpu_s(resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN), time.perf_counter()
         ranks = run_distributed(bench_worker, WORLD_SIZE, name, cfg)
         wall = time.perf_counter() - t0
-        busy1, own1 = system_busy_s(), cpu_s(resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)  # the ranks have been joined (reaped)
+        # the ranks have been joined (reaped)
+        busy1, own1 = system_busy_s(), cpu_s(resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
         summary = summarize_run(ranks, args.warmup)
         summary["wall_s"] = wall
         # CPUs kept busy by other processes during this run (machine busy time minus this run's own CPU time)
         ours = max(own1 - own0, sum(r["proc_cpu_s"] for r in ranks))
-        summary["other_load"] = max(0.0, (busy1 - busy0 - ours) / wall) if busy0 is not None and busy1 is not None else float("nan")
+        summary["other_load"] = (max(0.0, (busy1 - busy0 - ours) / wall) if busy0 is not None and busy1 is not None
+                                 else float("nan"))
         results[name].append(summary)
         print(f"  [{i + 1}/{len(order)}] {name:<18} step {summary['step_s'] * 1e3:7.1f} ms"
               f"  -> {tokens_per_step / summary['step_s']:8.0f} tok/s   (run {wall:.0f}s, other processes kept"
@@ -387,7 +390,8 @@ def main(argv=None) -> int:
             continue
         a = agg[name]
         ph = a["phases"]
-        print(f"| {cmp_} | {label} | {a['used']} | {a['tps']:.0f} | {a['best']:.0f} | {a['spread'] * 100:.0f}% | {a['step_ms']:.1f} |"
+        print(f"| {cmp_} | {label} | {a['used']} | {a['tps']:.0f} | {a['best']:.0f} | {a['spread'] * 100:.0f}% |"
+              f" {a['step_ms']:.1f} |"
               f" {ph['fwd']:.1f} | {ph['bwd']:.1f} | {ph['post_bwd']:.1f} | {ph['opt']:.1f} |"
               f" {a['cpu_ms'][0]:.0f} / {a['cpu_ms'][1]:.0f} | {a['rss'][0]:.0f} / {a['rss'][1]:.0f} |"
               f" {a['local_params'][0] / 1e6:.2f}M | {a['loss']:.4f} |")
@@ -399,8 +403,10 @@ def main(argv=None) -> int:
         ratio = h["tps"] / b["tps"]
         per_rep = [y["step_s"] / x["step_s"] for x, y in zip(results[hyb], results[base])]
         verdict = "meets" if ratio >= GOALS[cmp_] else "MISSES"
+        marked = ", ".join(f"{r:.3f}" + ("" if i in used_reps[cmp_] and "disturbed" not in h["used"] else "*")
+                           for i, r in enumerate(per_rep))
         print(f"ratio ({cmp_}) {CONFIGS[hyb][2]} / {CONFIGS[base][2]}: {ratio:.3f} (medians; goal >= {GOALS[cmp_]:.2f}:"
-              f" {verdict})  per repeat (all, * = disturbed): {', '.join(f'{r:.3f}' + ('' if i in used_reps[cmp_] and 'disturbed' not in h['used'] else '*') for i, r in enumerate(per_rep))};"
+              f" {verdict})  per repeat (all, * = disturbed): {marked};"
               f" best/best: {h['best'] / b['best']:.3f}; CPU-time ratio (baseline/hybrid CPU s per step):"
               f" {sum(b['cpu_ms']) / sum(h['cpu_ms']):.3f}")
     loads = [r["other_load"] for runs in results.values() for r in runs if r["other_load"] == r["other_load"]]
@@ -419,6 +425,7 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     from benchmarks.report import printed_to
 
-    with printed_to(REPO_ROOT / "benchmarks" / "STRATEGIES.md", "HybridStrategy against Lightning's strategies (benchmarks/bench_strategies.py)"):
+    with printed_to(REPO_ROOT / "benchmarks" / "STRATEGIES.md",
+                    "HybridStrategy against Lightning's strategies (benchmarks/bench_strategies.py)"):
         code = main()
     sys.exit(code)

@@ -45,7 +45,8 @@ class TransformersLM(GPTLightningModule):
 
         if self.model is not None:
             return
-        size = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, vocab_size=256, max_position_embeddings=128)
+        size = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, vocab_size=256,
+                    max_position_embeddings=128)
         config = {
             "llama": lambda: T.LlamaConfig(**size, num_key_value_heads=4, intermediate_size=688),
             "gpt_neox": lambda: T.GPTNeoXConfig(**size, intermediate_size=1024),
@@ -71,12 +72,13 @@ def _measure(models: list[str], steps: int, tp: int) -> dict[str, tuple[float, f
     warnings.filterwarnings("ignore")
     out = {}
     for name in models:
-        module = GPTLightningModule(n_layer=4, n_head=8, n_embd=256, block_size=128) if name == "gpt" else TransformersLM(name)
+        module = (GPTLightningModule(n_layer=4, n_head=8, n_embd=256, block_size=128) if name == "gpt"
+                  else TransformersLM(name))
         timer = TrainingTime()
         strategy = HybridStrategy(tp=tp)
         trainer = L.Trainer(accelerator="cpu", devices=tp, strategy=strategy, max_steps=steps, limit_val_batches=0,
-                            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            callbacks=[timer])
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, callbacks=[timer])
         trainer.fit(module, ByteCorpusDataModule(max_bytes=400_000, block_size=128, batch_size=8))
         report = strategy.tensor_parallel_report
         out[name] = (report.seconds, timer.end - timer.start, report.summary())
@@ -91,7 +93,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = run_distributed(_measure, args.tp, args.models.split(","), args.steps, args.tp)[0]
-    with printed_to(REPO_ROOT / "benchmarks" / "TP_VERIFICATION.md", "TP verification cost (benchmarks/bench_tp_verification.py)"):
+    with printed_to(REPO_ROOT / "benchmarks" / "TP_VERIFICATION.md",
+                    "TP verification cost (benchmarks/bench_tp_verification.py)"):
         print(f"| model (tp={args.tp}) | verification, s | {args.steps} training steps, s | verification / training |")
         print("|---|---:|---:|---:|")
         for name, (verify_s, train_s, _) in results.items():

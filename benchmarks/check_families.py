@@ -80,7 +80,8 @@ def _check(model_type: str, steps: int) -> dict[str, str]:
             row[name] = verdict + (f"; split: {', '.join(kinds)}" if kinds else "")
         except Exception as e:  # a refusal (or a failure) is a row, with its message
             message = str(e).strip().splitlines()
-            last = next((line for line in reversed(message) if "Error" in line), message[-1] if message else type(e).__name__)
+            last = next((line for line in reversed(message) if "Error" in line),
+                        message[-1] if message else type(e).__name__)
             row[name] = f"refused/failed: {last.strip()[:300]}"
     return row
 
@@ -109,6 +110,7 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     from benchmarks.report import printed_to
 
-    with printed_to(REPO_ROOT / "benchmarks" / "FAMILIES.md", "transformers families under TP and PP (benchmarks/check_families.py)"):
+    with printed_to(REPO_ROOT / "benchmarks" / "FAMILIES.md",
+                    "transformers families under TP and PP (benchmarks/check_families.py)"):
         code = main()
     sys.exit(code)

@@ -54,7 +54,8 @@ TAIL_LINES = 8  # lines of a traceback or a log kept in a table cell
 NEWLINE = " ⏎ "  # how a cell shows a line break (the same in the console and in markdown)
 
 # The ~1B Llama of (b) on a GPU, and the tiny one of --cpu-smoke.
-GPU_MODEL = dict(hidden=2048, layers=16, heads=32, kv_heads=32, ffn=5632, vocab=32000, seq=2048, batch=4, warmup=5, steps=15)
+GPU_MODEL = dict(hidden=2048, layers=16, heads=32, kv_heads=32, ffn=5632, vocab=32000, seq=2048, batch=4, warmup=5,
+                 steps=15)
 SMOKE_MODEL = dict(hidden=64, layers=2, heads=4, kv_heads=4, ffn=128, vocab=256, seq=64, batch=2, warmup=2, steps=3)
 # Time limits (seconds) of each job; every one is also held to what is left of --budget-s, less what the sections
 # after it need at the least (RESERVE).
@@ -139,7 +140,8 @@ def pytest_runtest_logreport(report) -> None:
         record["reason"] = str(report.longrepr[2])
     elif report.failed:
         crash = getattr(getattr(report.longrepr, "reprcrash", None), "message", None)
-        record["reason"] = tail(report.longreprtext, 12) if crash is None else crash.splitlines()[0] + "\n" + tail(report.longreprtext, 12)
+        record["reason"] = (tail(report.longreprtext, 12) if crash is None
+                            else crash.splitlines()[0] + "\n" + tail(report.longreprtext, 12))
     _pytest_log(record)
 
 
@@ -181,7 +183,9 @@ class Check:
         return min(LIMITS[self.kind][job], self.left() - reserve)
 
     # ------------------------------------------------------------------ jobs
-    def run_process(self, cmd: list[str], name: str, timeout: float, env: Optional[dict] = None) -> tuple[Optional[int], float, Path]:
+    def run_process(
+        self, cmd: list[str], name: str, timeout: float, env: Optional[dict] = None,
+    ) -> tuple[Optional[int], float, Path]:
         """Run ``cmd`` in a session of its own, output to ``<log dir>/<name>.log``; ``(exit code or None on the time
         limit, seconds, log path)``. Whatever the command left running (ranks, compile workers) is ended with it."""
         log = self.log_dir / f"{name}.log"
@@ -189,7 +193,8 @@ class Check:
         with open(log, "w") as out:
             out.write(f"$ {shlex.join(cmd)}\n")
             out.flush()
-            proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
             try:
                 code: Optional[int] = proc.wait(timeout=max(1.0, timeout))
             except subprocess.TimeoutExpired:
@@ -198,11 +203,14 @@ class Check:
                 _end_session(proc)
         return code, time.monotonic() - start, log
 
-    def job(self, name: str, kind: str, job_args: dict, timeout: float) -> tuple[Optional[int], float, Path, list[dict]]:
+    def job(
+        self, name: str, kind: str, job_args: dict, timeout: float,
+    ) -> tuple[Optional[int], float, Path, list[dict]]:
         """Run ``gpu_check.py --job kind`` (see `run_job`); its records (JSON lines) as well."""
         out = self.log_dir / f"{name}.jsonl"
         out.unlink(missing_ok=True)
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--job", kind, "--job-args", json.dumps(job_args), "--job-out", str(out)]
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--job", kind, "--job-args", json.dumps(job_args),
+               "--job-out", str(out)]
         code, seconds, log = self.run_process(cmd, name, timeout, env=_job_env())
         return code, seconds, log, read_records(out)
 
@@ -263,7 +271,8 @@ def section_tests(check: Check) -> None:
     record_path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "tests/test_cuda.py", "-q", "-rA", "--tb=short",
            "-p", "gpu_check", "-p", "no:cacheprovider"]
-    code, seconds, log = check.run_process(cmd, "pytest", timeout, env=_job_env({"GPU_CHECK_PYTEST_LOG": str(record_path)}))
+    code, seconds, log = check.run_process(cmd, "pytest", timeout,
+                                           env=_job_env({"GPU_CHECK_PYTEST_LOG": str(record_path)}))
     records = read_records(record_path)
     collected: list[str] = next((r["nodeids"] for r in records if r["event"] == "collected"), [])
     started = [r["nodeid"] for r in records if r["event"] == "start"]
@@ -313,7 +322,8 @@ THROUGHPUT_ROWS = [  # (key, label, module kind, compiled); the first is the bas
     ("hybrid-eager", "CausalLM, HybridStrategy(), eager", "hybrid", False),
     ("auto-eager", "CausalLM, plain Lightning (strategy='auto'), eager", "lightning", False),
     ("hybrid-compiled", "CausalLM, HybridStrategy(compile=True)", "hybrid", True),
-    ("hand-compiled", "hand-written LlamaForCausalLM, plain Lightning, layer.compile() per decoder layer", "handwritten", True),
+    ("hand-compiled", "hand-written LlamaForCausalLM, plain Lightning, layer.compile() per decoder layer",
+     "handwritten", True),
     ("auto-compiled", "CausalLM, plain Lightning, layer.compile() per decoder layer", "lightning", True),
 ]
 
@@ -354,7 +364,8 @@ def section_throughput(check: Check) -> None:
 
 def _throughput_text(r: dict, baseline: Optional[float], prediction: Optional[dict], seconds: float) -> str:
     ratio = f" ({r['tokens_per_s'] / baseline:.3f}x baseline)" if baseline else " (no baseline)"
-    mfu = f"MFU {r['mfu']:.3f} ({r['peak_flops_source']})" if r.get("mfu") is not None else f"MFU n/a ({r['peak_flops_source']})"
+    mfu = (f"MFU {r['mfu']:.3f} ({r['peak_flops_source']})" if r.get("mfu") is not None
+           else f"MFU n/a ({r['peak_flops_source']})")
     lines = [f"{r['tokens_per_s']:,.0f} tokens/s{ratio}, step {r['step_s'] * 1e3:.1f} ms, {mfu}"]
     pred = ""
     if prediction and "total" in prediction:
@@ -362,12 +373,13 @@ def _throughput_text(r: dict, baseline: Optional[float], prediction: Optional[di
     if r.get("peak_allocated") is not None:
         if pred:
             pred = f"; {pred} (measured / predicted {r['peak_allocated'] / prediction['total']:.2f})"
-        lines.append(f"peak max_memory_allocated {size(r['peak_allocated'])} (reserved {size(r['peak_reserved'])}){pred}")
+        lines.append(f"peak max_memory_allocated {size(r['peak_allocated'])}"
+                     f" (reserved {size(r['peak_reserved'])}){pred}")
     else:
         lines.append("peak memory n/a (no CUDA)" + (f"; {pred}" if pred else ""))
     compiled = f"; compiled graphs {r['graphs']}, graph breaks {r['graph_breaks']}" if r.get("graphs") else ""
-    lines.append(f"{count(r['params'])} params; warm-up {r['warmup_s']:.1f} s; fit {r['fit_s']:.0f} s (job {seconds:.0f} s);"
-                 f" final loss {r['final_loss']:.3f}; optimizer {r['optimizer']}{compiled}")
+    lines.append(f"{count(r['params'])} params; warm-up {r['warmup_s']:.1f} s; fit {r['fit_s']:.0f} s"
+                 f" (job {seconds:.0f} s); final loss {r['final_loss']:.3f}; optimizer {r['optimizer']}{compiled}")
     return "\n".join(lines)
 
 
@@ -400,7 +412,8 @@ def section_multirank(check: Check) -> None:
         r = done.get(name)
         label = "one device (reference)" if name == "reference" else name
         if r is None:
-            check.row("c", label, "not run", _ended(code, seconds, log) if code != 0 else f"the job ended before it (log {log})")
+            check.row("c", label, "not run",
+                      _ended(code, seconds, log) if code != 0 else f"the job ended before it (log {log})")
         else:
             check.row("c", label, r["status"], r["text"])
 
@@ -502,7 +515,8 @@ def _hand_written_module(llama: dict, compiled: bool, lr: float):
 
         def on_train_batch_start(self, batch, batch_idx) -> None:
             x, _ = batch  # the count `CausalLM` uses: 6 N per token + attention's 12 L H T
-            self.flops_per_batch = (6 * self.n_params + 12 * llama["num_hidden_layers"] * llama["hidden_size"] * x.size(1)) * x.numel()
+            self.flops_per_batch = (6 * self.n_params
+                                    + 12 * llama["num_hidden_layers"] * llama["hidden_size"] * x.size(1)) * x.numel()
 
         def training_step(self, batch, batch_idx):
             x, y = batch
@@ -512,7 +526,8 @@ def _hand_written_module(llama: dict, compiled: bool, lr: float):
             return loss
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=True)
+            return torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
+                                     fused=True)
 
     return HandWrittenLlama()
 
@@ -613,7 +628,8 @@ def job_throughput(a: dict) -> dict:
     start = time.perf_counter()
     trainer.fit(module, train_dataloaders=data)
     fit_s = time.perf_counter() - start
-    graphs, breaks = counters["stats"]["unique_graphs"] - graphs_before, sum(counters["graph_break"].values()) - breaks_before
+    graphs = counters["stats"]["unique_graphs"] - graphs_before
+    breaks = sum(counters["graph_break"].values()) - breaks_before
     device = trainer.strategy.root_device  # the module's own device: plain Lightning moves it to the CPU after fit
     elapsed = clock.end - clock.warm
     step_s = elapsed / a["steps"]
@@ -639,11 +655,14 @@ MR_BLOCK, MR_GLOBAL_BATCH, MR_CLIP = 32, 8, 0.5
 def _small_gpt():
     from lightning_hybrid.models import GPTConfig, GPTLightningModule
 
-    config = GPTConfig(vocab_size=256, block_size=MR_BLOCK, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp="swiglu", dropout=0.0)
+    config = GPTConfig(vocab_size=256, block_size=MR_BLOCK, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp="swiglu",
+                       dropout=0.0)
     return GPTLightningModule(config=config, lr=5e-4, weight_decay=0.1)
 
 
-def multirank_fit(layout: Optional[dict], accelerator: str, backend: Optional[str], steps: int, timeout_s: float) -> dict:
+def multirank_fit(
+    layout: Optional[dict], accelerator: str, backend: Optional[str], steps: int, timeout_s: float,
+) -> dict:
     """Train the small GPT ``steps`` steps: under ``HybridStrategy(**layout)`` on this rank's process group, or
     (``layout`` None) on one device with plain Lightning, reading the samples in the distributed runs' order.
     Returns the synced losses and the global gradient norms before clipping (the same on every rank)."""
@@ -694,8 +713,8 @@ def multirank_fit(layout: Optional[dict], accelerator: str, backend: Optional[st
     recorder = Recorder()
     trainer = L.Trainer(
         accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy, max_steps=steps,
-        gradient_clip_val=MR_CLIP, limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
+        gradient_clip_val=MR_CLIP, limit_val_batches=0, num_sanity_val_steps=0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
     )
     module = _small_gpt()
     trainer.fit(module, data)
@@ -725,34 +744,39 @@ def job_multirank(a: dict, emit: Callable[[dict], None]) -> None:
     for name, layout, one_per_node in a["layouts"]:
         start = time.monotonic()
         try:
-            ranks = testing.run_distributed(multirank_fit, a["world"], layout, a["accelerator"], a["backend"], a["steps"],
-                                            a["layout_timeout_s"], one_rank_per_node=one_per_node)
+            ranks = testing.run_distributed(multirank_fit, a["world"], layout, a["accelerator"], a["backend"],
+                                            a["steps"], a["layout_timeout_s"], one_rank_per_node=one_per_node)
         except BaseException:
             text = describe_exception()
             emit({"layout": name, "status": "ERROR", "text": f"HybridStrategy({_kwargs(layout)}): {_hint(text)}{text}"})
             continue
         seconds = time.monotonic() - start
-        where = f"ranks on {sorted({r['device'] for r in ranks})}, backend {ranks[0]['backend']}, env {ranks[-1]['env']}"
+        where = (f"ranks on {sorted({r['device'] for r in ranks})}, backend {ranks[0]['backend']},"
+                 f" env {ranks[-1]['env']}")
         if reference is None:
             emit({"layout": name, "status": "no reference", "text": f"trained ({where}); losses {ranks[0]['losses']}"})
             continue
-        errors = [max(_max_rel(r["losses"], reference["losses"]), _max_rel(r["grad_norms"], reference["grad_norms"])) for r in ranks]
-        counts_ok = all(len(r["losses"]) == len(reference["losses"]) == a["steps"] and len(r["grad_norms"]) == len(reference["grad_norms"])
+        errors = [max(_max_rel(r["losses"], reference["losses"]), _max_rel(r["grad_norms"], reference["grad_norms"]))
+                  for r in ranks]
+        counts_ok = all(len(r["losses"]) == len(reference["losses"]) == a["steps"]
+                        and len(r["grad_norms"]) == len(reference["grad_norms"])
                         for r in ranks)
         worst = max(errors)
         if counts_ok and worst <= MULTIRANK_RTOL:
             emit({"layout": name, "status": "match", "text": f"max relative error {worst:.1e} (losses and grad norms,"
                   f" {a['steps']} steps, every rank); {where}; {seconds:.0f} s"})
         else:
-            emit({"layout": name, "status": "MISMATCH", "text": f"max relative error {worst:.2e} (tolerance {MULTIRANK_RTOL:g});"
-                  f" steps {[len(r['losses']) for r in ranks]} of {a['steps']}; rank 0 losses {ranks[0]['losses']} vs"
+            emit({"layout": name, "status": "MISMATCH", "text": f"max relative error {worst:.2e}"
+                  f" (tolerance {MULTIRANK_RTOL:g}); steps {[len(r['losses']) for r in ranks]} of {a['steps']};"
+                  f" rank 0 losses {ranks[0]['losses']} vs"
                   f" {reference['losses']}; {where}"})
 
 
 def _hint(text: str) -> str:
     """A line before an exception that a gloo group on CUDA tensors is known to raise."""
     low = text.lower()
-    if "gloo" in low and "cuda" in low and any(w in low for w in ("unsupported", "not supported", "not implemented", "no support")):
+    if "gloo" in low and "cuda" in low and any(w in low for w in ("unsupported", "not supported", "not implemented",
+                                                                   "no support")):
         return "gloo does not implement this collective for CUDA tensors:\n"
     return ""
 
@@ -785,10 +809,13 @@ def _versions() -> str:
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cpu-smoke", action="store_true", help="the same sections on the CPU with tiny models (no CUDA needed)")
-    p.add_argument("--out", default=None, help="markdown table (default benchmarks/GPU_CHECK.md; smoke: a temporary file)")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="the same sections on the CPU with tiny models (no CUDA needed)")
+    p.add_argument("--out", default=None,
+                   help="markdown table (default benchmarks/GPU_CHECK.md; smoke: a temporary file)")
     p.add_argument("--log-dir", default=None, help="each job's output (default: a new temporary folder)")
-    p.add_argument("--budget-s", type=float, default=None, help="time for all sections (default 440 on a GPU, 230 smoke)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="time for all sections (default 440 on a GPU, 230 smoke)")
     p.add_argument("--sections", default="abcd", help="which sections to run (default abcd)")
     for key in GPU_MODEL:
         p.add_argument(f"--{key.replace('_', '-')}", dest=key, type=int, default=None,
@@ -813,8 +840,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.cpu_smoke:
-        print("gpu_check: no CUDA device here; nothing to check. `python benchmarks/gpu_check.py --cpu-smoke` runs the same"
-              " sections on the CPU with tiny models.")
+        print("gpu_check: no CUDA device here; nothing to check. `python benchmarks/gpu_check.py --cpu-smoke` runs the"
+              " same sections on the CPU with tiny models.")
         return 0
     check = Check(args, cuda)
     out = Path(args.out) if args.out else (Path(tempfile.gettempdir()) / "GPU_CHECK_cpu_smoke.md" if args.cpu_smoke

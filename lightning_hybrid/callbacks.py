@@ -107,7 +107,8 @@ def _local_numel(p: Tensor) -> int:
 class ShardedSummary(Summary):
     """Lightning's model summary of a module that ranks hold in pieces: the ``Params`` column and the totals
     count the whole model (TP shards unsplit, every pipeline stage), a ``Params per Device`` column (the name
-    Lightning's DeepSpeed summary uses, which its rich table knows) shows this rank's share. Counting is collective over the pipeline group (every rank builds the summary)."""
+    Lightning's DeepSpeed summary uses, which its rich table knows) shows this rank's share. Counting is collective
+    over the pipeline group (every rank builds the summary)."""
 
     def __init__(self, model: LightningModule, max_depth: int, strategy: HybridStrategy) -> None:
         super().__init__(model, max_depth)
@@ -127,8 +128,10 @@ class ShardedSummary(Summary):
         if dist.is_initialized():  # pipeline stages hold disjoint parameters; TP and DP ranks count the same
             whole = whole.to(strategy.root_device)
             dist.all_reduce(whole, group=strategy.pp_group)
-            shares = [torch.zeros((), dtype=torch.float64, device=strategy.root_device) for _ in range(dist.get_world_size())]
-            dist.all_gather(shares, torch.tensor(float(self.local_total), dtype=torch.float64, device=strategy.root_device))
+            shares = [torch.zeros((), dtype=torch.float64, device=strategy.root_device)
+                      for _ in range(dist.get_world_size())]
+            dist.all_gather(shares, torch.tensor(float(self.local_total), dtype=torch.float64,
+                                                 device=strategy.root_device))
             self.rank_totals = [int(s.item()) for s in shares]
         else:
             self.rank_totals = [self.local_total]

@@ -37,7 +37,13 @@ from torch import Tensor, nn
 
 from lightning_hybrid.mesh import barrier
 from lightning_hybrid.tensor_parallel import gather_full_state_dict
-from lightning_hybrid.tensor_parallel.layers import load_full_state_dict, local_piece, tp_shard_specs, unsplit, unsplit_shape
+from lightning_hybrid.tensor_parallel.layers import (
+    load_full_state_dict,
+    local_piece,
+    tp_shard_specs,
+    unsplit,
+    unsplit_shape,
+)
 
 META_FILE = "meta.pt"
 PARTIAL_MARK = ".partial-"
@@ -112,7 +118,8 @@ def _unsplit_tensors(module: nn.Module, optimizers: list, specs: dict):
                 state = optimizer.state[param]
                 for key in keys:
                     if torch.is_tensor(state[key]):
-                        yield unsplit(name, state[key], specs if state[key].dim() > 0 else {})  # scalars (step) are not split
+                        # scalars (step) are not split
+                        yield unsplit(name, state[key], specs if state[key].dim() > 0 else {})
                 continue
             state = optimizer.state[place.shard]
             if place.shard is not gathered_shard:  # this bucket's slices of every rank, once per bucket
@@ -269,7 +276,8 @@ def check_model_fits(saved: dict[str, list[int]], expected: dict[str, list[int]]
     """Compare the checkpoint's tensors with the model's (unsplit names and shapes); ``CheckpointError``."""
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
-    mis_shaped = {k: (saved[k], expected[k]) for k in sorted(set(saved) & set(expected)) if list(saved[k]) != list(expected[k])}
+    mis_shaped = {k: (saved[k], expected[k]) for k in sorted(set(saved) & set(expected))
+                  if list(saved[k]) != list(expected[k])}
     if missing or unexpected or mis_shaped:
         details = []
         if missing:
@@ -277,7 +285,8 @@ def check_model_fits(saved: dict[str, list[int]], expected: dict[str, list[int]]
         if unexpected:
             details.append(f"unexpected keys {unexpected[:10]}")
         if mis_shaped:
-            details.append("mis-shaped keys " + ", ".join(f"{k}: checkpoint {a} vs model {b}" for k, (a, b) in list(mis_shaped.items())[:10]))
+            details.append("mis-shaped keys " + ", ".join(f"{k}: checkpoint {a} vs model {b}"
+                                                          for k, (a, b) in list(mis_shaped.items())[:10]))
         raise CheckpointError("The checkpoint is of another model: " + "; ".join(details) + ".")
 
 
@@ -290,9 +299,10 @@ def _read_parts(path: Path, meta: dict, keys: Iterable[str], no_dist: bool = Fal
     for key in keys:
         by_part.setdefault(tensors[key][0], []).append(key)
     for part in range(parts):
-        wanted = {key: torch.empty(tensors[key][1], dtype=tensors[key][2], device="cpu") for key in by_part.get(part, [])}
-        dcp.load(wanted, checkpoint_id=str(_part_dir(path, part)), planner=dcp.DefaultLoadPlanner(allow_partial_load=True),
-                 no_dist=no_dist)
+        wanted = {key: torch.empty(tensors[key][1], dtype=tensors[key][2], device="cpu")
+                  for key in by_part.get(part, [])}
+        dcp.load(wanted, checkpoint_id=str(_part_dir(path, part)),
+                 planner=dcp.DefaultLoadPlanner(allow_partial_load=True), no_dist=no_dist)
         yield wanted
 
 
@@ -313,7 +323,8 @@ def load_sharded(path: str | Path, module: nn.Module, optimizers: list) -> dict[
 
     saved_optimizers = meta["lightning_hybrid"]["optimizers"]
     if saved_optimizers and optimizers and len(saved_optimizers) != len(optimizers):
-        raise CheckpointError(f"The checkpoint has {len(saved_optimizers)} optimizers, the module configures {len(optimizers)}.")
+        raise CheckpointError(f"The checkpoint has {len(saved_optimizers)} optimizers, the module configures"
+                              f" {len(optimizers)}.")
     optimizers = list(optimizers) if saved_optimizers else []  # none in a weights-only checkpoint
     places: dict[str, tuple] = {}  # key -> (optimizer, parameter name, parameter, state key, SlicePlace or None)
     saved = meta["lightning_hybrid"]["tensors"]
@@ -327,7 +338,8 @@ def load_sharded(path: str | Path, module: nn.Module, optimizers: list) -> dict[
                     places[key] = (optimizer, name, param, key[len(prefix):], place)
     model_keys = [f"model/{n}" for n in targets]
     for loaded in _read_parts(path, meta, [*model_keys, *places]):
-        load_full_state_dict(module, {k[len("model/"):]: v for k, v in loaded.items() if k.startswith("model/")}, strict=False)
+        load_full_state_dict(module, {k[len("model/"):]: v for k, v in loaded.items() if k.startswith("model/")},
+                             strict=False)
         for key, value in loaded.items():
             if key in places:
                 _place_state(*places[key], value, specs)

@@ -29,7 +29,8 @@ def compile_options(compile: Compile) -> dict[str, Any] | None:
         allowed = {"fullgraph", "dynamic", "backend", "mode", "options", "disable"}
         unknown = sorted(set(compile) - allowed)
         if unknown:
-            raise ValueError(f"compile={dict(compile)!r}: {unknown} are not arguments of torch.compile; use {sorted(allowed)}.")
+            raise ValueError(f"compile={dict(compile)!r}: {unknown} are not arguments of torch.compile;"
+                             f" use {sorted(allowed)}.")
         return dict(compile)
     raise ValueError(f"compile={compile!r} is invalid: use True, False, or a dict of torch.compile arguments.")
 

@@ -314,7 +314,8 @@ class ByteCorpusDataModule(L.LightningDataModule):
         if trainer is None:
             return {}
         loop = trainer.fit_loop
-        return {"epoch": loop.epoch_progress.current.completed, "batches": loop.epoch_loop.batch_progress.current.processed}
+        return {"epoch": loop.epoch_progress.current.completed,
+                "batches": loop.epoch_loop.batch_progress.current.processed}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._resume_batches = int(state_dict.get("batches", 0))
@@ -367,7 +368,8 @@ class TokenCorpusDataModule(ByteCorpusDataModule):
     ) -> None:
         super().__init__(paths, block_size, batch_size, val_fraction, max_bytes, num_workers, shuffle, seed)
         if tokenizer is not None and not Path(tokenizer).is_dir():
-            raise FileNotFoundError(f"tokenizer: {str(tokenizer)!r} is not a folder (a Hugging Face model folder, or null for bytes)")
+            raise FileNotFoundError(f"tokenizer: {str(tokenizer)!r} is not a folder (a Hugging Face model folder,"
+                                    " or null for bytes)")
         self.tokenizer_path = tokenizer
         self.tokenizer = None
         if tokenizer is not None and has_tokenizer(tokenizer):

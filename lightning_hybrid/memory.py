@@ -253,7 +253,9 @@ class PeakMemoryMonitor(Callback):
             self._tracker.label((p.grad for p in pl_module.parameters()), "gradients")
             self._tracker.kind = "optimizer_step"
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int,
+    ) -> None:
         if not self._active:
             return
         self._exit()
@@ -270,7 +272,8 @@ class PeakMemoryMonitor(Callback):
             self.peak.total, self.peak.breakdown = tracker.peak, dict(tracker.peak_breakdown)
         device = trainer.strategy.root_device
         if device.type == "cuda":
-            self.peak.cuda_max_allocated = max(self.peak.cuda_max_allocated or 0, torch.cuda.max_memory_allocated(device))
+            self.peak.cuda_max_allocated = max(self.peak.cuda_max_allocated or 0,
+                                               torch.cuda.max_memory_allocated(device))
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._exit()

@@ -65,7 +65,8 @@ class ParallelDims:
         if not dist.is_initialized():
             raise RuntimeError("The default process group must be initialised before the device mesh is built.")
         if dist.get_world_size() != self.world_size:
-            raise RuntimeError(f"Process group has {dist.get_world_size()} ranks, the layout expects {self.world_size}.")
+            raise RuntimeError(f"Process group has {dist.get_world_size()} ranks, the layout expects"
+                               f" {self.world_size}.")
         return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIM_NAMES)
 
 

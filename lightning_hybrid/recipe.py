@@ -214,7 +214,8 @@ def run(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> Dict[str, Any]
         data = _build("data", cfg.data)
         strategy = _build("parallel", cfg.parallel)
         extra = [_build(f"callbacks.{name}", node) for name, node in cfg.callbacks.items() if node is not None]
-        own = [ModelCheckpoint(dirpath=str(out_dir / "checkpoints"), save_last=True), throughput, memory, ValidationPrinter()]
+        own = [ModelCheckpoint(dirpath=str(out_dir / "checkpoints"), save_last=True), throughput, memory,
+               ValidationPrinter()]
         if cfg.trainer.enable_model_summary is not False:
             own.append(model_summary_callback())  # in place of Lightning's, which would count rank 0's shard only
         trainer = _build(

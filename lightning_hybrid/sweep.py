@@ -3,9 +3,9 @@
 
     python -m lightning_hybrid.sweep MULTIRUN_DIR
 
-Also run automatically at the end of a recipe's multirun (``python recipes/pretrain.py -m ...``) by :class:`SweepSummaryCallback`
-(configured under ``hydra.callbacks`` in ``configs/pretrain.yaml``). The PNG needs matplotlib, which is not a
-dependency of this package: without it the PNG is skipped with a message.
+Also run automatically at the end of a recipe's multirun (``python recipes/pretrain.py -m ...``) by
+:class:`SweepSummaryCallback` (configured under ``hydra.callbacks`` in ``configs/pretrain.yaml``). The PNG needs
+matplotlib, which is not a dependency of this package: without it the PNG is skipped with a message.
 """
 
 from __future__ import annotations
@@ -120,9 +120,11 @@ def write_summary(multirun_dir: Path, out_dir: Optional[Path] = None) -> Dict[st
     if best is not None:
         b = rows[best]
         lines += ["", f"Fastest: **{b['layout']}** (job {b['job']}), {b['tokens_per_s']:.0f} tokens/s."]
-    lines += ["", "tokens/s: global training tokens per second (Lightning's ThroughputMonitor over the last 100 steps or",
+    lines += ["",
+              "tokens/s: global training tokens per second (Lightning's ThroughputMonitor over the last 100 steps or",
               "fewer, the first excluded); mfu: model FLOPs utilisation where the device's peak is known (CUDA);",
-              "peak_mib_max: max over ranks of the peak of live tensor bytes during the first training steps (lightning_hybrid.memory).",
+              "peak_mib_max: max over ranks of the peak of live tensor bytes during the first training steps"
+              " (lightning_hybrid.memory).",
               "predicted_*: the planner's prediction for the job's layout on this machine (lightning_hybrid.planner);",
               "measured_rank / planner_rank: 1 = the most tokens/s measured / predicted among these jobs."]
     if rho is not None:
@@ -150,8 +152,9 @@ def _plot(rows: List[Dict[str, Any]], best: Optional[int], path: Path) -> Option
     speed = [r.get("tokens_per_s") or 0.0 for r in rows]
     mem = [r.get("peak_mib_max") or 0.0 for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(rows) + 4), 4))
-    for ax, values, key, title, color in ((axes[0], speed, "predicted_tokens_per_s", "tokens/s (higher is better)", "tab:blue"),
-                                          (axes[1], mem, "predicted_peak_mib", "peak memory per rank, max [MiB]", "tab:orange")):
+    panels = ((axes[0], speed, "predicted_tokens_per_s", "tokens/s (higher is better)", "tab:blue"),
+              (axes[1], mem, "predicted_peak_mib", "peak memory per rank, max [MiB]", "tab:orange"))
+    for ax, values, key, title, color in panels:
         predicted = [r.get(key) or 0.0 for r in rows]
         bars = ax.bar([i - 0.2 for i in range(len(rows))], values, width=0.4, color=color, label="measured")
         ax.bar([i + 0.2 for i in range(len(rows))], predicted, width=0.4, color="none", edgecolor=color,

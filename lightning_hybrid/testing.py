@@ -2,8 +2,9 @@
 
 `run_distributed` is the one multi-process launcher that the tests and the benchmarks share: it starts N
 ranks (forked from a fork server that has the heavy imports done) with torchrun's environment variables
-(``MASTER_ADDR``, ``RANK``, ``WORLD_SIZE``, ...), runs ``fn`` on each, and returns the results by rank. A failure on any rank stops the others and raises its traceback, so nothing
-waits on a collective that a failed rank will never join.
+(``MASTER_ADDR``, ``RANK``, ``WORLD_SIZE``, ...), runs ``fn`` on each, and returns the results by rank. A failure
+on any rank stops the others and raises its traceback, so nothing waits on a collective that a failed rank will
+never join.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, one_rank_per_node
                 if dead:
                     raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(results))} gave no result") from None
+                    missing = sorted(set(range(world_size)) - set(results))
+                    raise TimeoutError(f"ranks {missing} gave no result") from None
                 continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")

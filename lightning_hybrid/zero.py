@@ -122,7 +122,8 @@ class _Bucket:
         """Start the reduction of ``grad`` over the DP group (asynchronous)."""
         assert self.grad is not None
         if self.stage == 0:  # averaged here, while backward still runs (as DDP does)
-            self.work = dist.all_reduce(self.grad.div_(dist.get_world_size(self.group)), group=self.group, async_op=True)
+            self.work = dist.all_reduce(self.grad.div_(dist.get_world_size(self.group)), group=self.group,
+                                        async_op=True)
             return
         if self.stage == 2:
             out = self.shard_grad
@@ -201,7 +202,9 @@ class GradientBuckets:
     backward passes with ``sync = False``) starts and waits for all of them. Collective over the DP ``group``.
     """
 
-    def __init__(self, buckets: list[_Bucket], group: dist.ProcessGroup, stage: int, names: dict[int, str] | None = None) -> None:
+    def __init__(
+        self, buckets: list[_Bucket], group: dist.ProcessGroup, stage: int, names: dict[int, str] | None = None,
+    ) -> None:
         self.buckets, self.group, self.stage = buckets, group, stage
         self.names = names or {}  # id(parameter) -> its name, for errors
         self.sync = True
@@ -303,7 +306,8 @@ class GradientBuckets:
             for p, view, count in zip(params, views, counts):
                 p.grad = view if count else None
             return
-        absent = [self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}") for p, count in zip(params, counts) if not count]
+        absent = [self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
+                  for p, count in zip(params, counts) if not count]
         if absent:
             raise RuntimeError(
                 f"zero_stage={self.stage}: {absent} got no gradient on any data-parallel rank in this step. One device"
@@ -460,7 +464,8 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh) -> list[nn.Module]:
         )
     layers = [layer for sub in module.modules() if isinstance(sub, nn.ModuleList) for layer in sub]
     roots = _fsdp_roots(module)
-    return [apply_fsdp_units([layer for layer in layers if layer is not root and _holds(layer, root)], root, dp_mesh) for root in roots]
+    return [apply_fsdp_units([layer for layer in layers if layer is not root and _holds(layer, root)], root, dp_mesh)
+            for root in roots]
 
 
 def _fsdp_roots(module: nn.Module) -> list[nn.Module]:

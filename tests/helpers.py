@@ -27,7 +27,8 @@ class Recorder(L.Callback):
         if isinstance(trainer.strategy, HybridStrategy):
             norms = trainer.strategy.parameter_grad_norms()
         else:  # one device: the plain norms are the whole gradients'
-            # In float64: the reference is as exact as the data allows (the CPU's float32 norm loses precision with size).
+            # In float64: the reference is as exact as the data allows (the CPU's float32 norm loses precision with
+            # size).
             zero = torch.zeros((), dtype=torch.float64, device="cpu")
             norms = {n: p.grad.double().norm() if p.grad is not None else zero for n, p in pl_module.named_parameters()}
             self.grad_norms.append(torch.linalg.vector_norm(torch.stack(list(norms.values()))).item())

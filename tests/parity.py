@@ -95,7 +95,8 @@ class InitialState(L.Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         if not isinstance(trainer.strategy, HybridStrategy):
-            self.state = {k: v.detach().float().cpu().clone() for k, v in pl_module.state_dict().items() if v.is_floating_point()}
+            self.state = {k: v.detach().float().cpu().clone() for k, v in pl_module.state_dict().items()
+                          if v.is_floating_point()}
 
 
 def _dynamo_counts() -> tuple[int, int]:
@@ -134,7 +135,8 @@ class _ReductionCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d" and ("allreduce" in func._opname or "reduce_scatter" in func._opname):
             leaves = tree_leaves((args, kwargs))
-            groups = [dist.ProcessGroup.unbox(a) for a in leaves if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type())]
+            groups = [dist.ProcessGroup.unbox(a) for a in leaves
+                      if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type())]
             if groups and groups[0] is self.group:
                 reduced = args[0] if "allreduce" in func._opname else args[1]  # reduce-scatter: (output, input, ...)
                 self.elements += sum(t.numel() for t in tree_leaves(reduced) if isinstance(t, torch.Tensor))
@@ -159,7 +161,8 @@ def _fit_runs(runs: dict[str, tuple], steps: int) -> dict[str, dict]:
         # Counted where torch.compile is off (it runs eagerly under a dispatch mode).
         counter = None if kwargs.get("compile") else DPReductions()
         callbacks = [*trainer_kwargs.get("callbacks", []), *([counter] if counter else [])]
-        results[name] = fit_and_record(HybridStrategy(**kwargs), world, make_module, dp=dp, steps=steps, **{**trainer_kwargs, "callbacks": callbacks})
+        results[name] = fit_and_record(HybridStrategy(**kwargs), world, make_module, dp=dp, steps=steps,
+                                       **{**trainer_kwargs, "callbacks": callbacks})
         results[name]["dp_reduced"] = counter.per_step if counter else None
     return results
 
@@ -168,7 +171,8 @@ def deviations(got: dict, ref: dict) -> dict[str, float]:
     """How far one rank's run is from the one-device run: relative for losses, global gradient norms, validation
     loss and each parameter's gradient norm (against the largest of that step: a gradient that is zero in exact
     arithmetic is noise at the scale of the others), absolute for the final parameters."""
-    if not (len(got["losses"]) == len(ref["losses"]) > 0 and len(got["param_grad_norms"]) == len(ref["param_grad_norms"])):
+    if not (len(got["losses"]) == len(ref["losses"]) > 0
+            and len(got["param_grad_norms"]) == len(ref["param_grad_norms"])):
         return {"steps": float("inf")}
 
     def rel(a, b) -> float:
@@ -181,7 +185,8 @@ def deviations(got: dict, ref: dict) -> dict[str, float]:
         missing = set(step_got) - set(step_ref)
         if missing:
             return {"parameter names": float("inf")}
-        tensor_grads = max(tensor_grads, *(abs(v - step_ref[n]) / max(abs(step_ref[n]), scale * 1e-3) for n, v in step_got.items()))
+        tensor_grads = max(tensor_grads, *(abs(v - step_ref[n]) / max(abs(step_ref[n]), scale * 1e-3)
+                                           for n, v in step_got.items()))
     if got["state"].keys() != ref["state"].keys():
         return {"state keys": float("inf")}
     # The whole model's distance from the one-device parameters, against how far those moved: 1 for a run that
@@ -227,7 +232,9 @@ def _report(world: int, results: list[dict], references: dict) -> None:
             f.write(json.dumps({"world": world, "run": name, **worst}) + "\n")
 
 
-def run_world(world: int, runs: dict[str, tuple], steps: int = STEPS, references: dict | None = None) -> tuple[list[dict], dict]:
+def run_world(
+    world: int, runs: dict[str, tuple], steps: int = STEPS, references: dict | None = None,
+) -> tuple[list[dict], dict]:
     """Train ``runs`` (name -> (strategy kwargs, module factory, trainer kwargs[, tolerances])) on ``world`` ranks
     and on one device (``references``: one-device results by run name, computed here for the runs it lacks --
     fp32, with the trainer kwargs but their ``callbacks`` and ``precision`` -- and added to it). Returns (results by
@@ -255,10 +262,12 @@ def check_world(world: int, runs: dict[str, tuple], steps: int = STEPS, referenc
     for name, run in runs.items():
         # Every parameter's gradient was seen, on some rank (a pipeline stage holds its own) ...
         seen = {n for per_run in results for step in per_run[name]["param_grad_norms"] for n in step}
-        assert seen == set(references[name]["param_grad_norms"][0]), (name, seen ^ set(references[name]["param_grad_norms"][0]))
+        expected = set(references[name]["param_grad_norms"][0])
+        assert seen == expected, (name, seen ^ expected)
         # ... and the one-device parameters moved far beyond their tolerance.
         atol = tolerances_of(run, tolerances)[1]
-        moved = max((references[name]["state"][k].float() - v).abs().max().item() for k, v in references[name]["initial"].items())
+        moved = max((references[name]["state"][k].float() - v).abs().max().item()
+                    for k, v in references[name]["initial"].items())
         assert moved > 20 * atol or atol == float("inf"), (name, moved, atol)
     for rank, per_run in enumerate(results):
         for name, run in runs.items():
@@ -272,7 +281,8 @@ def check_world(world: int, runs: dict[str, tuple], steps: int = STEPS, referenc
                 low, high = (local, 1.02 * local + 256) if dp_size(run[0], world) > 1 else (0, 256)
                 assert all(low <= n <= high for n in reduced), (name, rank, reduced, local)
             if run[0].get("compile"):  # the layers ran compiled, in whole graphs
-                assert per_run[name]["compiled_graphs"] > 0 and per_run[name]["graph_breaks"] == 0, (name, per_run[name])
+                whole_graphs = per_run[name]["compiled_graphs"] > 0 and per_run[name]["graph_breaks"] == 0
+                assert whole_graphs, (name, per_run[name])
             else:
                 assert per_run[name]["compiled_graphs"] == 0, name
     return results

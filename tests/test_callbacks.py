@@ -35,5 +35,6 @@ def test_throughput_monitor_reports_tokens_and_model_flops():
     trainer.fit(module, ByteCorpusDataModule(max_bytes=20_000, block_size=16, batch_size=2))
     rates = monitor.training_rates
     assert rates["device/items_per_sec"] == pytest.approx(16 * rates["device/samples_per_sec"])  # 16 tokens a sample
-    assert rates["device/flops_per_sec"] == pytest.approx(module.model.flops_per_token(16) * rates["device/items_per_sec"])
+    assert rates["device/flops_per_sec"] == pytest.approx(
+        module.model.flops_per_token(16) * rates["device/items_per_sec"])
     assert "items_per_sec" not in rates and "device/mfu" not in rates  # one replica; no known peak FLOP/s on CPU

@@ -25,10 +25,13 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = gpt(n_layer=2)
 SAVED_LAYOUT = dict(dp=2, tp=2, pp=2, zero_stage=1)
 # Each changes every dimension it can: pp 2 -> 1 and dp 2 -> 4 and ZeRO 1 -> 0; tp 2 -> 1, pp 2 -> 4, ZeRO 1 -> 3.
-RESHARDED = {"dp4xtp2-zero0": dict(dp=4, tp=2, zero_stage=0), "pp4xdp2-zero3": dict(dp=2, pp=4, zero_stage=3, micro_batches=4)}
+RESHARDED = {"dp4xtp2-zero0": dict(dp=4, tp=2, zero_stage=0),
+             "pp4xdp2-zero3": dict(dp=2, pp=4, zero_stage=3, micro_batches=4)}
 
 
-def _fit(world: int, layout: dict, steps: int, ckpt_in=None, ckpt_out=None, make_module=MODEL, **trainer_kwargs) -> dict:
+def _fit(
+    world: int, layout: dict, steps: int, ckpt_in=None, ckpt_out=None, make_module=MODEL, **trainer_kwargs,
+) -> dict:
     L.seed_everything(0, verbose=False)
     recorder = Recorder()
     trainer = L.Trainer(
@@ -80,7 +83,8 @@ def _resume_under_each_layout(ckpt: str) -> dict:
 def _assert_equal(got: dict, want: dict, what: str) -> None:
     assert got.keys() == want.keys() and want, what
     for key, value in want.items():
-        assert torch.equal(got[key], value), f"{what}: {key} differs by {(got[key].float() - value.float()).abs().max().item():.3g}"
+        assert torch.equal(got[key], value), (f"{what}: {key} differs by"
+                                              f" {(got[key].float() - value.float()).abs().max().item():.3g}")
 
 
 def test_resume_is_exact_and_reshards_to_other_layouts(tmp_path):
@@ -100,9 +104,10 @@ def test_resume_is_exact_and_reshards_to_other_layouts(tmp_path):
             _assert_equal(resumed["same"][what], full[what], f"rank {rank}: {what}")
         # Another layout: the same run within fp32 reordering, losses and the whole model.
         for name in RESHARDED:
-            torch.testing.assert_close(torch.tensor(resumed[name]["losses"]), torch.tensor(full["losses"][10:]), rtol=1e-6, atol=0,
+            torch.testing.assert_close(torch.tensor(resumed[name]["losses"]), torch.tensor(full["losses"][10:]),
+                                       rtol=1e-6, atol=0, msg=f"{name} rank {rank}")
+            torch.testing.assert_close(resumed[name]["whole"], full["whole"], rtol=0, atol=5e-6,
                                        msg=f"{name} rank {rank}")
-            torch.testing.assert_close(resumed[name]["whole"], full["whole"], rtol=0, atol=5e-6, msg=f"{name} rank {rank}")
 
     # One plain file that the unparallelised module loads; it gives the sharded run's validation loss.
     out = tmp_path / "plain.pt"
@@ -113,7 +118,8 @@ def test_resume_is_exact_and_reshards_to_other_layouts(tmp_path):
     module.configure_model()
     module.load_state_dict(torch.load(out, weights_only=True))
     trainer = L.Trainer(accelerator="cpu", devices=1, limit_val_batches=2, **QUIET_TRAINER)
-    metrics = trainer.validate(module, OneDeviceInDistributedOrder(max_bytes=80_000, block_size=BLOCK, batch_size=GLOBAL_BATCH), verbose=False)
+    data = OneDeviceInDistributedOrder(max_bytes=80_000, block_size=BLOCK, batch_size=GLOBAL_BATCH)
+    metrics = trainer.validate(module, data, verbose=False)
     assert metrics[0]["val_loss"] == pytest.approx(saved["val_loss"], rel=1e-5)
 
     # `load_from_checkpoint` takes the folder itself: its hyper-parameters and the consolidated weights.

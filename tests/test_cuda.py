@@ -37,7 +37,8 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 
 STEPS = 6
 BLOCK, BATCH = 256, 8
-GPT_FIELDS = dict(vocab_size=256, block_size=BLOCK, n_layer=4, n_head=4, n_kv_head=2, n_embd=256, mlp="swiglu", dropout=0.0)
+GPT_FIELDS = dict(vocab_size=256, block_size=BLOCK, n_layer=4, n_head=4, n_kv_head=2, n_embd=256, mlp="swiglu",
+                  dropout=0.0)
 # A small Llama (GQA, RMSNorm, rotary, SwiGLU), random init from a config, byte vocabulary, untied head.
 LLAMA_FIELDS = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                     intermediate_size=512, vocab_size=256, max_position_embeddings=BLOCK, tie_word_embeddings=False)
@@ -114,7 +115,8 @@ def _assert_trains(losses: list[float], steps: int = STEPS) -> None:
 # ---------------------------------------------------------------------------------------------- bf16
 def test_bf16_on_one_gpu_and_peak_memory_against_the_allocator():
     L.seed_everything(0, verbose=False)
-    module = GPTLightningModule(config=GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256, mlp="swiglu"))
+    module = GPTLightningModule(config=GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256,
+                                                 mlp="swiglu"))
     memory = PeakMemoryMonitor(steps=3)
     trainer = L.Trainer(accelerator="cuda", devices=1, precision="bf16-mixed", strategy=HybridStrategy(), max_steps=5,
                         limit_val_batches=0, callbacks=[memory], **QUIET_TRAINER)
@@ -151,9 +153,11 @@ def _without_checkpointing(model: str) -> tuple[list[float], int]:
 def test_activation_checkpointing_trains_as_without(model, recompute):
     reference, reference_peak = _without_checkpointing(model)
     peak = PeakDuringTraining()
-    _, module, losses = _fit(MODELS[model], HybridStrategy(activation_checkpointing=True, recompute=recompute), callbacks=[peak])
+    _, module, losses = _fit(MODELS[model], HybridStrategy(activation_checkpointing=True, recompute=recompute),
+                             callbacks=[peak])
     checkpointed = [n for n, m in module.named_modules() if getattr(m, "_activation_checkpointed", False)]
-    assert len(checkpointed) == (GPT_FIELDS["n_layer"] if model == "gpt" else LLAMA_FIELDS["num_hidden_layers"]), checkpointed
+    layers = GPT_FIELDS["n_layer"] if model == "gpt" else LLAMA_FIELDS["num_hidden_layers"]
+    assert len(checkpointed) == layers, checkpointed
     _assert_trains(losses)
     # The recomputation runs the forward's kernels again on the same inputs; only backward's reduction order differs.
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-2, atol=0)
@@ -173,7 +177,8 @@ def test_checkpoint_save_resume_and_consolidation_on_the_gpu(tmp_path):
     saved = {k: v.to(device="cpu") for k, v in trainer.strategy.full_state_dict().items()}
     ckpt = tmp_path / "last.ckpt"
     assert ckpt.is_dir() and (tmp_path / "epoch=0-step=3.ckpt").is_dir(), sorted(p.name for p in tmp_path.iterdir())
-    torch.testing.assert_close(torch.tensor(first), torch.tensor(full[:3]), rtol=1e-4, atol=0)  # the same run up to the save
+    # the same run up to the save
+    torch.testing.assert_close(torch.tensor(first), torch.tensor(full[:3]), rtol=1e-4, atol=0)
     _, _, resumed = _fit(_gpt, precision="32-true", ckpt_path=str(ckpt))
     assert len(resumed) == STEPS - 3
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(full[3:]), rtol=1e-4, atol=0)
@@ -217,11 +222,13 @@ def test_pretrained_load_train_export_and_reload_on_the_gpu(tmp_path):
         torch.testing.assert_close(initial.state[f"model.{name}"], value, rtol=0, atol=0, msg=name)
 
     export_pretrained(trainer, tmp_path / "out")
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="sdpa").float().eval()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                                 attn_implementation="sdpa").float().eval()
     trained = {k: v.to(device="cpu") for k, v in module.state_dict().items()}
     for name, value in reloaded.state_dict().items():
         torch.testing.assert_close(value, trained[f"model.{name}"], rtol=0, atol=0, msg=name)
-    assert not torch.equal(reloaded.model.embed_tokens.weight, source.model.embed_tokens.weight), "the exported model was trained"
+    assert not torch.equal(reloaded.model.embed_tokens.weight, source.model.embed_tokens.weight), (
+        "the exported model was trained")
     reloaded.to(initial.device)
     with torch.no_grad():
         logits = reloaded(input_ids=ids.to(initial.device)).logits.to(device="cpu")
@@ -259,7 +266,8 @@ def test_initial_weights_built_under_a_cuda_trainer_are_the_cpu_ones(model, stra
         on_cpu.configure_model()
     want = {k: v.detach() for k, v in on_cpu.state_dict().items()}
     initial = InitialState()
-    _fit(MODELS[model], HybridStrategy() if strategy == "hybrid" else "auto", precision="32-true", steps=1, callbacks=[initial])
+    _fit(MODELS[model], HybridStrategy() if strategy == "hybrid" else "auto", precision="32-true", steps=1,
+         callbacks=[initial])
     assert initial.device.type == "cuda"
     assert initial.state.keys() == want.keys()
     for key, value in want.items():

@@ -18,7 +18,8 @@ from lightning_hybrid.device_audit import AmbientDeviceAudit, package_sources, s
 from lightning_hybrid.models import GPTConfig, GPTLightningModule
 from tests.helpers import QUIET_TRAINER, run_distributed
 
-TINY_GPT = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp="swiglu", dropout=0.0)
+TINY_GPT = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp="swiglu",
+                     dropout=0.0)
 
 
 def test_no_factory_call_in_the_package_leaves_its_device_to_the_ambient_one():

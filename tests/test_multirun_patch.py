@@ -13,7 +13,8 @@ from lightning_hybrid.multirun_patch import multirun_child_command, multirun_chi
 
 def test_the_lightning_internals_it_relies_on():
     original = subprocess_script._hydra_subprocess_cmd
-    assert list(inspect.signature(original).parameters) == list(inspect.signature(multirun_child_command).parameters) == ["local_rank"]
+    assert (list(inspect.signature(original).parameters) == list(inspect.signature(multirun_child_command).parameters)
+            == ["local_rank"])
     assert "return command, cwd" in inspect.getsource(original)
     launch = subprocess_script._SubprocessScriptLauncher._call_children_scripts
     # Called by name from the launcher module's globals each time ranks start, with the (command, cwd) result.

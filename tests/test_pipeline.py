@@ -41,7 +41,8 @@ def test_partition_minimises_the_largest_stage():
 def test_explicit_split_points_and_their_errors():
     assert partition_layers([1] * 6, 3, split_points=[1, 5]) == [range(0, 1), range(1, 5), range(5, 6)]
     for bad in ([3], [2, 2], [0, 3], [3, 6], [4, 2]):
-        with pytest.raises(ValueError, match=re.escape(f"split_points={bad} is invalid: give 2 increasing layer indices in 1..5")):
+        with pytest.raises(ValueError,
+                           match=re.escape(f"split_points={bad} is invalid: give 2 increasing layer indices in 1..5")):
             partition_layers([1] * 6, 3, split_points=bad)
     with pytest.raises(ValueError, match="4 pipeline stages need at least 4 layers; the model has 3"):
         partition_layers([1, 1, 1], 4)
@@ -73,10 +74,14 @@ def test_schedule_resolution(schedule, virtual_stages, micro_batches, expected):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("round_robin", 2, None, 1), "schedule='round_robin' is unknown: valid schedules are ['1f1b', 'gpipe', 'interleaved_1f1b', 'zero_bubble']."),
-        (("interleaved_1f1b", 2, 4, 1), "schedule='interleaved_1f1b' needs virtual_stages >= 2 (stages per rank), got 1."),
+        (("round_robin", 2, None, 1),
+         "schedule='round_robin' is unknown: valid schedules are ['1f1b', 'gpipe', 'interleaved_1f1b',"
+         " 'zero_bubble']."),
+        (("interleaved_1f1b", 2, 4, 1),
+         "schedule='interleaved_1f1b' needs virtual_stages >= 2 (stages per rank), got 1."),
         (("interleaved_1f1b", 2, 3, 2), "needs micro_batches to be a multiple of pp (2), got 3."),
-        (("gpipe", 2, 4, 2), "schedule='gpipe' runs 1 stage(s) per rank; virtual_stages=2 is not supported (leave it at 1)."),
+        (("gpipe", 2, 4, 2),
+         "schedule='gpipe' runs 1 stage(s) per rank; virtual_stages=2 is not supported (leave it at 1)."),
         (("zero_bubble", 2, 4, 3), "virtual_stages=3 is not supported (leave it at 1 or 2)."),
         (("1f1b", 4, 2, 1), "schedule='1f1b' needs micro_batches >= pp (4), got 2."),
         (("1f1b", 2, 0, 1), "micro_batches=0 is invalid: it must be a positive integer."),
@@ -141,14 +146,16 @@ def test_parameters_outside_the_layers_are_an_error():
         module = Chain()
         module.scale = nn.Parameter(torch.ones(1))
     layout = plan_stages(module, pp=2, pp_rank=0, stages_per_rank=1, style="loop", split_points=None)
-    with pytest.raises(TypeError, match=r"Parameters \['scale'\] are outside the layers listed by `pipeline_layers\(\)`"):
+    with pytest.raises(TypeError,
+                       match=r"Parameters \['scale'\] are outside the layers listed by `pipeline_layers\(\)`"):
         keep_local_layers(module, layout, torch.device("cpu"))
 
 
 def test_the_protocol():
     assert isinstance(Chain(), PipelineModule) and isinstance(Chain(), LayerwiseInit)
     assert isinstance(GPTLightningModule(n_layer=1), PipelineModule)
-    with pytest.raises(TypeError, match=re.escape(f"Linear does not implement ['pipeline_layers', 'loss_fn']. {PROTOCOL_HELP}")):
+    with pytest.raises(TypeError,
+                       match=re.escape(f"Linear does not implement ['pipeline_layers', 'loss_fn']. {PROTOCOL_HELP}")):
         check_protocol(nn.Linear(1, 1))
 
 

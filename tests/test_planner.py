@@ -82,7 +82,8 @@ def test_codebase_model_states_per_zero_stage():
 
 # ---------------------------------------------------------------------------------------------- the model
 def test_model_spec_counts_the_reference_gpt():
-    for config in (GPTConfig(n_layer=3, n_embd=64, n_head=4), GPTConfig(n_layer=2, n_embd=48, n_head=6, n_kv_head=2, mlp="swiglu", bias=False)):
+    for config in (GPTConfig(n_layer=3, n_embd=64, n_head=4),
+                   GPTConfig(n_layer=2, n_embd=48, n_head=6, n_kv_head=2, mlp="swiglu", bias=False)):
         gpt = GPT(config)
         spec = ModelSpec.from_gpt(config)
         assert spec.params == gpt.num_parameters()
@@ -97,7 +98,8 @@ def test_model_spec_from_a_hugging_face_config():
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32)
     spec = ModelSpec.from_hf(config)
-    assert (spec.n_layer, spec.hidden, spec.heads, spec.kv_heads, spec.ffn, spec.vocab, spec.seq_len) == (2, 64, 8, 2, 160, 128, 32)
+    assert ((spec.n_layer, spec.hidden, spec.heads, spec.kv_heads, spec.ffn, spec.vocab, spec.seq_len)
+            == (2, 64, 8, 2, 160, 128, 32))
     assert spec.gated_mlp and not spec.bias and not spec.learned_positions
     assert spec.params == sum(p.numel() for p in LlamaForCausalLM(config).parameters())
 
@@ -105,7 +107,8 @@ def test_model_spec_from_a_hugging_face_config():
 def test_model_spec_from_the_command_line(tmp_path):
     assert model_spec("gpt3-175b").params == pytest.approx(175e9, rel=0.01)
     assert model_spec("n_layer=2,n_embd=32,mlp=swiglu", seq_len=16).seq_len == 16
-    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4).save_pretrained(tmp_path)
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4).save_pretrained(tmp_path)
     assert model_spec(str(tmp_path)).hidden == 64
     with pytest.raises(ValueError, match="neither a preset"):
         model_spec("gpt-9000")

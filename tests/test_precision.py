@@ -49,5 +49,6 @@ def test_clipping_by_norm_goes_to_the_global_norm_and_by_value_stays_local():
 def test_a_plugin_given_to_the_strategy_is_adapted_too():
     scaler_free = MixedPrecision("bf16-mixed", "cpu")
     strategy = HybridStrategy(precision_plugin=scaler_free)
-    assert isinstance(strategy.precision_plugin, MixedPrecision) and isinstance(strategy.precision_plugin, GlobalNormClipping)
+    assert isinstance(strategy.precision_plugin, MixedPrecision)
+    assert isinstance(strategy.precision_plugin, GlobalNormClipping)
     assert strategy.precision_plugin is not scaler_free and vars(strategy.precision_plugin)["device"] == "cpu"

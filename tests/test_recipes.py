@@ -82,7 +82,8 @@ def test_layout_fields_are_overridable():
     assert world_layout(cfg) == {"devices": 8, "num_nodes": 1, "dp": 2, "tp": 4, "pp": 1}
 
 
-@pytest.mark.parametrize("typo", ["parallel.tpp=2", "model.n_layers=3", "data.batchsize=3", "trainer.max_step=3", "lrr=1e-3"])
+@pytest.mark.parametrize("typo", ["parallel.tpp=2", "model.n_layers=3", "data.batchsize=3", "trainer.max_step=3",
+                                  "lrr=1e-3"])
 def test_typod_field_fails_at_composition(typo):
     with pytest.raises(ConfigCompositionException):
         _compose(typo)
@@ -90,10 +91,12 @@ def test_typod_field_fails_at_composition(typo):
 
 def test_schemas_follow_the_signatures():
     # One parameter list: every HybridStrategy argument but those Lightning fills in (and the timedelta timeout).
-    lightning_fills = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin", "timeout"}
+    lightning_fills = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
+                       "timeout"}
     params = inspect.signature(HybridStrategy).parameters
     assert set(ParallelConfig.__dataclass_fields__) == {"_target_"} | (set(params) - lightning_fills)
-    assert all(ParallelConfig.__dataclass_fields__[n].default == params[n].default for n in set(params) - lightning_fills)
+    assert all(ParallelConfig.__dataclass_fields__[n].default == params[n].default
+               for n in set(params) - lightning_fills)
 
     class WithAnotherArgument(HybridStrategy):
         def __init__(self, *args, overlap_comm: bool = True, **kwargs):
@@ -182,11 +185,13 @@ def test_a_rank_crashing_in_its_teardown_does_not_stop_the_sweep(tmp_path):
     """Rank 1 of the first job aborts while its interpreter shuts down, after the job completed: the job's
     results stand (reported), and the next job runs (Lightning's observer would kill the Hydra process)."""
     sweep = tmp_path / "sweep"
-    res = _run(["-m", "parallel=tp,single", *USER_MODEL, "+callbacks.abort._target_=tests.user_model.AbortAtExitOnRank1",
-                f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    res = _run(["-m", "parallel=tp,single", *USER_MODEL,
+                "+callbacks.abort._target_=tests.user_model.AbortAtExitOnRank1", f"hydra.sweep.dir={sweep}"],
+               cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert (sweep / "0" / "metrics.json").is_file() and (sweep / "1" / "metrics.json").is_file()
-    assert re.search(r"rank 1 \(pid \d+\) exited with code -6 after the run had finished", res.stderr), res.stderr[-3000:]
+    assert re.search(r"rank 1 \(pid \d+\) exited with code -6 after the run had finished", res.stderr), (
+        res.stderr[-3000:])
 
 
 def test_user_module_and_data_in_a_layout_sweep_up_to_3d(tmp_path):
@@ -267,7 +272,8 @@ def test_bad_config_is_one_error_line_exit_2(args, message, tmp_path):
 def test_slurm_launcher_config_composes():
     register_configs()
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        cfg = compose(config_name="pretrain", overrides=["hydra/launcher=slurm", "parallel=3d"], return_hydra_config=True)
+        cfg = compose(config_name="pretrain", overrides=["hydra/launcher=slurm", "parallel=3d"],
+                      return_hydra_config=True)
     assert cfg.hydra.launcher._target_.endswith("submitit_launcher.SlurmLauncher")
     assert cfg.hydra.launcher.tasks_per_node * cfg.hydra.launcher.nodes == world_layout(cfg)["devices"]
 
@@ -285,7 +291,8 @@ def _pretrained_folder_with_tokenizer(folder: Path) -> Path:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     text = ByteCorpusDataModule(max_bytes=50_000).corpus_bytes().decode("utf-8", errors="replace")
-    tokenizer.train_from_iterator([text], trainers.BpeTrainer(vocab_size=256, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.train_from_iterator([text], trainers.BpeTrainer(vocab_size=256,
+                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(folder)
     AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(folder)
     return folder
@@ -328,7 +335,8 @@ def test_token_corpus_uses_the_folders_tokenizer(tmp_path):
     text = data.corpus_bytes().decode("utf-8", errors="replace")
     ids = AutoTokenizer.from_pretrained(folder)(text, add_special_tokens=False)["input_ids"]
     x, y = data.train_dataset[0]
-    assert x.tolist() == ids[:16] and y.tolist() == ids[1:17] and data.vocab_size == len(AutoTokenizer.from_pretrained(folder))
+    assert (x.tolist() == ids[:16] and y.tolist() == ids[1:17]
+            and data.vocab_size == len(AutoTokenizer.from_pretrained(folder)))
     assert ids[:16] != list(data.corpus_bytes()[:16])  # the tokenizer's ids, not the bytes
     (tmp_path / "weights-only").mkdir()
     no_tokenizer = TokenCorpusDataModule(tokenizer=tmp_path / "weights-only", max_bytes=20_000)

@@ -26,7 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
         (dict(zero_stage=4), r"zero_stage=4 is invalid: valid stages are \[0, 1, 2, 3\]"),
         (dict(tp=0), r"tp=0 is invalid"),
         (dict(dp=0), r"dp=0 is invalid"),
-        (dict(pp=2, schedule="round_robin"), r"schedule='round_robin' is unknown: valid schedules are \['1f1b', 'gpipe', 'interleaved_1f1b', 'zero_bubble'\]"),
+        (dict(pp=2, schedule="round_robin"),
+         r"schedule='round_robin' is unknown: valid schedules are \['1f1b', 'gpipe', 'interleaved_1f1b',"
+         r" 'zero_bubble'\]"),
         (dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, micro_batches=3), r"multiple of pp \(2\), got 3"),
         (dict(pp=2, schedule="interleaved_1f1b"), r"needs virtual_stages >= 2"),
         (dict(pp=2, schedule="gpipe", virtual_stages=2), r"schedule='gpipe' runs 1 stage\(s\) per rank"),
@@ -75,7 +77,8 @@ def _fit_expecting_errors() -> dict[str, str]:
     }
     errors = {}
     for name, (strategy, overrides) in cases.items():
-        module = WithoutPipelineProtocol(n_layer=1, block_size=16) if overrides is None else GPTLightningModule(block_size=16, **{"n_layer": 1, **overrides})
+        module = (WithoutPipelineProtocol(n_layer=1, block_size=16) if overrides is None
+                  else GPTLightningModule(block_size=16, **{"n_layer": 1, **overrides}))
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, **QUIET_TRAINER)
         try:
             trainer.fit(module, ByteCorpusDataModule(max_bytes=20_000, block_size=16, batch_size=2))
@@ -88,9 +91,11 @@ def _fit_expecting_errors() -> dict[str, str]:
 def test_bad_layouts_fail_on_every_rank_without_hanging():
     for errors in run_distributed(_fit_expecting_errors, 2):
         assert re.search(r"dp\*tp\*pp = 4\*1\*1 = 4 does not equal the world size 2", errors["world size"])
-        assert re.search(r"tp_plan splits model\.blocks\.0\.attn in a way that changes its results", errors["wrong split"])
+        assert re.search(r"tp_plan splits model\.blocks\.0\.attn in a way that changes its results",
+                         errors["wrong split"])
         assert re.search(r"tp_plan pattern '\*\.nonexistent' matches no nn\.Linear", errors["plan pattern"])
-        assert re.search(r"WithoutPipelineProtocol does not implement \['pipeline_layers'\]", errors["no pipeline protocol"])
+        assert re.search(r"WithoutPipelineProtocol does not implement \['pipeline_layers'\]",
+                         errors["no pipeline protocol"])
         assert re.search(r"4 pipeline stages need at least 4 layers; the model has 3", errors["too few layers"])
 
 
@@ -122,7 +127,8 @@ def test_a_checkpoint_io_plugin_is_refused_when_the_trainer_is_built():
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
     with pytest.raises(ValueError, match=r"checkpoint_io=<.*TorchCheckpointIO.*> would not be used"):
-        L.Trainer(accelerator="cpu", devices=1, strategy=HybridStrategy(), plugins=[TorchCheckpointIO()], **QUIET_TRAINER)
+        L.Trainer(accelerator="cpu", devices=1, strategy=HybridStrategy(), plugins=[TorchCheckpointIO()],
+                  **QUIET_TRAINER)
 
 
 def test_layer_by_layer_options_find_the_layers_or_refuse():
@@ -144,5 +150,6 @@ def test_layer_by_layer_options_find_the_layers_or_refuse():
 
     assert checkpoint_targets(UserLM(), True) == ["blocks.0", "blocks.1"]
     assert checkpoint_targets(Attributes(), True) == ["embed", "block_a", "block_b"]
-    with pytest.raises(ValueError, match=r"Sequential holds its layers neither in an nn.ModuleList nor in pipeline_layers"):
+    with pytest.raises(ValueError,
+                       match=r"Sequential holds its layers neither in an nn.ModuleList nor in pipeline_layers"):
         checkpoint_targets(nn.Sequential(nn.Linear(4, 4)), True)

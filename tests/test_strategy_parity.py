@@ -12,7 +12,17 @@ from functools import partial
 import torch
 
 from lightning_hybrid.models import GPTConfig, GPTLightningModule
-from tests.parity import BLOCK, PARAM_ATOL, RTOL, SGDGPT, DoubleOneGradient, check_world, mismatches, run_world, tolerances_of
+from tests.parity import (
+    BLOCK,
+    PARAM_ATOL,
+    RTOL,
+    SGDGPT,
+    DoubleOneGradient,
+    check_world,
+    mismatches,
+    run_world,
+    tolerances_of,
+)
 from tests.user_modules import UserLM
 
 # The user module trains at lr 3e-3, where Adam turns eps-scale gradient noise into parameter noise of 7.6e-6.
@@ -28,7 +38,8 @@ SGD_TOLERANCES = (RTOL, 1e-6)
 
 def gpt(sgd: bool = False, lr: float = 5e-4, **overrides):
     """The reference GPT (AdamW, or with ``sgd`` plain SGD at lr 0.1: `SGDGPT`)."""
-    base = dict(vocab_size=256, block_size=BLOCK, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp="swiglu", dropout=0.0)
+    base = dict(vocab_size=256, block_size=BLOCK, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp="swiglu",
+                dropout=0.0)
     base.update(overrides)
     if sgd:
         return partial(SGDGPT, config=GPTConfig(**base), lr=0.1)
@@ -68,7 +79,8 @@ def test_world2_layouts_match_one_device():
         "dp2-zero0-small-buckets": dict(dp=2, bucket_cap_mb=0.01),
         "dp2-zero1-small-buckets": dict(dp=2, zero_stage=1, bucket_cap_mb=0.01),
     }.items()}
-    runs["dp2-zero2-small-buckets-accumulate2"] = (dict(dp=2, zero_stage=2, bucket_cap_mb=0.01), model, {"accumulate_grad_batches": 2})
+    runs["dp2-zero2-small-buckets-accumulate2"] = (dict(dp=2, zero_stage=2, bucket_cap_mb=0.01), model,
+                                                   {"accumulate_grad_batches": 2})
     runs["user-dp2-zero3"] = (dict(dp=2, zero_stage=3), UserLM, {}, USER_TOLERANCES)
     # Sequence parallelism (logits split over the vocabulary, by default), also with full recompute; and the
     # gathered logits of loss_parallel=False.
@@ -79,10 +91,12 @@ def test_world2_layouts_match_one_device():
     runs["tp2-gathered-logits"] = (dict(tp=2, loss_parallel=False), model, {})
     # torch.compile per block (inductor, whole graphs: the harness checks there is no graph break) against the
     # eager one-device run: with TP+SP collectives and selective recompute inside, and under FSDP2.
-    runs["tp2-sp-recompute-attention-compile"] = (dict(tp=2, sequence_parallel=True, recompute="attention", compile=True), model, {})
+    runs["tp2-sp-recompute-attention-compile"] = (
+        dict(tp=2, sequence_parallel=True, recompute="attention", compile=True), model, {})
     runs["dp2-zero3-compile"] = (dict(dp=2, zero_stage=3, compile=True), model, {})
     # Plain SGD: a gradient error in any element moves the parameters (AdamW would cancel a scale per tensor).
-    runs.update({f"{name}-sgd": (kwargs, gpt(sgd=True), {}, SGD_TOLERANCES) for name, kwargs in LAYOUT_FAMILIES.items()})
+    runs.update({f"{name}-sgd": (kwargs, gpt(sgd=True), {}, SGD_TOLERANCES)
+                 for name, kwargs in LAYOUT_FAMILIES.items()})
     check_world(2, runs)
 
 
@@ -104,7 +118,8 @@ def test_the_harness_sees_a_doubled_gradient_of_one_small_tensor_on_one_rank():
         runs[f"{name}-sgd"] = (kwargs, gpt(sgd=True), {"callbacks": [inject]}, SGD_TOLERANCES)
     results, references = run_world(2, runs, steps=3)
     for name, run in runs.items():
-        seen = [mismatches(per_run[name], references[name], *tolerances_of(run, (RTOL, PARAM_ATOL))) for per_run in results]
+        seen = [mismatches(per_run[name], references[name], *tolerances_of(run, (RTOL, PARAM_ATOL)))
+                for per_run in results]
         assert any("tensor_grad_norm" in bad for bad in seen), (name, seen)
         if name.endswith("-sgd"):
             assert any("param" in bad for bad in seen), (name, seen)
@@ -119,7 +134,8 @@ def test_world4_layouts_match_one_device():
         "dp2xtp2-zero2": dict(dp=2, tp=2, zero_stage=2),
         "dp2xtp2-zero3": dict(dp=2, tp=2, zero_stage=3),
         "dp2xtp2-zero2-sp": dict(dp=2, tp=2, zero_stage=2, sequence_parallel=True),
-        "dp2xtp2-zero1-sp-recompute-attention": dict(dp=2, tp=2, zero_stage=1, sequence_parallel=True, recompute="attention"),
+        "dp2xtp2-zero1-sp-recompute-attention": dict(dp=2, tp=2, zero_stage=1, sequence_parallel=True,
+                                                     recompute="attention"),
     }.items()})
 
 
@@ -130,9 +146,11 @@ def test_accumulation_foreign_model_and_bf16_match_one_device():
         "dp2xtp2-zero2-accumulate2": (dict(dp=2, tp=2, zero_stage=2), gpt(), {"accumulate_grad_batches": 2}),
         "dp2xtp2-zero0-accumulate2": (dict(dp=2, tp=2), gpt(), {"accumulate_grad_batches": 2}),
         "llama-dp2xtp2-zero1": (dict(dp=2, tp=2, zero_stage=1), partial(TinyLlama, lr=5e-4), {}),
-        "llama-dp2xtp2-zero3-sp": (dict(dp=2, tp=2, zero_stage=3, sequence_parallel=True), partial(TinyLlama, lr=5e-4), {}),
+        "llama-dp2xtp2-zero3-sp": (dict(dp=2, tp=2, zero_stage=3, sequence_parallel=True), partial(TinyLlama, lr=5e-4),
+                                   {}),
         # Against the fp32 one-device run, at a learning rate where the parameters move 20x the tolerance.
-        "bf16-dp2xtp2-zero3": (dict(dp=2, tp=2, zero_stage=3), gpt(lr=BF16_LR), {"precision": "bf16-mixed"}, BF16_TOLERANCES),
+        "bf16-dp2xtp2-zero3": (dict(dp=2, tp=2, zero_stage=3), gpt(lr=BF16_LR), {"precision": "bf16-mixed"},
+                               BF16_TOLERANCES),
         "bf16-pp2xtp2": (dict(pp=2, tp=2), gpt(lr=BF16_LR), {"precision": "bf16-mixed"}, BF16_TOLERANCES),
     })
 
@@ -159,14 +177,17 @@ def test_pipeline_with_dp_and_tp_match_one_device():
         "pp4-1f1b": (dict(pp=4, schedule="1f1b"), model, {}),
         "pp2xdp2": (dict(pp=2, dp=2), model, {}),
         "pp2xtp2": (dict(pp=2, tp=2, split_points=[2]), model, {}),
-        "pp2xtp2-sp-interleaved": (dict(pp=2, tp=2, sequence_parallel=True, schedule="interleaved_1f1b", virtual_stages=2), model, {}),
+        "pp2xtp2-sp-interleaved": (
+            dict(pp=2, tp=2, sequence_parallel=True, schedule="interleaved_1f1b", virtual_stages=2), model, {}),
         # Selective recompute of pipeline layers (the embedding's and the head's collectives inside) under TP.
         "pp2xtp2-recompute-pointwise": (dict(pp=2, tp=2, recompute="pointwise"), model, {}),
         # Compiled pipeline layers: the embedding's and the split head's collectives inside the graphs.
         "pp2xtp2-sp-compile": (dict(pp=2, tp=2, sequence_parallel=True, compile=True), model, {}),
         # Accumulation under a pipeline: ZeRO-1 buckets and ZeRO-3 (FSDP2) reduce once, after the last batch.
-        "pp2xdp2-zero1-accumulate2": (dict(pp=2, dp=2, zero_stage=1, micro_batches=2), model, {"accumulate_grad_batches": 2}),
-        "pp2xdp2-zero3-accumulate2": (dict(pp=2, dp=2, zero_stage=3, micro_batches=2), model, {"accumulate_grad_batches": 2}),
+        "pp2xdp2-zero1-accumulate2": (dict(pp=2, dp=2, zero_stage=1, micro_batches=2), model,
+                                      {"accumulate_grad_batches": 2}),
+        "pp2xdp2-zero3-accumulate2": (dict(pp=2, dp=2, zero_stage=3, micro_batches=2), model,
+                                      {"accumulate_grad_batches": 2}),
     })
 
 
@@ -176,7 +197,8 @@ def test_3d_with_every_zero_stage_matches_one_device():
     each rank holds about 1/(pp*tp) of the GPT (1/dp more under ZeRO-3)."""
     config = gpt(n_layer=2, n_embd=64)
     runs = {f"3d-zero{stage}": (dict(pp=2, dp=2, tp=2, zero_stage=stage), config, {}) for stage in range(4)}
-    runs.update({f"user-3d-zero{stage}": (dict(pp=2, dp=2, tp=2, zero_stage=stage), UserLM, {}, USER_TOLERANCES) for stage in range(4)})
+    runs.update({f"user-3d-zero{stage}": (dict(pp=2, dp=2, tp=2, zero_stage=stage), UserLM, {}, USER_TOLERANCES)
+                 for stage in range(4)})
     runs["3d-zero1-sp"] = (dict(pp=2, dp=2, tp=2, zero_stage=1, sequence_parallel=True), config, {})
     results = check_world(8, runs)
     one_device = config()

@@ -87,7 +87,9 @@ class FusedAttention(nn.Module):
     head counts only in the forward's constants (nothing to read).
     """
 
-    def __init__(self, dim=32, n_head=4, n_kv_head=None, bias=True, names=("qkv", "proj"), with_attrs=True, layout="blocks"):
+    def __init__(
+        self, dim=32, n_head=4, n_kv_head=None, bias=True, names=("qkv", "proj"), with_attrs=True, layout="blocks",
+    ):
         super().__init__()
         self._names, self._layout = names, layout
         head_dim, kv = dim // n_head, n_kv_head or n_head
@@ -101,8 +103,10 @@ class FusedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        n_head, kv, hd = (getattr(self, "n_head", None), getattr(self, "n_kv_head", None), getattr(self, "head_dim", None))
-        n_head, kv, hd = n_head or self._fixed[0], kv or (n_head if hasattr(self, "n_head") else self._fixed[1]), hd or self._fixed[2]
+        n_head, kv, hd = (getattr(self, "n_head", None), getattr(self, "n_kv_head", None),
+                          getattr(self, "head_dim", None))
+        n_head, kv, hd = (n_head or self._fixed[0], kv or (n_head if hasattr(self, "n_head") else self._fixed[1]),
+                          hd or self._fixed[2])
         y = getattr(self, self._names[0])(x)
         if self._layout == "blocks":
             q, k, v = y.split([n_head * hd, kv * hd, kv * hd], dim=-1)
@@ -187,7 +191,8 @@ class GatedMLP(nn.Module):
         self._gate, self._up = [n for n in names if n != down]
         self._down = down
         for name in names:
-            setattr(self, name, nn.Linear(hidden, dim, bias=bias) if name == down else nn.Linear(dim, hidden, bias=bias))
+            setattr(self, name,
+                    nn.Linear(hidden, dim, bias=bias) if name == down else nn.Linear(dim, hidden, bias=bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return getattr(self, self._down)(F.silu(getattr(self, self._gate)(x)) * getattr(self, self._up)(x))
@@ -244,9 +249,12 @@ class TinyLM(nn.Module):
         self.blocks = nn.ModuleList(
             [
                 Block(Attention(dim, num_heads=4, num_key_value_heads=2), GatedMLP(dim, 64)),
-                Block(FusedAttention(dim, n_head=4, n_kv_head=2, names=("c_attn", "c_proj")), PlainMLP(dim, 64, names=("c_fc", "c_proj"))),
-                Block(FusedAttention(dim, n_head=4, names=("query_key_value", "dense"), layout="per_head"), FusedGatedMLP(dim, 64)),
-                Block(FusedAttention(dim, n_head=4, n_kv_head=2, names=("query_key_value", "dense"), layout="groups"), PlainMLP(dim, 64)),
+                Block(FusedAttention(dim, n_head=4, n_kv_head=2, names=("c_attn", "c_proj")),
+                      PlainMLP(dim, 64, names=("c_fc", "c_proj"))),
+                Block(FusedAttention(dim, n_head=4, names=("query_key_value", "dense"), layout="per_head"),
+                      FusedGatedMLP(dim, 64)),
+                Block(FusedAttention(dim, n_head=4, n_kv_head=2, names=("query_key_value", "dense"), layout="groups"),
+                      PlainMLP(dim, 64)),
                 Block(NormedHeadsAttention(dim, 4), PlainMLP(dim, 64)),
                 Block(FusedAttention(dim, n_head=4, n_kv_head=2, with_attrs=False), PlainMLP(dim, 64)),
             ]
@@ -286,7 +294,8 @@ def tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=128, n_positions=64, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=128, n_positions=64, attn_pdrop=0.0, resid_pdrop=0.0,
+                        embd_pdrop=0.0)
     return GPT2LMHeadModel(config).float()
 
 
@@ -302,7 +311,8 @@ def _unit(plan, name):
 @pytest.mark.parametrize("bias", [False, True])
 def test_plan_mha_separate_qkvo(bias):
     plan = resolve_tp_plan(Holder(attn=Attention(32, num_heads=4, bias=bias)), 2)
-    assert plan.layers == {"attn.q_proj": col(32), "attn.k_proj": col(32), "attn.v_proj": col(32), "attn.o_proj": ROW_PAR}
+    assert plan.layers == {"attn.q_proj": col(32), "attn.k_proj": col(32), "attn.v_proj": col(32),
+                           "attn.o_proj": ROW_PAR}
     variants = _unit(plan, "attn").variants
     # Fewest attribute changes first; the always-exact fallback (activations gathered) last.
     assert variants[0].divide == () and ("num_heads", "num_key_value_heads") in [v.divide for v in variants]
@@ -314,7 +324,8 @@ def test_plan_mha_separate_qkvo(bias):
 
 def test_plan_gqa_separate_qkvo():
     plan = resolve_tp_plan(Holder(attn=Attention(32, num_heads=4, num_key_value_heads=2)), 2)
-    assert plan.layers == {"attn.q_proj": col(32), "attn.k_proj": col(16), "attn.v_proj": col(16), "attn.o_proj": ROW_PAR}
+    assert plan.layers == {"attn.q_proj": col(32), "attn.k_proj": col(16), "attn.v_proj": col(16),
+                           "attn.o_proj": ROW_PAR}
 
 
 @pytest.mark.parametrize(
@@ -408,10 +419,12 @@ def test_explicit_plan_overrides_and_first_match_wins():
     model = TinyLM()
     plan = resolve_tp_plan(model, 2, {"blocks.0.mlp.down_proj": "rowwise", "blocks.0.mlp.*": "replicate"})
     assert plan.units["blocks.0.mlp.down_proj"].variants[0].layers == (("", LayerPlan("rowwise")),)
-    assert "blocks.0.mlp.gate_proj" not in plan.layers and plan.replicated["blocks.0.mlp.gate_proj"] == "tp_plan 'blocks.0.mlp.*'"
+    assert ("blocks.0.mlp.gate_proj" not in plan.layers
+            and plan.replicated["blocks.0.mlp.gate_proj"] == "tp_plan 'blocks.0.mlp.*'")
     assert plan.layers["blocks.1.mlp.c_fc"] == col(64)  # untouched by the explicit plan
     # Pinned fields: a dict value; transformers style names are accepted too.
-    plan = resolve_tp_plan(model, 2, {"blocks.1.attn.c_attn": {"style": "colwise", "part_sizes": [64]}, "wpe": "embedding_rowwise"})
+    plan = resolve_tp_plan(model, 2, {"blocks.1.attn.c_attn": {"style": "colwise", "part_sizes": [64]},
+                                      "wpe": "embedding_rowwise"})
     assert plan.layers["blocks.1.attn.c_attn"] == col(64) and plan.units["blocks.1.attn"].explicit
     assert plan.layers["wpe"] == LayerPlan("rowwise")
     plan = resolve_tp_plan(Holder(lone=nn.Linear(32, 8)), 2, {"lone": "colwise"})
@@ -420,7 +433,8 @@ def test_explicit_plan_overrides_and_first_match_wins():
 
 def test_explicit_plan_errors():
     model = TinyLM()
-    with pytest.raises(ValueError, match=r"'columnwise' is invalid: valid styles are \['colwise', 'rowwise', 'replicate'\]"):
+    with pytest.raises(ValueError,
+                       match=r"'columnwise' is invalid: valid styles are \['colwise', 'rowwise', 'replicate'\]"):
         resolve_tp_plan(model, 2, {"*.mlp.*": "columnwise"})
     with pytest.raises(ValueError, match=r"'\*\.nothing_here' matches no"):
         resolve_tp_plan(model, 2, {"*.mlp.*": "replicate", "*.nothing_here": "replicate"})
@@ -428,7 +442,8 @@ def test_explicit_plan_errors():
         resolve_tp_plan(model, 2, "manual")
     with pytest.raises(ValueError, match=r"embedding 'wte'.*'colwise'"):
         resolve_tp_plan(model, 2, {"wte": "colwise"})
-    with pytest.raises(ValueError, match=r"part_sizes \[32, 16\] of .blocks.1.attn.c_attn. do not add up to its out_features = 64"):
+    with pytest.raises(ValueError,
+                       match=r"part_sizes \[32, 16\] of .blocks.1.attn.c_attn. do not add up to its out_features = 64"):
         resolve_tp_plan(model, 2, {"blocks.1.attn.c_attn": {"style": "colwise", "part_sizes": [32, 16]}})
     with pytest.raises(ValueError, match=r"tp=4 does not divide out_features = 30 of module 'lone'"):
         resolve_tp_plan(Holder(lone=nn.Linear(32, 30)), 4, {"lone": "colwise"})
@@ -503,7 +518,8 @@ def _check_layer(res, key, group, make_ref, make_tp, in_split, out_split, in_f, 
     res["err"][f"{key}/out"] = _err(yt, split_shard(yr, out_split, rank, world) if out_split else yr)
     res["err"][f"{key}/dx"] = _err(xt.grad, split_shard(xr.grad, in_split, rank, world) if in_split else xr.grad)
     for name, (spec, grp) in tp_shard_specs(tp).items():
-        res["err"][f"{key}/d{name}"] = _err(gather_shard(dict(tp.named_parameters())[name].grad, spec, grp), dict(ref.named_parameters())[name].grad)
+        res["err"][f"{key}/d{name}"] = _err(gather_shard(dict(tp.named_parameters())[name].grad, spec, grp),
+                                            dict(ref.named_parameters())[name].grad)
 
 
 def _layer_checks(res, group):
@@ -555,7 +571,8 @@ def _check_model(res, key, group, make_model, loss_fn, vocab, run_example, tp_pl
     err, ok = res["err"], res["ok"]
     ref = make_model()
     tpm = copy.deepcopy(ref)
-    result = apply_tp(tpm, group, resolve_tp_plan(tpm, dist.get_world_size(group), tp_plan), run_example=lambda: run_example(tpm), **options)
+    result = apply_tp(tpm, group, resolve_tp_plan(tpm, dist.get_world_size(group), tp_plan),
+                      run_example=lambda: run_example(tpm), **options)
     res["results"][key] = result
     if result.errors:
         return tpm, result
@@ -570,9 +587,11 @@ def _check_model(res, key, group, make_model, loss_fn, vocab, run_example, tp_pl
     err[f"{key}/logits"] = _err(logits_t, logits_r)
     err[f"{key}/loss"] = _err(loss_t, loss_r)
     specs = tp_shard_specs(tpm)
-    grads_t = {n: (gather_shard(p.grad, specs[n][0], group) if n in specs else p.grad) for n, p in tpm.named_parameters()}
+    grads_t = {n: (gather_shard(p.grad, specs[n][0], group) if n in specs else p.grad)
+               for n, p in tpm.named_parameters()}
     err[f"{key}/grads"] = max(_err(grads_t.get(n), p.grad) for n, p in ref.named_parameters() if p.grad is not None)
-    err[f"{key}/gathered_state_dict"] = max(_err(v, ref.state_dict()[k]) for k, v in gather_full_state_dict(tpm).items())
+    err[f"{key}/gathered_state_dict"] = max(_err(v, ref.state_dict()[k])
+                                            for k, v in gather_full_state_dict(tpm).items())
     ok[f"{key}/split_something"] = bool(tp_sharded_parameter_names(tpm))
     # Idempotent: a second apply splits nothing more.
     ok[f"{key}/idempotent"] = apply_tp(tpm, group, resolve_tp_plan(tpm, dist.get_world_size(group))).chosen == {}
@@ -629,7 +648,8 @@ def _sequence_parallel_checks(res, group, ids, hf_ids):
         tpm(ids)  # 11 tokens
         res["ok"]["sp_tiny_lm/odd_length_refused"] = False
     except ValueError as err:
-        res["ok"]["sp_tiny_lm/odd_length_refused"] = "sequence length divides by tp=2" in str(err) and "[2, 11, 32]" in str(err)
+        res["ok"]["sp_tiny_lm/odd_length_refused"] = ("sequence length divides by tp=2" in str(err)
+                                                      and "[2, 11, 32]" in str(err))
     hf_even = torch.cat([hf_ids, hf_ids[:, :5]], dim=1)
     _check_model(res, "sp_llama", group, tiny_llama, _hf_loss, 128, lambda m: m(input_ids=hf_even), **options)
     _check_model(res, "sp_gpt2", group, tiny_gpt2, _hf_loss, 128, lambda m: m(input_ids=hf_even), **options)
@@ -640,7 +660,8 @@ def _sequence_parallel_checks(res, group, ids, hf_ids):
     from tests.user_modules import UserLM  # attention and MLP in one module
 
     user = UserLM()
-    res["results"]["sp_user"] = apply_tp(user, group, resolve_tp_plan(user, 2), run_example=lambda: user(even), **options)
+    res["results"]["sp_user"] = apply_tp(user, group, resolve_tp_plan(user, 2), run_example=lambda: user(even),
+                                         **options)
 
 
 class _CollectiveCounter(TorchDispatchMode):
@@ -656,18 +677,20 @@ class _CollectiveCounter(TorchDispatchMode):
 def _selective_recompute_checks(res, group, hf_ids):
     """Selective recompute of split layers (eager attention, dropout 0.1, with and without SP) gives exactly
     the gradients of the same split model without recompute, and its backward communicates no more than without
-    recompute: reductions are kept, all-gathers run again where SP all-gathers its kept shards anyway. (A model with dropout is compared with itself:
-    under TP its masks are not the unsplit model's.)"""
+    recompute: reductions are kept, all-gathers run again where SP all-gathers its kept shards anyway. (A model with
+    dropout is compared with itself: under TP its masks are not the unsplit model's.)"""
     even = torch.cat([hf_ids, hf_ids[:, :5]], dim=1)
     for mode, sp in (("attention", True), ("pointwise", False)):
         key = f"selective_{mode}{'_sp' if sp else ''}"
         models = []
         for recompute in (False, True):
             model = tiny_llama(attention_dropout=0.1, attn_implementation="eager").train()
-            res["results"][key] = apply_tp(model, group, resolve_tp_plan(model, dist.get_world_size(group)), sequence_parallel=sp,
-                                           run_example=lambda: model(input_ids=even), split_logits=True)
+            res["results"][key] = apply_tp(model, group, resolve_tp_plan(model, dist.get_world_size(group)),
+                                           sequence_parallel=sp, run_example=lambda: model(input_ids=even),
+                                           split_logits=True)
             if recompute:
-                apply_activation_checkpointing(model, [f"model.layers.{i}" for i in range(2)], recompute_selection(mode))
+                apply_activation_checkpointing(model, [f"model.layers.{i}" for i in range(2)],
+                                               recompute_selection(mode))
             models.append(model)
         grads, collectives = [], []
         for model in models:
@@ -703,8 +726,8 @@ def _split_logits_checks(res, group):
             err[f"{key}/ce_{reduction}"] = _err(F.cross_entropy(split.flatten(0, 1), y.flatten(), reduction=reduction),
                                                 F.cross_entropy(full.flatten(0, 1), y.flatten(), reduction=reduction))
         ok[f"{key}/stays_split"] = all(type(t) is SplitLogits for t in (
-            split.flatten(0, 1), split.view(-1, 12), split[:, :-1], split[..., :], split.float(), split / 2.0, split.detach(),
-            torch.cat([split, split], dim=0)))
+            split.flatten(0, 1), split.view(-1, 12), split[:, :-1], split[..., :], split.float(), split / 2.0,
+            split.detach(), torch.cat([split, split], dim=0)))
         F.cross_entropy(split[:, :-1].reshape(-1, split.size(-1)), y[:, 1:].reshape(-1)).backward()
         F.cross_entropy(ref[:, :-1].reshape(-1, ref.size(-1)), y[:, 1:].reshape(-1)).backward()
         err[f"{key}/ce_grad"] = _err(local.grad, split_shard(ref.grad, spec, rank, world))
@@ -735,7 +758,8 @@ def _tp_worker() -> dict:
     # A wrong explicit split (parts that are not the layout of the fused projection) is named, not trained.
     _check_model(res, "planted", group, _tiny_lm, _lm_loss, 64, lambda m: m(ids),
                  tp_plan={"blocks.1.attn.c_attn": {"style": "colwise", "part_sizes": [16, 16, 32]}})
-    res["results"] = {k: (r.summary(), {n: (v.label, v.divide, v.head_inputs) for n, v in r.chosen.items()}, sorted(r.partial_grads), r.errors)
+    res["results"] = {k: (r.summary(), {n: (v.label, v.divide, v.head_inputs) for n, v in r.chosen.items()},
+                          sorted(r.partial_grads), r.errors)
                       for k, r in res["results"].items()}
     return res
 
@@ -762,8 +786,8 @@ def test_tp_layers_match_unsplit(tp_results, prefix):
     _assert_close(tp_results, prefix)
 
 
-@pytest.mark.parametrize("model", ["tiny_lm", "tiny_lm_tied", "alibi", "llama", "gpt2", "sp_tiny_lm", "sp_llama", "sp_gpt2",
-                                   "selective_attention_sp", "selective_pointwise"])
+@pytest.mark.parametrize("model", ["tiny_lm", "tiny_lm_tied", "alibi", "llama", "gpt2", "sp_tiny_lm", "sp_llama",
+                                   "sp_gpt2", "selective_attention_sp", "selective_pointwise"])
 def test_verified_split_models_match_unsplit(tp_results, model):
     assert tp_results[0]["results"][model][3] == []
     _assert_close(tp_results, f"{model}/")

@@ -46,4 +46,5 @@ def one_device() -> dict:
 
 @pytest.mark.parametrize("world, layout", [(2, {"tp": 2}), (4, {"dp": 2, "tp": 2})])
 def test_transformers_families_match_one_device(world, layout, one_device):
-    _assert_attention_and_mlp_split(check_world(world, _runs(layout), steps=STEPS, references=one_device, tolerances=TOLERANCES))
+    _assert_attention_and_mlp_split(check_world(world, _runs(layout), steps=STEPS, references=one_device,
+                                                tolerances=TOLERANCES))

@@ -69,8 +69,8 @@ def _peaks(ckpt_dir: str) -> dict:
             module = GPTLightningModule(config=config)
             monitor = PeakMemoryMonitor(steps=3)
             trainer = L.Trainer(
-                accelerator="cpu", devices=world, max_steps=3, limit_val_batches=0, **QUIET_TRAINER, callbacks=[monitor],
-                strategy=HybridStrategy(zero_stage=stage, bucket_cap_mb=CAP_MB, **layout),
+                accelerator="cpu", devices=world, max_steps=3, limit_val_batches=0, **QUIET_TRAINER,
+                callbacks=[monitor], strategy=HybridStrategy(zero_stage=stage, bucket_cap_mb=CAP_MB, **layout),
             )
             trainer.fit(module, ByteCorpusDataModule(max_bytes=40_000, block_size=32, batch_size=2))
             params = list(module.parameters())
@@ -81,8 +81,10 @@ def _peaks(ckpt_dir: str) -> dict:
                 "total": monitor.peak.total,
                 # A ZeRO-3 DTensor's global shape is the TP-local one: numel() is the rank-local size in every stage.
                 "psi": sum(p.numel() * p.element_size() for p in params),
-                "largest_layer": max(sum(p.numel() * p.element_size() for p in block.parameters()) for block in module.model.blocks),
-                "largest_bucket": max((b.padded * 4 for o in trainer.optimizers if isinstance(o, ZeroOptimizer) for b in o.buckets), default=0),
+                "largest_layer": max(sum(p.numel() * p.element_size() for p in block.parameters())
+                                     for block in module.model.blocks),
+                "largest_bucket": max((b.padded * 4 for o in trainer.optimizers if isinstance(o, ZeroOptimizer)
+                                       for b in o.buckets), default=0),
             }
     return out
 
@@ -133,7 +135,8 @@ def _bucket_checks() -> dict:
         # Stage 0 skips a parameter without a gradient, as one device does; stages 1-2 refuse the step (below).
         params = [*model.parameters(), *(unused.parameters() if stage == 0 else ())]
         reference = [p.detach().clone() for p in [*model.parameters(), *unused.parameters()]]
-        opt = ZeroOptimizer(torch.optim.SGD(params, lr=1.0), dist.group.WORLD, stage, set(), bucket_cap_mb=8 * 8 * 4 / 2**20)
+        opt = ZeroOptimizer(torch.optim.SGD(params, lr=1.0), dist.group.WORLD, stage, set(),
+                            bucket_cap_mb=8 * 8 * 4 / 2**20)
         buckets = opt.gradients
         launched_in_backward = []
         first = model[0].weight  # its gradient is among the last of the backward: the earliest buckets are out by then
@@ -170,7 +173,8 @@ def _bucket_checks() -> dict:
         }
         buckets.remove()
         if stage:
-            names = {id(p): n for n, p in [*model.named_parameters(prefix="model"), *unused.named_parameters(prefix="unused")]}
+            names = {id(p): n for n, p in [*model.named_parameters(prefix="model"),
+                                           *unused.named_parameters(prefix="unused")]}
             opt = ZeroOptimizer(torch.optim.SGD([*model.parameters(), *unused.parameters()], lr=1.0), dist.group.WORLD,
                                 stage, set(), names=names)
             model(x).sum().backward()
@@ -195,17 +199,20 @@ def test_gradient_buckets_reduce_during_backward_and_match_one_device():
                 # No gradient on any rank: skipped by the optimizer, as on one device.
                 assert got["unused_grad_none"] and not got["unused_moved"], (rank, stage, got)
             else:  # a slice cannot skip part of itself: the step is refused, naming the parameters, on every rank
-                assert "['unused.bias', 'unused.weight'] got no gradient on any data-parallel rank" in got["refused"], got
+                refusal = "['unused.bias', 'unused.weight'] got no gradient on any data-parallel rank"
+                assert refusal in got["refused"], got
 
 
 def test_stages_1_and_2_take_element_wise_optimizers_only():
     from lightning_hybrid.zero import check_elementwise
 
     params = [nn.Parameter(torch.zeros(2, 2, device="cpu"))]
-    for optimizer in (torch.optim.AdamW(params), torch.optim.SGD(params, lr=0.1, momentum=0.9), torch.optim.Adagrad(params)):
+    for optimizer in (torch.optim.AdamW(params), torch.optim.SGD(params, lr=0.1, momentum=0.9),
+                      torch.optim.Adagrad(params)):
         check_elementwise(optimizer, 1)
     for optimizer in (torch.optim.Adafactor(params), torch.optim.LBFGS(params)):
-        with pytest.raises(TypeError, match=rf"zero_stage=2 steps flat slices.*{type(optimizer).__qualname__} is not known"):
+        with pytest.raises(TypeError,
+                           match=rf"zero_stage=2 steps flat slices.*{type(optimizer).__qualname__} is not known"):
             check_elementwise(optimizer, 2)
 
     class AdamWithClipping(torch.optim.Adam):  # a subclass may change the update: it must say it is element-wise

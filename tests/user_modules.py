@@ -1,6 +1,7 @@
 """A LightningModule written the way most people write one: layers held directly (``self.embed``, an
 ``nn.ModuleList`` of blocks, ``self.head``), the first pipeline layer a bare ``nn.Embedding`` and the last a bare
-``nn.Linear``, attention reshaped by head-count and head-size attributes, attention and MLP in one module. No helper of this package is used."""
+``nn.Linear``, attention reshaped by head-count and head-size attributes, attention and MLP in one module. No helper
+of this package is used."""
 
 from __future__ import annotations
 

@@ -2,7 +2,13 @@
 
 from lightning_hybrid.pipeline.executor import SCHEDULES, PipelineExecutor, resolve_schedule, stage_module
 from lightning_hybrid.pipeline.partition import partition_layers, stage_ranks
-from lightning_hybrid.pipeline.protocol import PROTOCOL_HELP, LayerwiseInit, PipelineModule, SliceLoading, check_protocol
+from lightning_hybrid.pipeline.protocol import (
+    PROTOCOL_HELP,
+    LayerwiseInit,
+    PipelineModule,
+    SliceLoading,
+    check_protocol,
+)
 
 __all__ = [
     "PROTOCOL_HELP",

@@ -43,14 +43,17 @@ SCHEDULES = {
 }
 
 
-def resolve_schedule(schedule: str, pp: int, micro_batches: int | None, virtual_stages: int) -> tuple[ScheduleSpec, int, int]:
+def resolve_schedule(
+    schedule: str, pp: int, micro_batches: int | None, virtual_stages: int,
+) -> tuple[ScheduleSpec, int, int]:
     """Validate a schedule choice; returns ``(spec, stages per rank, micro-batches)``. Raises ``ValueError``."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is unknown: valid schedules are {sorted(SCHEDULES)}.")
     spec = SCHEDULES[schedule]
     if spec.stages_per_rank == 0:
         if virtual_stages < 2:
-            raise ValueError(f"schedule='{schedule}' needs virtual_stages >= 2 (stages per rank), got {virtual_stages}.")
+            raise ValueError(f"schedule='{schedule}' needs virtual_stages >= 2 (stages per rank),"
+                             f" got {virtual_stages}.")
         per_rank = virtual_stages
     else:
         if virtual_stages not in (1, spec.stages_per_rank):
@@ -65,7 +68,8 @@ def resolve_schedule(schedule: str, pp: int, micro_batches: int | None, virtual_
     if schedule == "1f1b" and micro_batches < pp:
         raise ValueError(f"schedule='1f1b' needs micro_batches >= pp ({pp}), got {micro_batches}.")
     if schedule == "interleaved_1f1b" and micro_batches % pp != 0:
-        raise ValueError(f"schedule='interleaved_1f1b' needs micro_batches to be a multiple of pp ({pp}), got {micro_batches}.")
+        raise ValueError(f"schedule='interleaved_1f1b' needs micro_batches to be a multiple of pp ({pp}),"
+                         f" got {micro_batches}.")
     return spec, per_rank, micro_batches
 
 
@@ -152,7 +156,7 @@ class PipelineExecutor:
         losses: list[Tensor] = []  # filled on the last stage: one (scaled) loss per micro-batch
         self.schedule.step(inputs, target=targets, losses=losses)
         if losses:
-            loss = torch.stack([l.detach() for l in losses]).float().sum() / self.loss_scale
+            loss = torch.stack([micro_loss.detach() for micro_loss in losses]).float().sum() / self.loss_scale
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
         dist.broadcast(loss, src=dist.get_global_rank(self.group, self.owners[-1]), group=self.group)
@@ -199,7 +203,8 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.in
 
 
 def _header(t: Tensor, device: torch.device) -> Tensor:
-    return torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (8 - t.dim()), dtype=torch.int64, device=device)
+    return torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (8 - t.dim()), dtype=torch.int64,
+                        device=device)
 
 
 def _from_header(header: Tensor, device: torch.device) -> Tensor:
@@ -210,7 +215,8 @@ def _from_header(header: Tensor, device: torch.device) -> Tensor:
 def isend_tensor(t: Tensor, dst: int, group: dist.ProcessGroup, device: torch.device) -> list:
     """Start sending ``t`` (any shape) to PP rank ``dst`` of ``group``; wait for the returned works."""
     global_dst = dist.get_global_rank(group, dst)
-    return [dist.isend(_header(t, device), dst=global_dst, group=group), dist.isend(t.contiguous(), dst=global_dst, group=group)]
+    return [dist.isend(_header(t, device), dst=global_dst, group=group),
+            dist.isend(t.contiguous(), dst=global_dst, group=group)]
 
 
 def recv_tensor(src: int, group: dist.ProcessGroup, device: torch.device) -> Tensor:

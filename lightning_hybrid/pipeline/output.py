@@ -59,7 +59,9 @@ class PipelineOutput(Tensor):
         return PipelineOutput._of(value, meta[0], src, group, device)
 
     @staticmethod
-    def _of(value: Tensor | None, meta: tuple, src: int, group: dist.ProcessGroup, device: torch.device) -> "PipelineOutput":
+    def _of(
+        value: Tensor | None, meta: tuple, src: int, group: dist.ProcessGroup, device: torch.device,
+    ) -> "PipelineOutput":
         shape, dtype = meta
         with DisableTorchFunctionSubclass():
             out = torch.empty(shape, dtype=dtype, device="meta").as_subclass(PipelineOutput)

@@ -3,8 +3,9 @@
 
 `PipelineModule` is the protocol (`check_protocol` enforces it at setup); `LayerwiseInit` is the optional
 part that lets each rank build only its own layers, `DeferredLayers` the explicit signal that a module left
-them for the strategy to build, and `SliceLoading` the part that lets each rank read only its TP slices of them. The binding that `HybridStrategy` gives these methods
-under ``pp > 1`` is part of the contract and is written down in `PipelineModule`'s docstring.
+them for the strategy to build, and `SliceLoading` the part that lets each rank read only its TP slices of them.
+The binding that `HybridStrategy` gives these methods under ``pp > 1`` is part of the contract and is written down
+in `PipelineModule`'s docstring.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def builds_per_rank(module: nn.Module) -> bool:
     else:
         deferred = is_meta(module)
     if deferred and not isinstance(module, LayerwiseInit):
-        raise TypeError(f"{type(module).__name__} was built on the meta device but has no `init_pipeline_layer`. {PROTOCOL_HELP}")
+        raise TypeError(f"{type(module).__name__} was built on the meta device but has no `init_pipeline_layer`."
+                        f" {PROTOCOL_HELP}")
     return deferred
 
 

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from lightning_hybrid.pipeline.executor import PipelineExecutor
 from lightning_hybrid.pipeline.partition import partition_layers, stage_ranks
-from lightning_hybrid.pipeline.protocol import PROTOCOL_HELP
+from lightning_hybrid.pipeline.protocol import PROTOCOL_HELP, LayerwiseInit
 
 
 class RemoteLayer(nn.Module):
@@ -67,8 +67,9 @@ def keep_local_layers(module: nn.Module, layout: StageLayout, device: torch.devi
     for index in layout.local_layers():
         layer = layers[index]
         if any(t.is_meta for t in [*layer.parameters(), *layer.buffers()]):
-            if not callable(getattr(module, "init_pipeline_layer", None)):
-                raise TypeError(f"Layer {index} was built on the meta device but the module has no `init_pipeline_layer`. {PROTOCOL_HELP}")
+            if not isinstance(module, LayerwiseInit):
+                raise TypeError(f"Layer {index} was built on the meta device but the module has no"
+                                f" `init_pipeline_layer`. {PROTOCOL_HELP}")
             layer.to_empty(device=device)
             module.init_pipeline_layer(index, layer)
         else:
@@ -131,7 +132,8 @@ class TrainingStepBinding:
         if not isinstance(output, _DeferredOutput):
             raise TypeError(f"loss_fn received {type(output).__name__}, not the output of self(x). {PROTOCOL_HELP}")
         if self.loss is not None:
-            raise TypeError(f"loss_fn was called twice in one training step: each call runs the whole schedule. {PROTOCOL_HELP}")
+            raise TypeError(f"loss_fn was called twice in one training step: each call runs the whole schedule."
+                            f" {PROTOCOL_HELP}")
         self.loss = self.executor.train_step(output.inputs, target)
         return self.loss
 

@@ -151,7 +151,8 @@ def predicted_metrics(cfg: DictConfig, world: dict[str, int], module: Any = None
         layout, global_batch = _recipe_layout(cfg, world)
     except (ValueError, KeyError, TypeError):
         return {}
-    memory = estimate_memory(model, layout, cluster.precision, cluster.activation_scale, float(cfg.parallel.bucket_cap_mb))
+    memory = estimate_memory(model, layout, cluster.precision, cluster.activation_scale,
+                             float(cfg.parallel.bucket_cap_mb))
     step = estimate_time(model, layout, cluster, float(cfg.parallel.bucket_cap_mb)).total
     return {"predicted_peak_mib": round(memory.total / 2**20, 3), "predicted_step_s": step,
             "predicted_tokens_per_s": global_batch * model.seq_len / step, "predicted_cluster": cluster.name}

@@ -51,7 +51,8 @@ LINK_EFFICIENCY = 0.8
 #: Fraction of device memory the planner lets a layout use (allocator fragmentation, CUDA context, workspaces).
 USABLE_MEMORY = 0.9
 #: Where `calibrate` writes and the CPU preset reads this machine's figures (``$LIGHTNING_HYBRID_CLUSTER`` first).
-DEFAULT_CALIBRATION = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lightning_hybrid" / "cluster_cpu.json"
+DEFAULT_CALIBRATION = (Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lightning_hybrid"
+                       / "cluster_cpu.json")
 
 GB = 1e9
 
@@ -124,7 +125,9 @@ class Cluster:
         return cls(**data)
 
 
-def _gpu(name: str, tflops_bf16: float, tflops_fp32: float, hbm_tb_s: float, nvlink_gb_s: float, ib_gb_s: float) -> Cluster:
+def _gpu(
+    name: str, tflops_bf16: float, tflops_fp32: float, hbm_tb_s: float, nvlink_gb_s: float, ib_gb_s: float,
+) -> Cluster:
     return Cluster(
         name=name, devices_per_node=8, memory=80 * GB,
         flops={"bf16": tflops_bf16 * 1e12, "fp32": tflops_fp32 * 1e12}, matmul_efficiency=MATMUL_EFFICIENCY,
@@ -163,7 +166,8 @@ def load_cluster(text: str) -> Cluster:
     path = Path(text)
     if path.is_file():
         return Cluster.from_dict(json.loads(path.read_text()))
-    raise ValueError(f"cluster {text!r} is neither a preset ({sorted([*CLUSTER_PRESETS, 'cpu'])}) nor a cluster JSON file.")
+    raise ValueError(f"cluster {text!r} is neither a preset ({sorted([*CLUSTER_PRESETS, 'cpu'])}) nor a cluster"
+                     " JSON file.")
 
 
 # ------------------------------------------------------------------------------------------------ calibration

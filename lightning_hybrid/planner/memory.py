@@ -25,7 +25,8 @@ two LayerNorms' inputs and outputs) and ``split = e (3 + 2 a_kv/a + 2 [a_kv < a]
 A checkpointed block keeps its input, ``e h`` per token (``/tp`` with sequence parallelism), and recomputes
 one block at a time (not while the head's loss is alive: the larger of the two counts). The head keeps
 ``HEAD_ELEMENTS`` fp32 logit-sized tensors per token (logits, log-softmax, their gradients), ``V/tp`` wide with
-``loss_parallel`` (the vocab-parallel cross entropy), else ``V`` (gathered). A schedule keeps several micro-batches in flight (`in_flight`).
+``loss_parallel`` (the vocab-parallel cross entropy), else ``V`` (gathered). A schedule keeps several micro-batches
+in flight (`in_flight`).
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ def rank_params(model: ModelSpec, layers: tuple[int, ...], tp: int) -> float:
         if i == 0:
             total += model.pipeline_layer_params()[0] / tp
         elif i == head:
-            total += model.hidden * (2 if model.bias else 1) + (0 if model.tied_embeddings else model.vocab * model.hidden / tp)
+            total += (model.hidden * (2 if model.bias else 1)
+                      + (0 if model.tied_embeddings else model.vocab * model.hidden / tp))
         else:
             total += block
     return total

@@ -120,7 +120,8 @@ class ModelSpec:
         hidden = int(first("hidden_size", "n_embd", "d_model"))
         heads = int(first("num_attention_heads", "n_head"))
         act = str(first("hidden_act", "activation_function", default="gelu"))
-        gated = act in ("silu", "swiglu") or getattr(config, "model_type", "") in ("llama", "mistral", "qwen2", "qwen3", "gemma")
+        gated = (act in ("silu", "swiglu")
+                 or getattr(config, "model_type", "") in ("llama", "mistral", "qwen2", "qwen3", "gemma"))
         return cls(
             name=str(getattr(config, "model_type", None) or type(config).__name__),
             n_layer=int(first("num_hidden_layers", "n_layer")), hidden=hidden, heads=heads,

@@ -72,7 +72,8 @@ class Plan:
         if not self.ranked:
             smallest = self.too_big[0].reason if self.too_big else "no valid layout"
             raise ValueError(f"No layout of {self.model.name} fits {self.devices} x {self.cluster.name} at global batch"
-                             f" {self.global_batch}: the smallest {smallest}. Rules that turned sizes away: {dict(self.invalid)}.")
+                             f" {self.global_batch}: the smallest {smallest}. Rules that turned sizes away:"
+                             f" {dict(self.invalid)}.")
         return self.ranked[0]
 
     def rank_of(self, layout: Layout) -> Optional[int]:

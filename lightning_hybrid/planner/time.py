@@ -136,7 +136,8 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     def rank_times(layers: tuple[int, ...]) -> tuple[float, float]:
         blocks = sum(1 for i in layers if 0 < i < head_index)
         head = head_index in layers
-        return (blocks * block_compute + (head_compute if head else 0.0), blocks * block_tp + (head_tp if head else 0.0))
+        return (blocks * block_compute + (head_compute if head else 0.0),
+                blocks * block_tp + (head_tp if head else 0.0))
 
     times = [rank_times(layers) for layers in ranks]
     compute_mb, tp_mb = max(times, key=lambda x: x[0] + x[1])

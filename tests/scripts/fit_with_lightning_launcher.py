@@ -40,7 +40,9 @@ if __name__ == "__main__":
         enable_checkpointing=False,
         enable_model_summary=False,
     )
-    trainer.fit(GPTLightningModule(n_layer=1, n_embd=32, block_size=32), ByteCorpusDataModule(max_bytes=30_000, block_size=32, batch_size=4))
+    trainer.fit(GPTLightningModule(n_layer=1, n_embd=32, block_size=32),
+                ByteCorpusDataModule(max_bytes=30_000, block_size=32, batch_size=4))
     if trainer.is_global_zero:
-        print(f"world={trainer.world_size} dp={trainer.strategy.parallel_dims.dp} tp={trainer.strategy.parallel_dims.tp}"
+        print(f"world={trainer.world_size} dp={trainer.strategy.parallel_dims.dp}"
+              f" tp={trainer.strategy.parallel_dims.tp}"
               f" val_loss={trainer.callback_metrics['val_loss'].item():.4f}")
