@@ -42,7 +42,8 @@ class GradientSync:
     """
 
     def __init__(self, parallelized: Parallelized, zero_stage: int, bucket_cap_mb: float, device: torch.device) -> None:
-        self.parallelized, self.zero_stage, self.bucket_cap_mb, self.device = parallelized, zero_stage, bucket_cap_mb, device
+        self.parallelized, self.zero_stage, self.bucket_cap_mb = parallelized, zero_stage, bucket_cap_mb
+        self.device = device
         mesh = parallelized.mesh
         self.dp_group, self.tp_group, self.pp_group = (mesh[n].get_group() for n in ("dp", "tp", "pp"))
         self.dp = mesh["dp"].size()
@@ -177,7 +178,8 @@ class GradientSync:
     def clip(self, optimizer: Optimizer, max_norm: float) -> Tensor:
         """Clip ``optimizer``'s gradients by their global norm; returns the norm (before clipping)."""
         norm = self.grad_norm(optimizer)
-        clip_grads_([p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None], max_norm, norm)
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        clip_grads_(grads, max_norm, norm)
         return norm
 
     def parameter_grad_norms(self) -> dict[str, Tensor]:

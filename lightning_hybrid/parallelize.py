@@ -80,7 +80,9 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, d
     layerwise = tp > 1 and per_rank  # split on the meta device, then materialise each rank's slices
     layer_names = pipeline_layer_names(module) if pp > 1 or layerwise else ()
     plan = plan_tp(module, tp, options, layer_names)
-    checkpointed = checkpoint_targets(module, options.activation_checkpointing, pp > 1) if options.activation_checkpointing else []
+    checkpointed = []
+    if options.activation_checkpointing:  # named on the whole model, before the cut
+        checkpointed = checkpoint_targets(module, options.activation_checkpointing, pp > 1)
     first_input = None
     if pp > 1 or layerwise:  # known on every rank before the cut (the layers are still there, perhaps on meta)
         first_input = first_layer_example(module, module.pipeline_layers()[0], device, options.example_multiple)
@@ -91,20 +93,16 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, d
         report = split_tp(module, mesh, plan, options, device, layer_names, layout, first_input, layerwise)
     if layerwise:
         materialise(module, unbuilt, device)
+    tp_sharded = frozenset(tp_sharded_parameter_names(module))
     remote = tuple(layout.remote_prefixes) if layout is not None else ()
     apply_activation_checkpointing(module, _local(checkpointed, remote), options.recompute)
     if options.compile is not None:
         apply_compile(module, _local(checkpoint_targets(module, True, pp > 1), remote), dict(options.compile))
-    fsdp_roots, pipeline = [], None
-    if layout is not None:
-        stages = local_stages(module, layout)
-        if options.zero_stage == 3 and dp > 1:
-            fsdp_roots = shard_stages(stages, mesh["dp"])
-        pipeline = build_pipeline(module, stages, layout, mesh, options, device)
-    elif options.zero_stage == 3 and dp > 1:
-        fsdp_roots = apply_fsdp(module, mesh["dp"])
+    stages = local_stages(module, layout) if layout is not None else None
+    fsdp_roots = apply_zero3(module, stages, mesh["dp"]) if options.zero_stage == 3 and dp > 1 else []
+    pipeline = build_pipeline(module, stages, layout, mesh, options, device) if layout is not None else None
     return Parallelized(
-        module, mesh, frozenset(tp_sharded_parameter_names(module)),
+        module, mesh, tp_sharded,
         tuple(sorted(report.partial_grads)) if report is not None else (), fsdp_roots, pipeline, remote, report,
     )
 
@@ -195,16 +193,19 @@ def local_stages(module: nn.Module, layout: StageLayout) -> dict[int, nn.Module]
     return {s: stage_module([layers[i] for i in layout.ranges[s]]) for s in layout.local_stages}
 
 
-def shard_stages(stages: dict[int, nn.Module], dp_mesh: DeviceMesh) -> list[nn.Module]:
-    """ZeRO-3 under PP: each stage an FSDP2 root (the pipeline stage drives its gradient sync), each layer a unit."""
+def apply_zero3(module: nn.Module, stages: Optional[dict[int, nn.Module]], dp_mesh: DeviceMesh) -> list[nn.Module]:
+    """ZeRO-3 over DP with FSDP2; returns the FSDP roots. Under PP each stage is a root (the pipeline stage drives
+    its gradient sync) and each of its layers a unit; else `apply_fsdp` picks the units of the whole module."""
+    if stages is None:
+        return apply_fsdp(module, dp_mesh)
     return [apply_fsdp_units(list(stage), stage, dp_mesh) for stage in stages.values()]
 
 
 def build_pipeline(
-    module: nn.Module, stages: dict[int, nn.Module], layout: StageLayout, mesh: DeviceMesh, options: ParallelOptions,
-    device: torch.device,
+    module: nn.Module, stages: Optional[dict[int, nn.Module]], layout: StageLayout, mesh: DeviceMesh,
+    options: ParallelOptions, device: torch.device,
 ) -> PipelineExecutor:
-    assert options.schedule_spec is not None and options.micro_batches is not None
+    assert stages is not None and options.schedule_spec is not None and options.micro_batches is not None
     rank_zero_info(
         f"pipeline: {len(layout.ranges)} stages over pp={mesh['pp'].size()} ({options.schedule},"
         f" {options.micro_batches} micro-batches), layers per stage {[len(r) for r in layout.ranges]}"

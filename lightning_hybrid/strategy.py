@@ -3,7 +3,7 @@
 * the processes, the ``(pp, dp, tp)`` mesh and Lightning's collectives over DP: `MeshStrategy`;
 * the options, validated before any process exists: `lightning_hybrid.options.ParallelOptions`;
 * ``setup``: `parallelize` (`lightning_hybrid.parallelize`: every dimension, in its one order) -> to device ->
-  precision -> optimizers (wrapped for ZeRO 0-2) -> gradient sync (`lightning_hybrid.grad_sync.GradientSync`);
+  precision -> gradient sync (`lightning_hybrid.grad_sync.GradientSync`) -> optimizers (wrapped by it for ZeRO 0-2);
 * the steps delegate: the pipeline schedule and the accumulation window to `GradientSync`, clipping by the global
   norm to it (through the precision plugin, `lightning_hybrid.precision`), sharded checkpoints to
   `lightning_hybrid.checkpoint`.
@@ -147,14 +147,15 @@ class HybridStrategy(MeshStrategy):
         module = self.lightning_module
         if self._parallelized is None or self._parallelized.module is not module:  # a second fit reuses it
             self._parallelized = parallelize(module, self.device_mesh, self.options, self.root_device)
-            self._sync = GradientSync(self._parallelized, self.zero_stage, self.options.bucket_cap_mb, self.root_device)
         self.model_to_device()
         pipeline = self._parallelized.pipeline
         if pipeline is not None:  # the schedule runs the backward: it applies accumulation's 1/k itself
             pipeline.loss_scale = 1.0 / trainer.accumulate_grad_batches
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
-        if trainer.state.fn == "fit":
+        if self._sync is None or self._sync.parallelized is not self._parallelized:
+            self._sync = GradientSync(self._parallelized, self.zero_stage, self.options.bucket_cap_mb, self.root_device)
+        if trainer.state.fn == "fit":  # the optimizers, wrapped by the gradient sync (ZeRO 0-2 over DP)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         self._sync_metrics_over_dp()

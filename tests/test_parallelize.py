@@ -35,7 +35,8 @@ def _reference() -> dict:
     loss.backward()
     norms = {n: p.grad.norm().item() for n, p in module.named_parameters()}
     torch.optim.SGD(module.parameters(), lr=LR).step()
-    return {"loss": loss.item(), "norms": norms, "params": {k: v.detach().clone() for k, v in module.state_dict().items()}}
+    params = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return {"loss": loss.item(), "norms": norms, "params": params}
 
 
 def _step(options: ParallelOptions, on_meta: bool) -> dict:
