@@ -46,6 +46,7 @@ from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext,
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_hybrid.tensor_parallel.comm import functional_collectives
+from lightning_hybrid.tensor_parallel.examples import PipelineLayers
 
 #: Fused attention kernels: recomputed whole under ``"attention"`` and ``"pointwise"``.
 SDPA_OPS = frozenset({
@@ -181,7 +182,7 @@ def checkpoint_targets(module: nn.Module, target: bool | str, pipelined: bool = 
             raise ValueError(f"activation_checkpointing={target!r} matches no module; names look like {list(names.values())[1:8]}")
         return chosen
     listed = [] if pipelined else [names[id(m)] for sub in module.modules() if isinstance(sub, nn.ModuleList) for m in sub]
-    if not listed and callable(getattr(module, "pipeline_layers", None)):
+    if not listed and isinstance(module, PipelineLayers):
         listed = [names[id(layer)] for layer in module.pipeline_layers() if id(layer) in names]
     if not listed:
         raise ValueError(

@@ -488,17 +488,16 @@ def _err(a, b) -> float:
     return (a.detach().float() - b.detach().float()).abs().max().item()
 
 
-class Conv1D(nn.Module):
-    """transformers' Conv1D as GPT-2 uses it: ``y = x W + b`` with ``W`` of shape ``[in, out]``."""
+def Conv1D(nf: int, nx: int) -> nn.Module:
+    """transformers' own Conv1D as GPT-2 uses it (``y = x W + b``, ``W`` of shape ``[in, out]``; TP recognises the
+    class itself), with random weights and bias."""
+    from transformers.pytorch_utils import Conv1D as HFConv1D
 
-    def __init__(self, nf: int, nx: int):
-        super().__init__()
-        self.nf = nf
-        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.1)
-        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
-
-    def forward(self, x):
-        return torch.addmm(self.bias, x.reshape(-1, x.size(-1)), self.weight).view(*x.shape[:-1], self.nf)
+    module = HFConv1D(nf, nx)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(nx, nf) * 0.1)
+        module.bias.copy_(torch.randn(nf) * 0.1)
+    return module
 
 
 def _check_layer(res, key, group, make_ref, make_tp, in_split, out_split, in_f, out_f):

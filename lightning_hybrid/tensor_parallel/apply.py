@@ -8,14 +8,8 @@ split stays replicated, and the report says so. `apply_variant` does the replace
 for its linear-like modules and embeddings, head-count and size attributes divided by tp (those on a shared
 ``config`` on the unit's own copy of it), and a pre-hook that cuts per-head inputs to this rank's heads.
 
-Sequence parallelism (Megatron SP) works on the same units: in a block holding a column/row pair (an attention
-or MLP module), the block's hidden states are split along the sequence, each paired unit all-gathers the
-sequence at its entry and its row layers reduce-scatter their output over it, so everything between the units
-(norms, residual additions, dropout) runs on ``1/tp`` of the tokens. A run of such blocks (consecutive elements
-of one ``nn.ModuleList``, or consecutive pipeline layers) splits the sequence once at its first block's input
-and gathers it once at its last block's output; between pipeline stages the split activations travel. Which
-replicated parameters then see only part of the tokens (norm weights, row biases) is found by the same
-verification, and their gradients are summed over TP.
+Sequence parallelism (`sequence_parallel.py`) works on the same units: `apply_tp` finds the runs of blocks
+whose hidden states it splits along the sequence, verifies their blocks on sequence parts, and places its hooks.
 """
 
 from __future__ import annotations
@@ -30,7 +24,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves
 
 from lightning_hybrid.devices import module_device
 from lightning_hybrid.tensor_parallel.layers import (
@@ -40,16 +33,18 @@ from lightning_hybrid.tensor_parallel.layers import (
     linear_shape,
     shard_embedding,
 )
-from lightning_hybrid.tensor_parallel.comm import (
-    gather_sequence,
-    gather_sequence_for_tp,
-    seq_all_gather,
-    seq_all_gather_async,
-    split_sequence,
+from lightning_hybrid.tensor_parallel.plan import TPPlan, Unit, _join, block_of
+from lightning_hybrid.tensor_parallel.sequence_parallel import (
+    blocks_without_regions,
+    chain_breaks,
+    gather_sequence_at_entry,
+    install_sequence_runs,
+    recording_chain,
+    replicated_sequence_blocks,
+    sequence_runs,
 )
-from lightning_hybrid.tensor_parallel.plan import TPPlan, Unit, _join
 from lightning_hybrid.tensor_parallel.variants import Variant
-from lightning_hybrid.tensor_parallel.verify import Captured, capture_inputs, check_block, replace_main_input
+from lightning_hybrid.tensor_parallel.verify import Captured, capture_inputs, check_block, main_input
 
 
 @dataclass
@@ -59,7 +54,7 @@ class TPResult:
 
     chosen: dict[str, Variant] = field(default_factory=dict)
     partial_grads: set[str] = field(default_factory=set)
-    unsplit: dict[str, str] = field(default_factory=dict)
+    left_whole: dict[str, str] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     attempts: dict[str, list[str]] = field(default_factory=dict)  # unit -> variants that failed, and why
     verified_kinds: int = 0
@@ -72,7 +67,7 @@ class TPResult:
             kinds.setdefault(f"{variant.label}{' /' + ','.join(variant.divide) if variant.divide else ''}"
                              f"{' (per-head inputs ' + str([k for k, _ in variant.head_inputs]) + ')' if variant.head_inputs else ''}", []).append(name)
         split = "; ".join(f"{names[0]}{f' (+{len(names) - 1})' if len(names) > 1 else ''}: {label}" for label, names in kinds.items())
-        kept = ", ".join(f"{n} ({why})" for n, why in self.unsplit.items())
+        kept = ", ".join(f"{n} ({why})" for n, why in self.left_whole.items())
         partial = f"; gradients summed over TP: {sorted(self.partial_grads)}" if self.partial_grads else ""
         runs = "; ".join(f"{run[0]}..{run[-1]}" if len(run) > 1 else run[0] for run in self.sequence_runs)
         sequence = f"; sequence split in [{runs}]" if runs else ""
@@ -108,14 +103,16 @@ def apply_variant(
             shard_embedding(original, group)
             continue
         if layer.style == "colwise":
-            split = ColumnParallelLinear(original, group, layer.gather_output, layer.part_sizes, lazy_gather=split_logits and not rel)
+            split = ColumnParallelLinear(
+                original, group, layer.gather_output, layer.part_sizes, split_logits=split_logits and not rel
+            )
         else:
             split = RowParallelLinear(original, group, layer.input_is_parallel)
         split.sequence_parallel = sequence_parallel
         _set_submodule(root, name, split)
     unit = root.get_submodule(unit_name)
     if sequence_parallel:
-        _sequence_gatherer(unit, group)
+        gather_sequence_at_entry(unit, group)
     for attr in variant.divide:
         owner = unit
         if attr.startswith("config."):
@@ -128,114 +125,6 @@ def apply_variant(
         unit.register_forward_pre_hook(_head_slicer(variant, rank, tp, detect), with_kwargs=True)
 
 
-def _sequence_gatherer(unit: nn.Module, group: dist.ProcessGroup) -> None:
-    """Hooks of a paired unit under sequence parallelism: the whole sequence of its main input, gathered at
-    entry. What the unit's layers keep of it for their backward is this rank's part, all-gathered again in
-    backward (as Megatron does), so the gathered sequence does not stay alive from forward to backward; that
-    all-gather starts when the unit's backward starts (a hook on its output's gradient), under the backward of
-    its row layer and attention, and is waited for where the column layers need it. (Inside activation
-    checkpointing the checkpoint decides what is kept: nothing is changed there.)"""
-    scopes: list = []
-
-    def pre(module, args, kwargs):
-        shard = None
-
-        def gather(x: Tensor) -> Tensor:
-            nonlocal shard
-            shard = x
-            return gather_sequence_for_tp(x, group)
-
-        args, kwargs = replace_main_input(args, kwargs, gather)
-        full = _main_input(args, kwargs)
-        # Saved-tensor hooks already active mean activation checkpointing: it decides what is kept. Under
-        # torch.compile the compiler decides (dynamo cannot trace saved-tensor hooks): the unit keeps its gathered
-        # input, as without sequence parallelism.
-        scope, prefetch = None, None
-        keep_shard = (
-            torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()
-            and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-        )
-        if keep_shard:
-            pack, unpack, prefetch = _regather_hooks(shard, full, group)
-            scope = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
-            scope.__enter__()
-        scopes.append((scope, prefetch))
-        return args, kwargs
-
-    def post(module, args, kwargs, output):
-        scope, prefetch = scopes.pop()
-        if scope is None:
-            return
-        scope.__exit__(None, None, None)
-        main = next((t for t in tree_leaves(output) if isinstance(t, Tensor)), None)
-        if main is not None and main.requires_grad:
-            main.register_hook(lambda grad: prefetch())
-
-    unit.register_forward_pre_hook(pre, with_kwargs=True)
-    unit.register_forward_hook(post, with_kwargs=True, always_call=True)
-
-
-def _regather_hooks(shard: Tensor, full: Tensor, group: dist.ProcessGroup) -> tuple[Callable, Callable, Callable]:
-    """Saved-tensor hooks that keep ``shard`` instead of ``full`` (or a view of it) and all-gather it again
-    on unpacking; one gather serves all the views unpacked in a row (q, k and v keep the same input). The third
-    function starts that all-gather early (it returns ``None``: a gradient hook that changes nothing)."""
-    storage = full.untyped_storage()._cdata
-    shard = shard.detach()
-    cache: dict = {}
-
-    def pack(t: Tensor):
-        if t.untyped_storage()._cdata != storage:
-            return t
-        cache["pending"] = cache.get("pending", 0) + 1
-        return ("regather", t.size(), t.stride(), t.storage_offset())
-
-    def prefetch() -> None:
-        if cache.get("pending") and "full" not in cache and "started" not in cache:
-            cache["started"] = seq_all_gather_async(shard, group)
-
-    def unpack(packed):
-        if not isinstance(packed, tuple) or not packed or packed[0] != "regather":
-            return packed
-        if "full" not in cache:
-            started = cache.pop("started", None)
-            cache["full"] = started() if started is not None else seq_all_gather(shard, group)
-        regathered = cache["full"]
-        cache["pending"] -= 1
-        if not cache["pending"]:
-            del cache["full"]
-        _, size, stride, offset = packed
-        return regathered.as_strided(size, stride, offset)
-
-    return pack, unpack, prefetch
-
-
-def _sequence_splitter(group: dist.ProcessGroup) -> Callable:
-    """Pre-hook of the first block of a sequence-split run: this rank's part of the sequence."""
-
-    def hook(module, args, kwargs):
-        return replace_main_input(args, kwargs, lambda x: split_sequence(x, group))
-
-    return hook
-
-
-def _sequence_joiner(group: dist.ProcessGroup) -> Callable:
-    """Hook of the last block of a sequence-split run: its main output (the first tensor) whole again."""
-
-    def hook(module, args, output):
-        if isinstance(output, Tensor):
-            return gather_sequence(output, group)
-        if isinstance(output, tuple) and output and isinstance(output[0], Tensor):
-            return (gather_sequence(output[0], group), *output[1:])
-        raise TypeError(f"sequence_parallel: {type(module).__name__} returned {type(output).__name__}, not its hidden states.")
-
-    return hook
-
-
-def _main_input(args: tuple, kwargs: dict) -> Tensor | None:
-    if args and isinstance(args[0], Tensor):
-        return args[0]
-    return kwargs.get("hidden_states", next((v for v in kwargs.values() if isinstance(v, Tensor)), None))
 
 
 def _head_slicer(variant: Variant, rank: int, tp: int, detect: list | None) -> Callable:
@@ -244,7 +133,7 @@ def _head_slicer(variant: Variant, rank: int, tp: int, detect: list | None) -> C
     heads, local = variant.heads, variant.heads // tp
 
     def hook(module, args, kwargs):
-        main = _main_input(args, kwargs)
+        main = main_input(args, kwargs)
         keys = variant.head_inputs
         if detect is not None and not detect and main is not None:
             batch = main.size(0)
@@ -269,17 +158,6 @@ def _head_slicer(variant: Variant, rank: int, tp: int, detect: list | None) -> C
 
     return hook
 
-
-def block_of(name: str, modules: dict[str, nn.Module], pipeline_layers: tuple[str, ...]) -> str:
-    """The block verified for unit ``name``: the nearest enclosing element of an ``nn.ModuleList`` or pipeline
-    layer, else the unit itself."""
-    parts = name.split(".")
-    for i in range(len(parts), 0, -1):
-        candidate = ".".join(parts[:i])
-        parent = ".".join(parts[: i - 1])
-        if candidate in pipeline_layers or isinstance(modules.get(parent), nn.ModuleList):
-            return candidate
-    return name
 
 
 def apply_tp(
@@ -308,32 +186,33 @@ def apply_tp(
     start = time.perf_counter()
     result = TPResult()
     modules = dict(model.named_modules())
-    split = functools.partial(apply_variant, sequence_parallel=sequence_parallel, split_logits=split_logits)
+    split_unit = functools.partial(apply_variant, sequence_parallel=sequence_parallel, split_logits=split_logits)
     runs = sequence_runs(plan, modules, pipeline_layers) if sequence_parallel else []
-    result.errors += _blocks_without_regions(runs, plan)
-    units = {n: u for n, u in plan.units.items() if _unsplit_here(u, modules)}
+    result.errors += blocks_without_regions(runs, plan)
+    units = {n: u for n, u in plan.units.items() if _splittable_here(u, modules)}
     blocks: dict[str, list[Unit]] = {}
     for unit in units.values():
         blocks.setdefault(block_of(unit.name, modules, pipeline_layers), []).append(unit)
     kinds: dict[tuple, list[str]] = {}
     for block, members in blocks.items():
-        kind = (type(modules[block]).__qualname__, tuple(u.kind for u in members), tuple(_rel(block, u.name) for u in members))
+        kind = (type(modules[block]), tuple(u.kind for u in members), tuple(_rel(block, u.name) for u in members))
         kinds.setdefault(kind, []).append(block)
     decisions: dict[tuple, tuple[dict[str, Variant], set[str]]] = {}
     if kinds:
         device = device or module_device(model)
-        representatives = {names[0]: modules[names[0]] for names in kinds.values()}
+        first_of_kind = {names[0]: modules[names[0]] for names in kinds.values()}
         chain: dict[str, tuple[Tensor | None, Tensor | None]] = {}
         if run_example is not None:
-            run = _recording_chain(run_example, [b for run in runs for b in run if b in modules], modules, chain) if runs else run_example
-            calls = _capture(model, representatives, run, device)
+            in_runs = [b for run in runs for b in run if b in modules]
+            example = recording_chain(run_example, in_runs, modules, chain) if runs else run_example
+            calls = _capture(model, first_of_kind, example, device)
         else:
             calls = {}
-        result.errors += _chain_breaks(runs, chain)
+        result.errors += chain_breaks(runs, chain)
         for kind, names in kinds.items():
             block = representative(names[0], modules[names[0]]) if representative else modules[names[0]]
             call = calls.get(names[0]) or (example_input_for(names[0], block) if example_input_for else None)
-            decisions[kind] = _search(names[0], block, blocks[names[0]], call, group, device, result, split, sequence_parallel)
+            decisions[kind] = _search(names[0], block, blocks[names[0]], call, group, device, result, split_unit, sequence_parallel)
             del block  # a materialised representative lives while its kind is verified
         result.verified_kinds = len(kinds)
     if not result.errors:
@@ -347,13 +226,13 @@ def apply_tp(
         tied = _tied_weights(model)
         for name in _split_apart(tied, per_unit, modules):
             del per_unit[name]
-            result.unsplit[name] = "shares a weight with a module that is not split the same way"
-        result.errors += _unsplit_sequence_blocks(runs, blocks, per_unit)
+            result.left_whole[name] = "shares a weight with a module that is not split the same way"
+        result.errors += replicated_sequence_blocks(runs, blocks, per_unit)
     if not result.errors:
         for name, variant in per_unit.items():
-            split(model, name, variant, group)
+            split_unit(model, name, variant, group)
         _retie(model, tied)
-        _install_sequence_runs(runs, group, modules)
+        install_sequence_runs(runs, group, modules)
         result.chosen = {name: _as_applied(variant, split_logits) for name, variant in per_unit.items()}
         result.sequence_runs = runs
         result.partial_grads = {p for block, names in partial_by_block.items() for p in names if all(u.name in per_unit for u in blocks[block])}
@@ -367,114 +246,6 @@ def _as_applied(variant: Variant, split_logits: bool) -> Variant:
     if split_logits and not is_paired(variant) and any(plan.gather_output for _, plan in variant.layers):
         return dataclasses.replace(variant, label="logits split over the vocabulary (gathered on demand)")
     return variant
-
-
-def sequence_runs(plan: TPPlan, modules: dict[str, nn.Module], pipeline_layers: tuple[str, ...]) -> list[list[str]]:
-    """Runs of consecutive blocks holding a paired unit (whose hidden states sequence parallelism splits), from
-    the whole plan (also blocks that other pipeline ranks hold): elements of one ``nn.ModuleList`` in index
-    order, or pipeline layers in pipeline order."""
-    blocks = {block_of(u.name, modules, pipeline_layers) for u in plan.units.values() if u.paired}
-
-    def position(block: str) -> tuple[str, int] | None:
-        parent, _, leaf = block.rpartition(".")
-        if block in pipeline_layers:
-            return "", pipeline_layers.index(block)
-        return (parent, int(leaf)) if leaf.isdigit() else None
-
-    ordered = sorted((position(b), b) for b in blocks if position(b) is not None)
-    runs: list[list[str]] = [[b] for b in blocks if position(b) is None]
-    for (container, index), block in ordered:
-        previous = position(runs[-1][-1]) if runs and runs[-1] else None
-        if previous is not None and previous == (container, index - 1):
-            runs[-1].append(block)
-        else:
-            runs.append([block])
-    return runs
-
-
-def _recording_chain(run: Callable, names: list[str], modules: dict[str, nn.Module], record: dict) -> Callable:
-    """``run`` with hooks recording each named block's main input and main output (first tensor) of its first call."""
-
-    def wrapped():
-        handles = []
-        for name in names:
-            def hook(module, args, kwargs, output, name=name):
-                if name not in record:
-                    inputs = _main_input(args, kwargs)
-                    out = output if isinstance(output, Tensor) else next((o for o in output if isinstance(o, Tensor)), None) if isinstance(output, tuple) else None
-                    record[name] = (inputs.detach().clone() if inputs is not None else None, out.detach().clone() if out is not None else None)
-
-            handles.append(modules[name].register_forward_hook(hook, with_kwargs=True))
-        try:
-            return run()
-        finally:
-            for handle in handles:
-                handle.remove()
-
-    return wrapped
-
-
-def _chain_breaks(runs: list[list[str]], record: dict) -> list[str]:
-    """Errors where, in the example forward, a block of a sequence-split run did not receive the previous
-    block's output as its hidden states (the model does something between them that would see split tokens).
-    Without an example forward (a model split on the meta device) the blocks are pipeline layers, which the
-    pipeline protocol chains."""
-    errors = []
-    for run in runs:
-        for before, after in zip(run, run[1:]):
-            if before in record and after in record:
-                out, nxt = record[before][1], record[after][0]
-                if out is None or nxt is None or out.shape != nxt.shape or not torch.equal(out, nxt):
-                    errors.append(
-                        f"sequence_parallel: {after} does not receive {before}'s output as its hidden states (the model"
-                        " does something between them), so the sequence cannot stay split between them. Use"
-                        " sequence_parallel=False."
-                    )
-    return errors
-
-
-def _blocks_without_regions(runs: list[list[str]], plan: TPPlan) -> list[str]:
-    """Errors for sequence-split blocks that are themselves a column/row unit: their norms and residual
-    additions sit between the unit's own layers, so nothing in them can run on part of the sequence."""
-    blocks = {b for run in runs for b in run}
-    whole = sorted(u.name for u in plan.units.values() if u.name in blocks and u.paired)
-    return [
-        f"sequence_parallel: {name} holds its column and row layers itself (attention and MLP in one module), so"
-        " its norms and residual additions cannot run on part of the sequence. Sequence parallelism needs the"
-        " attention and the MLP as modules of their own inside each block (as transformers models have them);"
-        " use sequence_parallel=False for this model."
-        for name in whole
-    ]
-
-
-def _unsplit_sequence_blocks(runs: list[list[str]], blocks: dict[str, list[Unit]], per_unit: dict[str, Variant]) -> list[str]:
-    """Errors for this rank's blocks of sequence-split runs whose attention/MLP units found no exact split:
-    they would see only part of the sequence."""
-    errors = []
-    for block in (b for run in runs for b in run if b in blocks):
-        whole = [u.name for u in blocks[block] if u.paired and u.name not in per_unit]
-        if whole:
-            errors.append(
-                f"sequence_parallel: {', '.join(whole)} found no split that is exact on sequence-split hidden states"
-                " (see the log of the attempts), so its block cannot run on part of the sequence. Use"
-                " sequence_parallel=False, or a tp_plan that splits it."
-            )
-    return errors
-
-
-def _install_sequence_runs(runs: list[list[str]], group: dist.ProcessGroup, modules: dict[str, nn.Module]) -> None:
-    """Split the sequence at each run's first block and gather it after its last, where this rank holds them
-    (another pipeline rank's layer is a parameterless stand-in here)."""
-    def held(name: str) -> nn.Module | None:
-        block = modules.get(name)
-        return None if block is None or getattr(block, "pipeline_standin", False) else block
-
-    for run in runs:
-        if (first := held(run[0])) is not None:
-            # First of the block's pre-hooks: any other (a model's own argument hooks) sees the split sequence.
-            first.register_forward_pre_hook(_sequence_splitter(group), with_kwargs=True, prepend=True)
-        if (last := held(run[-1])) is not None:
-            last.register_forward_hook(_sequence_joiner(group))
 
 
 def _capture(model: nn.Module, blocks: dict[str, nn.Module], run: Callable, device: torch.device) -> dict[str, Captured]:
@@ -494,7 +265,7 @@ def _rel(block: str, name: str) -> str:
     return name[len(block) + 1:] if block and name != block else ("" if name == block else name)
 
 
-def _unsplit_here(unit: Unit, modules: dict[str, nn.Module]) -> bool:
+def _splittable_here(unit: Unit, modules: dict[str, nn.Module]) -> bool:
     """Whether this rank holds the unit's modules (not layers of another pipeline rank), not yet split."""
     layers = [modules.get(_join(unit.name, rel)) for rel in unit.layers]
     return all(
@@ -504,13 +275,13 @@ def _unsplit_here(unit: Unit, modules: dict[str, nn.Module]) -> bool:
 
 def _search(
     block_name: str, block: nn.Module, units: list[Unit], call: Captured | None, group, device, result: TPResult,
-    split: Callable = apply_variant, sequence_parallel: bool = False,
+    split_unit: Callable = apply_variant, sequence_parallel: bool = False,
 ) -> tuple[dict[str, Variant], set[str]]:
-    """Unit by unit, the first variant that keeps ``block`` exact given the earlier units' choices (``split``
+    """Unit by unit, the first variant that keeps ``block`` exact given the earlier units' choices (``split_unit``
     applies a variant; with ``sequence_parallel`` a block with a paired unit is checked on sequence parts)."""
     chosen: dict[str, Variant] = {}
     partial: set[str] = set()
-    runnable = call is not None and check_block(block, {}, call, group, device, split).ok
+    runnable = call is not None and check_block(block, {}, call, group, device, split_unit).ok
     if not runnable:
         result.errors.append(
             f"{block_name}: no example input reaches it, so its split cannot be verified. Set `example_input_array`"
@@ -523,7 +294,7 @@ def _search(
         for variant in unit.variants:
             choices = {**chosen, rel: variant}
             on_parts = sequence_parallel and any(is_paired(v) for v in choices.values())
-            verdict = check_block(block, choices, call, group, device, split, on_parts)
+            verdict = check_block(block, choices, call, group, device, split_unit, on_parts)
             if verdict.ok:
                 found = verdict.head_inputs.get(rel, ())
                 chosen[rel] = variant.with_head_inputs(tuple(k for k in found if k[0] != ""))
@@ -538,7 +309,7 @@ def _search(
                     f" Give it other part_sizes, or mark it 'replicate' in tp_plan."
                 )
             else:
-                result.unsplit[unit.name] = f"no exact split found among {len(failures)} candidates"
+                result.left_whole[unit.name] = f"no exact split found among {len(failures)} candidates"
         if failures:
             result.attempts[unit.name] = failures
     return chosen, partial

@@ -1,17 +1,25 @@
 """How a tensor is split over one tensor-parallel group, and the autograd-aware collectives over it
-(Megatron's f/g operators).
+(Megatron's f/g operators, and sequence parallelism's).
 
 `ShardSpec` describes a split: along one dimension, fused part by fused part. A plain split has one part;
 a fused projection (``[q; k; v]``, ``[gate; up]``) has several, each split on its own so that a rank holds
 ``[q_r; k_r; v_r]``. `ShardSpec.chunks` says which contiguous pieces of the unsplit tensor a rank holds, which
 is all that splitting, gathering and checkpoints need.
 
-The four autograd functions are the whole of the communication of a TP layer; each forward/backward pair
+Every collective is issued in one function: `all_reduce`, `all_gather` (`start_all_gather`), `reduce_scatter`
+(and the all-to-all it runs on gloo). Each picks its form there and nowhere else: a functional collective
+(``torch.ops._c10d_functional``: out of place, one op with its own output) under ``torch.compile``, which traces
+it into its graph, and inside a selective activation checkpoint (`functional_collectives`), which keeps its result
+so that the recomputation does not communicate; else torch.distributed's in-place collective. Eager runs, selective
+recompute and compiled layers therefore run the same code below, whatever the form; so does the row layer's custom
+op (`layers.row_parallel_linear`), which selective recompute and compile use in place of its op-by-op form.
+
+The four TP autograd functions are the whole of the communication of a TP layer; each forward/backward pair
 is conjugate, so the gradient of a TP layer equals the gradient of the unsplit layer. Sequence parallelism
 adds four more along the sequence dimension (dim 1 of batch-first ``[B, T, H]`` activations; Megatron's
-SP operators): all-gather at a TP unit's entry (backward reduce-scatter), reduce-scatter at a row layer's
-exit (backward all-gather), and at the ends of a run of sequence-split blocks a split (backward all-gather)
-and an all-gather (backward split).
+SP operators; `sequence_parallel` places them): all-gather at a TP unit's entry (backward reduce-scatter),
+reduce-scatter at a row layer's exit (backward all-gather), and at the ends of a run of sequence-split blocks a
+split (backward all-gather) and an all-gather (backward split). All of them run on the TP group they are given.
 """
 
 from __future__ import annotations
@@ -19,30 +27,36 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
-# Inside a selective activation checkpoint the forward collectives are functional (out of place, each a single
-# op with its own output), so the checkpoint keeps their results and its recomputation does not communicate.
-# A context variable, set around the checkpointed function only, like torch's own grad and dispatch modes.
+# Inside a selective activation checkpoint the forward collectives are functional, so the checkpoint keeps their
+# results and its recomputation does not communicate. A context variable, set around the checkpointed function
+# only, like torch's own grad and dispatch modes.
 _FUNCTIONAL = contextvars.ContextVar("lightning_hybrid_functional_collectives", default=False)
 _C10D = torch.ops._c10d_functional
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 def _functional() -> bool:
-    """Whether forward collectives run as functional collectives: inside `functional_collectives`, and under
+    """Whether collectives run as functional collectives: inside `functional_collectives`, and under
     ``torch.compile``, which traces them into its graph (torch.distributed's in-place collectives, and the look-up
     of the context variable, would break the graph there)."""
     return torch.compiler.is_compiling() or _FUNCTIONAL.get()
 
 
+def functional_collectives_active() -> bool:
+    """Whether the collectives are functional: inside a selective checkpoint (`functional_collectives`) or under
+    ``torch.compile``."""
+    return _functional()
+
+
 @contextlib.contextmanager
 def functional_collectives() -> Iterator[None]:
-    """Run the forward collectives of TP and SP layers as functional collectives (see `_FUNCTIONAL`)."""
+    """Run the collectives of TP and SP layers as functional collectives (see `_FUNCTIONAL`)."""
     token = _FUNCTIONAL.set(True)
     try:
         yield
@@ -50,6 +64,65 @@ def functional_collectives() -> Iterator[None]:
         _FUNCTIONAL.reset(token)
 
 
+# ------------------------------------------------------------------------- the collectives, each issued here only
+def all_reduce(x: Tensor, group: dist.ProcessGroup, op: str = "sum") -> Tensor:
+    """``x`` (contiguous) reduced over ``group`` (``op``: ``"sum"``, ``"max"`` or ``"min"``): a new tensor when
+    functional, else ``x`` itself, reduced in place."""
+    if _functional():
+        return _C10D.wait_tensor(_C10D.all_reduce(x, op, group.group_name))
+    dist.all_reduce(x, op=_REDUCE_OPS[op], group=group)
+    return x
+
+
+def start_all_gather(x: Tensor, group: dist.ProcessGroup) -> Callable[[], Tensor]:
+    """An all-gather of ``x`` (contiguous) started now; the function returned waits for it and gives the ranks'
+    tensors concatenated along dim 0 in rank order, ``[world * x.size(0), ...]``."""
+    world = dist.get_world_size(group)
+    if _functional():
+        started = _C10D.all_gather_into_tensor(x, world, group.group_name)
+        return lambda: _C10D.wait_tensor(started)
+    out = x.new_empty((world * x.size(0), *x.shape[1:]))
+    work = dist.all_gather_single(out, x, group=group, async_op=True)
+
+    def finish() -> Tensor:
+        work.wait()
+        return out
+
+    return finish
+
+
+def all_gather(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """The ranks' ``x`` (contiguous) concatenated along dim 0 in rank order: ``[world * x.size(0), ...]``."""
+    return start_all_gather(x, group)()
+
+
+def _all_to_all(parts: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """``parts`` ``[world, ...]`` (contiguous): index ``r`` goes to rank ``r``; returns ``[world, ...]`` holding at
+    index ``r`` what rank ``r`` sent here."""
+    world = parts.size(0)
+    if _functional():
+        return _C10D.wait_tensor(_C10D.all_to_all_single(parts, [1] * world, [1] * world, group.group_name))
+    out = torch.empty_like(parts)
+    dist.all_to_all_single(out, parts, group=group)
+    return out
+
+
+def reduce_scatter(parts: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """``parts`` ``[world, ...]`` (contiguous; index ``r`` is this rank's contribution to rank ``r``) -> the sum
+    over the ranks of their contributions to this rank, ``[...]``."""
+    if dist.get_backend(group) == dist.Backend.GLOO:
+        # Gloo reduce-scatters by all-reducing (2 (n-1)/n of the bytes, and its time); an all-to-all of the parts
+        # and a local sum move (n-1)/n, like NCCL's reduce-scatter.
+        return _all_to_all(parts, group).sum(0)
+    if _functional():
+        scattered = _C10D.reduce_scatter_tensor(parts.flatten(0, 1), "sum", parts.size(0), group.group_name)
+        return _C10D.wait_tensor(scattered)
+    out = parts.new_empty(parts.shape[1:])
+    dist.reduce_scatter_single(out, parts.flatten(0, 1), group=group)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- split tensors
 @dataclass(frozen=True)
 class ShardSpec:
     """A tensor split along ``dim`` over the TP group; ``part_sizes``: full sizes of its fused parts along ``dim``."""
@@ -80,12 +153,7 @@ def gather_shard(t: Tensor, spec: ShardSpec, group: dist.ProcessGroup) -> Tensor
     world = dist.get_world_size(group)
     if world == 1:
         return t
-    if _functional():
-        gathered = _C10D.wait_tensor(_C10D.all_gather_into_tensor(t.contiguous(), world, group.group_name))
-        shards = list(gathered.chunk(world))
-    else:
-        shards = [torch.empty_like(t) for _ in range(world)]
-        dist.all_gather(shards, t.contiguous(), group=group)
+    shards = all_gather(t.contiguous(), group).chunk(world)
     per_rank = [spec.chunks(r, world) for r in range(world)]
     pieces = []
     for index in range(len(spec.part_sizes)):
@@ -93,6 +161,7 @@ def gather_shard(t: Tensor, spec: ShardSpec, group: dist.ProcessGroup) -> Tensor
     return torch.cat(pieces, dim=spec.dim)
 
 
+# ------------------------------------------------------------------------------ TP operators (Megatron's f, g)
 class _CopyToTP(torch.autograd.Function):
     """Forward: identity. Backward: all-reduce (sum) of the input gradient over the TP group."""
 
@@ -103,9 +172,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return all_reduce(grad.contiguous(), ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -113,18 +180,16 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        if _functional():
-            # The clone is the tensor model code may change in place (recomputed; the reduction is kept).
-            return _C10D.wait_tensor(_C10D.all_reduce(x.contiguous(), "sum", group.group_name)).clone()
-        if not x.is_contiguous():
-            x = x.contiguous()
-            dist.all_reduce(x, group=group)
-            return x
-        # Reduced in place: declaring it keeps the result an ordinary tensor that model code may modify in
-        # place (Falcon adds the residual with `+=`), rather than a view of this function's input.
-        dist.all_reduce(x, group=group)
-        ctx.mark_dirty(x)
-        return x
+        contiguous = x.contiguous()
+        out = all_reduce(contiguous, group)
+        if out is not contiguous:
+            # Functional: the clone is the tensor model code may change in place (recomputed; the reduction is kept).
+            return out.clone()
+        if contiguous is x:
+            # Reduced in place: declaring it keeps the result an ordinary tensor that model code may modify in
+            # place (Falcon adds the residual with `+=`), rather than a view of this function's input.
+            ctx.mark_dirty(x)
+        return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -175,21 +240,7 @@ def scatter_to_tp(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     return _ScatterToTP.apply(x, group)
 
 
-@torch.no_grad()
-def sum_grads_over_tp_(grads: list[Tensor], group: dist.ProcessGroup) -> None:
-    """In place, one all-reduce (sum) over ``group`` of these gradients (or local tensors of DTensors, or slices
-    of ZeRO buckets): the strategy's summation of per-rank parts, once per optimizer step."""
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-# ---------------------------------------------------------------------------------------- sequence parallelism
+# ----------------------------------------------------------------------------------- SP operators (sequence)
 SEQ_DIM = 1  # batch-first activations [B, T, H]
 
 
@@ -214,29 +265,16 @@ def _sequence_major(gathered: Tensor, world: int) -> Tensor:
     return parts.transpose(0, 1).reshape(parts.size(1), world * parts.size(2), *parts.shape[3:])
 
 
-def seq_all_gather(x: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """``[B, T/tp, ...]`` shards -> ``[B, T, ...]``, rank order along the sequence."""
-    world = dist.get_world_size(group)
-    shard = x.contiguous()
-    if _functional():
-        return _sequence_major(_C10D.wait_tensor(_C10D.all_gather_into_tensor(shard, world, group.group_name)), world)
-    out = torch.empty((world * shard.size(0), *shard.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_single(out, shard, group=group)
-    return _sequence_major(out, world)
-
-
-def seq_all_gather_async(x: Tensor, group: dist.ProcessGroup) -> Callable[[], Tensor]:
+def start_seq_all_gather(x: Tensor, group: dist.ProcessGroup) -> Callable[[], Tensor]:
     """`seq_all_gather` started now; the function returned waits for it and gives its result."""
     world = dist.get_world_size(group)
-    shard = x.contiguous()
-    out = torch.empty((world * shard.size(0), *shard.shape[1:]), dtype=x.dtype, device=x.device)
-    work = dist.all_gather_single(out, shard, group=group, async_op=True)
+    finish = start_all_gather(x.contiguous(), group)
+    return lambda: _sequence_major(finish(), world)
 
-    def finish() -> Tensor:
-        work.wait()
-        return _sequence_major(out, world)
 
-    return finish
+def seq_all_gather(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """``[B, T/tp, ...]`` shards -> ``[B, T, ...]``, rank order along the sequence."""
+    return start_seq_all_gather(x, group)()
 
 
 def seq_reduce_scatter(x: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -244,21 +282,7 @@ def seq_reduce_scatter(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     pipeline stages send it as it is)."""
     world = dist.get_world_size(group)
     _check_seq(x, world)
-    send = _rank_major(x, world)
-    gloo = dist.get_backend(group) == dist.Backend.GLOO
-    # Gloo reduce-scatters by all-reducing (2 (n-1)/n of the bytes, and its time); an all-to-all of the parts
-    # and a local sum move (n-1)/n, like NCCL's reduce-scatter.
-    if _functional() and gloo:
-        return _C10D.wait_tensor(_C10D.all_to_all_single(send, [1] * world, [1] * world, group.group_name)).sum(0)
-    if _functional():
-        return _C10D.wait_tensor(_C10D.reduce_scatter_tensor(send.flatten(0, 1), "sum", world, group.group_name))
-    if gloo:
-        parts = torch.empty_like(send)
-        dist.all_to_all_single(parts, send, group=group)
-        return parts.sum(0)
-    out = torch.empty(send.shape[1:], dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_single(out, send.flatten(0, 1), group=group)
-    return out
+    return reduce_scatter(_rank_major(x, world), group)
 
 
 def seq_split(x: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -338,62 +362,15 @@ def gather_sequence(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     return _GatherSequence.apply(x, group)
 
 
-# ----------------------------------------------------------------------------- a row layer as one op (selective)
-@torch.library.custom_op("lightning_hybrid::row_parallel_linear", mutates_args=())
-def _row_parallel_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], group_name: str, world: int,
-                         sequence_parallel: bool, all_to_all: bool) -> Tensor:
-    partial = F.linear(x, weight)
-    if sequence_parallel:
-        send = _rank_major(partial, world)
-        if all_to_all:  # gloo: see seq_reduce_scatter
-            out = _C10D.wait_tensor(_C10D.all_to_all_single(send, [1] * world, [1] * world, group_name)).sum(0)
-        else:
-            out = _C10D.wait_tensor(_C10D.reduce_scatter_tensor(send.flatten(0, 1), "sum", world, group_name))
-    else:
-        out = _C10D.wait_tensor(_C10D.all_reduce(partial.contiguous(), "sum", group_name))
-    return out if bias is None else out + bias
-
-
-@_row_parallel_linear.register_fake
-def _(x, weight, bias, group_name, world, sequence_parallel, all_to_all):
-    shape = [*x.shape[:-1], weight.size(0)]
-    if sequence_parallel:
-        shape[SEQ_DIM] //= world
-    return x.new_empty(shape)
-
-
-def _row_setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, group_name, world, sequence_parallel, all_to_all = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.group_name, ctx.world, ctx.sequence_parallel = group_name, world, sequence_parallel
-    ctx.has_bias = bias is not None
-
-
-def _row_backward(ctx, grad: Tensor):
-    x, weight = ctx.saved_tensors
-    grad_bias = grad.sum(dim=tuple(range(grad.dim() - 1))) if ctx.has_bias else None
-    if ctx.sequence_parallel:  # the reduce-scatter's backward: all-gather the sequence
-        gathered = _C10D.wait_tensor(_C10D.all_gather_into_tensor(grad.contiguous(), ctx.world, ctx.group_name))
-        grad = _sequence_major(gathered, ctx.world)
-    grad_x = grad.matmul(weight)
-    grad_weight = grad.reshape(-1, grad.size(-1)).t().mm(x.reshape(-1, x.size(-1)))
-    return grad_x, grad_weight, grad_bias, None, None, None, None
-
-
-_row_parallel_linear.register_autograd(_row_backward, setup_context=_row_setup_context)
-
-
-def row_parallel_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: dist.ProcessGroup,
-                        sequence_parallel: bool) -> Tensor:
-    """A row layer's ``reduce(x W^T) + b`` (all-reduce, or reduce-scatter along the sequence) as one op, for a
-    selective checkpoint: it keeps the op's output only, where the partial product and the reduced sum of the
-    op-by-op form would each be a kept, full-size tensor. Backward: ``x`` and ``W``'s gradients from the
-    output's (all-gathered along the sequence first under SP)."""
-    gloo = dist.get_backend(group) == dist.Backend.GLOO
-    return _row_parallel_linear(x, weight, bias, group.group_name, dist.get_world_size(group), sequence_parallel, gloo)
-
-
-def functional_collectives_active() -> bool:
-    """Whether the forward collectives are functional: inside a selective checkpoint (`functional_collectives`)
-    or under ``torch.compile``."""
-    return _functional()
+# ------------------------------------------------------------------------------------------ gradient summation
+@torch.no_grad()
+def sum_grads_over_tp_(grads: list[Tensor], group: dist.ProcessGroup) -> None:
+    """In place, one all-reduce (sum) over ``group`` of these gradients (or local tensors of DTensors, or slices
+    of ZeRO buckets): the strategy's summation of per-rank parts, once per optimizer step."""
+    if not grads:
+        return
+    flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()

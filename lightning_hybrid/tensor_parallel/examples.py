@@ -11,6 +11,7 @@ state is untouched.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -20,6 +21,14 @@ from lightning_hybrid.tensor_parallel.model_plans import _is_transformers_model
 from lightning_hybrid.tensor_parallel.verify import Captured
 
 BATCH, LENGTH = 2, 11  # 11: unlikely to equal a head count, so per-head inputs are found unambiguously
+
+
+@runtime_checkable
+class PipelineLayers(Protocol):
+    """The layer part of `lightning_hybrid.pipeline.protocol.PipelineModule` alone: a module that lists its layers
+    in order (``forward(x) == layers[-1](...layers[0](x))``), with or without a ``loss_fn``."""
+
+    def pipeline_layers(self) -> list[nn.Module]: ...
 
 
 def _generator() -> torch.Generator:
@@ -63,7 +72,7 @@ def model_example(module: nn.Module, device: torch.device, multiple: int = 1) ->
     if inner is not None and callable(getattr(inner, "get_input_embeddings", None)):
         ids = random_ids(inner.get_input_embeddings().num_embeddings, _example_length(inner, multiple)).to(device)
         return lambda: inner(input_ids=ids)
-    layers = module.pipeline_layers() if callable(getattr(module, "pipeline_layers", None)) else None
+    layers = module.pipeline_layers() if isinstance(module, PipelineLayers) else None
     first = first_layer_example(module, layers[0], device, multiple) if layers else None
     if first is None:
         return None

@@ -12,23 +12,29 @@ so a subclass's own forward (Gemma's scaled embedding) still runs on the local r
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import sys
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from lightning_hybrid.tensor_parallel.comm import (
+    SEQ_DIM,
     ShardSpec,
+    all_reduce,
     copy_to_tp,
+    functional_collectives,
     functional_collectives_active,
     gather_from_tp,
     gather_shard,
     reduce_from_tp,
     reduce_scatter_sequence,
-    row_parallel_linear,
     scatter_to_tp,
+    seq_all_gather,
+    seq_reduce_scatter,
     split_shard,
 )
 from lightning_hybrid.tensor_parallel.loss import SplitLogits
@@ -40,11 +46,18 @@ class LinearShape(NamedTuple):
     transposed: bool  # weight stored [in, out] (Conv1D)
 
 
+def _is_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers ``Conv1D``. Nothing is imported: an instance exists only once
+    ``transformers.pytorch_utils`` has been imported, so the class is looked up there only when it is loaded."""
+    pytorch_utils = sys.modules.get("transformers.pytorch_utils")
+    return pytorch_utils is not None and isinstance(module, pytorch_utils.Conv1D)
+
+
 def linear_shape(module: nn.Module) -> LinearShape | None:
     """Shape of a linear-like module (``nn.Linear`` or transformers' ``Conv1D``), else ``None``."""
     if isinstance(module, nn.Linear):
         return LinearShape(module.in_features, module.out_features, False)
-    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None and module.weight.dim() == 2:
+    if _is_conv1d(module) and module.weight is not None and module.weight.dim() == 2:
         return LinearShape(module.weight.size(0), module.weight.size(1), True)
     return None
 
@@ -59,7 +72,7 @@ class ColumnParallelLinear(nn.Module):
 
     Input ``[..., in]`` (replicated over TP); output this rank's features (``[q_r; k_r; v_r]`` for a fused
     projection of ``parts``) or, with ``gather_output``, the full ``[..., out]`` (all-gather over the TP group;
-    with ``lazy_gather`` a `SplitLogits`: the shard, gathered only where code needs the whole, so that an LM
+    with ``split_logits`` a `SplitLogits`: the shard, gathered only where code needs the whole, so that an LM
     head's logits stay split for the vocab-parallel cross entropy). With ``sequence_parallel`` the input was
     all-gathered along the sequence by its unit, whose backward reduce-scatters the input gradient: no
     all-reduce here.
@@ -73,7 +86,7 @@ class ColumnParallelLinear(nn.Module):
         group: dist.ProcessGroup,
         gather_output: bool,
         part_sizes: tuple[int, ...],
-        lazy_gather: bool = False,
+        split_logits: bool = False,
     ):
         super().__init__()
         shape = linear_shape(linear)
@@ -81,7 +94,7 @@ class ColumnParallelLinear(nn.Module):
         self.group = group
         self.in_features, self.out_features, self.transposed = shape
         self.gather_output = gather_output
-        self.lazy_gather = lazy_gather and gather_output
+        self.split_logits = split_logits and gather_output
         self.part_sizes = tuple(part_sizes) or (shape.out_features,)
         self.output_spec = ShardSpec(-1, self.part_sizes)
         self.shard_specs = {"weight": ShardSpec(1 if self.transposed else 0, self.part_sizes)}
@@ -95,7 +108,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         weight = self.weight.t() if self.transposed else self.weight
         y = F.linear(x if self.sequence_parallel else copy_to_tp(x, self.group), weight, self.bias)
-        if self.lazy_gather:
+        if self.split_logits:
             return SplitLogits.wrap(y, self.group, self.output_spec)
         if self.gather_output:
             y = gather_from_tp(y, self.group, self.output_spec)
@@ -106,7 +119,7 @@ class ColumnParallelLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features} (local {local}),"
             f" parts={list(self.part_sizes)},"
-            f" gather_output={'on demand' if self.lazy_gather else self.gather_output}{', Conv1D layout' if self.transposed else ''}"
+            f" gather_output={'on demand' if self.split_logits else self.gather_output}{', Conv1D layout' if self.transposed else ''}"
         )
 
 
@@ -135,7 +148,8 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
         weight = self.weight.t() if self.transposed else self.weight
-        if functional_collectives_active():  # in a selective checkpoint: one op, one kept output
+        if functional_collectives_active():
+            # Selective checkpoint or compile: one op whose output alone is kept (same collectives; its own backward).
             return row_parallel_linear(x, weight, self.bias, self.group, self.sequence_parallel)
         partial = F.linear(x, weight)
         reduce = reduce_scatter_sequence if self.sequence_parallel else reduce_from_tp
@@ -150,6 +164,58 @@ class RowParallelLinear(nn.Module):
         )
 
 
+# ------------------------------------------------------------ a row layer as one op (selective checkpoint, compile)
+# A custom op because a selective checkpoint must see the row layer as one op, to keep its output alone.
+@torch.library.custom_op("lightning_hybrid::row_parallel_linear", mutates_args=())
+def _row_parallel_linear(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], group_name: str, sequence_parallel: bool
+) -> Tensor:
+    partial, group = F.linear(x, weight), _resolve_process_group(group_name)
+    # Functional inside (its outputs are its own), as in the backward, which AOTAutograd traces under compile.
+    with functional_collectives():
+        out = seq_reduce_scatter(partial, group) if sequence_parallel else all_reduce(partial.contiguous(), group)
+    return out if bias is None else out + bias
+
+
+@_row_parallel_linear.register_fake
+def _(x, weight, bias, group_name, sequence_parallel):
+    shape = [*x.shape[:-1], weight.size(0)]
+    if sequence_parallel:
+        shape[SEQ_DIM] //= dist.get_world_size(_resolve_process_group(group_name))
+    return x.new_empty(shape)
+
+
+def _row_setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, group_name, sequence_parallel = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.group_name, ctx.sequence_parallel = group_name, sequence_parallel
+    ctx.has_bias = bias is not None
+
+
+def _row_backward(ctx, grad: Tensor):
+    x, weight = ctx.saved_tensors
+    grad_bias = grad.sum(dim=tuple(range(grad.dim() - 1))) if ctx.has_bias else None
+    if ctx.sequence_parallel:  # the reduce-scatter's backward: all-gather the sequence
+        with functional_collectives():
+            grad = seq_all_gather(grad, _resolve_process_group(ctx.group_name))
+    grad_x = grad.matmul(weight)
+    grad_weight = grad.reshape(-1, grad.size(-1)).t().mm(x.reshape(-1, x.size(-1)))
+    return grad_x, grad_weight, grad_bias, None, None
+
+
+_row_parallel_linear.register_autograd(_row_backward, setup_context=_row_setup_context)
+
+
+def row_parallel_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: dist.ProcessGroup,
+                        sequence_parallel: bool) -> Tensor:
+    """A row layer's ``reduce(x W^T) + b`` (all-reduce, or reduce-scatter along the sequence) as one op, for a
+    selective checkpoint: it keeps the op's output only, where the partial product and the reduced sum of the
+    op-by-op form would each be a kept, full-size tensor. Backward: ``x`` and ``W``'s gradients from the
+    output's (all-gathered along the sequence first under SP)."""
+    return _row_parallel_linear(x, weight, bias, group.group_name, sequence_parallel)
+
+
+# ------------------------------------------------------------------------------------------------------ embeddings
 def shard_embedding(embedding: nn.Embedding, group: dist.ProcessGroup) -> nn.Embedding:
     """Split ``embedding``'s rows (the vocabulary) over ``group``, in place: weight ``[vocab/tp, dim]``.
 

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_hybrid.devices import is_meta
+from lightning_hybrid.pipeline.protocol import SliceLoading
 from lightning_hybrid.tensor_parallel.examples import synthetic_call
 from lightning_hybrid.tensor_parallel.layers import local_piece, tp_shard_specs
 from lightning_hybrid.tensor_parallel.verify import Captured, capture_inputs
@@ -34,7 +35,7 @@ def init_unsplit_layer(module: nn.Module, index: int, layer: nn.Module, stored: 
     """``module.init_pipeline_layer(index, layer)`` on a materialised unsplit layer. ``stored=False``: without the
     module's stored weights (the module takes ``pretrained=False`` when it implements ``load_pipeline_layer_slices``),
     for a layer whose values only need to be plausible (a block verified and thrown away)."""
-    if not stored and callable(getattr(module, "load_pipeline_layer_slices", None)):
+    if not stored and isinstance(module, SliceLoading):
         module.init_pipeline_layer(index, layer, pretrained=False)
     else:
         module.init_pipeline_layer(index, layer)
@@ -112,7 +113,7 @@ def materialise_split_layers(
     the values a one-device init (or load) gives, one layer at a time. ``unsplit``: meta copies of those layers
     made before the split (each is materialised, used and dropped in turn)."""
     layers = module.pipeline_layers()
-    load_slices = getattr(module, "load_pipeline_layer_slices", None)
+    loads_slices = isinstance(module, SliceLoading)
     for index in indices:
         layer = layers[index]
         whole = unsplit.pop(index, None)
@@ -122,7 +123,7 @@ def materialise_split_layers(
         layer.to_empty(device=device)
         if not tp_shard_specs(layer):
             init_unsplit_layer(module, index, layer)
-        elif not (callable(load_slices) and load_slices(index, layer)):
+        elif not (loads_slices and module.load_pipeline_layer_slices(index, layer)):
             assert whole is not None, index
             whole.to_empty(device=device)
             init_unsplit_layer(module, index, whole)

@@ -26,7 +26,7 @@ from torch import Tensor
 from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_map
 
-from lightning_hybrid.tensor_parallel.comm import ShardSpec, gather_from_tp
+from lightning_hybrid.tensor_parallel.comm import ShardSpec, all_gather, all_reduce, gather_from_tp
 
 __all__ = ["SplitLogits", "vocab_parallel_cross_entropy"]
 
@@ -186,8 +186,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, target: Tensor, group: dist.ProcessGroup, spec: ShardSpec, ignore_index: int):
         x = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        row_max = x.max(dim=-1).values
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        row_max = all_reduce(x.max(dim=-1).values, group, "max")
         x = x - row_max.unsqueeze(-1)
         valid = target != ignore_index
         index, held = _to_local_index(torch.where(valid, target, torch.zeros_like(target)), _vocab_starts(spec, group))
@@ -195,8 +194,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         picked = x.gather(-1, index.unsqueeze(-1)).squeeze(-1) * held
         exp = x.exp_()
         sum_exp = exp.sum(dim=-1)
-        both = torch.stack([picked, sum_exp])
-        dist.all_reduce(both, group=group)
+        both = all_reduce(torch.stack([picked, sum_exp]), group)
         picked, sum_exp = both[0], both[1]
         loss = (sum_exp.log() - picked) * valid
         softmax = exp.div_(sum_exp.unsqueeze(-1))
@@ -254,12 +252,8 @@ def _argmax(logits: SplitLogits) -> Tensor:
     for local_offset, full_offset, length in chunks:
         inside = (index >= local_offset) & (index < local_offset + length)
         global_index = torch.where(inside, index - local_offset + full_offset, global_index)
-    world = dist.get_world_size(group)
-    all_values = [torch.empty_like(values) for _ in range(world)]
-    all_index = [torch.empty_like(global_index) for _ in range(world)]
-    dist.all_gather(all_values, values.contiguous(), group=group)
-    dist.all_gather(all_index, global_index.contiguous(), group=group)
-    values, index = torch.stack(all_values, -1), torch.stack(all_index, -1)
+    # Every rank's best, along a new last dimension.
+    values, index = (all_gather(t.unsqueeze(0).contiguous(), group).movedim(0, -1) for t in (values, global_index))
     best = values.max(dim=-1, keepdim=True).values
     candidates = torch.where(values == best, index, torch.full_like(index, torch.iinfo(index.dtype).max))
     return candidates.min(dim=-1).values

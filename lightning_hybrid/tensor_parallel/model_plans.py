@@ -4,13 +4,16 @@
 for the head, merged in the model's ``tp_plan``), maintained with the model code: module-name patterns
 (``layers.*.self_attn.q_proj``) mapped to styles. `model_tp_plan` finds every transformers model inside a
 module tree (as the LightningModule's child, or the LightningModule itself) and returns those plans with
-absolute, ``fnmatch``-style patterns. Nothing here imports transformers: a model is recognised by its class.
+absolute, ``fnmatch``-style patterns. Nothing here imports transformers: a model is an instance of its
+``PreTrainedModel``, looked up only where transformers has loaded it (no instance exists before).
 
 `MODEL_STYLES` maps their style names to ours; the styles we do not implement (expert parallelism, packed
 MoE weights, sequence-parallel norms) leave the module replicated, and the plan's summary says so.
 """
 
 from __future__ import annotations
+
+import sys
 
 from torch import nn
 
@@ -32,7 +35,8 @@ MODEL_STYLES: dict[str, tuple[str, dict]] = {
 
 
 def _is_transformers_model(module: nn.Module) -> bool:
-    return any(cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers") for cls in type(module).__mro__)
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    return modeling_utils is not None and isinstance(module, modeling_utils.PreTrainedModel)
 
 
 def _plan_of(model: nn.Module) -> dict[str, str]:

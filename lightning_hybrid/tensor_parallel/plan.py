@@ -192,7 +192,7 @@ def resolve_tp_plan(
             for rel in layers:
                 plan.replicated[_join(unit_name, rel)] = f"tp={tp} does not divide its sizes"
             continue
-        kind = (type(unit).__qualname__, tuple(sorted((rel, type(modules[_join(unit_name, rel)]).__name__, _shape(modules[_join(unit_name, rel)]), str(layers[rel])) for rel in layers)))
+        kind = (type(unit), tuple(sorted((rel, type(modules[_join(unit_name, rel)]), _shape(modules[_join(unit_name, rel)]), str(layers[rel])) for rel in layers)))
         plan.units[unit_name] = Unit(unit_name, kind, source, layers, variants)
     return plan
 
@@ -262,3 +262,15 @@ def _check_divides(module: str, what: str, size: int, tp: int) -> None:
             f"tp={tp} does not divide {what} = {size} of module {module!r}. Choose a tp that divides {size}"
             f" (or mark the module 'replicate' in tp_plan)."
         )
+
+
+def block_of(name: str, modules: dict[str, nn.Module], pipeline_layers: tuple[str, ...]) -> str:
+    """The block verified for unit ``name``: the nearest enclosing element of an ``nn.ModuleList`` or pipeline
+    layer, else the unit itself."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:i])
+        parent = ".".join(parts[: i - 1])
+        if candidate in pipeline_layers or isinstance(modules.get(parent), nn.ModuleList):
+            return candidate
+    return name

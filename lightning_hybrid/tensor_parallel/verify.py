@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_hybrid.devices import module_device
-from lightning_hybrid.tensor_parallel.comm import gather_shard
+from lightning_hybrid.tensor_parallel.comm import all_reduce, gather_shard
 from lightning_hybrid.tensor_parallel.layers import tp_shard_specs
 from lightning_hybrid.tensor_parallel.variants import Variant
 
@@ -151,6 +151,14 @@ def _forward(
     return outputs, inputs, main_index
 
 
+def main_input(args: tuple, kwargs: dict) -> Tensor | None:
+    """A module call's main input: its first positional tensor, else ``hidden_states``, else its first tensor
+    keyword argument."""
+    if args and isinstance(args[0], Tensor):
+        return args[0]
+    return kwargs.get("hidden_states", next((v for v in kwargs.values() if isinstance(v, Tensor)), None))
+
+
 def replace_main_input(args: tuple, kwargs: dict, fn: Callable[[Tensor], Tensor]) -> tuple[tuple, dict]:
     """``(args, kwargs)`` with the main input (the first positional tensor, else ``hidden_states``) mapped by ``fn``."""
     if args and isinstance(args[0], Tensor):
@@ -248,9 +256,7 @@ def _head_slice(got: Tensor, want: Tensor, heads: set[int], group: dist.ProcessG
 
 def _all(flag: bool, group: dist.ProcessGroup, device: torch.device) -> bool:
     """Whether ``flag`` holds on every rank of ``group``."""
-    value = torch.tensor([1 if flag else 0], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
-    return bool(value.item())
+    return bool(all_reduce(torch.tensor([1 if flag else 0], device=device), group, "min").item())
 
 
 def _compare(what: str, got: list[Tensor | None], want: list[Tensor | None]) -> tuple[bool, str]:
@@ -283,8 +289,8 @@ def _compare_params(candidate: nn.Module, reference: nn.Module, group: dist.Proc
                 problems.append(f"gradient of {name}: max error {err:.3g}")
         else:
             replicated.append((name, grad))
-    summed = torch.cat([g.reshape(-1).float() for _, g in replicated] + [torch.zeros(0, device=module_device(candidate))])
-    dist.all_reduce(summed, group=group)
+    flat = [g.reshape(-1).float() for _, g in replicated] + [torch.zeros(0, device=module_device(candidate))]
+    summed = all_reduce(torch.cat(flat), group)
     partial, offset = [], 0
     for name, grad in replicated:
         total = summed[offset : offset + grad.numel()].view_as(grad)
