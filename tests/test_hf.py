@@ -216,7 +216,7 @@ class _SetupPeak(L.Callback):
         self.load_peak = self.before_load_peak = None
 
     def load(self, materialise):
-        """``materialise`` (the strategy's `materialise_split_layers`) with its own peak window."""
+        """``materialise`` (`parallelize`'s `materialise_split_layers`) with its own peak window."""
 
         def measured(*args):
             self.before_load_peak = self.tracker.peak  # construction, TP plan and verification
@@ -238,21 +238,21 @@ def _load_under(folder: str, layouts: dict) -> dict:
     parameter bytes, and whether the gathered weights are the folder's."""
     from safetensors.torch import load_file
 
-    import lightning_hybrid.strategy as strategy_module
+    import lightning_hybrid.parallelize as parallelize_module
 
     want = load_file(f"{folder}/model.safetensors")
-    materialise = strategy_module.materialise_split_layers
+    materialise = parallelize_module.materialise_split_layers
     out = {}
     for name, layout in layouts.items():
         module, peak = CausalLM(folder), _SetupPeak()
         trainer = L.Trainer(accelerator="cpu", devices=4, max_steps=1, limit_val_batches=0, num_sanity_val_steps=0,
                             strategy=HybridStrategy(**layout, **({'micro_batches': 2} if layout.get('pp', 1) > 1 else {})),
                             callbacks=[peak], **QUIET_TRAINER)
-        strategy_module.materialise_split_layers = peak.load(materialise)  # measured, in this process only
+        parallelize_module.materialise_split_layers = peak.load(materialise)  # measured, in this process only
         try:
             trainer.fit(module, ByteCorpusDataModule(max_bytes=5_000, block_size=16, batch_size=2))
         finally:
-            strategy_module.materialise_split_layers = materialise
+            parallelize_module.materialise_split_layers = materialise
         out[name] = {
             "setup_peak": peak.peak, "before_load_peak": peak.before_load_peak, "load_peak": peak.load_peak,
             # A ZeRO-3 DTensor's shape is its TP-local one (the load happened before ZeRO-3 sharded it over DP).

@@ -1,0 +1,280 @@
+"""`CausalLM`: next-token training of a ``transformers`` causal LM under any layout (see `lightning_hybrid.hf`)."""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from lightning_hybrid.devices import module_device
+from lightning_hybrid.hf.config import _resolve_config
+from lightning_hybrid.hf.decomposition import _PipelineCalls, check_decomposition
+from lightning_hybrid.hf.structure import PipelineDecompositionError, _Structure
+from lightning_hybrid.hf.weights import _Safetensors, _tied_keys
+from lightning_hybrid.models.language_model import LanguageModel
+
+__all__ = ["CausalLM"]
+
+
+class CausalLM(LanguageModel):
+    """Next-token training of a ``transformers`` causal LM under any layout.
+
+    Args:
+        model: a local pretrained folder (``save_pretrained``'s output: config.json + safetensors), a model
+            type of ``transformers`` (``"llama"``) with ``config`` overrides, or a ``PretrainedConfig``.
+        config: fields of the config that override the folder's or the model type's defaults (random init
+            when ``model`` is not a folder).
+        lr, weight_decay, betas, warmup_steps: AdamW (decay on parameters with ``dim >= 2``), linear warmup.
+        init_seed: seed of the random init (each pipeline layer its own, derived from it).
+        attn_implementation: passed to ``transformers`` (``None``: its default for the model, SDPA where supported).
+
+    Batches are ``(x, y)`` token tensors ``(B, T)``, ``y`` being ``x`` shifted by one (as the package's data
+    modules give them). ``self(x)`` is the logits ``(B, T, V)``. Steps, loss (in float32), optimizer and checkpoint
+    loading are those of `lightning_hybrid.models.language_model.LanguageModel` (accuracy on validation only).
+    """
+
+    def __init__(
+        self,
+        model: Union[str, os.PathLike, Any],
+        config: Optional[Mapping[str, Any]] = None,
+        lr: float = 3e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 0,
+        init_seed: int = 0,
+        attn_implementation: Optional[str] = None,
+    ) -> None:
+        from transformers import PretrainedConfig
+
+        if isinstance(model, PretrainedConfig):
+            spec = {"model_type": model.model_type, **model.to_dict()}
+        else:
+            spec = str(model) if isinstance(model, os.PathLike) else model
+        hf_config = _resolve_config(spec, dict(config or {}))
+        super().__init__(int(hf_config.vocab_size), lr, weight_decay, betas, warmup_steps, test_accuracy=False)
+        self.save_hyperparameters({
+            "model": spec, "config": dict(config or {}), "lr": lr, "weight_decay": weight_decay,
+            "betas": tuple(betas), "warmup_steps": warmup_steps, "init_seed": init_seed,
+            "attn_implementation": attn_implementation,
+        })
+        self.hf_config = hf_config
+        self.folder: Optional[Path] = Path(spec) if isinstance(spec, str) and Path(spec).is_dir() else None
+        self._structure: Optional[_Structure] = None
+        self._calls: Optional[_PipelineCalls] = None
+        self._weights: Optional[_Safetensors] = None
+        self._n_params = 0
+        #: Whether `configure_model` left the pipeline layers unbuilt, on the meta device, for the strategy to build
+        #: per rank (`lightning_hybrid.pipeline.protocol.DeferredLayers`).
+        self.layers_deferred = False
+
+    # ------------------------------------------------------------------ model
+    def configure_model(self) -> None:
+        """Build the model on the meta device. Its layers are materialised here unless the strategy builds them
+        per rank, calling `init_pipeline_layer` (or `load_pipeline_layer_slices`) itself: when its init context
+        is the meta device (``pp > 1``), or under ``tp > 1`` (the model's device mesh), where each rank
+        materialises only its TP slices of its layers -- for a model the pipeline layers reproduce (untied
+        embeddings; see `check_decomposition`), the others are materialised whole here. ``layers_deferred`` says
+        which (`lightning_hybrid.pipeline.protocol.DeferredLayers`)."""
+        if self.model is not None:
+            return
+        from transformers import AutoModelForCausalLM
+
+        per_layer = torch.get_default_device().type == "meta"  # the strategy's init context under pp > 1
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                self.hf_config, attn_implementation=self.hparams.attn_implementation, dtype=torch.float32
+            )
+        model.config.use_cache = False
+        self.model = model
+        self._n_params = sum(p.numel() for p in model.parameters())  # the whole model's (for MFU)
+        self._structure = _Structure(model)
+        self._calls = _PipelineCalls(self._structure)
+        if self.folder is not None:
+            self._weights = _Safetensors(self.folder)
+            self._weights.check(model)
+        with torch.device("cpu"):
+            for name in self._structure.shared:  # rotary embeddings and the like: on every stage
+                self._materialise(getattr(self._structure.trunk, name), torch.device("cpu"))
+            for owner in self._structure._path_modules():  # buffers held by the model and its trunk themselves
+                self._materialise_own_buffers(owner)
+            self.layers_deferred = per_layer or (self._tp_size() > 1 and self._layerwise())
+            if not self.layers_deferred:
+                for index, layer in enumerate(self._structure.layers()):
+                    layer.to_empty(device="cpu")
+                    self.init_pipeline_layer(index, layer)
+                if getattr(model.config, "tie_word_embeddings", False):
+                    model.tie_weights()
+
+    def _tp_size(self) -> int:
+        mesh = self._device_mesh  # set by HybridStrategy before configure_model
+        return mesh["tp"].size() if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) else 1
+
+    def _layerwise(self) -> bool:
+        """Whether the strategy can materialise the model layer by layer: its pipeline layers reproduce it (the
+        hooks `pipeline_layers` installs leave the model's own forward as it is)."""
+        try:
+            self.pipeline_layers()
+        except PipelineDecompositionError:
+            return False
+        return True
+
+    def _split_sequence_calls(self) -> None:
+        """Once the strategy has set up sequence parallelism (after its setup-time checks, which run on whole
+        sequences), decoder layers the pipeline calls with part of the sequence get the arguments of the whole
+        (`_PipelineCalls.sequence_split`)."""
+        strategy = self.trainer.strategy
+        if self._calls is not None:
+            sequence_parallel = getattr(strategy, "sequence_parallel", False)
+            self._calls.sequence_split = strategy.parallel_dims.tp if sequence_parallel else 1
+
+    def on_fit_start(self) -> None:
+        self._split_sequence_calls()
+
+    def on_validation_start(self) -> None:
+        self._split_sequence_calls()
+
+    def on_test_start(self) -> None:
+        self._split_sequence_calls()
+
+    def on_predict_start(self) -> None:
+        self._split_sequence_calls()
+
+    def _materialise(self, module: nn.Module, device: torch.device) -> None:
+        if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+            module.to_empty(device=device)
+            with torch.no_grad():
+                for m in module.modules():
+                    self.model._init_weights(m)
+
+    @torch.no_grad()
+    def _materialise_own_buffers(self, module: nn.Module) -> None:
+        """The buffers ``module`` holds directly (GPT-BigCode's causal mask on its trunk), on the CPU, with the values
+        the model's own init gives them (every stage has them, as the parameter-free shared modules)."""
+        meta = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
+        if meta:
+            for name in meta:
+                module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
+            self.model._init_weights(module)
+
+    def _names(self, index: int, layer: nn.Module) -> dict[str, str]:
+        """``{folder name: name in the layer}`` of pipeline layer ``index``'s parameters and buffers."""
+        assert self._structure is not None
+        prefix = self._structure.layer_names()[index]
+        return {f"{prefix}.{k}": k for k, _ in _tensors(layer)}
+
+    # ------------------------------------------------------------------ pipeline protocol
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The model's modules in order: embeddings, decoder layers, final norm, head (see the module doc).
+        Raises `PipelineDecompositionError` where the model's forward does more than those layers do."""
+        if self.model is None or self._structure is None or self._calls is None:
+            raise RuntimeError("call configure_model() before pipeline_layers()")
+        layers = self._structure.layers()
+        if getattr(self.model.config, "tie_word_embeddings", False) and getattr(self.model, "_tied_weights_keys", None):
+            raise PipelineDecompositionError(
+                f"{type(self.model).__name__} ties its input and output embeddings (tie_word_embeddings=True), which"
+                " pipeline stages cannot share: train it with pp=1, or untie them (config tie_word_embeddings=False)."
+            )
+        first = not self._calls._hooked
+        self._calls.install(layers)
+        if first:
+            try:
+                check_decomposition(self.model, self._structure)
+            except PipelineDecompositionError:
+                self._calls.uninstall()  # refused: the model keeps its own forward, untouched (pp=1 trains it whole)
+                raise
+        return layers
+
+    def init_pipeline_layer(self, index: int, layer: nn.Module, pretrained: bool = True) -> None:
+        """Materialised layer ``index``: the folder's tensors for it, or (no folder, or ``pretrained=False``) the
+        model's init under its own seed."""
+        assert self.model is not None
+        if self._weights is not None and pretrained:
+            self._load(index, layer)
+            return
+        # The model's init draws from the global generator of the tensors' device: it runs on a CPU twin of the
+        # layer, so that the values are those of a CPU run on every device (a CUDA generator draws others).
+        on_cpu = module_device(layer).type == "cpu"
+        target = layer if on_cpu else _cpu_twin(layer)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(self.hparams.init_seed * 1_000_003 + index)
+            for m in target.modules():
+                self.model._init_weights(m)
+            if not on_cpu:
+                for (_, t), (_, value) in zip(_tensors(layer), _tensors(target)):
+                    t.copy_(value)
+
+    def load_pipeline_layer_slices(self, index: int, layer: nn.Module) -> bool:
+        """Fill the materialised, TP-split layer ``index`` from the folder, reading only this rank's pieces of
+        each split tensor (``safe_open().get_slice``; a fused tensor's parts are several pieces). ``False``
+        without a folder (the strategy then initialises an unsplit copy of the layer and keeps its slices)."""
+        if self._weights is None:
+            return False
+        self._load(index, layer)
+        return True
+
+    @torch.no_grad()
+    def _load(self, index: int, layer: nn.Module) -> None:
+        """Layer ``index``'s tensors from the folder: whole, or this rank's pieces of those TP split."""
+        assert self.model is not None and self._weights is not None
+        from lightning_hybrid.tensor_parallel.layers import tp_shard_specs
+
+        specs = tp_shard_specs(layer)
+        params = dict(layer.named_parameters(remove_duplicate=False))
+        missing_buffers = []
+        for full, local in self._names(index, layer).items():
+            target = params[local] if local in params else layer.get_buffer(local)
+            if full not in self._weights.files:
+                if local not in params:  # a buffer the folder does not hold (rotary inv_freq ...)
+                    missing_buffers.append(local.rpartition(".")[0])
+                    continue
+                if full in _tied_keys(self.model):  # the input embedding's, tied after loading (pp=1)
+                    continue
+                raise KeyError(f"{self.folder} holds no tensor {full!r} (pipeline layer {index}).")
+            if local not in specs:
+                value = self._weights.read(full)
+                if tuple(value.shape) != tuple(target.shape):
+                    raise ValueError(
+                        f"{full}: the folder's tensor is {tuple(value.shape)}, the model's {tuple(target.shape)}."
+                    )
+                target.copy_(value)
+                continue
+            spec, group = specs[local]
+            rank, size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+            for at, start, n in spec.chunks(rank, size):  # one piece at a time
+                target.narrow(spec.dim, at, n).copy_(self._weights.read(full, spec.dim, start, n))
+        for owner in dict.fromkeys(missing_buffers):  # the model's init computes them
+            self.model._init_weights(layer.get_submodule(owner))
+
+    def forward(self, idx: Tensor) -> Tensor:
+        if self.model is None:
+            raise RuntimeError("call configure_model() before using the model")
+        return self.model(input_ids=idx, use_cache=False).logits
+
+    def _flops_per_token(self, seq_len: int) -> Optional[int]:
+        # 6 N per token for the matmuls of forward and backward, plus attention's 12 L H T (Kaplan et al. 2020;
+        # PaLM's appendix B), on the whole model (N: all its parameters, counted in configure_model).
+        config = self.hf_config
+        layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+        hidden = int(getattr(config, "hidden_size", 0) or 0)
+        return 6 * self._n_params + 12 * layers * hidden * seq_len
+
+
+def _tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
+    return [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+
+
+def _cpu_twin(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers are new, uninitialised CPU tensors (nothing of the
+    original's values is copied)."""
+    memo: dict[int, Any] = {}
+    for _, t in _tensors(module):
+        if id(t) not in memo:
+            empty = torch.empty_like(t, device="cpu")
+            memo[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    return copy.deepcopy(module, memo)
+

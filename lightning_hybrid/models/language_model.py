@@ -1,0 +1,135 @@
+"""`LanguageModel`: the next-token training that the package's LightningModules share -- `GPTLightningModule` (the
+reference GPT) and `lightning_hybrid.hf.CausalLM` (any ``transformers`` causal LM).
+
+A subclass builds its model as ``self.model`` in ``configure_model``, maps token ids to logits in ``forward``,
+saves its own hyperparameters, and may give its training FLOPs per token (`LanguageModel._flops_per_token`). The
+rest is here, the same for both:
+
+* ``training_step`` / ``validation_step`` / ``test_step`` on ``(x, y)`` batches of token ids ``(B, T)``, ``y``
+  being ``x`` shifted by one: logged are ``train_loss`` (per step), ``val_loss`` / ``test_loss`` and the
+  accuracies ``val_acc`` (and ``test_acc`` where the subclass measures it) per epoch;
+* `LanguageModel.loss_fn`: the mean cross entropy, computed in float32 whatever the logits' dtype (the pipeline
+  protocol's ``loss_fn``: under ``pp > 1`` the strategy calls it on the last stage's output);
+* ``flops_per_batch`` (read by Lightning's ``ThroughputMonitor`` for MFU), set in ``on_train_batch_start``;
+* ``configure_optimizers``: AdamW (`lightning_hybrid.optim.adamw`) and an optional linear warmup;
+* ``load_from_checkpoint``, which also takes the sharded checkpoint folder a ``HybridStrategy`` run writes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import IO, Any, Optional, Union
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from torch import Tensor, nn
+from typing_extensions import Self
+
+from lightning_hybrid.checkpoint import lightning_checkpoint
+from lightning_hybrid.optim import adamw
+
+__all__ = ["Batch", "LanguageModel"]
+
+Batch = tuple[Tensor, Tensor]
+
+
+class LanguageModel(L.LightningModule):
+    """Next-token training of ``self.model`` (built by the subclass in ``configure_model``).
+
+    Args:
+        vocab_size: the number of tokens (the accuracy metrics' classes).
+        lr, weight_decay, betas: AdamW's (weight decay on parameters with ``dim >= 2`` only). Kept as attributes
+            of the same names, which `configure_optimizers` reads.
+        warmup_steps: if > 0, a linear warmup of the learning rate over that many optimizer steps.
+        test_accuracy: whether ``test_step`` measures and logs ``test_acc`` too (``val_acc`` always).
+
+    The subclass calls ``save_hyperparameters`` itself (its hyperparameters are its own).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        warmup_steps: int,
+        test_accuracy: bool = True,
+    ) -> None:
+        super().__init__()
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.betas = tuple(betas)
+        self.warmup_steps = warmup_steps
+        self.model: Optional[nn.Module] = None
+        self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=vocab_size, average="micro")
+        if test_accuracy:
+            self.test_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=vocab_size, average="micro")
+
+    # ------------------------------------------------------------------ what a subclass may give
+    def _flops_per_token(self, seq_len: int) -> Optional[int]:
+        """Training FLOPs (forward and backward) per token of the whole model at sequence length ``seq_len``, also
+        where a rank holds only some of its layers; ``None`` (the default): not known, no ``flops_per_batch``."""
+        return None
+
+    # ------------------------------------------------------------------ loss and checkpoints
+    @staticmethod
+    def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
+        """Mean cross entropy, computed in float32; ``logits (B, T, V)``, ``targets (B, T)`` -> scalar (targets equal
+        to cross entropy's default ``ignore_index``, -100, are left out)."""
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Union[str, Path, IO], *args: Any, **kwargs: Any) -> Self:
+        """Lightning's ``load_from_checkpoint``; a sharded checkpoint folder is consolidated in memory first (the
+        whole model's weights are loaded on this one process)."""
+        return super().load_from_checkpoint(lightning_checkpoint(checkpoint_path), *args, **kwargs)
+
+    # ------------------------------------------------------------------ steps
+    def on_train_batch_start(self, batch: Batch, batch_idx: int) -> None:
+        # Read by Lightning's ThroughputMonitor, which reports model FLOPs utilisation from it: the training FLOPs
+        # of this batch on the whole model.
+        x, _ = batch
+        per_token = self._flops_per_token(x.size(1))
+        if per_token is not None:
+            self.flops_per_batch = per_token * x.numel()
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = self.loss_fn(self(x), y)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True, on_step=True, on_epoch=False)
+        return loss
+
+    def _eval_step(self, batch: Batch, stage: str) -> Tensor:
+        """The loss (and accuracy, where the stage has a metric ``{stage}_acc``) of an evaluation batch."""
+        x, y = batch
+        logits = self(x)  # (B, T, V)
+        loss = self.loss_fn(logits, y)
+        metric = getattr(self, f"{stage}_acc", None)
+        if metric is not None:
+            metric.update(logits.argmax(-1).flatten(), y.flatten())
+        self.log(f"{stage}_loss", loss, prog_bar=True, sync_dist=True, on_epoch=True)
+        if metric is not None:
+            self.log(f"{stage}_acc", metric, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        return self._eval_step(batch, "val")
+
+    def test_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        return self._eval_step(batch, "test")
+
+    # ------------------------------------------------------------------ optimizer
+    def configure_optimizers(self) -> Any:
+        """AdamW with weight decay on matrices and embeddings (``dim >= 2``) only, fused on CUDA
+        (`lightning_hybrid.optim.adamw`); with ``warmup_steps > 0`` a linear warmup (``LambdaLR``, interval
+        ``"step"``)."""
+        if self.model is None:
+            raise RuntimeError("call configure_model() before configure_optimizers()")
+        optimizer = adamw(self.model, self.lr, self.weight_decay, tuple(self.betas))
+        warmup = int(self.warmup_steps)
+        if warmup <= 0:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
