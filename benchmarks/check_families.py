@@ -1,4 +1,5 @@
-"""Which `transformers` families train exactly under TP and PP: every family the README names, beyond the suite's.
+"""Which `transformers` families train exactly under TP and PP: every family docs/huggingface.md names, beyond the
+suite's.
 
     python benchmarks/check_families.py [--families llama,gemma2,... --steps 3]
 

@@ -1,5 +1,5 @@
 """Every benchmark figure comes from a file the benchmark writes itself: what it printed, under the command that
-ran it and the date. Nothing is added to those files by hand; the README quotes them."""
+ran it and the date. Nothing is added to those files by hand; the docs quote them."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The layout planner: predicted per-device peak memory and step time of every layout of a model on a
-cluster, ranked (README, "Choosing a layout: the planner").
+cluster, ranked (docs/planner.md).
 
     from lightning_hybrid.planner import ModelSpec, load_cluster, plan
     result = plan(ModelSpec.from_gpt(config), load_cluster("a100"), devices=64, global_batch=512)

@@ -44,7 +44,7 @@ __all__ = ["CLUSTER_PRESETS", "DEFAULT_CALIBRATION", "Cluster", "Link", "calibra
 
 #: Fraction of the datasheet's dense peak that large transformer GEMMs reach (cuBLAS on A100/H100 reaches
 #: ~70-80% on Megatron's shapes; the 0.7 is this model's one free constant at cluster scale, chosen once, before
-#: the comparison with published runs in the README).
+#: the comparison with published runs in docs/planner.md).
 MATMUL_EFFICIENCY = 0.7
 #: Fraction of a link's datasheet bandwidth a ring collective reaches (NCCL bus bandwidth / link bandwidth).
 LINK_EFFICIENCY = 0.8

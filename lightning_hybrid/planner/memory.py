@@ -7,7 +7,7 @@ Model states (ZeRO, Rajbhandari et al. 2020, Table 1, generalised to bytes per e
 parameters, gradients and optimizer state, `PRECISIONS`): stage 0 ``(p + g + o) P``; 1 ``(p + g) P + o P/dp``;
 2 ``p P + (g + o) P/dp``; 3 ``(p + g + o) P/dp``. With mixed precision and Adam ``(2, 2, 12)`` this is the
 paper's 16Psi / 4Psi + 12Psi/Nd / 2Psi + 14Psi/Nd / 16Psi/Nd (`zero_model_states`). What `lightning_hybrid.zero`
-does on top (README, ZeRO): stage 2 keeps the bucket backward fills and ``MAX_IN_FLIGHT`` being reduced
+does on top (docs/zero.md): stage 2 keeps the bucket backward fills and ``MAX_IN_FLIGHT`` being reduced
 (``bucket_cap_mb`` each) beside its ``P/dp`` slices, and its full buffers ``P`` under PP or accumulation
 (nothing is reduced before the window's last backward); stage 3 (FSDP2) keeps two blocks gathered (the one
 running and the one prefetched), and under PP or accumulation a stage's parameters gathered and its gradients
