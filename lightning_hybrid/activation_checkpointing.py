@@ -42,7 +42,8 @@ from typing import Callable, Sequence, Union
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (CheckpointPolicy, SelectiveCheckpointContext, checkpoint,
+                                    create_selective_checkpoint_contexts)
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_hybrid.tensor_parallel.comm import functional_collectives
@@ -179,9 +180,13 @@ def checkpoint_targets(module: nn.Module, target: bool | str, pipelined: bool = 
     if isinstance(target, str):
         chosen = [n for n in names.values() if n and fnmatch.fnmatchcase(n, target)]
         if not chosen:
-            raise ValueError(f"activation_checkpointing={target!r} matches no module; names look like {list(names.values())[1:8]}")
+            raise ValueError(
+                f"activation_checkpointing={target!r} matches no module; names look like {list(names.values())[1:8]}"
+            )
         return chosen
-    listed = [] if pipelined else [names[id(m)] for sub in module.modules() if isinstance(sub, nn.ModuleList) for m in sub]
+    listed = [] if pipelined else [
+        names[id(m)] for sub in module.modules() if isinstance(sub, nn.ModuleList) for m in sub
+    ]
     if not listed and isinstance(module, PipelineLayers):
         listed = [names[id(layer)] for layer in module.pipeline_layers() if id(layer) in names]
     if not listed:

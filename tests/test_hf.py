@@ -63,7 +63,8 @@ def test_structure_follows_the_model():
     assert names == ["transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h.0", "transformer.h.1",
                      "transformer.ln_f", "lm_head"]
     names = pipeline_structure(_built(tiny_config("gpt_neox")).model)
-    assert names[:2] == ["gpt_neox.embed_in", "gpt_neox.emb_dropout"] and names[-2:] == ["gpt_neox.final_layer_norm", "lm_head"]
+    assert (names[:2] == ["gpt_neox.embed_in", "gpt_neox.emb_dropout"]
+            and names[-2:] == ["gpt_neox.final_layer_norm", "lm_head"])
 
 
 def test_same_init_on_every_layout_and_a_seed_of_its_own():
@@ -76,11 +77,12 @@ def test_same_init_on_every_layout_and_a_seed_of_its_own():
 
 
 def test_models_the_layers_cannot_reproduce_are_refused():
-    small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-                 vocab_size=256, head_dim=8, tie_word_embeddings=False)
+    small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=64, vocab_size=256, head_dim=8, tie_word_embeddings=False)
     with pytest.raises(PipelineDecompositionError, match="after its last decoder layer"):  # logit soft-capping
         _built(T.Gemma2Config(**small, final_logit_softcapping=30.0)).pipeline_layers()
-    with pytest.raises(PipelineDecompositionError, match="cannot be cut into pipeline layers exactly"):  # OPT's offset positions
+    # OPT's offset positions
+    with pytest.raises(PipelineDecompositionError, match="cannot be cut into pipeline layers exactly"):
         _built(T.OPTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64, vocab_size=256,
                            tie_word_embeddings=False)).pipeline_layers()
     with pytest.raises(ValueError, match="model='/no/such/folder' is neither a local folder"):
@@ -107,29 +109,35 @@ def _no_rank_holds_the_whole_model(results: list[dict], references: dict) -> Non
 
 def test_families_under_pipeline_layouts_match_one_device():
     runs = {f"pp2-{family}": (dict(pp=2, micro_batches=2), partial(_lm, family), {}) for family in FAMILIES}
-    runs["pp2-recompute-llama"] = (dict(pp=2, micro_batches=2, activation_checkpointing=True), partial(_lm, "llama"), {})
+    runs["pp2-recompute-llama"] = (
+        dict(pp=2, micro_batches=2, activation_checkpointing=True), partial(_lm, "llama"), {})
     runs["pp2-interleaved-gpt_neox"] = (
         dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, micro_batches=2), partial(_lm, "gpt_neox"), {})
     references: dict = {}
-    _no_rank_holds_the_whole_model(check_world(2, runs, steps=STEPS, references=references, tolerances=TOLERANCES), references)
+    _no_rank_holds_the_whole_model(
+        check_world(2, runs, steps=STEPS, references=references, tolerances=TOLERANCES), references)
 
 
 def test_families_under_tp_pp_and_3d_layouts_match_one_device():
-    runs = {f"tp2xpp2-{family}": (dict(tp=2, pp=2, micro_batches=2), partial(_lm, family), {}) for family in ("llama", "qwen2", "gpt2")}
+    runs = {f"tp2xpp2-{family}": (dict(tp=2, pp=2, micro_batches=2), partial(_lm, family), {})
+            for family in ("llama", "qwen2", "gpt2")}
     # pp=1: the model stays on the meta device and each rank initialises one layer at a time, keeping its slices.
     runs["dp2xtp2-zero3-gpt_neox"] = (dict(dp=2, tp=2, zero_stage=3), partial(_lm, "gpt_neox"), {})
     runs["tp2xpp2-sp-gpt2"] = (dict(tp=2, pp=2, micro_batches=2, sequence_parallel=True), partial(_lm, "gpt2"), {})
     # transformers' decoder layers compiled (TorchTitan's per-block torch.compile), TP-split and FSDP2-sharded.
     runs["dp2xtp2-zero3-compile-llama"] = (dict(dp=2, tp=2, zero_stage=3, compile=True), partial(_lm, "llama"), {})
     references: dict = {}
-    _no_rank_holds_the_whole_model(check_world(4, runs, steps=STEPS, references=references, tolerances=TOLERANCES), references)
+    _no_rank_holds_the_whole_model(
+        check_world(4, runs, steps=STEPS, references=references, tolerances=TOLERANCES), references)
     runs = {
-        f"dp2xtp2xpp2-zero{stage}-{family}": (dict(dp=2, tp=2, pp=2, zero_stage=stage, micro_batches=2), partial(_lm, family), {})
+        f"dp2xtp2xpp2-zero{stage}-{family}": (
+            dict(dp=2, tp=2, pp=2, zero_stage=stage, micro_batches=2), partial(_lm, family), {})
         for stage, family in ((1, "gpt_neox"), (3, "llama"))
     }
     runs["dp2xtp2xpp2-zero1-sp-qwen2"] = (
         dict(dp=2, tp=2, pp=2, zero_stage=1, micro_batches=2, sequence_parallel=True), partial(_lm, "qwen2"), {})
-    _no_rank_holds_the_whole_model(check_world(8, runs, steps=STEPS, references=references, tolerances=TOLERANCES), references)
+    _no_rank_holds_the_whole_model(
+        check_world(8, runs, steps=STEPS, references=references, tolerances=TOLERANCES), references)
 
 
 # ---------------------------------------------------------------------------------------------- pretrained
@@ -174,7 +182,8 @@ def test_pretrained_folder_in_and_out_under_3d(tmp_path):
     with torch.no_grad():
         want = reloaded(input_ids=ids).logits
     assert not torch.allclose(want, source(input_ids=ids).logits, atol=1e-4), "the exported model was trained"
-    assert len(list((tmp_path / "out").glob("model-*-of-*.safetensors"))) > 1 and (tmp_path / "out" / "model.safetensors.index.json").exists()
+    assert (len(list((tmp_path / "out").glob("model-*-of-*.safetensors"))) > 1
+            and (tmp_path / "out" / "model.safetensors.index.json").exists())
     again = _built(str(tmp_path / "out")).eval()  # CausalLM reads a sharded folder too
     with torch.no_grad():
         torch.testing.assert_close(again(ids), want, rtol=0, atol=0)
@@ -246,7 +255,8 @@ def _load_under(folder: str, layouts: dict) -> dict:
     for name, layout in layouts.items():
         module, peak = CausalLM(folder), _SetupPeak()
         trainer = L.Trainer(accelerator="cpu", devices=4, max_steps=1, limit_val_batches=0, num_sanity_val_steps=0,
-                            strategy=HybridStrategy(**layout, **({'micro_batches': 2} if layout.get('pp', 1) > 1 else {})),
+                            strategy=HybridStrategy(
+                                **layout, **({'micro_batches': 2} if layout.get('pp', 1) > 1 else {})),
                             callbacks=[peak], **QUIET_TRAINER)
         parallelize_module.materialise_split_layers = peak.load(materialise)  # measured, in this process only
         try:
@@ -295,10 +305,12 @@ def test_a_folder_that_does_not_fit_the_model_is_refused_when_built(tmp_path):
 
     AutoModelForCausalLM.from_config(tiny_config("llama")).float().save_pretrained(tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
-    save_file({k: v for k, v in tensors.items() if k != "model.norm.weight"}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    save_file({k: v for k, v in tensors.items() if k != "model.norm.weight"}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
     with pytest.raises(KeyError, match="holds no tensor 'model.norm.weight'"):
         _built(str(tmp_path))
-    save_file({**tensors, "model.norm.weight": torch.ones(31)}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    save_file({**tensors, "model.norm.weight": torch.ones(31)}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"model.norm.weight: the folder's tensor is \(31,\), the model's \(32,\)"):
         _built(str(tmp_path))
 
@@ -339,7 +351,8 @@ def test_overrides_of_a_config_object_and_of_a_folder_are_given_to_transformers(
     assert module.hf_config.num_hidden_layers == 1 and module.hf_config.head_dim == 8
     base.save_pretrained(tmp_path)
     folder = CausalLM(str(tmp_path), config={"num_hidden_layers": 1, "rms_norm_eps": 1e-5})
-    assert (folder.hf_config.num_hidden_layers, folder.hf_config.rms_norm_eps, folder.hf_config.head_dim) == (1, 1e-5, 8)
+    assert (folder.hf_config.num_hidden_layers, folder.hf_config.rms_norm_eps,
+            folder.hf_config.head_dim) == (1, 1e-5, 8)
 
 
 def test_an_override_the_config_does_not_know_is_refused():
@@ -353,7 +366,8 @@ def test_buffers_the_model_holds_itself_are_materialised_with_their_values():
     module = CausalLM("gpt_bigcode", config=dict(n_embd=32, n_layer=2, n_head=4, vocab_size=256, n_positions=16))
     module.configure_model()
     assert not any(t.is_meta for t in [*module.model.parameters(), *module.model.buffers()])
-    torch.testing.assert_close(module.model.transformer.bias, torch.tril(torch.ones(16, 16, dtype=torch.bool, device="cpu")))
+    torch.testing.assert_close(module.model.transformer.bias,
+                               torch.tril(torch.ones(16, 16, dtype=torch.bool, device="cpu")))
 
 
 def test_a_refused_decomposition_leaves_the_models_own_forward_untouched():

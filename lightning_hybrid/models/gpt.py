@@ -252,7 +252,9 @@ class GPT(nn.Module):
                     continue
                 std = residual_std if name.rsplit(".", 1)[-1] in self.RESIDUAL_PROJECTIONS else 0.02
                 # Drawn on the generator's device, then copied: the same values on every device.
-                values = torch.empty(module.weight.shape, device=generator.device).normal_(0.0, std, generator=generator)
+                values = torch.empty(module.weight.shape, device=generator.device).normal_(
+                    0.0, std, generator=generator
+                )
                 module.weight.copy_(values)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)

@@ -59,14 +59,21 @@ class TPResult:
     attempts: dict[str, list[str]] = field(default_factory=dict)  # unit -> variants that failed, and why
     verified_kinds: int = 0
     seconds: float = 0.0
-    sequence_runs: list[list[str]] = field(default_factory=list)  # blocks whose hidden states are split over the sequence
+    # blocks whose hidden states are split over the sequence
+    sequence_runs: list[list[str]] = field(default_factory=list)
 
     def summary(self) -> str:
         kinds: dict[str, list[str]] = {}
         for name, variant in self.chosen.items():
-            kinds.setdefault(f"{variant.label}{' /' + ','.join(variant.divide) if variant.divide else ''}"
-                             f"{' (per-head inputs ' + str([k for k, _ in variant.head_inputs]) + ')' if variant.head_inputs else ''}", []).append(name)
-        split = "; ".join(f"{names[0]}{f' (+{len(names) - 1})' if len(names) > 1 else ''}: {label}" for label, names in kinds.items())
+            head_keys = [k for k, _ in variant.head_inputs]
+            kinds.setdefault(
+                f"{variant.label}{' /' + ','.join(variant.divide) if variant.divide else ''}"
+                f"{' (per-head inputs ' + str(head_keys) + ')' if variant.head_inputs else ''}",
+                [],
+            ).append(name)
+        split = "; ".join(
+            f"{names[0]}{f' (+{len(names) - 1})' if len(names) > 1 else ''}: {label}" for label, names in kinds.items()
+        )
         kept = ", ".join(f"{n} ({why})" for n, why in self.left_whole.items())
         partial = f"; gradients summed over TP: {sorted(self.partial_grads)}" if self.partial_grads else ""
         runs = "; ".join(f"{run[0]}..{run[-1]}" if len(run) > 1 else run[0] for run in self.sequence_runs)
@@ -140,16 +147,26 @@ def _head_slicer(variant: Variant, rank: int, tp: int, detect: list | None) -> C
             entries = list(enumerate(args)) + list(kwargs.items())
             for key, value in entries:
                 if isinstance(value, Tensor) and value is not main and value.shape != main.shape:
-                    dim = next((d for d, size in enumerate(value.shape) if size % heads == 0 and size // heads in (1, batch)), None)
+                    dim = next(
+                        (d for d, size in enumerate(value.shape) if size % heads == 0 and size // heads in (1, batch)),
+                        None,
+                    )
                     if dim is not None:
                         detect.append((key, dim))
             detect.append(("", -1))  # searched: nothing more to find
         keys = keys or tuple(k for k in (detect or []) if k[0] != "")
         args = list(args)
         for key, dim in keys:
-            value = args[key] if isinstance(key, int) and key < len(args) else kwargs.get(key) if isinstance(key, str) else None
+            value = (
+                args[key] if isinstance(key, int) and key < len(args)
+                else kwargs.get(key) if isinstance(key, str) else None
+            )
             if isinstance(value, Tensor) and value.size(dim) % heads == 0:
-                cut = value.unflatten(dim, (value.size(dim) // heads, heads)).narrow(dim + 1, rank * local, local).flatten(dim, dim + 1)
+                cut = (
+                    value.unflatten(dim, (value.size(dim) // heads, heads))
+                    .narrow(dim + 1, rank * local, local)
+                    .flatten(dim, dim + 1)
+                )
                 if isinstance(key, int):
                     args[key] = cut
                 else:
@@ -212,7 +229,9 @@ def apply_tp(
         for kind, names in kinds.items():
             block = representative(names[0], modules[names[0]]) if representative else modules[names[0]]
             call = calls.get(names[0]) or (example_input_for(names[0], block) if example_input_for else None)
-            decisions[kind] = _search(names[0], block, blocks[names[0]], call, group, device, result, split_unit, sequence_parallel)
+            decisions[kind] = _search(
+                names[0], block, blocks[names[0]], call, group, device, result, split_unit, sequence_parallel
+            )
             del block  # a materialised representative lives while its kind is verified
         result.verified_kinds = len(kinds)
     if not result.errors:
@@ -221,7 +240,9 @@ def apply_tp(
         for kind, names in kinds.items():
             chosen, partial = decisions[kind]
             for block in names:
-                per_unit.update({u.name: chosen[_rel(block, u.name)] for u in blocks[block] if _rel(block, u.name) in chosen})
+                per_unit.update(
+                    {u.name: chosen[_rel(block, u.name)] for u in blocks[block] if _rel(block, u.name) in chosen}
+                )
                 partial_by_block[block] = {_join(block, p) for p in partial}
         tied = _tied_weights(model)
         for name in _split_apart(tied, per_unit, modules):
@@ -235,7 +256,10 @@ def apply_tp(
         install_sequence_runs(runs, group, modules)
         result.chosen = {name: _as_applied(variant, split_logits) for name, variant in per_unit.items()}
         result.sequence_runs = runs
-        result.partial_grads = {p for block, names in partial_by_block.items() for p in names if all(u.name in per_unit for u in blocks[block])}
+        result.partial_grads = {
+            p for block, names in partial_by_block.items() for p in names
+            if all(u.name in per_unit for u in blocks[block])
+        }
     result.seconds = time.perf_counter() - start
     return result
 
@@ -248,7 +272,8 @@ def _as_applied(variant: Variant, split_logits: bool) -> Variant:
     return variant
 
 
-def _capture(model: nn.Module, blocks: dict[str, nn.Module], run: Callable, device: torch.device) -> dict[str, Captured]:
+def _capture(model: nn.Module, blocks: dict[str, nn.Module], run: Callable,
+             device: torch.device) -> dict[str, Captured]:
     """The representatives' calls in one example forward, in eval mode (no dropout) and without touching the
     global random state."""
     modes = {m: m.training for m in model.modules()}
@@ -269,7 +294,8 @@ def _splittable_here(unit: Unit, modules: dict[str, nn.Module]) -> bool:
     """Whether this rank holds the unit's modules (not layers of another pipeline rank), not yet split."""
     layers = [modules.get(_join(unit.name, rel)) for rel in unit.layers]
     return all(
-        m is not None and not is_tp_split(m) and (linear_shape(m) is not None or isinstance(m, nn.Embedding)) for m in layers
+        m is not None and not is_tp_split(m) and (linear_shape(m) is not None or isinstance(m, nn.Embedding))
+        for m in layers
     )
 
 
@@ -344,5 +370,8 @@ def _retie(model: nn.Module, tied: list[list[str]]) -> None:
             owner = model.get_submodule(module_name) if module_name else model
             if getattr(owner, leaf) is not first:
                 if getattr(owner, leaf).shape != first.shape:
-                    raise ValueError(f"Tied parameters {names} were split differently ({list(first.shape)} vs {list(getattr(owner, leaf).shape)}).")
+                    raise ValueError(
+                        f"Tied parameters {names} were split differently"
+                        f" ({list(first.shape)} vs {list(getattr(owner, leaf).shape)})."
+                    )
                 setattr(owner, leaf, first)

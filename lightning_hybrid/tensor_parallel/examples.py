@@ -86,7 +86,8 @@ def model_example(module: nn.Module, device: torch.device, multiple: int = 1) ->
     return through_layers
 
 
-def first_layer_example(module: nn.Module, first_layer: nn.Module, device: torch.device, multiple: int = 1) -> Tensor | None:
+def first_layer_example(module: nn.Module, first_layer: nn.Module, device: torch.device,
+                        multiple: int = 1) -> Tensor | None:
     """The input of pipeline layer 0: ``example_input_array`` (a tensor), or token ids when that layer is (or
     starts with) an ``nn.Embedding``."""
     example = getattr(module, "example_input_array", None)

@@ -119,7 +119,8 @@ class ColumnParallelLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features} (local {local}),"
             f" parts={list(self.part_sizes)},"
-            f" gather_output={'on demand' if self.split_logits else self.gather_output}{', Conv1D layout' if self.transposed else ''}"
+            f" gather_output={'on demand' if self.split_logits else self.gather_output}"
+            f"{', Conv1D layout' if self.transposed else ''}"
         )
 
 

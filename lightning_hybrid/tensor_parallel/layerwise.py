@@ -53,7 +53,9 @@ class Representatives:
 
     def __init__(self, module: nn.Module, layers: Sequence[nn.Module], layer_names: Sequence[str], device: torch.device,
                  first_input: Tensor | None, multiple: int = 1) -> None:
-        self.module, self.layers, self.layer_names, self.device, self.first_input = module, layers, layer_names, device, first_input
+        self.module, self.layers, self.layer_names, self.device, self.first_input = (
+            module, layers, layer_names, device, first_input
+        )
         self.multiple = multiple  # synthetic sequences are a multiple of this long (sequence parallelism)
         self._layer_of: dict[int, tuple[int, nn.Module]] = {}  # id(materialised block) -> (layer index, layer copy)
 

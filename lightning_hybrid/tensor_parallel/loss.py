@@ -108,7 +108,9 @@ class SplitLogits(Tensor):
                 value = func(*args, **kwargs)
             if not isinstance(value, Tensor):
                 return value
-        gathered_args, gathered_kwargs = tree_map(lambda t: t.full() if isinstance(t, SplitLogits) else t, (args, kwargs))
+        gathered_args, gathered_kwargs = tree_map(
+            lambda t: t.full() if isinstance(t, SplitLogits) else t, (args, kwargs)
+        )
         return func(*gathered_args, **gathered_kwargs)
 
     def _keep_split(self, func, rest: tuple, kwargs: dict) -> Tensor | None:
@@ -142,7 +144,9 @@ class SplitLogits(Tensor):
 def _cat(tensors, dim: int = 0) -> SplitLogits | None:
     """``torch.cat`` of logits split alike, along another dimension than the vocabulary: split too."""
     first = tensors[0] if tensors else None
-    if not all(isinstance(t, SplitLogits) and t._tp_spec == first._tp_spec and t._tp_group is first._tp_group for t in tensors):
+    if not all(
+        isinstance(t, SplitLogits) and t._tp_spec == first._tp_spec and t._tp_group is first._tp_group for t in tensors
+    ):
         return None
     locals_ = [t.local() for t in tensors]
     if dim % locals_[0].dim() == locals_[0].dim() - 1:

@@ -31,7 +31,9 @@ from lightning_hybrid.tensor_parallel.variants import LayerPlan, Variant, unit_v
 
 STYLES = ("colwise", "rowwise", "replicate")
 PIN_FIELDS = ("part_sizes", "gather_output", "input_is_parallel")
-_OUTPUT_NAMES = ("o_proj", "out_proj", "c_proj", "wo", "w2", "down_proj", "fc2", "dense_4h_to_h", "proj", "dense", "out")
+_OUTPUT_NAMES = (
+    "o_proj", "out_proj", "c_proj", "wo", "w2", "down_proj", "fc2", "dense_4h_to_h", "proj", "dense", "out"
+)
 
 
 @dataclass
@@ -75,7 +77,9 @@ class TPPlan:
         kinds: dict[tuple, list[str]] = {}
         for unit in self.units.values():
             kinds.setdefault(unit.kind, []).append(unit.name)
-        split = "; ".join(f"{names[0]}{f' (+{len(names) - 1} alike)' if len(names) > 1 else ''}" for names in kinds.values())
+        split = "; ".join(
+            f"{names[0]}{f' (+{len(names) - 1} alike)' if len(names) > 1 else ''}" for names in kinds.values()
+        )
         kept = ", ".join(f"{name} ({why})" for name, why in self.replicated.items())
         return f"tensor parallel units: [{split or 'nothing'}]; replicated: [{kept or 'nothing'}]"
 
@@ -115,7 +119,10 @@ def _auto_styles(modules: dict[str, nn.Module], splittable: list[str]) -> tuple[
         if not isinstance(emb, nn.Embedding):
             continue
         unsupported = _unsupported_embedding_options(emb)
-        heads = [n for n, s in linears.items() if n not in styles and s.out_features == emb.num_embeddings and s.in_features == emb.embedding_dim]
+        heads = [
+            n for n, s in linears.items()
+            if n not in styles and s.out_features == emb.num_embeddings and s.in_features == emb.embedding_dim
+        ]
         if unsupported:
             reasons[name] = f"{unsupported} not supported by a vocabulary-parallel embedding"
         elif heads or any(k in _leaf(name).lower() for k in ("tok", "word", "wte", "embed_tokens", "embed_in")):
@@ -133,19 +140,24 @@ def _parse_style(pattern: str, value) -> tuple[str, dict]:
             return value, {}
         if value in MODEL_STYLES:
             return MODEL_STYLES[value]
-    elif isinstance(value, dict) and value.get("style") in ("colwise", "rowwise") and set(value) <= {"style", *PIN_FIELDS}:
+    elif (isinstance(value, dict) and value.get("style") in ("colwise", "rowwise")
+          and set(value) <= {"style", *PIN_FIELDS}):
         pins = {k: (tuple(v) if k == "part_sizes" else bool(v)) for k, v in value.items() if k != "style"}
         return value["style"], pins
     raise ValueError(
         f"tp_plan[{pattern!r}] = {value!r} is invalid: valid styles are {list(STYLES)} (or a transformers style"
-        f" such as 'colwise_gather_output'), or a dict {{'style': 'colwise' | 'rowwise', {', '.join(repr(f) + ': ...' for f in PIN_FIELDS)}}}."
+        f" such as 'colwise_gather_output'), or a dict"
+        f" {{'style': 'colwise' | 'rowwise', {', '.join(repr(f) + ': ...' for f in PIN_FIELDS)}}}."
     )
 
 
-def _overlay(splittable: list[str], patterns: dict, styles: dict, sources: dict, reasons: dict, source: str, strict: bool) -> None:
+def _overlay(splittable: list[str], patterns: dict, styles: dict, sources: dict, reasons: dict, source: str,
+             strict: bool) -> None:
     decided: set[str] = set()
     for pattern, value in patterns.items():
-        style, pins = _parse_style(pattern, value) if strict else MODEL_STYLES.get(value, ("replicate", {"unsupported": value}))
+        style, pins = (
+            _parse_style(pattern, value) if strict else MODEL_STYLES.get(value, ("replicate", {"unsupported": value}))
+        )
         matches = [n for n in splittable if fnmatch.fnmatchcase(n, pattern)]
         if strict and not matches:
             raise ValueError(
@@ -157,7 +169,9 @@ def _overlay(splittable: list[str], patterns: dict, styles: dict, sources: dict,
             sources[name] = source
             if style == "replicate":
                 styles.pop(name, None)
-                reasons[name] = f"{source} {pattern!r}" + (f": style {pins['unsupported']!r} not supported" if "unsupported" in pins else "")
+                reasons[name] = f"{source} {pattern!r}" + (
+                    f": style {pins['unsupported']!r} not supported" if "unsupported" in pins else ""
+                )
             else:
                 styles[name] = (style, {} if source == "model plan" else pins)
                 reasons.pop(name, None)
@@ -192,7 +206,10 @@ def resolve_tp_plan(
             for rel in layers:
                 plan.replicated[_join(unit_name, rel)] = f"tp={tp} does not divide its sizes"
             continue
-        kind = (type(unit), tuple(sorted((rel, type(modules[_join(unit_name, rel)]), _shape(modules[_join(unit_name, rel)]), str(layers[rel])) for rel in layers)))
+        kind = (type(unit), tuple(sorted(
+            (rel, type(modules[_join(unit_name, rel)]), _shape(modules[_join(unit_name, rel)]), str(layers[rel]))
+            for rel in layers
+        )))
         plan.units[unit_name] = Unit(unit_name, kind, source, layers, variants)
     return plan
 
@@ -201,7 +218,8 @@ def _shape(module: nn.Module) -> tuple[int, ...]:
     return tuple(module.weight.shape) if getattr(module, "weight", None) is not None else ()
 
 
-def _group_units(modules: dict[str, nn.Module], styles: dict[str, tuple[str, dict]], pipeline_layers: tuple[str, ...]) -> dict[str, dict]:
+def _group_units(modules: dict[str, nn.Module], styles: dict[str, tuple[str, dict]],
+                 pipeline_layers: tuple[str, ...]) -> dict[str, dict]:
     """Unit name -> {name relative to the unit: (style, pins)}. Column and row linear-like siblings share their
     parent as unit, unless that parent is the root or holds pipeline layers (which may sit on other ranks)."""
     by_parent: dict[str, list[str]] = {}
@@ -245,7 +263,10 @@ def _check_explicit(unit: str, layers: dict, modules: dict[str, nn.Module], sour
         if style == "colwise":
             parts = pins.get("part_sizes") or (shape.out_features,)
             if sum(parts) != shape.out_features:
-                raise ValueError(f"tp_plan part_sizes {list(parts)} of {name!r} do not add up to its out_features = {shape.out_features}.")
+                raise ValueError(
+                    f"tp_plan part_sizes {list(parts)} of {name!r} do not add up to its"
+                    f" out_features = {shape.out_features}."
+                )
             for size in parts:
                 _check_divides(name, "out_features" if len(parts) == 1 else f"fused part of size {size}", size, tp)
         else:

@@ -78,12 +78,17 @@ def head_info(unit: nn.Module) -> HeadInfo | None:
     config = getattr(unit, "config", None)
     config = None if config is None or isinstance(config, nn.Module) else config
     own = _int_attrs(unit, HEAD_ATTRS), _int_attrs(unit, KV_HEAD_ATTRS)
-    shared = (_int_attrs(config, HEAD_ATTRS, "config."), _int_attrs(config, KV_HEAD_ATTRS, "config.")) if config is not None else ([], [])
+    shared = (
+        (_int_attrs(config, HEAD_ATTRS, "config."), _int_attrs(config, KV_HEAD_ATTRS, "config."))
+        if config is not None else ([], [])
+    )
     heads = own[0] or shared[0]
     if not heads:
         return None
     kv_heads = (own[1] or shared[1] or heads)[0][1]
-    dims = _int_attrs(unit, HEAD_DIM_ATTRS) or (_int_attrs(config, ("head_dim",), "config.") if config is not None else [])
+    dims = _int_attrs(unit, HEAD_DIM_ATTRS) or (
+        _int_attrs(config, ("head_dim",), "config.") if config is not None else []
+    )
     attrs = tuple(name for name, _ in own[0] + own[1] + shared[0] + shared[1])
     return HeadInfo(heads[0][1], kv_heads, dims[0][1] if dims else None, attrs)
 
@@ -107,7 +112,8 @@ def _column_layouts(
             groups = info.heads + 2 * info.kv_heads
             # The head size: given, or what a fused q/k/v output or a row layer's input (the heads merged) implies.
             head_dims = [info.head_dim] if info.head_dim else (
-                ([out // groups] if out % groups == 0 else []) + sorted(r // info.heads for r in row_in if r % info.heads == 0)
+                ([out // groups] if out % groups == 0 else [])
+                + sorted(r // info.heads for r in row_in if r % info.heads == 0)
             )
             for head_dim in head_dims:
                 q, kv = info.heads * head_dim, info.kv_heads * head_dim

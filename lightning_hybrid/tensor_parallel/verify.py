@@ -211,7 +211,8 @@ def check_block(
             # The same random output gradient for both (an extra per-head output gets this rank's heads of it).
             generator = torch.Generator(device="cpu").manual_seed(99)
             ref_cot = [
-                torch.randn(o.shape, generator=generator, device=generator.device).to(o) if o.is_floating_point() else None
+                torch.randn(o.shape, generator=generator, device=generator.device).to(o)
+                if o.is_floating_point() else None
                 for o in ref_out
             ]
             cot = [_head_slice(o, c, heads, group) if c is not None else None for o, c in zip(out, ref_cot)]
@@ -272,7 +273,8 @@ def _compare(what: str, got: list[Tensor | None], want: list[Tensor | None]) -> 
     return True, ""
 
 
-def _compare_params(candidate: nn.Module, reference: nn.Module, group: dist.ProcessGroup) -> tuple[bool, str, list[str]]:
+def _compare_params(candidate: nn.Module, reference: nn.Module,
+                    group: dist.ProcessGroup) -> tuple[bool, str, list[str]]:
     """Split parameters: gathered gradients equal the unsplit ones. Replicated ones: equal, or (partial) their
     sum over the group is. Every rank issues the same collectives in the same order, whatever it finds."""
     specs = tp_shard_specs(candidate)
