@@ -47,7 +47,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, SelectiveCheckpointContext
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_hybrid.tensor_parallel.comm import functional_collectives
-from lightning_hybrid.tensor_parallel.examples import PipelineLayers
+from lightning_hybrid.pipeline.protocol import PipelineLayers
 
 #: Fused attention kernels: recomputed whole under ``"attention"`` and ``"pointwise"``.
 SDPA_OPS = frozenset({

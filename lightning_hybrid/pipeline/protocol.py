@@ -15,8 +15,8 @@ from typing import Protocol, runtime_checkable
 from torch import Tensor, nn
 
 __all__ = [
-    "PROTOCOL_HELP", "DeferredLayers", "LayerwiseInit", "PipelineModule", "SliceLoading", "builds_per_rank",
-    "check_protocol",
+    "PROTOCOL_HELP", "DeferredLayers", "LayerwiseInit", "PipelineLayers", "PipelineModule", "SliceLoading",
+    "builds_per_rank", "check_protocol",
 ]
 
 PROTOCOL_HELP = (
@@ -29,7 +29,16 @@ PROTOCOL_HELP = (
 
 
 @runtime_checkable
-class PipelineModule(Protocol):
+class PipelineLayers(Protocol):
+    """The layer part of `PipelineModule` alone: a module that lists its layers in order
+    (``forward(x) == layers[-1](...layers[0](x))``), with or without a ``loss_fn`` (what TP's examples and
+    activation checkpointing need)."""
+
+    def pipeline_layers(self) -> list[nn.Module]: ...
+
+
+@runtime_checkable
+class PipelineModule(PipelineLayers, Protocol):
     """A LightningModule that can be cut into pipeline stages.
 
     ``pipeline_layers()`` lists the layers in order: ``forward(x) == layers[-1](...layers[0](x))``, one tensor
@@ -51,8 +60,6 @@ class PipelineModule(Protocol):
       ``self(x)`` sends the batch through the stages in order without gradients and returns the last layer's
       output on every pipeline rank. It is a collective over the pipeline group: every rank calls it.
     """
-
-    def pipeline_layers(self) -> list[nn.Module]: ...
 
     def loss_fn(self, output: Tensor, target: Tensor) -> Tensor: ...
 

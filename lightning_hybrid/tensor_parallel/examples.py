@@ -11,24 +11,16 @@ state is untouched.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
+from lightning_hybrid.pipeline.protocol import PipelineLayers
 from lightning_hybrid.tensor_parallel.layers import linear_shape
 from lightning_hybrid.tensor_parallel.model_plans import _is_transformers_model
 from lightning_hybrid.tensor_parallel.verify import Captured
 
 BATCH, LENGTH = 2, 11  # 11: unlikely to equal a head count, so per-head inputs are found unambiguously
-
-
-@runtime_checkable
-class PipelineLayers(Protocol):
-    """The layer part of `lightning_hybrid.pipeline.protocol.PipelineModule` alone: a module that lists its layers
-    in order (``forward(x) == layers[-1](...layers[0](x))``), with or without a ``loss_fn``."""
-
-    def pipeline_layers(self) -> list[nn.Module]: ...
 
 
 def _generator() -> torch.Generator:
