@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.model_summary.model_summary import NOT_APPLICAB
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
+from lightning_hybrid.devices import local_tensor
 from lightning_hybrid.strategy import HybridStrategy
 from lightning_hybrid.tensor_parallel.layers import tp_shard_specs, unsplit_shape
 
@@ -101,7 +102,7 @@ class ReplicaThroughputMonitor(ThroughputMonitor):
 
 # ---------------------------------------------------------------------------------------------- model summary
 def _local_numel(p: Tensor) -> int:
-    return (p._local_tensor if hasattr(p, "_local_tensor") else p).numel()
+    return local_tensor(p).numel()
 
 
 class ShardedSummary(Summary):

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
+from lightning_hybrid.devices import local_tensor
 from lightning_hybrid.mesh import barrier
 from lightning_hybrid.tensor_parallel import gather_full_state_dict
 from lightning_hybrid.tensor_parallel.layers import (
@@ -54,10 +55,6 @@ class CheckpointError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def _local(t: Tensor) -> Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
-
-
 def owner_of(key: str, holders: int) -> int:
     """Which of ``holders`` replicas writes ``key`` (stable across processes and Python runs)."""
     return zlib.crc32(key.encode()) % holders
@@ -377,8 +374,8 @@ def _place_state(optimizer, name: str, param: Tensor, state_key: str, place, ful
 def _place(name: str, full: Tensor, param: Tensor, specs: dict) -> Tensor:
     """Unsplit optimizer state -> the layout of ``param`` (scalars stay as they are)."""
     if full.dim() == 0:
-        return full.to(_local(param).device)
-    piece = local_piece(name, full, param, specs).to(device=_local(param).device, dtype=_local(param).dtype)
+        return full.to(local_tensor(param).device)
+    piece = local_piece(name, full, param, specs).to(device=local_tensor(param).device, dtype=local_tensor(param).dtype)
     piece = _own(piece.contiguous())  # not a view that keeps the unsplit tensor alive with the state
     if hasattr(param, "_local_tensor"):
         from torch.distributed.tensor import DTensor

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 
 def module_device(module: nn.Module) -> torch.device:
@@ -16,3 +16,8 @@ def module_device(module: nn.Module) -> torch.device:
 def is_meta(module: nn.Module) -> bool:
     """Whether any parameter or buffer of ``module`` is on the meta device."""
     return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """A DTensor's local shard (FSDP2's parameters and their gradients); a plain tensor as it is."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t

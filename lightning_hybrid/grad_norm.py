@@ -13,9 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-
-def _local(t: Tensor) -> Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
+from lightning_hybrid.devices import local_tensor
 
 
 def _sum_of_squares(tensors: list[Tensor]) -> Tensor:
@@ -43,12 +41,12 @@ def global_grad_norm(
     Returns a float32 scalar on ``device``, identical on every rank of the groups; no host synchronisation.
     """
     if device is None:
-        device = _local(grads[0][0]).device if grads else torch.device("cpu")
+        device = local_tensor(grads[0][0]).device if grads else torch.device("cpu")
     # sums[tp_shard][dp_shard], by kind, device and dtype.
     sums = torch.zeros(2, 2, dtype=torch.float32, device=device)
     kinds: dict[tuple[int, int, torch.dtype, torch.device], list[Tensor]] = {}
     for grad, tp_shard, dp_shard in grads:
-        local = _local(grad).detach()
+        local = local_tensor(grad).detach()
         kinds.setdefault((int(tp_shard), int(dp_shard), local.dtype, local.device), []).append(local)
     for (tp_shard, dp_shard, _, _), tensors in kinds.items():
         sums[tp_shard, dp_shard] += _sum_of_squares(tensors).to(device)
@@ -73,7 +71,7 @@ def clip_grads_(grads: Sequence[Tensor], max_norm: float, total_norm: Tensor) ->
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     kinds: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     for grad in grads:
-        local = _local(grad)
+        local = local_tensor(grad)
         kinds.setdefault((local.dtype, local.device), []).append(local)
     for (dtype, device), tensors in kinds.items():
         torch._foreach_mul_(tensors, coef.to(device=device, dtype=dtype))
@@ -97,7 +95,7 @@ def parameter_grad_norms(
     squares = torch.zeros(len(names), dtype=torch.float32, device=device)
     for i, name in enumerate(names):
         if pieces[name]:
-            squares[i] = _sum_of_squares([_local(t).detach() for t in pieces[name]]).to(device)
+            squares[i] = _sum_of_squares([local_tensor(t).detach() for t in pieces[name]]).to(device)
     for group, sharded in ((dp_group, dp_sharded), (tp_group, tp_sharded)):
         if group is None or dist.get_world_size(group) == 1:
             continue

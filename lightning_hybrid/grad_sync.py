@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_hybrid.devices import local_tensor
 from lightning_hybrid.grad_norm import clip_grads_, global_grad_norm, parameter_grad_norms
 from lightning_hybrid.parallelize import Parallelized
 from lightning_hybrid.tensor_parallel.comm import sum_grads_over_tp_
@@ -157,7 +158,7 @@ class GradientSync:
         sliced = {id(p) for opt in sharding for p in opt.sliced_params()}
         for param in params:
             if id(param) not in sliced and param.grad is not None:
-                grads.append(_local(param.grad))
+                grads.append(local_tensor(param.grad))
         sum_grads_over_tp_(grads, self.tp_group)
 
     # ------------------------------------------------------------------ norms
@@ -202,11 +203,6 @@ class GradientSync:
         return parameter_grad_norms(
             pieces, self.parallelized.tp_sharded, dp_sharded, self.tp_group, self.dp_group, self.device
         )
-
-
-def _local(t: Tensor) -> Tensor:
-    """A DTensor's local shard (FSDP2's parameters and gradients); a plain tensor as it is."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 def _take_grads(params: list[torch.nn.Parameter]) -> list[Optional[Tensor]]:

@@ -95,9 +95,9 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, d
         materialise(module, unbuilt, device)
     tp_sharded = frozenset(tp_sharded_parameter_names(module))
     remote = tuple(layout.remote_prefixes) if layout is not None else ()
-    apply_activation_checkpointing(module, _local(checkpointed, remote), options.recompute)
+    apply_activation_checkpointing(module, _held_here(checkpointed, remote), options.recompute)
     if options.compile is not None:
-        apply_compile(module, _local(checkpoint_targets(module, True, pp > 1), remote), dict(options.compile))
+        apply_compile(module, _held_here(checkpoint_targets(module, True, pp > 1), remote), dict(options.compile))
     stages = local_stages(module, layout) if layout is not None else None
     fsdp_roots = apply_zero3(module, stages, mesh["dp"]) if options.zero_stage == 3 and dp > 1 else []
     pipeline = build_pipeline(module, stages, layout, mesh, options, device) if layout is not None else None
@@ -241,6 +241,6 @@ def on_every_rank(step: Callable[[], None], what: str) -> None:
         raise RuntimeError(f"{what} failed on rank(s) {sorted(failed)}: {next(iter(failed.values()))}")
 
 
-def _local(names: list[str], remote: tuple[str, ...]) -> list[str]:
+def _held_here(names: list[str], remote: tuple[str, ...]) -> list[str]:
     """``names`` without those inside a layer another pipeline rank holds (``a.b`` is inside ``a``)."""
     return [n for n in names if not any(n == p or n.startswith(p + ".") for p in remote)]

@@ -14,6 +14,8 @@ from typing import Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
+from lightning_hybrid.devices import is_meta
+
 __all__ = [
     "PROTOCOL_HELP", "DeferredLayers", "LayerwiseInit", "PipelineLayers", "PipelineModule", "SliceLoading",
     "builds_per_rank", "check_protocol",
@@ -100,8 +102,6 @@ def builds_per_rank(module: nn.Module) -> bool:
     """Whether the strategy builds ``module``'s pipeline layers per rank (`DeferredLayers`; without the signal,
     a `LayerwiseInit` module still on the meta device, where the strategy's init context put it). ``TypeError``
     for a module on the meta device that cannot initialise its layers."""
-    from lightning_hybrid.devices import is_meta
-
     if isinstance(module, DeferredLayers):
         deferred = bool(module.layers_deferred)
     else:

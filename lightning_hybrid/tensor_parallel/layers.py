@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from lightning_hybrid.devices import local_tensor
 from lightning_hybrid.tensor_parallel.comm import (
     SEQ_DIM,
     ShardSpec,
@@ -334,5 +335,5 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, Tensor], strict
         source, expected = state_dict[name], unsplit_shape(name, target, specs)
         if list(source.shape) != expected:
             raise ValueError(f"State dict entry {name!r} has shape {list(source.shape)}, the model expects {expected}.")
-        local = target._local_tensor if hasattr(target, "_local_tensor") else target
+        local = local_tensor(target)
         local.copy_(local_piece(name, source, target, specs).to(device=local.device, dtype=local.dtype))
