@@ -11,6 +11,8 @@ It owns
   it) are waited for (or, under PP, reduced); ZeRO-3's FSDP2 has reduced in backward;
 * the **TP partial-gradient sum**: replicated parameters whose per-rank gradient is a part (norms and row biases in
   sequence-split regions, per-head norms) are summed over TP once per step, after the DP reduction;
+* the **token weighting** (`add_loss_items`): where each batch's backward was that of its loss sum, the reduced
+  gradients are divided by the loss items of the whole window over DP (the global batch's token mean);
 * the **gradient norm**: the global norm over TP and ZeRO shards and pipeline stages (clipping by it), and each
   parameter's whole-gradient norm.
 """
@@ -50,6 +52,7 @@ class GradientSync:
         self.dp = mesh["dp"].size()
         self.optimizers: list[Optimizer] = []
         self.blocked = False
+        self._items: Optional[Tensor] = None  # loss items of the window so far (token-weighted losses)
         self._stash: list[tuple[torch.nn.Parameter, Optional[Tensor]]] = []
 
     @property
@@ -142,6 +145,38 @@ class GradientSync:
                 opt.gradients.wait()  # started during the backward
             opt.gradients.sync = True
         self._sum_partial_grads_over_tp()
+        self._divide_by_loss_items()
+
+    def add_loss_items(self, items: Tensor) -> None:
+        """A batch of the window whose backward was that of its loss *sum* over ``items`` items (this rank's):
+        `reduce` divides the gradients by the items of the whole window over DP."""
+        items = items.detach().to(self.device, torch.float64)
+        self._items = items if self._items is None else self._items + items
+
+    def _divide_by_loss_items(self) -> None:
+        """The DP-averaged gradient of the window's loss sums, times ``dp``, over the window's items on every DP
+        rank: the gradient of the global batch's token mean. Every gradient an optimizer steps with, once."""
+        if self._items is None:
+            return
+        total = self._items.clone()
+        self._items = None
+        if self.dp > 1:
+            torch.distributed.all_reduce(total, group=self.dp_group)
+        scale = self.dp / max(float(total), 1.0)
+        seen: set[int] = set()
+        grads: list[Tensor] = []
+        for opt in self.optimizers:
+            if isinstance(opt, ZeroOptimizer) and opt.shards_state:
+                candidates = [g for g, _ in opt.grad_shards()]
+            else:
+                candidates = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
+            for g in candidates:
+                local = local_tensor(g)
+                if id(local) not in seen:
+                    seen.add(id(local))
+                    grads.append(local)
+        if grads:
+            torch._foreach_mul_(grads, scale)
 
     def _sum_partial_grads_over_tp(self) -> None:
         """One all-reduce over TP of every gradient that is a per-rank part, once per optimizer step, after the DP

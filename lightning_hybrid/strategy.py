@@ -6,7 +6,10 @@
   precision -> gradient sync (`lightning_hybrid.grad_sync.GradientSync`) -> optimizers (wrapped by it for ZeRO 0-2);
 * the steps delegate: the pipeline schedule and the accumulation window to `GradientSync`, clipping by the global
   norm to it (through the precision plugin, `lightning_hybrid.precision`), sharded checkpoints to
-  `lightning_hybrid.checkpoint`.
+  `lightning_hybrid.checkpoint`;
+* token weighting: for a module with ``loss_items(target)`` (`lightning_hybrid.pipeline.protocol.PipelineModule`)
+  each batch's backward is that of its loss *sum* and `GradientSync` divides by the items of the whole window
+  on every DP rank: the loss is the global batch's token mean, as one device gives it.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from lightning_hybrid.mesh_strategy import MeshStrategy
 from lightning_hybrid.options import ParallelOptions
 from lightning_hybrid.parallelize import Parallelized, parallelize
 from lightning_hybrid.pipeline.protocol import LayerwiseInit
-from lightning_hybrid.pipeline.stages import bind_evaluation, bind_training
+from lightning_hybrid.pipeline.stages import bind_evaluation, bind_loss_items, bind_training
 from lightning_hybrid.precision import with_global_norm_clipping
 from lightning_hybrid.tensor_parallel import TPResult
 from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB
@@ -114,6 +117,7 @@ class HybridStrategy(MeshStrategy):
         self._parallelized: Optional[Parallelized] = None
         self._sync: Optional[GradientSync] = None
         self.last_grad_norm: Optional[Tensor] = None
+        self._batch_items: Optional[Tensor] = None  # the loss items of the step whose backward comes next
 
     @property
     def zero_stage(self) -> int:
@@ -151,6 +155,7 @@ class HybridStrategy(MeshStrategy):
         pipeline = self._parallelized.pipeline
         if pipeline is not None:  # the schedule runs the backward: it applies accumulation's 1/k itself
             pipeline.loss_scale = 1.0 / trainer.accumulate_grad_batches
+            pipeline.loss_items = self._loss_items()
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
         if self._sync is None or self._sync.parallelized is not self._parallelized:
@@ -185,12 +190,25 @@ class HybridStrategy(MeshStrategy):
                 yield
 
     # ------------------------------------------------------------------ steps and gradients
+    def _loss_items(self) -> Optional[Any]:
+        """The module's ``loss_items`` where the loss is token-weighted (automatic optimization), else ``None``."""
+        module = self.lightning_module
+        items = getattr(module, "loss_items", None)
+        return items if callable(items) and module is not None and module.automatic_optimization else None
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         pipeline = self._parallelized.pipeline if self._parallelized is not None else None
-        if pipeline is None:
-            return super().training_step(*args, **kwargs)
         module = self.lightning_module
         assert module is not None and self._sync is not None
+        self._batch_items = None
+        if pipeline is None:
+            loss_items = self._loss_items()
+            if loss_items is None:
+                return super().training_step(*args, **kwargs)
+            with bind_loss_items(module, loss_items) as counted:
+                output = super().training_step(*args, **kwargs)
+            self._batch_items = counted.items(output)
+            return output
         first_in_window = module.trainer.fit_loop.epoch_loop.batch_idx % module.trainer.accumulate_grad_batches == 0
 
         def step() -> Any:
@@ -199,12 +217,21 @@ class HybridStrategy(MeshStrategy):
             binding.check_output(output)
             return output
 
-        return self._sync.pipeline_step(step, first_in_window)
+        output = self._sync.pipeline_step(step, first_in_window)
+        if pipeline.loss_items is not None and output is not None:
+            self._sync.add_loss_items(pipeline.last_items)
+        return output
 
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
-        if self._parallelized is None or self._parallelized.pipeline is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
         assert self._sync is not None
+        if self._parallelized is None or self._parallelized.pipeline is None:
+            items, self._batch_items = self._batch_items, None
+            if items is not None:  # the gradient of the batch's loss sum (Lightning divided the mean by k)
+                self._sync.add_loss_items(items)
+                k = self.lightning_module.trainer.accumulate_grad_batches
+                super().backward(closure_loss * (items.to(closure_loss) * k), optimizer, *args, **kwargs)
+                return closure_loss
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
         self._sync.unstash()  # the schedule already ran the backward inside training_step
         self.post_backward(closure_loss)
         return closure_loss

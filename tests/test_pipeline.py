@@ -239,7 +239,7 @@ def loss_fn_of_something_else(m, batch):
     [
         (using_the_output_as_a_tensor, "the model output of a training step is not a tensor"),
         (a_torch_loss_on_the_output, "the model output of a training step is not a tensor (mse_loss received it)"),
-        (two_inputs, "self(...) takes one input tensor (one tensor flows between stages); it got 2 positional"),
+        (two_inputs, "self(...) takes one positional input tensor (one tensor flows between stages) and keyword"),
         (loss_fn_twice, "loss_fn was called twice in one training step"),
         (loss_fn_of_something_else, "loss_fn received Tensor, not the output of self(x)"),
     ],
@@ -286,8 +286,8 @@ def test_outside_training_steps_forward_is_the_pipeline_output():
         with bind_training(module, executor):  # a training step inside the run's evaluation binding
             assert module.loss_fn(module(X), Y).item() == 1.5
         assert module(X).tolist() == (X * 2).tolist()  # the evaluation binding is back
-        with pytest.raises(TypeError, match="takes one input tensor"):
-            module(X, mask=None)
+        with pytest.raises(TypeError, match="takes one positional input tensor"):
+            module(X, X)
     assert "forward" not in vars(module)
 
 

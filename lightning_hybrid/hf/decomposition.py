@@ -13,9 +13,12 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from torch.utils._pytree import tree_leaves
+
+from lightning_hybrid.batch import document_ids
 from lightning_hybrid.hf.structure import PipelineDecompositionError, _embedding_dim, _Structure
 
-__all__ = ["PipelineDecompositionError", "check_decomposition"]
+__all__ = ["PipelineDecompositionError", "check_decomposition", "check_document_masks"]
 
 _CHECK_TOKENS = 8  # the decomposition check's sequence length
 _CHECK_VOCAB = 16  # rows of the embedding / head stand-ins in that check
@@ -63,9 +66,12 @@ def _shell(module: nn.Module, replace: dict[str, nn.Module]) -> nn.Module:
     return shell
 
 
-def _trunk_kwargs(structure: _Structure, hidden: Tensor) -> list[tuple[tuple, dict]]:
+def _trunk_kwargs(
+    structure: _Structure, hidden: Tensor, position_ids: Optional[Tensor] = None
+) -> list[tuple[tuple, dict]]:
     """The extra arguments (beyond the hidden states) the model's trunk passes each decoder layer, for an
-    input of ``hidden``'s shape, dtype and device: the trunk's own forward run on stand-ins."""
+    input of ``hidden``'s shape, dtype and device (and ``position_ids``, of a padded or packed batch): the
+    trunk's own forward run on stand-ins."""
     trunk = structure.trunk
     calls: list = []
     n = len(getattr(trunk, structure.layers_name))
@@ -75,8 +81,9 @@ def _trunk_kwargs(structure: _Structure, hidden: Tensor) -> list[tuple[tuple, di
         dim = structure.embeddings.get(name)
         replace[name] = _Standin("embedding", dim=dim, dtype=hidden.dtype) if dim else _Standin("pass")
     shell = _shell(trunk, replace)
+    positions = {} if position_ids is None else {"position_ids": position_ids}
     try:
-        shell(inputs_embeds=torch.zeros_like(hidden), use_cache=False)
+        shell(inputs_embeds=torch.zeros_like(hidden), use_cache=False, **positions)
     except _Stop:
         pass
     if len(calls) != n:
@@ -99,21 +106,29 @@ class _PipelineCalls:
         # Under sequence parallelism a decoder layer receives 1/sequence_split of the sequence; its arguments
         # (rotary tables, masks) are those of the whole sequence, which its attention gathers.
         self.sequence_split = 1
-        self._cache: "OrderedDict[tuple, list]" = OrderedDict()
+        self._cache: "OrderedDict[tuple, tuple[Optional[Tensor], list]]" = OrderedDict()
+        self.documents_checked = False  # whether `check_document_masks` passed
         self._hooked: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
         self._handles: list = []  # of the hooks installed, to remove them from a model its layers cannot reproduce
         self._filled: set[int] = set()
 
-    def kwargs_for(self, index: int, hidden: Tensor) -> tuple[tuple, dict]:
+    def kwargs_for(self, index: int, hidden: Tensor, position_ids: Optional[Tensor] = None) -> tuple[tuple, dict]:
+        """Decoder layer ``index``'s arguments for ``hidden`` (at ``position_ids``: those of a padded or packed
+        micro-batch, kept while that very tensor is in use: the layers of a stage share it)."""
         shape = (hidden.size(0), hidden.size(1) * self.sequence_split, *hidden.shape[2:])
-        key = (shape[:-1], hidden.dtype, hidden.device)
-        if key not in self._cache:
+        key = (shape[:-1], hidden.dtype, hidden.device, None if position_ids is None else id(position_ids))
+        cached = self._cache.get(key)
+        if cached is None or cached[0] is not position_ids:
+            if position_ids is not None and not self.documents_checked:
+                check_document_masks(self.structure, hidden.device)
+                self.documents_checked = True
             with torch.no_grad():
-                self._cache[key] = _trunk_kwargs(self.structure, hidden.new_zeros(shape))
+                cached = (position_ids, _trunk_kwargs(self.structure, hidden.new_zeros(shape), position_ids))
+            self._cache[key] = cached
             while len(self._cache) > self.CACHED_SHAPES:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)
-        return self._cache[key][index]
+        return cached[1][index]
 
     def install(self, layers: list[nn.Module]) -> None:
         s = self.structure
@@ -126,6 +141,8 @@ class _PipelineCalls:
                 self._hook_decoder_layer(layer, i - n_pro)
             elif 0 < i < n_pro and s.prologue[i] in s.embeddings:
                 self._hook_position_embedding(layer)
+            else:
+                self._hook_plain_layer(layer)
             self._hooked.add(layer)
 
     def uninstall(self) -> None:
@@ -137,9 +154,9 @@ class _PipelineCalls:
 
     def _hook_decoder_layer(self, layer: nn.Module, index: int) -> None:
         def pre(module, args, kwargs):
-            if kwargs or len(args) != 1:
+            if len(args) != 1 or set(kwargs) - {"position_ids"}:
                 return None  # the model's own forward: it passes the arguments itself
-            rest, extra = self.kwargs_for(index, args[0])
+            rest, extra = self.kwargs_for(index, args[0], kwargs.get("position_ids"))
             self._filled.add(id(module))
             return (args[0], *rest), dict(extra)
 
@@ -157,19 +174,33 @@ class _PipelineCalls:
     def _hook_position_embedding(self, layer: nn.Module) -> None:
         stash: list[Tensor] = []
 
-        def pre(module, args):
-            hidden = args[0]
-            if not (isinstance(hidden, Tensor) and hidden.is_floating_point()):
+        def pre(module, args, kwargs):
+            hidden = args[0] if len(args) == 1 else None
+            if not (isinstance(hidden, Tensor) and hidden.is_floating_point()) or set(kwargs) - {"position_ids"}:
                 return None
             stash.append(hidden)
-            return (torch.arange(hidden.size(1), device=hidden.device).unsqueeze(0),)
+            positions = kwargs.get("position_ids")
+            if positions is None:
+                positions = torch.arange(hidden.size(1), device=hidden.device).unsqueeze(0)
+            return (positions,), {}
 
         def post(module, args, output):
             if stash:
                 return stash.pop() + output
             return None
 
-        self._handles += [layer.register_forward_pre_hook(pre), layer.register_forward_hook(post)]
+        self._handles += [layer.register_forward_pre_hook(pre, with_kwargs=True), layer.register_forward_hook(post)]
+
+    def _hook_plain_layer(self, layer: nn.Module) -> None:
+        """The token embedding, final norm and head take the hidden states alone: the side inputs the pipeline
+        hands every layer are left out."""
+
+        def pre(module, args, kwargs):
+            if len(args) == 1 and set(kwargs) == {"position_ids"}:
+                return args, {}
+            return None
+
+        self._handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
 
 
 # ---------------------------------------------------------------------------------------------- the check
@@ -295,3 +326,47 @@ def _logits_from_last_layer(model, s: _Structure, pro, epi, head, ids: Tensor, l
         owner._modules[name] = child
         owner = child
     return root(input_ids=ids, use_cache=False).logits
+
+
+# ---------------------------------------------------------------------------------------------- document masks
+_CHECK_POSITIONS = (0, 1, 2, 0, 1, 0, 1, 2)  # three packed documents
+
+
+def check_document_masks(structure: _Structure, device: torch.device) -> None:
+    """``ValueError`` unless, for packed ``position_ids`` (several documents in a row, as padded and packed batches
+    give them, `lightning_hybrid.batch`), the attention mask the model's own code hands every decoder layer lets
+    no token see another document's, nor a later token: the trunk's forward run on stand-ins, its masks read."""
+    model = structure.model
+    name = type(model).__name__
+    hidden_size = next(iter(structure.embeddings.values()))
+    positions = torch.tensor([_CHECK_POSITIONS], device=device)
+    n = positions.size(1)
+    docs = document_ids(positions)[0]
+    allowed = (docs[:, None] == docs[None, :]) & torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    try:
+        with torch.no_grad():
+            calls = _trunk_kwargs(structure, torch.zeros(1, n, hidden_size, device=device), positions)
+    except TypeError as e:
+        raise ValueError(
+            f"{name} does not take position_ids ({e}), so padded or packed batches cannot reach it: train it on"
+            " (x, y) batches or dict batches without attention_mask and position_ids."
+        ) from e
+    attn = getattr(model.config, "_attn_implementation", None)
+    for i, (args, kwargs) in enumerate(calls):
+        masks = [t for t in tree_leaves((args, kwargs))
+                 if isinstance(t, Tensor) and t.dim() == 4 and tuple(t.shape[-2:]) == (n, n)]
+        if not masks:
+            raise ValueError(
+                f"{name} (attn_implementation={attn!r}) hands decoder layer {i} no attention mask built from"
+                " position_ids, so packed documents (or left padding) would see each other: train it on unpacked"
+                " batches padded on the right only" + ("" if attn in ("sdpa", "eager") else
+                                                      ", or with attn_implementation='sdpa'") + "."
+            )
+        for mask in masks:
+            attend = mask if mask.dtype == torch.bool else mask == 0
+            if bool((attend[0, 0] & ~allowed).any()):
+                raise ValueError(
+                    f"{name}'s attention mask for packed position_ids lets tokens of decoder layer {i} see another"
+                    " document or a later token, so packed documents (or left padding) would see each other: train"
+                    " it on unpacked batches padded on the right only."
+                )

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from lightning_hybrid.devices import module_device
 from lightning_hybrid.hf.config import _resolve_config
-from lightning_hybrid.hf.decomposition import _PipelineCalls, check_decomposition
+from lightning_hybrid.hf.decomposition import _PipelineCalls, check_decomposition, check_document_masks
 from lightning_hybrid.hf.structure import PipelineDecompositionError, _Structure
 from lightning_hybrid.hf.weights import _Safetensors, _tied_keys
 from lightning_hybrid.models.language_model import LanguageModel
@@ -34,7 +34,9 @@ class CausalLM(LanguageModel):
         attn_implementation: passed to ``transformers`` (``None``: its default for the model, SDPA where supported).
 
     Batches are ``(x, y)`` token tensors ``(B, T)``, ``y`` being ``x`` shifted by one (as the package's data
-    modules give them). ``self(x)`` is the logits ``(B, T, V)``. Steps, loss (in float32), optimizer and checkpoint
+    modules give them), or dict batches of padded or packed documents (`lightning_hybrid.batch`), whose
+    ``position_ids`` the model's own code turns into its masks (documents kept apart: verified once,
+    `check_document_masks`). ``self(x)`` is the logits ``(B, T, V)``. Steps, loss (in float32), optimizer and checkpoint
     loading are those of `lightning_hybrid.models.language_model.LanguageModel` (accuracy on validation only).
     """
 
@@ -250,10 +252,18 @@ class CausalLM(LanguageModel):
         for owner in dict.fromkeys(missing_buffers):  # the model's init computes them
             self.model._init_weights(layer.get_submodule(owner))
 
-    def forward(self, idx: Tensor) -> Tensor:
+    def forward(self, idx: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+        """``idx (B, T) -> logits (B, T, V)``; ``position_ids`` ``(B, T)``: of a padded or packed batch
+        (`lightning_hybrid.batch`), checked once to keep documents apart in the model's own masks
+        (`check_document_masks`)."""
         if self.model is None:
             raise RuntimeError("call configure_model() before using the model")
-        return self.model(input_ids=idx, use_cache=False).logits
+        if position_ids is None:
+            return self.model(input_ids=idx, use_cache=False).logits
+        if self._calls is not None and not self._calls.documents_checked:
+            check_document_masks(self._structure, idx.device)
+            self._calls.documents_checked = True
+        return self.model(input_ids=idx, position_ids=position_ids, use_cache=False).logits
 
     def _flops_per_token(self, seq_len: int) -> Optional[int]:
         # 6 N per token for the matmuls of forward and backward, plus attention's 12 L H T (Kaplan et al. 2020;

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_hybrid.batch import document_causal_mask
+
 __all__ = ["GPTConfig", "CausalSelfAttention", "MLP", "GatedMLP", "Block", "GPT"]
 
 
@@ -99,7 +101,8 @@ class GPTConfig:
 class CausalSelfAttention(nn.Module):
     """Causal multi-head (or grouped-query) self-attention.
 
-    ``forward(x: (B, T, C)) -> (B, T, C)``.
+    ``forward(x: (B, T, C), position_ids: (B, T) | None) -> (B, T, C)``; with ``position_ids`` (a padded or packed
+    batch, `lightning_hybrid.batch`) each token attends only to the tokens of its own document.
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -115,7 +118,7 @@ class CausalSelfAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=config.bias)  # H*D -> C
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, T, _ = x.shape
         # Head counts are inferred (-1) so that sharded projections just work.
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
@@ -125,8 +128,9 @@ class CausalSelfAttention(nn.Module):
         if repeat > 1:
             k = k.repeat_interleave(repeat, dim=1)  # (B, H, T, D)
             v = v.repeat_interleave(repeat, dim=1)  # (B, H, T, D)
+        mask = document_causal_mask(position_ids)  # (B, 1, T, T) or None: plain causal
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0
         )  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*D)
         return self.resid_dropout(self.o_proj(y))  # (B, T, C)
@@ -163,7 +167,7 @@ class GatedMLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block; ``(B, T, C) -> (B, T, C)``."""
+    """Pre-norm transformer block; ``(B, T, C) -> (B, T, C)`` (``position_ids``: see `CausalSelfAttention`)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -172,14 +176,15 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = GatedMLP(config) if config.mlp == "swiglu" else MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))  # (B, T, C)
+    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), position_ids)  # (B, T, C)
         x = x + self.mlp(self.ln_2(x))  # (B, T, C)
         return x
 
 
 class Embedding(nn.Module):
-    """Token + position embeddings; ``idx (B, T) -> (B, T, C)``. The first pipeline layer."""
+    """Token + position embeddings; ``idx (B, T) -> (B, T, C)`` at ``position_ids`` (default ``0..T-1``). The
+    first pipeline layer."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -188,11 +193,11 @@ class Embedding(nn.Module):
         self.pos_emb = nn.Embedding(config.block_size, config.n_embd)  # block_size -> C
         self.drop = nn.Dropout(config.dropout)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         T = idx.size(1)
         if T > self.block_size:
             raise ValueError(f"sequence length T={T} exceeds block_size={self.block_size}")
-        pos = torch.arange(T, device=idx.device)  # (T,)
+        pos = torch.arange(T, device=idx.device) if position_ids is None else position_ids  # (T,) or (B, T)
         return self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
 
 
@@ -204,14 +209,16 @@ class Head(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)  # C -> V (not tied)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(x))  # (B, T, V)
+    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))  # (B, T, V); positions are the blocks' business
 
 
 class GPT(nn.Module):
     """Decoder-only transformer language model: ``embed``, ``blocks``, ``head`` applied in sequence.
 
-    ``forward(idx: LongTensor (B, T)) -> logits (B, T, V)`` with ``T <= block_size``.
+    ``forward(idx: LongTensor (B, T), position_ids=None) -> logits (B, T, V)`` with ``T <= block_size``;
+    ``position_ids`` ``(B, T)``: each token's position in its document (padded or packed batches,
+    `lightning_hybrid.batch`), every layer taking them as a keyword.
     `layers()` lists those pieces in order (what pipeline parallelism splits into stages), and
     `init_layer(i)` initialises piece ``i`` from ``(init_seed, i)`` alone, so a rank that materialises
     only some pieces gets exactly the weights a one-device init gives.
@@ -263,10 +270,11 @@ class GPT(nn.Module):
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = idx
+        side = {} if position_ids is None else {"position_ids": position_ids}
         for layer in self.layers():
-            x = layer(x)  # (B, T) -> (B, T, C) -> ... -> (B, T, V)
+            x = layer(x, **side)  # (B, T) -> (B, T, C) -> ... -> (B, T, V)
         return x
 
     def num_parameters(self) -> int:

@@ -6,10 +6,16 @@ saves its own hyperparameters, and may give its training FLOPs per token (`Langu
 rest is here, the same for both:
 
 * ``training_step`` / ``validation_step`` / ``test_step`` on ``(x, y)`` batches of token ids ``(B, T)``, ``y``
-  being ``x`` shifted by one: logged are ``train_loss`` (per step), ``val_loss`` / ``test_loss`` and the
-  accuracies ``val_acc`` (and ``test_acc`` where the subclass measures it) per epoch;
-* `LanguageModel.loss_fn`: the mean cross entropy, computed in float32 whatever the logits' dtype (the pipeline
-  protocol's ``loss_fn``: under ``pp > 1`` the strategy calls it on the last stage's output);
+  being ``x`` shifted by one, or on dict batches (``input_ids``, ``labels``, ``attention_mask``, ``position_ids``:
+  padded and packed fine-tuning data, `lightning_hybrid.batch`), whose positions reach the model as
+  ``self(input_ids, position_ids=...)``: logged are ``train_loss`` (per step), ``val_loss`` / ``test_loss`` and
+  the accuracies ``val_acc`` (and ``test_acc`` where the subclass measures it) per epoch, every loss the mean over
+  the loss-taking tokens of the whole (data-parallel) batch;
+* `LanguageModel.loss_fn`: the mean cross entropy over the labels other than -100, computed in float32 whatever
+  the logits' dtype (the pipeline protocol's ``loss_fn``: under ``pp > 1`` the strategy calls it on the last
+  stage's output), and `LanguageModel.loss_items`, the number of tokens it averages over, with which
+  ``HybridStrategy`` makes the loss the mean over every token of the global batch (data-parallel ranks,
+  micro-batches, accumulated batches), not a mean of means;
 * ``flops_per_batch`` (read by Lightning's ``ThroughputMonitor`` for MFU), set in ``on_train_batch_start``;
 * ``configure_optimizers``: AdamW (`lightning_hybrid.optim.adamw`) and an optional linear warmup;
 * ``load_from_checkpoint``, which also takes the sharded checkpoint folder a ``HybridStrategy`` run writes.
@@ -27,12 +33,14 @@ import torchmetrics
 from torch import Tensor, nn
 from typing_extensions import Self
 
+from lightning_hybrid.batch import TokenBatch, count_loss_items
 from lightning_hybrid.checkpoint import lightning_checkpoint
 from lightning_hybrid.optim import adamw
 
 __all__ = ["Batch", "LanguageModel"]
 
-Batch = tuple[Tensor, Tensor]
+#: ``(x, y)`` token tensors, or a dict batch (`lightning_hybrid.batch`).
+Batch = Union[tuple[Tensor, Tensor], dict[str, Tensor]]
 
 
 class LanguageModel(L.LightningModule):
@@ -77,8 +85,25 @@ class LanguageModel(L.LightningModule):
     @staticmethod
     def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
         """Mean cross entropy, computed in float32; ``logits (B, T, V)``, ``targets (B, T)`` -> scalar (targets equal
-        to cross entropy's default ``ignore_index``, -100, are left out)."""
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        to cross entropy's default ``ignore_index``, -100, are left out; 0 where all are)."""
+        flat = targets.flatten()
+        total = F.cross_entropy(logits.float().flatten(0, 1), flat, reduction="sum")
+        return total / count_loss_items(flat).clamp_min(1)  # 0, not NaN, where every target is ignored
+
+    @staticmethod
+    def loss_items(targets: Tensor) -> Tensor:
+        """The number of targets `loss_fn` averages over (those other than -100); ``HybridStrategy`` weighs each
+        micro-batch's and rank's loss by it (the token-weighted mean of the global batch)."""
+        return count_loss_items(targets)
+
+    def _log_token_mean(self, name: str, loss: Tensor, items: Tensor, **kwargs: Any) -> None:
+        """Log ``loss`` (the mean over this rank's ``items`` tokens) as the mean over every token of the batch on
+        all data-parallel ranks; per epoch, weighted by the tokens of each batch."""
+        stats = torch.stack([loss.detach().float() * items, items.float()])
+        if self._trainer is not None:
+            stats = self.trainer.strategy.reduce(stats, reduce_op="sum")
+        total = int(stats[1])
+        self.log(name, stats[0] / max(total, 1), batch_size=max(total, 1), **kwargs)
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Union[str, Path, IO], *args: Any, **kwargs: Any) -> Self:
@@ -90,26 +115,29 @@ class LanguageModel(L.LightningModule):
     def on_train_batch_start(self, batch: Batch, batch_idx: int) -> None:
         # Read by Lightning's ThroughputMonitor, which reports model FLOPs utilisation from it: the training FLOPs
         # of this batch on the whole model.
-        x, _ = batch
+        x = TokenBatch.from_batch(batch).input_ids
         per_token = self._flops_per_token(x.size(1))
         if per_token is not None:
             self.flops_per_batch = per_token * x.numel()
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
-        x, y = batch
-        loss = self.loss_fn(self(x), y)
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True, on_step=True, on_epoch=False)
+        tokens = TokenBatch.from_batch(batch)
+        loss = self.loss_fn(self(tokens.input_ids, **tokens.model_inputs()), tokens.labels)
+        self._log_token_mean("train_loss", loss, tokens.loss_items(), prog_bar=True, on_step=True, on_epoch=False)
         return loss
 
     def _eval_step(self, batch: Batch, stage: str) -> Tensor:
         """The loss (and accuracy, where the stage has a metric ``{stage}_acc``) of an evaluation batch."""
-        x, y = batch
-        logits = self(x)  # (B, T, V)
+        tokens = TokenBatch.from_batch(batch)
+        y = tokens.labels
+        logits = self(tokens.input_ids, **tokens.model_inputs())  # (B, T, V)
         loss = self.loss_fn(logits, y)
         metric = getattr(self, f"{stage}_acc", None)
         if metric is not None:
-            metric.update(logits.argmax(-1).flatten(), y.flatten())
-        self.log(f"{stage}_loss", loss, prog_bar=True, sync_dist=True, on_epoch=True)
+            kept = y.flatten() != -100
+            metric.update(logits.argmax(-1).flatten()[kept], y.flatten()[kept])
+        # The same value on every rank: sync_dist (a mean of equal values) only keeps Lightning from warning.
+        self._log_token_mean(f"{stage}_loss", loss, tokens.loss_items(), prog_bar=True, on_epoch=True, sync_dist=True)
         if metric is not None:
             self.log(f"{stage}_acc", metric, on_epoch=True)
         return loss

@@ -34,7 +34,8 @@ class GPTLightningModule(LanguageModel):
         **config_overrides: fields of :class:`GPTConfig` overriding ``config``
             (e.g. ``n_layer=4``).
 
-    Batches are ``(x, y)`` pairs of ``LongTensor (B, T)``; ``y`` is ``x`` shifted by one.
+    Batches are ``(x, y)`` pairs of ``LongTensor (B, T)`` (``y`` is ``x`` shifted by one), or dict batches of
+    padded or packed documents (`lightning_hybrid.batch`).
 
     ``GPTLightningModule.load_from_checkpoint(path)`` also takes the checkpoint folder a ``HybridStrategy`` run
     writes: the consolidated weights are loaded on this one process.
@@ -102,8 +103,9 @@ class GPTLightningModule(LanguageModel):
         """Initialise pipeline layer ``index`` (materialised from the meta device) as a one-device init would."""
         self.model.init_layer(index, layer)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """``idx: LongTensor (B, T) -> logits (B, T, V)``."""
+    def forward(self, idx: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``idx: LongTensor (B, T) -> logits (B, T, V)``; ``position_ids`` ``(B, T)``: of a padded or packed
+        batch (`lightning_hybrid.batch`)."""
         if self.model is None:
             raise RuntimeError("call configure_model() before using the model")
-        return self.model(idx)
+        return self.model(idx, position_ids)

@@ -11,8 +11,9 @@ runs unchanged on every rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -103,7 +104,13 @@ class _Stage(PipelineStage):
 
 
 class _StageSequence(nn.Sequential):
-    """The layers of one stage (shared with the LightningModule, which keeps owning them)."""
+    """The layers of one stage (shared with the LightningModule, which keeps owning them); keyword inputs (the
+    micro-batch's side inputs) reach every layer."""
+
+    def forward(self, x, **side):
+        for layer in self:
+            x = layer(x, **side)
+        return x
 
 
 class PipelineExecutor:
@@ -113,6 +120,15 @@ class PipelineExecutor:
         stage_modules: stage index -> module of that stage (this rank's stages only).
         num_stages: stages in the whole pipeline; ``owners[s]`` is the PP rank that runs stage ``s``.
         loss_fn: ``(output, target) -> mean loss of one micro-batch`` (called on the last stage).
+        loss_items: ``target -> the number of items loss_fn averages over`` (the module's ``loss_items``), or
+            ``None``. With it each micro-batch's loss is weighted by its items: the schedule's backward gives the
+            gradient of the loss *sum* (`GradientSync` divides by the global batch's items at the end of the
+            accumulation window) and `train_step` returns the token mean of the batch. Without it, the mean of the
+            micro-batch means, scaled by ``loss_scale``.
+
+    Keyword tensors of `train_step` and `eval_forward` (side inputs such as ``position_ids``, with the batch's
+    first dimension) are split into micro-batches with the inputs and reach every stage: each stage module calls
+    each of its layers as ``layer(hidden, **side)``.
     """
 
     def __init__(
@@ -125,12 +141,15 @@ class PipelineExecutor:
         loss_fn: Callable[[Tensor, Tensor], Tensor],
         group: dist.ProcessGroup,
         device: torch.device,
+        loss_items: Optional[Callable[[Tensor], Tensor]] = None,
     ) -> None:
         self.group, self.device, self.owners, self.num_stages = group, device, owners, num_stages
         self.micro_batches = micro_batches
         self.rank = dist.get_rank(group)
         self.stage_modules = dict(sorted(stage_modules.items()))
         self.user_loss_fn = loss_fn
+        self.loss_items = loss_items
+        self.last_items: Optional[Tensor] = None  # the items of the last train_step's batch (loss_items given)
         self.loss_scale = 1.0  # 1 / accumulate_grad_batches: the schedule runs the backward itself
         self.reduce_grads = True  # whether this batch ends an accumulation window (ZeRO-3 reduces then)
         self.stages = [
@@ -142,10 +161,14 @@ class PipelineExecutor:
         self.schedule = spec.cls(stages, n_microbatches=micro_batches, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, output: Tensor, target: Tensor) -> Tensor:
+        if self.loss_items is not None:  # the micro-batch's loss sum
+            return self.user_loss_fn(output, target) * self.loss_items(target)
         return self.user_loss_fn(output, target) * (self.loss_scale / self.micro_batches)
 
-    def train_step(self, inputs: Tensor, targets: Tensor) -> Tensor:
-        """Forward and backward of every micro-batch; the mean loss (float32 scalar) on every PP rank."""
+    def train_step(self, inputs: Tensor, targets: Tensor, **side: Tensor) -> Tensor:
+        """Forward and backward of every micro-batch (``side``: keyword tensors for every stage, split with the
+        inputs); the batch's loss (float32 scalar) on every PP rank: the token mean with ``loss_items``, else the
+        mean of the micro-batch means."""
         for stage in self.stages:
             stage.reduce_grads = self.reduce_grads
         if inputs.size(0) % self.micro_batches != 0:
@@ -153,31 +176,40 @@ class PipelineExecutor:
                 f"The batch of {inputs.size(0)} samples does not split into micro_batches={self.micro_batches}:"
                 " choose a batch size that is a multiple of micro_batches."
             )
+        _check_side_inputs(side, inputs.size(0))
         losses: list[Tensor] = []  # filled on the last stage: one (scaled) loss per micro-batch
-        self.schedule.step(inputs, target=targets, losses=losses)
+        self.schedule.step(inputs, target=targets, losses=losses, **side)
+        items = None if self.loss_items is None else self.loss_items(targets)
+        self.last_items = items
         if losses:
-            loss = torch.stack([micro_loss.detach() for micro_loss in losses]).float().sum() / self.loss_scale
+            loss = torch.stack([micro_loss.detach() for micro_loss in losses]).float().sum()
+            loss = loss / self.loss_scale if items is None else loss / items.clamp_min(1)
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
         dist.broadcast(loss, src=dist.get_global_rank(self.group, self.owners[-1]), group=self.group)
         return loss
 
     @torch.no_grad()
-    def eval_forward(self, inputs: Tensor) -> PipelineOutput:
-        """The batch through the stages in ``micro_batches`` parts (fewer when the batch is smaller); the output
-        as a `PipelineOutput` on every PP rank (its data on the last stage only)."""
-        parts = list(inputs.chunk(min(self.micro_batches, max(inputs.size(0), 1))))
-        outputs = forward_through_stages(self.stage_modules, self.owners, parts, self.group, self.device)
+    def eval_forward(self, inputs: Tensor, **side: Tensor) -> PipelineOutput:
+        """The batch through the stages in ``micro_batches`` parts (fewer when the batch is smaller; ``side``:
+        keyword tensors for every stage, split alike); the output as a `PipelineOutput` on every PP rank (its data
+        on the last stage only)."""
+        _check_side_inputs(side, inputs.size(0))
+        n = min(self.micro_batches, max(inputs.size(0), 1))
+        parts = list(inputs.chunk(n))
+        side_parts = [dict(zip(side, values)) for values in zip(*(t.chunk(n) for t in side.values()))] or None
+        outputs = forward_through_stages(self.stage_modules, self.owners, parts, self.group, self.device, side_parts)
         out = torch.cat(outputs) if outputs is not None else None
         return PipelineOutput.create(out, dist.get_global_rank(self.group, self.owners[-1]), self.group, self.device)
 
 
 def forward_through_stages(
     stage_modules: dict[int, nn.Module], owners: list[int], parts: list[Tensor], group: dist.ProcessGroup,
-    device: torch.device,
+    device: torch.device, side_parts: Optional[list[Mapping[str, Tensor]]] = None,
 ) -> list[Tensor] | None:
     """Run the micro-batches ``parts`` through every stage in order (``stage_modules``: this rank's stages;
-    ``owners[s]``: the PP rank of stage ``s``), sending activations between PP ranks. Stage by stage, each does
+    ``owners[s]``: the PP rank of stage ``s``; ``side_parts[i]``: keyword tensors of micro-batch ``i`` for every
+    stage), sending activations between PP ranks. Stage by stage, each does
     all micro-batches (sending each on as soon as it is done), so consecutive stages overlap and no rank waits
     on a send. Returns the last stage's outputs on its owner, ``None`` on the other ranks. Collective over the
     PP ``group``."""
@@ -190,7 +222,7 @@ def forward_through_stages(
         for i in range(len(parts)):
             if index > 0 and owners[index - 1] != rank:
                 parts[i] = recv_tensor(owners[index - 1], group, device)
-            parts[i] = stage_modules[index](parts[i])
+            parts[i] = stage_modules[index](parts[i], **(side_parts[i] if side_parts else {}))
             if index + 1 < len(owners) and owners[index + 1] != rank:
                 pending += isend_tensor(parts[i].detach(), owners[index + 1], group, device)
     for work in pending:
@@ -231,3 +263,13 @@ def recv_tensor(src: int, group: dist.ProcessGroup, device: torch.device) -> Ten
 
 def stage_module(layers: list[nn.Module]) -> nn.Module:
     return _StageSequence(*layers)
+
+
+def _check_side_inputs(side: Mapping[str, object], batch: int) -> None:
+    for name, value in side.items():
+        if not isinstance(value, Tensor) or value.dim() == 0 or value.size(0) != batch:
+            got = f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
+            raise TypeError(
+                f"Under pp > 1, a keyword input of self(x, ...) is split into micro-batches with x, so it must be a"
+                f" tensor whose first dimension is x's ({batch}); {name!r} has {got}."
+            )

@@ -25,7 +25,9 @@ PROTOCOL_HELP = (
     "To train with pp > 1, the LightningModule must implement `pipeline_layers(self) -> list[nn.Module]` (its"
     " layers in order: forward(x) == layers[-1](...layers[0](x))) and `loss_fn(self, output, target) -> Tensor`"
     " (the mean loss of one micro-batch); training_step must compute its loss as `self.loss_fn(self(x), y)`,"
-    " with one input tensor x, call loss_fn once, and return that loss unchanged (or {'loss': loss, ...})."
+    " with one input tensor x (and optionally keyword tensors of x's batch size, e.g. position_ids, which reach"
+    " every layer as layer(h, **kwargs)), call loss_fn once, and return that loss unchanged (or {'loss': loss,"
+    " ...})."
     " Optionally `init_pipeline_layer(self, index, layer)` lets each rank build only its own layers."
 )
 
@@ -47,15 +49,28 @@ class PipelineModule(PipelineLayers, Protocol):
     flowing between consecutive layers, every parameter inside exactly one layer. ``loss_fn(output, target)``
     is the mean loss of one micro-batch (``output`` is the last layer's).
 
+    **Side inputs.** ``self(x, **side)`` may also take keyword tensors whose first dimension is the batch's
+    (``position_ids`` of padded or packed data): they are split into micro-batches with ``x`` and every layer of
+    every stage is called as ``layer(h, **side)`` with its micro-batch's part, so
+    ``forward(x, **side) == layers[-1](...layers[0](x, **side)..., **side)``.
+
+    **Token weighting** (optional): ``loss_items(target) -> Tensor``, the number of items ``loss_fn`` averages
+    over (`lightning_hybrid.models.language_model.LanguageModel.loss_items`: the labels other than -100). With
+    it, ``HybridStrategy`` makes the loss the mean over every item of the global batch -- all data-parallel
+    ranks, micro-batches and batches of an accumulation window -- as one device gives it for that batch, not
+    a mean of per-micro-batch or per-rank means; under every ``pp``, not only ``pp > 1``.
+
     **The binding under pp > 1.** After setup each rank holds only its stages, so `HybridStrategy` binds two
     methods of the module instance (and restores them when the run ends):
 
     * in ``training_step``, ``self(x)`` returns a deferred handle and ``self.loss_fn(handle, y)`` runs the whole
-      schedule -- forward and backward of every micro-batch -- and returns the mean micro-batch loss (a
-      detached float32 scalar, the same on every pipeline rank). Supported: ``self.loss_fn(self(x), y)`` in one
+      schedule -- forward and backward of every micro-batch -- and returns the batch's loss (a detached float32
+      scalar, the same on every pipeline rank: the mean over its items with ``loss_items``, else the mean of
+      the micro-batch means). Supported: ``self.loss_fn(self(x), y)`` in one
       expression or through a variable, any batch structure, logging the loss, returning it or
       ``{"loss": loss, ...}``. Errors (``TypeError`` naming the rule): using the handle as a tensor
-      (``self(x).argmax()``, ``F.cross_entropy(self(x), y)``), passing ``self(...)`` more than one input,
+      (``self(x).argmax()``, ``F.cross_entropy(self(x), y)``), passing ``self(...)`` more than one positional
+      input or a keyword input that is not a tensor of the batch's size,
       calling ``loss_fn`` twice or not at all, and returning anything but that loss (``2 * loss``,
       ``loss + aux``), whose extra gradient the schedule would silently lack;
     * everywhere else -- validation, test, predict, callbacks, the model summary's ``example_input_array`` --

@@ -99,8 +99,9 @@ def check_materialised(module: nn.Module) -> None:
 class _DeferredOutput:
     """What ``self(x)`` returns in a pipelined training step: only ``self.loss_fn(self(x), y)`` may use it."""
 
-    def __init__(self, inputs: Tensor) -> None:
+    def __init__(self, inputs: Tensor, side: dict[str, Tensor]) -> None:
         self.inputs = inputs
+        self.side = side
 
     def __getattr__(self, name):
         raise TypeError(f"Under pp > 1 the model output of a training step is not a tensor. {PROTOCOL_HELP}")
@@ -125,8 +126,7 @@ class TrainingStepBinding:
         self.loss: Tensor | None = None
 
     def forward(self, inputs: Tensor, *args, **kwargs) -> _DeferredOutput:
-        _check_one_input(args, kwargs)
-        return _DeferredOutput(inputs)
+        return _DeferredOutput(inputs, _side_inputs(args, kwargs))
 
     def loss_fn(self, output: _DeferredOutput, target: Tensor) -> Tensor:
         if not isinstance(output, _DeferredOutput):
@@ -134,7 +134,7 @@ class TrainingStepBinding:
         if self.loss is not None:
             raise TypeError(f"loss_fn was called twice in one training step: each call runs the whole schedule."
                             f" {PROTOCOL_HELP}")
-        self.loss = self.executor.train_step(output.inputs, target)
+        self.loss = self.executor.train_step(output.inputs, target, **output.side)
         return self.loss
 
     def check_output(self, output: object) -> None:
@@ -161,6 +161,40 @@ def bind_training(module: nn.Module, executor: PipelineExecutor) -> Iterator[Tra
         yield binding
 
 
+class LossItems:
+    """What `bind_loss_items` counted: the items of the target of each ``loss_fn`` call of one training step."""
+
+    def __init__(self) -> None:
+        self.counts: list[Tensor] = []
+
+    def items(self, output: object) -> Tensor | None:
+        """The step's loss items; ``None`` for a skipped step (``None`` output). ``TypeError`` unless the step
+        called ``loss_fn`` exactly once (the loss it returns is then the mean over those items)."""
+        if output is None:
+            return None
+        if len(self.counts) != 1:
+            raise TypeError(
+                f"The module defines loss_items, so its loss is weighted by the tokens of each batch: training_step"
+                f" must compute its loss with one call of self.loss_fn(output, target) (it made {len(self.counts)})."
+                " Remove loss_items to train with the mean of per-batch means instead."
+            )
+        return self.counts[0].detach()
+
+
+@contextmanager
+def bind_loss_items(module: nn.Module, loss_items) -> Iterator[LossItems]:
+    """During a training step (``pp == 1``), ``self.loss_fn(output, target)`` also counts ``loss_items(target)``."""
+    counted = LossItems()
+    loss_fn = module.loss_fn
+
+    def counting(output, target, *args, **kwargs):
+        counted.counts.append(loss_items(target))
+        return loss_fn(output, target, *args, **kwargs)
+
+    with _instance_attributes(module, loss_fn=counting):
+        yield counted
+
+
 @contextmanager
 def bind_evaluation(module: nn.Module, executor: PipelineExecutor) -> Iterator[None]:
     """Outside training steps, ``self(x)`` is the pipeline's output (forward only) on every pipeline rank: a
@@ -168,8 +202,7 @@ def bind_evaluation(module: nn.Module, executor: PipelineExecutor) -> Iterator[N
     (Lightning keeps the predictions), the whole output broadcast to every pipeline rank."""
 
     def forward(inputs: Tensor, *args, **kwargs) -> Tensor:
-        _check_one_input(args, kwargs)
-        output = executor.eval_forward(inputs)
+        output = executor.eval_forward(inputs, **_side_inputs(args, kwargs))
         trainer = getattr(module, "_trainer", None)
         return output.materialize() if trainer is not None and trainer.predicting else output
 
@@ -177,12 +210,15 @@ def bind_evaluation(module: nn.Module, executor: PipelineExecutor) -> Iterator[N
         yield
 
 
-def _check_one_input(args: tuple, kwargs: dict) -> None:
-    if args or kwargs:
+def _side_inputs(args: tuple, kwargs: dict) -> dict[str, Tensor]:
+    """The keyword tensors of ``self(x, **side)`` (``None`` values left out); ``TypeError`` for more than one
+    positional input."""
+    if args:
         raise TypeError(
-            f"Under pp > 1, self(...) takes one input tensor (one tensor flows between stages); it got"
-            f" {1 + len(args)} positional and {len(kwargs)} keyword argument(s). {PROTOCOL_HELP}"
+            f"Under pp > 1, self(...) takes one positional input tensor (one tensor flows between stages) and"
+            f" keyword tensors for every stage; it got {1 + len(args)} positional argument(s). {PROTOCOL_HELP}"
         )
+    return {name: value for name, value in kwargs.items() if value is not None}
 
 
 @contextmanager
