@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_hybrid import HybridStrategy
 from lightning_hybrid.data import ByteCorpusDataModule
@@ -45,15 +45,94 @@ class OneDeviceInDistributedOrder(ByteCorpusDataModule):
         return DataLoader(self.train_dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True)
 
 
+class DocumentSamples(Dataset):
+    """The byte blocks of ``blocks`` as fine-tuning samples (`lightning_hybrid.batch` dicts), each drawn from its
+    index alone: ``"padded"``, one document of 12-32 tokens padded on the right (even index) or the left;
+    ``"packed"``, 1-3 documents and 0-5 tokens of padding at the end. Every document has a prompt (its first
+    0-40% of tokens) that takes no loss, and its last token none: the rows' loss tokens differ, so a mean of
+    means shows against the token mean."""
+
+    def __init__(self, blocks: Dataset, kind: str) -> None:
+        assert kind in ("padded", "packed")
+        self.blocks, self.kind = blocks, kind
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        x, y = self.blocks[i]
+        x, y = x.long(), y.long()
+        n = x.numel()
+        g = torch.Generator(device="cpu").manual_seed(1_000 + i)
+        mask = torch.zeros(n, dtype=torch.long)
+        positions = torch.zeros(n, dtype=torch.long)
+        labels = torch.full((n,), -100, dtype=torch.long)
+        if self.kind == "padded":
+            length = int(torch.randint(12, n + 1, (1,), generator=g))
+            start = 0 if i % 2 == 0 else n - length
+            spans = [(start, length)]
+        else:
+            pad = int(torch.randint(0, 6, (1,), generator=g))
+            docs = int(torch.randint(1, 4, (1,), generator=g))
+            cuts = sorted(torch.randperm(n - pad - 2, generator=g)[: docs - 1].add(1).tolist())
+            bounds = [0, *cuts, n - pad]
+            spans = [(a, b - a) for a, b in zip(bounds, bounds[1:])]
+        for start, length in spans:
+            prompt = int(torch.randint(0, max(1, int(0.4 * length)), (1,), generator=g))
+            mask[start : start + length] = 1
+            positions[start : start + length] = torch.arange(length)
+            labels[start + prompt : start + length - 1] = x[start + prompt + 1 : start + length]
+        batch = {"input_ids": x, "labels": labels, "attention_mask": mask}
+        if self.kind == "packed":
+            batch["position_ids"] = positions
+        return batch
+
+
+class DocumentData(ByteCorpusDataModule):
+    """`ByteCorpusDataModule`'s blocks as `DocumentSamples`; ``val_batch_size`` apart from the training batch
+    (the one-device reference of an accumulating run reads a window's batches as one)."""
+
+    def __init__(self, kind: str, val_batch_size: int, one_device: bool, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.kind, self.val_batch_size, self.one_device = kind, val_batch_size, one_device
+
+    def setup(self, stage=None) -> None:
+        super().setup(stage)
+        self.train_dataset = DocumentSamples(self.train_dataset, self.kind)
+        self.val_dataset = DocumentSamples(self.val_dataset, self.kind)
+
+    def train_dataloader(self) -> DataLoader:
+        if not self.one_device:
+            return super().train_dataloader()
+        sampler = DistributedSampler(self.train_dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+        return DataLoader(self.train_dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_dataset, batch_size=self.val_batch_size, shuffle=False, drop_last=True)
+
+
 def fit_and_record(strategy, devices: int, make_module, dp: int = 1, steps: int = STEPS, **trainer_kwargs) -> dict:
-    """Train ``steps`` steps on the stdlib byte corpus; return what the parity checks compare (same on all ranks)."""
+    """Train ``steps`` steps on the stdlib byte corpus; return what the parity checks compare (same on all ranks).
+    ``data="padded" | "packed"`` in ``trainer_kwargs``: dict batches of documents (`DocumentData`), whose one-device
+    reference reads an accumulation window as one batch (the token mean of the global batch); its per-batch
+    losses are then left out of the record (``losses`` empty)."""
     L.seed_everything(0, verbose=False)
     module = make_module()
-    data_class = OneDeviceInDistributedOrder if strategy == "auto" else ByteCorpusDataModule
-    data = data_class(max_bytes=80_000, block_size=BLOCK, batch_size=GLOBAL_BATCH // dp)
+    trainer_kwargs = dict(trainer_kwargs)
+    kind = trainer_kwargs.pop("data", "pairs")
+    accumulating = kind != "pairs" and trainer_kwargs.get("accumulate_grad_batches", 1) > 1
+    if kind == "pairs":
+        data_class = OneDeviceInDistributedOrder if strategy == "auto" else ByteCorpusDataModule
+        data = data_class(max_bytes=80_000, block_size=BLOCK, batch_size=GLOBAL_BATCH // dp)
+    else:
+        window = trainer_kwargs.get("accumulate_grad_batches", 1)
+        one_device = strategy == "auto"
+        if one_device and window > 1:
+            trainer_kwargs["accumulate_grad_batches"] = 1
+        data = DocumentData(kind, GLOBAL_BATCH // dp, one_device, max_bytes=80_000, block_size=BLOCK,
+                            batch_size=GLOBAL_BATCH * (window if one_device else 1) // dp)
     recorder = Recorder()
     initial = InitialState()
-    trainer_kwargs = dict(trainer_kwargs)
     callbacks = [recorder, initial, *trainer_kwargs.pop("callbacks", [])]
     graphs_before, breaks_before = _dynamo_counts()
     trainer = L.Trainer(
@@ -77,7 +156,7 @@ def fit_and_record(strategy, devices: int, make_module, dp: int = 1, steps: int 
     return {
         "compiled_graphs": graphs - graphs_before,  # torch.compile's graphs made in this run (0 in eager)
         "graph_breaks": breaks - breaks_before,
-        "losses": recorder.losses,
+        "losses": [] if accumulating else recorder.losses,
         "grad_norms": recorder.grad_norms,
         "param_grad_norms": recorder.param_grad_norms,
         "local_params": sum(p.numel() for p in module.parameters() if p.requires_grad),
@@ -171,8 +250,8 @@ def deviations(got: dict, ref: dict) -> dict[str, float]:
     """How far one rank's run is from the one-device run: relative for losses, global gradient norms, validation
     loss and each parameter's gradient norm (against the largest of that step: a gradient that is zero in exact
     arithmetic is noise at the scale of the others), absolute for the final parameters."""
-    if not (len(got["losses"]) == len(ref["losses"]) > 0
-            and len(got["param_grad_norms"]) == len(ref["param_grad_norms"])):
+    if not (len(got["losses"]) == len(ref["losses"])
+            and len(got["param_grad_norms"]) == len(ref["param_grad_norms"]) > 0):
         return {"steps": float("inf")}
 
     def rel(a, b) -> float:
@@ -196,7 +275,7 @@ def deviations(got: dict, ref: dict) -> dict[str, float]:
     apart = torch.cat([(got["state"][k].float() - ref["state"][k].float()).flatten() for k in keys]).norm()
     return {
         "param_vs_movement": (apart / moved).item(),
-        "loss": rel(got["losses"], ref["losses"]),
+        "loss": rel(got["losses"], ref["losses"]) if ref["losses"] else 0.0,
         "grad_norm": rel(got["grad_norms"], ref["grad_norms"]),
         "val_loss": rel([got["val_loss"]], [ref["val_loss"]]),
         "val_acc": abs(got["val_acc"] - ref["val_acc"]),
