@@ -38,6 +38,7 @@ from lightning_hybrid.data import ByteCorpusDataModule, TokenCorpusDataModule
 from lightning_hybrid.hf import CausalLM
 from lightning_hybrid.models import GPTConfig, GPTLightningModule
 from lightning_hybrid.planner.auto import AutoLayoutConfig
+from lightning_hybrid.sft import SFTDataModule
 from lightning_hybrid.strategy import HybridStrategy
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "GPTModuleConfig",
     "ParallelConfig",
     "RecipeConfig",
+    "SFTConfig",
     "TokenCorpusConfig",
     "TrainerConfig",
     "register_configs",
@@ -158,6 +160,9 @@ TokenCorpusConfig = schema_from_signature(
     "TokenCorpusConfig", TokenCorpusDataModule, "lightning_hybrid.data.TokenCorpusDataModule",
 )
 
+#: `lightning_hybrid.sft.SFTDataModule`: chat / instruction JSONL for fine-tuning, packed or padded dict batches.
+SFTConfig = schema_from_signature("SFTConfig", SFTDataModule, "lightning_hybrid.sft.SFTDataModule")
+
 
 def _recipe_config() -> type:
     return make_dataclass("RecipeConfig", [
@@ -181,13 +186,14 @@ RecipeConfig = _recipe_config()
 def register_configs() -> None:
     """Register the schemas in Hydra's ConfigStore (idempotent; done on import of this module):
     ``recipe_schema``, ``model/gpt``, ``model/hf_causal_lm``, ``model/custom``, ``data/byte_corpus``,
-    ``data/token_corpus``, ``data/custom``."""
+    ``data/token_corpus``, ``data/sft_jsonl`` (`SFTConfig`), ``data/custom``."""
     store = ConfigStore.instance()
     store.store(name="recipe_schema", node=RecipeConfig)
     store.store(group="model", name="gpt", node=GPTModuleConfig)
     store.store(group="data", name="byte_corpus", node=ByteCorpusConfig)
     store.store(group="model", name="hf_causal_lm", node=CausalLMConfig)
     store.store(group="data", name="token_corpus", node=TokenCorpusConfig)
+    store.store(group="data", name="sft_jsonl", node=SFTConfig)
     for group in ("model", "data"):
         # Open to any argument without Hydra's `+` prefix: the target's signature checks them before launch.
         store.store(group=group, name="custom", node=OmegaConf.create({"_target_": MISSING}, flags={"struct": False}))
