@@ -213,7 +213,8 @@ def pack_documents(docs: Sequence[Document], block_size: int, pad_id: int, pack:
         pad = block_size - len(out["input_ids"])
         for key, fill in (("input_ids", pad_id), ("labels", IGNORE_INDEX), ("attention_mask", 0), ("position_ids", 0)):
             columns[key].append(out[key] + [fill] * pad)
-    return {key: torch.tensor(value, dtype=torch.int64).reshape(len(rows), block_size)
+    # Data is built on the CPU (the loaders' pinned-memory path and Lightning move batches to the device).
+    return {key: torch.tensor(value, dtype=torch.int64, device="cpu").reshape(len(rows), block_size)
             for key, value in columns.items()}
 
 
@@ -334,7 +335,8 @@ class SFTDataModule(L.LightningDataModule):
         n_val = min(max(int(n * self.val_fraction), 1), n - 1) if n >= 2 and self.val_fraction > 0 else 0
         train, val = records[: n - n_val], records[n - n_val:]
         if self.shuffle:
-            order = torch.randperm(len(train), generator=torch.Generator().manual_seed(self.seed)).tolist()
+            generator = torch.Generator(device="cpu").manual_seed(self.seed)
+            order = torch.randperm(len(train), generator=generator, device=generator.device).tolist()
             train = [train[i] for i in order]
         self.train_rows = pack_documents(self.tokenize_records(train), self.block_size, self.pad_token_id, self.pack)
         self.val_rows = pack_documents(self.tokenize_records(val), self.block_size, self.pad_token_id, self.pack)
