@@ -117,7 +117,12 @@ class MeshStrategy(ParallelStrategy):
         if not self.cluster_environment.creates_processes_externally:
             if "MASTER_PORT" not in os.environ and self.num_processes * self.num_nodes > 1:
                 os.environ["MASTER_PORT"] = str(free_main_port())  # see free_main_port; read by the launcher
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _CheckedLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def check_before_launch(self, args: tuple) -> None:
+        """Called with the arguments of the Trainer's entry point (``fit``'s model, data loaders, data module ...)
+        before Lightning's launcher starts the other ranks: raise on what they can tell that would fail on the
+        ranks. Nothing here; `HybridStrategy` checks the batch size."""
 
     def on_exception(self, exception: BaseException) -> None:
         """On the process that started the other ranks (Lightning's launcher): stop them. Lightning leaves them
@@ -192,3 +197,16 @@ class MeshStrategy(ParallelStrategy):
         objects = [obj]
         dist.broadcast_object_list(objects, src, group=_group.WORLD)
         return objects[0]
+
+
+class _CheckedLauncher(_SubprocessScriptLauncher):
+    """Lightning's subprocess launcher, which first lets the strategy check the entry point's arguments
+    (`MeshStrategy.check_before_launch`): an error then comes from this one process, before any rank starts."""
+
+    def __init__(self, strategy: MeshStrategy, *args: Any) -> None:
+        super().__init__(*args)
+        self._strategy = strategy
+
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self._strategy.check_before_launch(args)
+        return super().launch(function, *args, trainer=trainer, **kwargs)

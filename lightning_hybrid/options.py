@@ -96,6 +96,14 @@ class ParallelOptions:
         """Example inputs of the TP verification have a sequence length divisible by this (the SP split)."""
         return self.tp if self.sequence_parallel else 1
 
+    def batch_size_error(self, batch_size: int) -> Optional[str]:
+        """Why a training batch of ``batch_size`` samples per data-parallel rank cannot run, or ``None``."""
+        if self.pp > 1 and self.micro_batches and batch_size % self.micro_batches != 0:
+            valid = f"{self.micro_batches}, {2 * self.micro_batches}, ..."
+            return (f"batch_size={batch_size} (per data-parallel rank) does not split into micro_batches="
+                    f"{self.micro_batches}: use a multiple of micro_batches ({valid}), or another micro_batches.")
+        return None
+
 
 def refuse_unused(pp: int, tp: int, **given: Any) -> None:
     """``ValueError`` naming the arguments that were given but that nothing would use with this ``pp`` and ``tp``

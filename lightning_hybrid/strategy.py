@@ -17,8 +17,9 @@ from __future__ import annotations
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
@@ -37,11 +38,9 @@ from lightning_hybrid.parallelize import Parallelized, parallelize
 from lightning_hybrid.pipeline.protocol import LayerwiseInit
 from lightning_hybrid.pipeline.stages import bind_evaluation, bind_loss_items, bind_training
 from lightning_hybrid.precision import with_global_norm_clipping
+from lightning_hybrid.rank_zero import BatchError, raise_from_rank_zero
 from lightning_hybrid.tensor_parallel import TPResult
 from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB
-
-if TYPE_CHECKING:
-    import lightning.pytorch as pl
 
 
 class HybridStrategy(MeshStrategy):
@@ -144,9 +143,23 @@ class HybridStrategy(MeshStrategy):
         _refuse_checkpoint_io(io)
         self._checkpoint_io = io
 
+    # ------------------------------------------------------------------ checks on the data
+    def check_before_launch(self, args: tuple) -> None:
+        """Before the other ranks start: a data module or training data loader among ``fit``'s arguments whose
+        batch size the layout cannot train (`ParallelOptions.batch_size_error`) is a `BatchError` here."""
+        for arg in args:
+            self._check_batch_size(_batch_size_of(arg))
+
+    def _check_batch_size(self, batch_size: Optional[int]) -> None:
+        error = None if batch_size is None else self.options.batch_size_error(batch_size)
+        if error is not None:
+            raise_from_rank_zero(BatchError(error))
+
     # ------------------------------------------------------------------ model and optimizers
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.lightning_module is not None
+        if trainer.state.fn == "fit":  # launched by torchrun or SLURM: checked here, before any step, alike on all
+            self._check_batch_size(_batch_size_of(trainer.datamodule))
         self.accelerator.setup(trainer)
         module = self.lightning_module
         if self._parallelized is None or self._parallelized.module is not module:  # a second fit reuses it
@@ -321,6 +334,19 @@ class HybridStrategy(MeshStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self._run_scope.close()
+
+
+def _batch_size_of(data: Any) -> Optional[int]:
+    """The per-rank training batch size a data module (``batch_size`` attribute or hyperparameter) or a data loader
+    says it gives, else ``None``."""
+    if isinstance(data, torch.utils.data.DataLoader):
+        return data.batch_size
+    if isinstance(data, pl.LightningDataModule):
+        size = getattr(data, "batch_size", None)
+        if size is None:
+            size = getattr(data, "hparams", {}).get("batch_size")
+        return size if isinstance(size, int) and not isinstance(size, bool) else None
+    return None
 
 
 def _refuse_checkpoint_io(io: Any) -> None:

@@ -123,6 +123,24 @@ def test_rank_zero_failing_after_starting_the_ranks_stops_them():
     assert re.search(r"(?i)address already in use|failed to listen", done.stderr), done.stderr[-3000:]
 
 
+@pytest.mark.parametrize(("hidden", "message"), [
+    (False, "batch_size=6 (per data-parallel rank) does not split into micro_batches=4: use a multiple"),
+    (True, "The batch of 6 samples (per data-parallel rank) does not split into micro_batches=4"),
+])
+def test_a_batch_the_pipeline_cannot_split_is_one_error(hidden, message):
+    """A data module that tells its batch size is checked before the other ranks start; a loader that does not is
+    found on the ranks, and only rank 0 says so (the others exit quietly): one traceback, not one per rank."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    script = ROOT / "tests" / "scripts" / "fit_with_lightning_launcher.py"
+    args = ["--devices", "2", "--tp", "1", "--pp", "2", "--micro-batches", "4", "--batch-size", "6"]
+    done = subprocess.run([sys.executable, str(script), *args, *(["--hidden-batch-size"] if hidden else [])],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert message in done.stderr and done.stderr.count("Traceback") == 1, done.stderr[-3000:]
+    assert ("Initializing distributed" in done.stderr + done.stdout) == hidden  # no rank started: checked before
+
+
 def test_a_checkpoint_io_plugin_is_refused_when_the_trainer_is_built():
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 

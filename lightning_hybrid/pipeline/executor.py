@@ -27,6 +27,7 @@ from torch.distributed.pipelining import (
 )
 
 from lightning_hybrid.pipeline.output import PipelineOutput
+from lightning_hybrid.rank_zero import BatchError, raise_from_rank_zero
 
 
 @dataclass(frozen=True)
@@ -172,10 +173,10 @@ class PipelineExecutor:
         for stage in self.stages:
             stage.reduce_grads = self.reduce_grads
         if inputs.size(0) % self.micro_batches != 0:
-            raise ValueError(
-                f"The batch of {inputs.size(0)} samples does not split into micro_batches={self.micro_batches}:"
-                " choose a batch size that is a multiple of micro_batches."
-            )
+            raise_from_rank_zero(BatchError(
+                f"The batch of {inputs.size(0)} samples (per data-parallel rank) does not split into"
+                f" micro_batches={self.micro_batches}: choose a batch size that is a multiple of micro_batches."
+            ))
         _check_side_inputs(side, inputs.size(0))
         losses: list[Tensor] = []  # filled on the last stage: one (scaled) loss per micro-batch
         self.schedule.step(inputs, target=targets, losses=losses, **side)

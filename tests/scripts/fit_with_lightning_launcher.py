@@ -4,6 +4,8 @@
 
 ``--occupy-main-port``: the first process listens on a port itself and names it ``MASTER_PORT``, so that rank 0
 cannot create its store there after starting the other ranks (which then connect to a port nobody serves).
+``--pp``, ``--micro-batches``, ``--batch-size``: a pipeline layout and the per-rank batch; ``--hidden-batch-size``:
+the data comes as a loader whose batch sampler gives that size (nothing says it before the ranks start).
 """
 
 import argparse
@@ -11,10 +13,24 @@ import os
 import socket
 
 import lightning as L
+from torch.utils.data import DataLoader
 
 from lightning_hybrid import HybridStrategy
 from lightning_hybrid.data import ByteCorpusDataModule
 from lightning_hybrid.models import GPTLightningModule
+
+class Batches:
+    """A loader's batches as a plain iterable: nothing says their size before they come."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __iter__(self):
+        return iter(self.loader)
+
+    def __len__(self):
+        return len(self.loader)
+
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
@@ -22,6 +38,10 @@ if __name__ == "__main__":
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--zero-stage", type=int, default=0)
     parser.add_argument("--occupy-main-port", action="store_true")
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--micro-batches", type=int, default=None)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--hidden-batch-size", action="store_true")
     args = parser.parse_args()
     if args.occupy_main_port and "LOCAL_RANK" not in os.environ:
         occupier = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -32,7 +52,7 @@ if __name__ == "__main__":
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy=HybridStrategy(tp=args.tp, zero_stage=args.zero_stage),
+        strategy=HybridStrategy(tp=args.tp, pp=args.pp, zero_stage=args.zero_stage, micro_batches=args.micro_batches),
         max_steps=3,
         limit_val_batches=1,
         val_check_interval=3,
@@ -40,8 +60,14 @@ if __name__ == "__main__":
         enable_checkpointing=False,
         enable_model_summary=False,
     )
-    trainer.fit(GPTLightningModule(n_layer=1, n_embd=32, block_size=32),
-                ByteCorpusDataModule(max_bytes=30_000, block_size=32, batch_size=4))
+    data = ByteCorpusDataModule(max_bytes=30_000, block_size=32, batch_size=args.batch_size)
+    model = GPTLightningModule(n_layer=1, n_embd=32, block_size=32)
+    if args.hidden_batch_size:
+        data.setup()
+        loader = DataLoader(data.train_dataset, batch_size=args.batch_size, drop_last=True)
+        trainer.fit(model, train_dataloaders=Batches(loader))
+    else:
+        trainer.fit(model, data)
     if trainer.is_global_zero:
         print(f"world={trainer.world_size} dp={trainer.strategy.parallel_dims.dp}"
               f" tp={trainer.strategy.parallel_dims.tp}"
