@@ -6,7 +6,10 @@ A checkpoint is a folder:
     keyed by parameter name. Each tensor is written once, by one rank of those that hold it (chosen by a
     hash of its name), so the writing is spread over the ranks and nothing is written twice.
   * ``meta.pt`` (rank 0): Lightning's checkpoint dict without weights (loops, LR schedulers, callbacks,
-    data module state, hyper-parameters), the optimizers' param-group settings, and the saving layout.
+    data module state, hyper-parameters), the optimizers' param-group settings, the saving layout, and the
+    size and CRC-32 of every other file (the ranks share the work of computing them). A load checks them first
+    (`verify_files`): a truncated, corrupted or missing file is a `CheckpointError` naming it, raised before any
+    rank starts reading (by rank 0 alone; the other ranks exit quietly), not a hang or a torch error.
 
 Because the tensors are unsplit, any layout (other dp, tp, pp, ZeRO stage) loads any checkpoint of the same
 model: each rank reads only the tensors of its own layers and takes its slices. A save first writes into a
@@ -209,6 +212,8 @@ def save_sharded(
     for part in range(current, int(parts)):
         dcp.save(state, checkpoint_id=str(_part_dir(partial, part)))
         state = {}
+    barrier(device)  # every shard written: their sizes and checksums
+    files = _digests(partial, _shard_files(partial))
     if first:
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         meta["lightning_hybrid"] = {
@@ -216,6 +221,7 @@ def save_sharded(
             "tensors": tensors,  # key -> (part, unsplit shape, dtype)
             "optimizers": [{"param_groups": _group_settings(o)} for o in optimizers],
             "layout": {"dp": dp, "tp": tp, "pp": pp, "zero_stage": zero_stage},
+            "files": files,  # relative path -> (bytes, CRC-32)
         }
         torch.save(meta, partial / META_FILE)
     barrier(device)
@@ -254,19 +260,85 @@ def commit(partial: Path, path: Path, token: str) -> None:
 
 # ----------------------------------------------------------------------------------------------- load
 def read_meta(path: str | Path) -> dict[str, Any]:
-    """``meta.pt`` of a whole checkpoint; ``CheckpointError`` naming the path for anything else."""
+    """``meta.pt`` of a whole checkpoint; ``CheckpointError`` naming the path for anything else (under a process
+    group: raised by rank 0, the other ranks exit quietly -- every rank finds it alike, before any collective)."""
     path = Path(path)
     if PARTIAL_MARK in path.name:
-        raise CheckpointError(f"{path} is a checkpoint whose save did not finish; it cannot be loaded.")
+        _raise(CheckpointError(f"{path} is a checkpoint whose save did not finish; it cannot be loaded."))
     if not (path.is_dir() and (path / META_FILE).is_file()):
-        raise CheckpointError(
+        _raise(CheckpointError(
             f"{path} is not a lightning_hybrid checkpoint: expected a folder written by HybridStrategy"
             f" holding {META_FILE} and DCP shards."
-        )
-    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
-    if "lightning_hybrid" not in meta:
-        raise CheckpointError(f"{path / META_FILE} was not written by lightning_hybrid.")
+        ))
+    try:
+        meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    except Exception as e:  # truncated or overwritten: unpickling fails in many ways
+        _raise(CheckpointError(f"{path / META_FILE} cannot be read ({type(e).__name__}: {e}): the checkpoint is"
+                               " damaged; load an earlier one."))
+    if not isinstance(meta, dict) or "lightning_hybrid" not in meta:
+        _raise(CheckpointError(f"{path / META_FILE} was not written by lightning_hybrid."))
     return meta
+
+
+# A file's checksum is read in pieces of this size.
+_READ_BYTES = 16 * 2**20
+
+
+def _shard_files(folder: Path) -> list[str]:
+    """The checkpoint's files but ``meta.pt``, relative to ``folder``, sorted."""
+    return sorted(str(f.relative_to(folder)) for f in folder.rglob("*") if f.is_file() and f.name != META_FILE)
+
+
+def _digest(file: Path) -> tuple[int, int]:
+    crc = 0
+    with open(file, "rb") as f:
+        while chunk := f.read(_READ_BYTES):
+            crc = zlib.crc32(chunk, crc)
+    return file.stat().st_size, crc
+
+
+def _digests(folder: Path, files: list[str]) -> dict[str, tuple[int, int]]:
+    """``{file: (bytes, CRC-32)}``, each rank reading its share of ``files`` (all of them without a process
+    group). Collective over every rank when there is one."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return {f: _digest(folder / f) for f in files}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {f: _digest(folder / f) for i, f in enumerate(files) if i % world == rank}
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    return {f: d for part in everyone for f, d in part.items()}
+
+
+def verify_files(path: str | Path, meta: dict[str, Any]) -> None:
+    """``CheckpointError`` naming the first file of the checkpoint at ``path`` that is missing, or whose size or
+    CRC-32 is not what the save recorded (checkpoints of before the record: nothing to check). Collective over
+    every rank when there is a process group (each rank reads its share); raised by rank 0 alone."""
+    path = Path(path)
+    recorded = meta["lightning_hybrid"].get("files")
+    if recorded is None:
+        return
+    error = None
+    for name, (size, _) in recorded.items():  # cheap, and the same on every rank: before any collective
+        file = path / name
+        if not file.is_file():
+            error = f"{file} is missing: the checkpoint {path} is damaged; load an earlier one."
+        elif file.stat().st_size != size:
+            error = (f"{file} holds {file.stat().st_size} bytes, its save wrote {size}: the file is truncated or"
+                     f" damaged; load an earlier checkpoint than {path}.")
+        if error:
+            _raise(CheckpointError(error))
+    found = _digests(path, sorted(recorded))
+    for name, digest in found.items():
+        if tuple(digest) != tuple(recorded[name]):
+            _raise(CheckpointError(f"{path / name} does not hold what its save wrote (CRC-32 {digest[1]:#010x},"
+                                   f" recorded {recorded[name][1]:#010x}): the file is damaged; load an earlier"
+                                   f" checkpoint than {path}."))
+
+
+def _raise(error: BaseException) -> None:
+    from lightning_hybrid.rank_zero import raise_from_rank_zero
+
+    raise_from_rank_zero(error)
 
 
 def check_model_fits(saved: dict[str, list[int]], expected: dict[str, list[int]]) -> None:
@@ -309,6 +381,7 @@ def load_sharded(path: str | Path, module: nn.Module, optimizers: list) -> dict[
     rank; ``path`` must be the same on every rank."""
     path = Path(path)
     meta = read_meta(path)
+    verify_files(path, meta)
     specs = tp_shard_specs(module)
     saved_shapes = meta["lightning_hybrid"]["model_shapes"]
 
@@ -390,6 +463,7 @@ def model_parts(checkpoint: str | Path) -> Iterable[dict[str, Tensor]]:
     each, as saved). Runs on one process, no process group."""
     path = Path(checkpoint)
     meta = read_meta(path)
+    verify_files(path, meta)
     keys = [f"model/{k}" for k in meta["lightning_hybrid"]["model_shapes"]]
     for part in _read_parts(path, meta, keys, no_dist=True):
         yield {k[len("model/") :]: v for k, v in part.items()}

@@ -67,6 +67,8 @@ def _worker(
     try:
         # By value (plain pickle): tensors sent through shared memory would die with this process.
         queue.put((rank, "ok", pickle.dumps(fn(*args))))
+    except SystemExit:  # left the error to rank 0 (`lightning_hybrid.rank_zero.raise_from_rank_zero`)
+        queue.put((rank, "quiet", traceback.format_exc()))
     except BaseException:  # report every failure to the parent, which stops the other ranks
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -101,8 +103,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, one_rank_per_node
         for p in procs:
             p.start()
         results: dict[int, Any] = {}
+        quiet: dict[int, str] = {}  # ranks that left their error to rank 0
         deadline = time.monotonic() + WORKER_TIMEOUT_S
-        while len(results) < world_size:
+        while len(results) + len(quiet) < world_size:
             try:
                 rank, status, value = queue.get(timeout=1.0)
             except queue_module.Empty:
@@ -115,7 +118,15 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, one_rank_per_node
                 continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
+            if status == "quiet":  # rank 0 says why
+                quiet[rank] = value
+                if len(results) + len(quiet) == world_size:
+                    raise RuntimeError(f"rank {rank} exited quietly, and no rank said why:\n{value}")
+                continue
             results[rank] = pickle.loads(value)
+        if quiet:
+            rank, value = next(iter(quiet.items()))
+            raise RuntimeError(f"rank {rank} exited quietly, and no rank said why:\n{value}")
         return [results[r] for r in range(world_size)]
     finally:
         for p in procs:

@@ -4,6 +4,8 @@ safety, and clear errors. Every run is a real Lightning Trainer on real process 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -159,7 +161,13 @@ def _resume_last(root: str) -> dict:
                         callbacks=[recorder, ModelCheckpoint(dirpath=root, save_last=True, every_n_train_steps=100)],
                         limit_val_batches=0, logger=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(MODEL(), ByteCorpusDataModule(max_bytes=80_000, block_size=BLOCK, batch_size=4), ckpt_path="last")
-    return {"steps": trainer.global_step, "losses": recorder.losses}
+    # The same run without the kill: its steps 4 and 5 are the resumed run's.
+    L.seed_everything(0, verbose=False)
+    uninterrupted = Recorder()
+    L.Trainer(accelerator="cpu", devices=2, strategy=HybridStrategy(dp=2, zero_stage=2), max_steps=5,
+              callbacks=[uninterrupted], limit_val_batches=0, **QUIET_TRAINER).fit(
+        MODEL(), ByteCorpusDataModule(max_bytes=80_000, block_size=BLOCK, batch_size=4))
+    return {"steps": trainer.global_step, "losses": recorder.losses, "uninterrupted": uninterrupted.losses}
 
 
 def _errors(root: str) -> dict:
@@ -167,12 +175,17 @@ def _errors(root: str) -> dict:
     for name, (path, module) in {
         "another model": (f"{root}/good.ckpt", gpt(n_layer=2, n_embd=64)),
         "not a checkpoint": (f"{root}/empty", MODEL),
+        "truncated shard": (f"{root}/truncated.ckpt", MODEL),
+        "corrupted shard": (f"{root}/corrupted.ckpt", MODEL),
+        "truncated meta": (f"{root}/no-meta.ckpt", MODEL),
     }.items():
         try:
             _fit(2, dict(dp=2), 4, ckpt_in=path, make_module=module)
             errors[name] = "no error"
         except CheckpointError as err:
             errors[name] = str(err)
+        except SystemExit:  # rank 1: rank 0 says it (lightning_hybrid.rank_zero.raise_from_rank_zero)
+            errors[name] = "left to rank 0"
     return errors
 
 
@@ -190,11 +203,32 @@ def test_killed_save_keeps_previous_checkpoint_and_errors_are_clear(tmp_path):
 
     resumed = run_distributed(_resume_last, 2, str(root))[0]
     assert resumed["steps"] == 5 and len(resumed["losses"]) == 2  # steps 4 and 5, after the whole step-3 one
+    assert resumed["losses"] == resumed["uninterrupted"][3:], resumed  # exact: the resume loses nothing
 
-    # A checkpoint of another model, and a folder that is not a checkpoint: errors that name the problem.
+    # A checkpoint of another model, a folder that is not a checkpoint, and damaged files (a shard cut short, a
+    # shard with one byte changed, meta.pt cut short): errors that name the problem and the file, raised before
+    # any rank reads (by rank 0; rank 1 leaves it to rank 0).
     os.rename(root / "last.ckpt", tmp_path / "good.ckpt")
     (tmp_path / "empty").mkdir()
-    errors = run_distributed(_errors, 2, str(tmp_path))[0]
+    shard = sorted((tmp_path / "good.ckpt").rglob("*.distcp"))[0].relative_to(tmp_path / "good.ckpt")
+    for name in ("truncated", "corrupted", "no-meta"):
+        shutil.copytree(tmp_path / "good.ckpt", tmp_path / f"{name}.ckpt")
+    with open(tmp_path / "truncated.ckpt" / shard, "r+b") as f:
+        f.truncate(f.seek(0, os.SEEK_END) // 2)
+    with open(tmp_path / "corrupted.ckpt" / shard, "r+b") as f:
+        f.seek(f.seek(0, os.SEEK_END) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with open(tmp_path / "no-meta.ckpt" / "meta.pt", "r+b") as f:
+        f.truncate(100)
+    results = run_distributed(_errors, 2, str(tmp_path))
+    errors = results[0]
+    assert results[1]["truncated shard"] == results[1]["corrupted shard"] == "left to rank 0"
+    assert f"truncated.ckpt/{shard} holds" in errors["truncated shard"] and "truncated" in errors["truncated shard"]
+    assert re.search(rf"corrupted.ckpt/{re.escape(str(shard))} does not hold what its save wrote \(CRC-32",
+                     errors["corrupted shard"]), errors["corrupted shard"]
+    assert "no-meta.ckpt/meta.pt cannot be read" in errors["truncated meta"]
     assert "The checkpoint is of another model" in errors["another model"]
     assert "model.blocks.0.attn.q_proj.weight: checkpoint [32, 32] vs model [64, 64]" in errors["another model"]
     assert "is not a lightning_hybrid checkpoint" in errors["not a checkpoint"]
