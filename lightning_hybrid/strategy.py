@@ -14,7 +14,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+import os
+import signal
+import threading
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -24,6 +27,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -117,6 +121,8 @@ class HybridStrategy(MeshStrategy):
         self._sync: Optional[GradientSync] = None
         self.last_grad_norm: Optional[Tensor] = None
         self._batch_items: Optional[Tensor] = None  # the loss items of the step whose backward comes next
+        self._sigterm = False  # this rank received SIGTERM (`_on_sigterm`)
+        self._stopping = False  # every rank agreed to stop after this step (`_agree_on_sigterm`)
 
     @property
     def zero_stage(self) -> int:
@@ -179,6 +185,52 @@ class HybridStrategy(MeshStrategy):
         self._sync_metrics_over_dp()
         if pipeline is not None:  # `self(x)` outside training steps: the pipeline's forward-only path
             self._run_scope.enter_context(bind_evaluation(module, pipeline))
+
+    # ------------------------------------------------------------------ preemption (SIGTERM)
+    def _catch_sigterm(self) -> None:
+        """While the run lasts, SIGTERM only marks this rank (`_on_sigterm`). Lightning's own handler broadcasts
+        inside the signal handler, which pairs with whatever collective another rank is in: a hang or worse."""
+        if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGTERM"):
+            return
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._run_scope.callback(signal.signal, signal.SIGTERM, previous)
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._sigterm = self._stopping = False
+        self._catch_sigterm()  # after Lightning's (it registers its handlers once the strategy is set up)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self._sigterm = True
+        os.write(2, f"[rank {self.global_rank}] SIGTERM: stopping after this step\n".encode())
+
+    def _agree_on_sigterm(self) -> None:
+        """After every optimizer step, a consistent point of every rank: if any rank received SIGTERM, all stop
+        here (Lightning's loop raises its ``SIGTERMException`` at the end of this batch on every rank), and
+        `on_exception` saves ``last.ckpt`` first. One one-element all-reduce per step."""
+        flag = torch.tensor([1 if self._sigterm else 0], device=self.root_device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if int(flag) and not self._stopping:
+            self._stopping = True
+            trainer = self.lightning_module.trainer
+            trainer._signal_connector.received_sigterm = True  # what Lightning's handler would set
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if torch.distributed.is_initialized():
+            self._agree_on_sigterm()
+        return output
+
+    def on_exception(self, exception: BaseException) -> None:
+        """On a SIGTERM every rank agreed on: save ``last.ckpt`` in the ``ModelCheckpoint``'s folder (all ranks,
+        at the same step boundary), then stop as on any error."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        checkpoint = getattr(trainer, "checkpoint_callback", None)
+        if isinstance(exception, SIGTERMException) and self._stopping and getattr(checkpoint, "dirpath", None):
+            path = os.path.join(checkpoint.dirpath, checkpoint.CHECKPOINT_NAME_LAST + checkpoint.FILE_EXTENSION)
+            trainer.save_checkpoint(path)
+            os.write(2, f"[rank {self.global_rank}] SIGTERM: saved {path} at step {trainer.global_step}\n".encode())
+        super().on_exception(exception)
 
     def model_to_device(self) -> None:
         assert self.model is not None
