@@ -5,11 +5,13 @@
 * `ParallelModelSummary` / `ParallelRichModelSummary` -- Lightning's model summary reporting the whole
   model's parameters (not rank 0's shard) and each rank's share; `model_summary_callback` picks the one
   Lightning would pick;
-* `ValidationPrinter` -- one line per validation on rank 0.
+* `ValidationPrinter` -- one line per validation on rank 0;
+* `TrainLossHistory` -- the module's ``train_loss`` at every optimizer step.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Optional
 
@@ -28,10 +30,13 @@ from lightning_hybrid.devices import local_tensor
 from lightning_hybrid.strategy import HybridStrategy
 from lightning_hybrid.tensor_parallel.layers import tp_shard_specs, unsplit_shape
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "ParallelModelSummary",
     "ParallelRichModelSummary",
     "ReplicaThroughputMonitor",
+    "TrainLossHistory",
     "ValidationPrinter",
     "batch_samples",
     "batch_tokens",
@@ -76,7 +81,8 @@ class ReplicaThroughputMonitor(ThroughputMonitor):
     monitor unchanged.
 
     FLOPs come from the LightningModule's ``flops_per_batch`` (training FLOPs of one batch on the whole model;
-    `GPTLightningModule` sets it); MFU needs a device whose peak Lightning knows (CUDA). ``training_rates``
+    `GPTLightningModule` sets it); MFU needs a device whose peak Lightning knows (CUDA). A module without one gets
+    the rates without FLOPs and MFU (and no warning of Lightning's that it defines no FLOPs). ``training_rates``
     holds rank 0's training rates over the last ``window_size`` batches once training ends (``{}`` before, on
     other ranks, or when fewer batches ran).
     """
@@ -94,6 +100,13 @@ class ReplicaThroughputMonitor(ThroughputMonitor):
             throughput.world_size = replicas
             if throughput.available_flops:
                 throughput.available_flops *= ranks_per_replica
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
+        # Decided at the first training batch (a module may set flops_per_batch in on_train_batch_start), as
+        # Lightning does -- but without its warning, on every run, that the module has none: then no FLOPs part.
+        if self._module_has_flops is None:
+            self._module_has_flops = hasattr(pl_module, "flops_per_batch")
+        super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.is_global_zero:  # Lightning's monitor counts on rank 0 only
@@ -203,11 +216,35 @@ def model_summary_callback(max_depth: int = 1) -> ModelSummary:
 # ---------------------------------------------------------------------------------------------- progress
 class ValidationPrinter(Callback):
     """One line per validation on rank 0, ``step N: val_loss=... val_acc=...`` (every ``val*`` metric), so a
-    run shows its validation loss falling whatever its progress bar does."""
+    run shows its validation loss falling whatever its progress bar does. Logged at INFO to this module's logger
+    (``lightning_hybrid.callbacks``): the recipes show it on stdout and in the run's log file (`recipe.run_log`);
+    under a Trainer of your own, ``logging.basicConfig(level=logging.INFO)`` shows it."""
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or not trainer.is_global_zero:
             return
         values = {k: float(v) for k, v in sorted(trainer.callback_metrics.items()) if k.startswith("val")}
         if values:
-            print(f"step {trainer.global_step}: " + " ".join(f"{k}={v:.4f}" for k, v in values.items()), flush=True)
+            log.info(f"step {trainer.global_step}: " + " ".join(f"{k}={v:.4f}" for k, v in values.items()))
+
+
+class TrainLossHistory(Callback):
+    """The value the module logs as ``metric`` (``train_loss``) at every optimizer step, on rank 0: ``steps`` (the
+    global step each value ends) and ``values`` -- what a logger keeps only every ``log_every_n_steps``. Under
+    gradient accumulation a step's value is the one logged by the batch that ends it."""
+
+    def __init__(self, metric: str = "train_loss") -> None:
+        self.metric = metric
+        self.steps: list[int] = []
+        self.values: list[float] = []
+        self._last_step = 0
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._last_step = trainer.global_step  # a resumed run counts from its checkpoint's step
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
+        stepped, self._last_step = trainer.global_step != self._last_step, trainer.global_step
+        value = trainer.callback_metrics.get(self.metric)
+        if stepped and value is not None and trainer.is_global_zero:
+            self.steps.append(trainer.global_step)
+            self.values.append(float(value))

@@ -259,10 +259,11 @@ def commit(partial: Path, path: Path, token: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- load
-def read_meta(path: str | Path) -> dict[str, Any]:
-    """``meta.pt`` of a whole checkpoint; ``CheckpointError`` naming the path for anything else (under a process
-    group: raised by rank 0, the other ranks exit quietly -- every rank finds it alike, before any collective)."""
+def read_meta(path: str | Path, collective: bool = False) -> dict[str, Any]:
+    """``meta.pt`` of a whole checkpoint; ``CheckpointError`` naming the path for anything else (``collective``:
+    every rank of the process group reads it alike, and rank 0 alone raises, the others exiting quietly)."""
     path = Path(path)
+    _raise = _raise_from_rank_zero if collective else _raise_here
     if PARTIAL_MARK in path.name:
         _raise(CheckpointError(f"{path} is a checkpoint whose save did not finish; it cannot be loaded."))
     if not (path.is_dir() and (path / META_FILE).is_file()):
@@ -297,10 +298,10 @@ def _digest(file: Path) -> tuple[int, int]:
     return file.stat().st_size, crc
 
 
-def _digests(folder: Path, files: list[str]) -> dict[str, tuple[int, int]]:
-    """``{file: (bytes, CRC-32)}``, each rank reading its share of ``files`` (all of them without a process
-    group). Collective over every rank when there is one."""
-    if not (dist.is_available() and dist.is_initialized()):
+def _digests(folder: Path, files: list[str], collective: bool = True) -> dict[str, tuple[int, int]]:
+    """``{file: (bytes, CRC-32)}``, each rank reading its share of ``files`` (``collective``, over every rank of
+    the process group), or this process all of them."""
+    if not (collective and dist.is_available() and dist.is_initialized()):
         return {f: _digest(folder / f) for f in files}
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = {f: _digest(folder / f) for i, f in enumerate(files) if i % world == rank}
@@ -309,11 +310,12 @@ def _digests(folder: Path, files: list[str]) -> dict[str, tuple[int, int]]:
     return {f: d for part in everyone for f, d in part.items()}
 
 
-def verify_files(path: str | Path, meta: dict[str, Any]) -> None:
+def verify_files(path: str | Path, meta: dict[str, Any], collective: bool = False) -> None:
     """``CheckpointError`` naming the first file of the checkpoint at ``path`` that is missing, or whose size or
-    CRC-32 is not what the save recorded (checkpoints of before the record: nothing to check). Collective over
-    every rank when there is a process group (each rank reads its share); raised by rank 0 alone."""
+    CRC-32 is not what the save recorded (checkpoints of before the record: nothing to check). ``collective``:
+    over every rank of the process group, each reading its share, rank 0 alone raising; else this process alone."""
     path = Path(path)
+    _raise = _raise_from_rank_zero if collective else _raise_here
     recorded = meta["lightning_hybrid"].get("files")
     if recorded is None:
         return
@@ -327,7 +329,7 @@ def verify_files(path: str | Path, meta: dict[str, Any]) -> None:
                      f" damaged; load an earlier checkpoint than {path}.")
         if error:
             _raise(CheckpointError(error))
-    found = _digests(path, sorted(recorded))
+    found = _digests(path, sorted(recorded), collective)
     for name, digest in found.items():
         if tuple(digest) != tuple(recorded[name]):
             _raise(CheckpointError(f"{path / name} does not hold what its save wrote (CRC-32 {digest[1]:#010x},"
@@ -335,10 +337,14 @@ def verify_files(path: str | Path, meta: dict[str, Any]) -> None:
                                    f" checkpoint than {path}."))
 
 
-def _raise(error: BaseException) -> None:
+def _raise_from_rank_zero(error: BaseException) -> None:
     from lightning_hybrid.rank_zero import raise_from_rank_zero
 
     raise_from_rank_zero(error)
+
+
+def _raise_here(error: BaseException) -> None:
+    raise error
 
 
 def check_model_fits(saved: dict[str, list[int]], expected: dict[str, list[int]]) -> None:
@@ -380,8 +386,8 @@ def load_sharded(path: str | Path, module: nn.Module, optimizers: list) -> dict[
     one part at a time. Returns the Lightning checkpoint dict (loops, schedulers, ...). Collective over every
     rank; ``path`` must be the same on every rank."""
     path = Path(path)
-    meta = read_meta(path)
-    verify_files(path, meta)
+    meta = read_meta(path, collective=True)
+    verify_files(path, meta, collective=True)
     specs = tp_shard_specs(module)
     saved_shapes = meta["lightning_hybrid"]["model_shapes"]
 

@@ -6,12 +6,14 @@
     strategy = instantiate(cfg.parallel)         # HybridStrategy(**cfg.parallel)
     trainer  = instantiate(cfg.trainer, devices=dp*tp*pp/num_nodes, strategy=..., logger=..., callbacks=...)
     trainer.fit(model, datamodule=data)          # Lightning starts the other ranks; each runs this same function
-    -> metrics.json in the Hydra output folder (rank 0), returned on every rank
+    -> metrics.json and train_losses.json in the Hydra output folder (rank 0); the metrics returned on every rank
 
 A recipe is a thin ``@hydra.main`` script over `run` with its own top-level config (``recipes/pretrain.py``
 with ``configs/pretrain.yaml``); extra callbacks (an export at the end of fine-tuning, say) come from the
 config's ``callbacks`` or the ``callbacks`` argument. A bad config raises `ConfigError` before Lightning starts
-a process; `exit_on_config_error` prints it as one ``error: ...`` line and exits with code 2.
+a process; `exit_on_config_error` prints it as one ``error: ...`` line and exits with code 2. What a run prints also
+goes to the job's log file (``<output dir>/<job name>.log``), without Lightning's notices that no run can act on
+(`run_log`, `without_library_notices`).
 """
 
 from __future__ import annotations
@@ -19,34 +21,50 @@ from __future__ import annotations
 import dataclasses
 import faulthandler
 import functools
+import importlib
 import importlib.util
 import inspect
 import json
+import logging
 import os
+import re
 import shlex
 import signal
 import sys
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence
+from types import ModuleType
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, InstantiationException
-from hydra.utils import get_object, instantiate
+from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lightning_hybrid.callbacks import ReplicaThroughputMonitor, ValidationPrinter, model_summary_callback
+from lightning_hybrid.callbacks import (
+    ReplicaThroughputMonitor,
+    TrainLossHistory,
+    ValidationPrinter,
+    model_summary_callback,
+)
+from lightning_hybrid.checkpoint import CheckpointError
 from lightning_hybrid.config import register_configs
 from lightning_hybrid.launch import fresh_launch_environment, take_over_launched_ranks, wait_for_launched_ranks
 from lightning_hybrid.memory import PeakMemoryMonitor
 from lightning_hybrid.mesh import ParallelDims
 from lightning_hybrid.planner.auto import choose_layout, predicted_metrics
+from lightning_hybrid.rank_zero import BatchError
 
-__all__ = ["ConfigError", "check", "check_arguments", "exit_on_config_error", "layout_label", "run", "world_layout"]
+__all__ = ["ConfigError", "check", "check_arguments", "exit_on_config_error", "import_target", "layout_label", "run",
+           "run_log", "without_library_notices", "world_layout"]
 
 register_configs()
+
+log = logging.getLogger(__name__)
 
 #: Training steps whose peak memory `run` measures (the tracker costs Python time per op).
 MEASURED_STEPS = 3
@@ -66,6 +84,36 @@ def _targets(cfg: DictConfig) -> Dict[str, DictConfig]:
     return nodes
 
 
+def import_target(key: str, path: Any) -> Any:
+    """The object a ``_target_`` names (``my_pkg.lm.MyLM``), walked as Python imports it: each part an attribute of
+    the one before or, below a package, a module. A `ConfigError` says which part is missing -- ``no module named
+    'my_pkg'``, ``my_pkg.lm has no attribute 'MyLM' (module found at .../lm.py)`` -- or which module raised while
+    importing (its own missing dependency, say), kept apart from a module that is not there."""
+    where = f"{key}._target_={path!r} cannot be imported"
+    if not isinstance(path, str) or not all(part.isidentifier() for part in path.split(".")):
+        raise ConfigError(f"{where}: not an import path (my_pkg.module.Class).")
+    parts = path.split(".")
+    obj: Any = None
+    module: Optional[ModuleType] = None
+    for i, part in enumerate(parts):
+        name = ".".join(parts[: i + 1])
+        if module is not None and hasattr(obj, part):
+            obj = getattr(obj, part)
+            module = obj if isinstance(obj, ModuleType) else module
+        elif module is None or (obj is module and hasattr(module, "__path__")):  # the top, or below a package
+            try:
+                obj = module = importlib.import_module(name)
+            except Exception as err:
+                if not (isinstance(err, ModuleNotFoundError) and err.name == name):
+                    raise ConfigError(f"{where}: importing {name} failed: {type(err).__name__}: {err}") from err
+                hint = f"package found at {next(iter(module.__path__), '?')}" if module else "installed? on PYTHONPATH?"
+                raise ConfigError(f"{where}: no module named {name!r} ({hint})") from err
+        else:
+            raise ConfigError(f"{where}: {'.'.join(parts[:i])} has no attribute {part!r}"
+                              f" (module found at {module.__file__})")
+    return obj
+
+
 def check_arguments(key: str, node: DictConfig) -> None:
     """``ConfigError`` unless ``node``'s ``_target_`` imports and takes ``node``'s arguments.
 
@@ -75,10 +123,7 @@ def check_arguments(key: str, node: DictConfig) -> None:
     calls before any process starts.
     """
     path = node.get("_target_")
-    try:
-        target = get_object(path)
-    except Exception as err:
-        raise ConfigError(f"{key}._target_={path!r} cannot be imported: {err}") from err
+    target = import_target(key, path)
     names = [k for k in node if not (k.startswith("_") and k.endswith("_"))]
     signature = inspect.signature(target)
     try:
@@ -182,15 +227,85 @@ def _hydra_run() -> Dict[str, Any]:
     }
 
 
+# ---------------------------------------------------------------------------------------------- what a run prints
+#: Lightning's loggers. Imported before logging is set up -- a recipe imports Lightning before Hydra's job logging
+#: exists -- each gets a stderr handler of its own and stops propagating (``lightning/pytorch/__init__.py``), so
+#: their lines never reach the root logger's handlers, the job's log file among them.
+LIGHTNING_LOGGERS = ("lightning.pytorch", "lightning.fabric")
+
+#: The logger of the recipe's own lines (the planner's choice, ``step N: val_loss=...``, the final line).
+RECIPE_LOGGER = "lightning_hybrid"
+
+
+@contextmanager
+def run_log() -> Iterator[None]:
+    """Within the block, a run's log goes to the root logger's log files -- Hydra's job log, ``<output dir>/<job
+    name>.log`` -- as well as to the console as before: Lightning's lines to stderr (its own handlers) and the
+    recipe's (`RECIPE_LOGGER`, at INFO) to stdout, as ``print`` would show them. Loggers as they were after it."""
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    ours = logging.getLogger(RECIPE_LOGGER)
+    saved = ours.level, ours.propagate
+    added = [(ours, h) for h in (logging.StreamHandler(sys.stdout), *files)]
+    lightning = [logging.getLogger(name) for name in LIGHTNING_LOGGERS]
+    added += [(logger, h) for logger in lightning if not logger.propagate for h in files]  # else root's get them
+    ours.setLevel(logging.INFO)
+    ours.propagate = False
+    for logger, handler in added:
+        logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        for logger, handler in added:
+            logger.removeHandler(handler)
+        ours.setLevel(saved[0])
+        ours.propagate = saved[1]
+
+
+class _NoLightningTips(logging.Filter):
+    """Leaves out Lightning's advertisements (``💡 Tip: For seamless cloud logging ... litlogger``), which every fit
+    logs through ``rank_zero_info``; only a ``LitLogger`` among the trainer's loggers turns it off -- no Trainer
+    argument or environment variable does."""
+
+    logger = "lightning.pytorch.utilities.rank_zero"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip: ")
+
+
+@contextmanager
+def without_library_notices() -> Iterator[None]:
+    """Within the block, none of the notices that libraries print on every run and that a run cannot act on:
+    Lightning's tips, and its own use of a torch API that torch deprecates (``isinstance(treespec, LeafSpec)``,
+    from ``lightning/pytorch/utilities/_pytree.py``). Each is matched by its exact message and origin; every other
+    warning -- ours, the user's, the libraries' others -- is shown as before."""
+    tips, no_tips = logging.getLogger(_NoLightningTips.logger), _NoLightningTips()
+    tips.addFilter(no_tips)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=re.escape("`isinstance(treespec, LeafSpec)` is deprecated"),
+                                    category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree$")
+            yield
+    finally:
+        tips.removeFilter(no_tips)
+
+
 # ---------------------------------------------------------------------------------------------- the run
 def run(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> Dict[str, Any]:
     """Fit ``cfg.model`` on ``cfg.data`` under ``cfg.parallel`` with ``cfg.trainer``; returns the metrics also
-    written to ``metrics.json`` (every rank returns them; rank 0 writes and prints them).
+    written to ``metrics.json`` (every rank returns them; rank 0 writes and prints them, and every optimizer step's
+    ``train_loss`` to ``train_losses.json``).
 
     ``callbacks`` are added to the config's own ``callbacks``. Raises `ConfigError` for a config that cannot run
-    -- before any process is launched. ``SIGUSR1`` to a rank of the run prints every thread's Python stack to
-    its stderr (`faulthandler`): what a hung rank is waiting in.
+    -- before any process is launched. What the run prints is also in the job's log file (`run_log`), without
+    Lightning's notices (`without_library_notices`). ``SIGUSR1`` to a rank of the run prints every thread's
+    Python stack to its stderr (`faulthandler`): what a hung rank is waiting in.
     """
+    with run_log(), without_library_notices():
+        return _fit(cfg, callbacks)
+
+
+def _fit(cfg: DictConfig, callbacks: Sequence[L.Callback]) -> Dict[str, Any]:
+    """`run` within its log and filters."""
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     if cfg.get("planner") is not None:  # parallel=auto: the planner's layout written into the config
@@ -199,13 +314,14 @@ def run(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> Dict[str, Any]
         except ValueError as err:
             raise ConfigError(f"parallel=auto: {err}") from err
         if int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0:
-            print(why, flush=True)
+            log.info(why)
     layout = check(cfg)
     hydra_run = _hydra_run()
     out_dir = hydra_run["out_dir"]
     accumulate = int(cfg.trainer.accumulate_grad_batches)
     steps = int(cfg.trainer.max_steps)
     throughput = ReplicaThroughputMonitor(window_size=max(2, min(100, steps * accumulate)) if steps > 0 else 100)
+    losses = TrainLossHistory()
     memory = PeakMemoryMonitor(steps=max(1, min(MEASURED_STEPS, steps)) if steps > 0 else MEASURED_STEPS)
 
     with fresh_launch_environment():
@@ -215,7 +331,7 @@ def run(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> Dict[str, Any]
         strategy = _build("parallel", cfg.parallel)
         extra = [_build(f"callbacks.{name}", node) for name, node in cfg.callbacks.items() if node is not None]
         own = [ModelCheckpoint(dirpath=str(out_dir / "checkpoints"), save_last=True), throughput, memory,
-               ValidationPrinter()]
+               ValidationPrinter(), losses]
         if cfg.trainer.enable_model_summary is not False:
             own.append(model_summary_callback())  # in place of Lightning's, which would count rank 0's shard only
         trainer = _build(
@@ -248,7 +364,9 @@ def run(cfg: DictConfig, callbacks: Sequence[L.Callback] = ()) -> Dict[str, Any]
         }
         if trainer.is_global_zero:
             (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-            print(_final_line(metrics, out_dir / "metrics.json"), flush=True)
+            per_step = {"step": losses.steps, losses.metric: losses.values}  # every optimizer step's
+            (out_dir / "train_losses.json").write_text(json.dumps(per_step) + "\n")
+            log.info(_final_line(metrics, out_dir / "metrics.json"))
     wait_for_launched_ranks(launched)
     return metrics
 
@@ -273,7 +391,9 @@ def _one_line(err: BaseException) -> str:
 
 
 def exit_on_config_error(function: Callable[..., Any]) -> Callable[..., Any]:
-    """``function`` printing a bad config as one ``error: ...`` line on stderr and exiting with code 2.
+    """``function`` printing a bad config as one ``error: ...`` line on stderr and exiting with code 2 -- also a batch
+    the layout cannot train (`BatchError`, found before the ranks start or by rank 0 once they have) and a damaged
+    or foreign checkpoint to resume from (`CheckpointError`).
 
     A recipe applies it twice: under ``@hydra.main``, to the task function, for the errors `run` finds (inside
     the job, where Hydra would add a line of its own), and around the Hydra app, for composition errors (a
@@ -292,7 +412,7 @@ def exit_on_config_error(function: Callable[..., Any]) -> Callable[..., Any]:
         os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # composition errors reach us, not Hydra's report
         try:
             return function(*args, **kwargs)
-        except (ConfigError, HydraException, OmegaConfBaseException) as err:
+        except (ConfigError, HydraException, OmegaConfBaseException, BatchError, CheckpointError) as err:
             print(f"error: {_one_line(err)}", file=sys.stderr, flush=True)
             sys.exit(2)  # SystemExit passes through Hydra's job runner, which handles only `Exception`s
 

@@ -224,7 +224,7 @@ class HybridStrategy(MeshStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """On a SIGTERM every rank agreed on: save ``last.ckpt`` in the ``ModelCheckpoint``'s folder (all ranks,
         at the same step boundary), then stop as on any error."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = getattr(self.lightning_module, "_trainer", None)
         checkpoint = getattr(trainer, "checkpoint_callback", None)
         if isinstance(exception, SIGTERMException) and self._stopping and getattr(checkpoint, "dirpath", None):
             path = os.path.join(checkpoint.dirpath, checkpoint.CHECKPOINT_NAME_LAST + checkpoint.FILE_EXTENSION)

@@ -1,8 +1,8 @@
 """Hydra recipes: config composition (every named config, typo'd fields failing, schemas derived from the
 signatures), the checks before launch, the pretrain recipe end to end (the reference GPT in one run; a user's module
 and data module from outside the package, named by `_target_` on the command line, in a 4-job layout sweep that
-includes dp2 x tp2 x pp2, with its summary), and bad configs giving one error line with
-exit code 2."""
+includes dp2 x tp2 x pp2, with its summary), what a run prints (its log file, no library notices, every step's
+train loss), and bad configs giving one error line with exit code 2."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,8 @@ from lightning_hybrid import HybridStrategy
 from lightning_hybrid.config import ParallelConfig, register_configs, schema_from_signature
 from lightning_hybrid.data import ByteCorpusDataModule
 from lightning_hybrid.models import GPTLightningModule
-from lightning_hybrid.recipe import ConfigError, check, world_layout
-from tests.user_model import TinyLM
+from lightning_hybrid.recipe import ConfigError, check, import_target, world_layout
+from tests.user_model import CountingTokens, TinyLM
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -40,6 +41,9 @@ LAYOUTS = {"single": (1, 1, 1, 0), "dp": (2, 1, 1, 0), "tp": (1, 2, 1, 0), "dp_t
 TINY = ["trainer.max_steps=3", "data.max_bytes=30000", "data.batch_size=4", "trainer.limit_val_batches=1",
         "trainer.enable_progress_bar=false"]
 TIMEOUT_S = 240
+#: What libraries would print on every run, which a run leaves out (`recipe.without_library_notices`, and
+#: `ReplicaThroughputMonitor` for a module without FLOPs).
+LIBRARY_NOTICES = ("LeafSpec", "💡 Tip", "flops_per_batch")
 
 
 def _compose(*overrides: str):
@@ -126,6 +130,50 @@ def test_arguments_of_any_target_are_checked_before_launch():
         check(_compose("model=custom"))
 
 
+def test_a_target_that_does_not_import_says_which_part_is_missing(tmp_path, monkeypatch):
+    (tmp_path / "needs_a_dependency.py").write_text("import no_such_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    here = re.escape(str(ROOT / "tests"))
+    cases = {
+        "tests.user_model.Missing": rf"tests.user_model has no attribute 'Missing' \(module found at {here}/user_mo",
+        "tests.user_model.TinyLM.Missing": r"tests.user_model.TinyLM has no attribute 'Missing' \(module found at ",
+        "tests.no_such_module.LM": rf"no module named 'tests.no_such_module' \(package found at {here}\)$",
+        "no_such_pkg.lm.LM": r"no module named 'no_such_pkg' \(installed\? on PYTHONPATH\?\)$",
+        # A module that is there but fails to import is not reported as missing.
+        "needs_a_dependency.LM": r"importing needs_a_dependency failed: ModuleNotFoundError: .*'no_such_dependency'$",
+        "my pkg.LM": r"not an import path",
+    }
+    for path, message in cases.items():
+        with pytest.raises(ConfigError, match=rf"^data._target_='{re.escape(path)}' cannot be imported: {message}"):
+            import_target("data", path)
+    assert import_target("model", "tests.user_model.TinyLM") is TinyLM
+
+
+def test_train_loss_history_has_one_loss_per_optimizer_step():
+    """Under gradient accumulation too: one value per optimizer step, the one the module logged; and a module with
+    no FLOPs gets no warning of Lightning's that it has none."""
+    import lightning as L
+
+    from lightning_hybrid.callbacks import ReplicaThroughputMonitor, TrainLossHistory
+
+    class Logged(L.Callback):
+        def __init__(self) -> None:
+            self.values = []
+
+        def on_train_batch_end(self, trainer, *args) -> None:
+            self.values.append(float(trainer.callback_metrics["train_loss"]))
+
+    history, logged = TrainLossHistory(), Logged()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=2, limit_val_batches=0,
+                        callbacks=[history, logged, ReplicaThroughputMonitor(window_size=2)], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(TinyLM(width=16), CountingTokens())
+    assert history.steps == [1, 2, 3] and history.values == logged.values[1::2]  # the batches that end a step
+    assert not [w for w in caught if "flops_per_batch" in str(w.message)]
+
+
 # ---------------------------------------------------------------------------------------------- end to end
 def _run(args, cwd: Path, recipe: Path = RECIPE) -> subprocess.CompletedProcess:
     # PYTHONPATH: the user's module (tests/user_model.py) must import in every rank, as a user's own package would.
@@ -162,7 +210,8 @@ def _check_metrics(path: Path, layout: str, world_size: int) -> dict:
 
 def test_recipe_single_run_tp2(tmp_path):
     run_dir = tmp_path / "run"
-    res = _run(["parallel=tp", "parallel.tp=2", *TINY, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    res = _run(["parallel=tp", "parallel.tp=2", *TINY, "trainer.log_every_n_steps=1", f"hydra.run.dir={run_dir}"],
+               cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     m = _check_metrics(run_dir / "metrics.json", "dp1xtp2", 2)
     # AdamW's moments are counted: 2 x the parameters once the first step has made them.
@@ -172,8 +221,18 @@ def test_recipe_single_run_tp2(tmp_path):
     assert m["peak_mib_max"] >= sum(after.values()) - 1e-3, m
     final = [ln for ln in res.stdout.splitlines() if "final val_loss=" in ln]
     assert len(final) == 1 and "tokens/s=" in final[0] and "peak_mib/rank=" in final[0]
-    assert (run_dir / "csv" / "metrics.csv").exists()
+    assert final[0].startswith("[dp1xtp2] final val_loss=")  # printed as it is, the log file's format is its own
     assert (run_dir / "checkpoints" / "last.ckpt").exists()
+    # The run's log in the job's log file: Lightning's lines, the TP layout, the validation and the final line.
+    log = (run_dir / "pretrain.log").read_text()
+    assert all(line in log for line in ["GPU available:", "tensor parallel:", "step 3: val_acc=", final[0]]), log
+    output = res.stdout + res.stderr
+    assert not [notice for notice in LIBRARY_NOTICES if notice in output], output[-3000:]
+    # Every optimizer step's train_loss: the values the CSV logger keeps at log_every_n_steps=1.
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        logged = [float(r["train_loss"]) for r in csv.DictReader(f) if r.get("train_loss")]
+    losses = json.loads((run_dir / "train_losses.json").read_text())
+    assert losses["step"] == [1, 2, 3] and losses["train_loss"] == pytest.approx(logged, rel=1e-6), (losses, logged)
 
 
 USER_MODEL = ["model=custom", "model._target_=tests.user_model.TinyLM", "model.width=32",
@@ -224,6 +283,10 @@ def test_user_module_and_data_in_a_layout_sweep_up_to_3d(tmp_path):
     output = res.stdout + res.stderr
     assert re.search(rf"Params per device: [\d.]+ K( - [\d.]+ K)? of {whole} \(8 devices\)", output)
     assert output.count("is deprecated") <= 4, res.stderr[-3000:]  # Lightning's LeafSpec use, 13 copies unfiltered
+    assert not [notice for notice in LIBRARY_NOTICES if notice in output], output[-3000:]  # TinyLM has no FLOPs
+    for i, m in enumerate(jobs.values()):  # each job's log file, with its own final line
+        log = (sweep / str(i) / "pretrain.log").read_text()
+        assert log.count("final val_loss=") == 1 and f"[{m['layout']}] final val_loss=" in log, log
 
 
 def test_sweep_module_cli(tmp_path):
@@ -259,6 +322,10 @@ def test_sweep_summary_without_matplotlib(tmp_path, monkeypatch, capsys):
         (["parallel.tpp=2"], "Key 'tpp' not in 'ParallelConfig'"),
         (["data=text", "data.paths=[/no/such/corpus]"], "data: paths: '/no/such/corpus' does not exist"),
         (["data=text"], "data.paths is required"),
+        (["data=custom", "data._target_=tests.user_model.Missing"],
+         "data._target_='tests.user_model.Missing' cannot be imported: tests.user_model has no attribute 'Missing'"
+         f" (module found at {ROOT / 'tests' / 'user_model.py'})"),
+        (["model=custom", "model._target_=no_such_pkg.lm.LM"], "cannot be imported: no module named 'no_such_pkg'"),
     ],
 )
 def test_bad_config_is_one_error_line_exit_2(args, message, tmp_path):
@@ -267,6 +334,17 @@ def test_bad_config_is_one_error_line_exit_2(args, message, tmp_path):
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], res.stderr
     assert "Traceback" not in res.stdout + res.stderr
+
+
+def test_a_batch_the_layout_cannot_split_is_one_error_line_before_the_ranks_start(tmp_path):
+    """Found from the data module before Lightning starts the other ranks (`HybridStrategy.check_before_launch`):
+    after Lightning's own lines about the devices, one ``error:`` line, exit code 2, no traceback."""
+    args = ["parallel=dp_pp", "+parallel.micro_batches=3", *TINY, f"hydra.run.dir={tmp_path / 'run'}"]
+    res = _run(args, cwd=tmp_path)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: batch_size=4 (per data-parallel rank) does not split into micro_batches=3"), last
+    assert "Traceback" not in res.stdout + res.stderr and "Initializing distributed" not in res.stderr
 
 
 def test_slurm_launcher_config_composes():

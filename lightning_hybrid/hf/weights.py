@@ -12,6 +12,7 @@ from typing import Optional, Union
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 __all__ = ["ExportPretrained", "export_pretrained"]
@@ -153,6 +154,5 @@ class ExportPretrained(L.Callback):
 
     def on_train_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
         export_pretrained(trainer, self.folder)
-        if trainer.is_global_zero:
-            print(f"exported the trained model to {self.folder} (AutoModelForCausalLM.from_pretrained loads it)",
-                  flush=True)
+        # Lightning's logger: on the console, and in a recipe's log file too.
+        rank_zero_info(f"exported the trained model to {self.folder} (AutoModelForCausalLM.from_pretrained loads it)")
