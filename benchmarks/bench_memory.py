@@ -17,17 +17,21 @@ Same model (a SwiGLU GPT, default 8 layers x 512 wide, block 64), same data (per
 memory     = `lightning_hybrid.memory.PeakMemoryMonitor` over the first ``--measure-steps`` training steps: the
              peak of live tensor bytes per rank and its breakdown by kind (parameters, gradients, optimizer
              state, activations + temporaries, the rest); a table shows the rank with the highest peak
-saved      = peak of Hybrid ZeRO-0 - peak of the row (same dp)
+resident   = each rank's resident-set peak (``VmHWM``, /proc/self/status) over its whole life (setup, fit, every
+             step), with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors go back to the OS: it sees what the
+             tracker cannot, such as the buffers gloo allocates inside a collective; a second table shows it per
+             rank and the ratio below on it beside the ratio on live tensors
+saved      = peak of Hybrid ZeRO-0 - peak of the row (same dp), on either measure
 promised   = what the ZeRO formulas save against stage 0, fp32 AdamW, Psi = parameter count, bytes per rank:
              stage 0: 16 Psi, 1: 4 Psi + 4 Psi + 8 Psi/dp, 2: 4 Psi + 12 Psi/dp, 3: 16 Psi/dp (FSDP2 row: stage 3)
 step time  = on_train_batch_start -> on_train_batch_end, the slower rank per step, mean over the ``--steps``
              steps after the measured and ``--warmup`` steps (the memory tracker is off by then: it slows ops)
 tokens/s   = dp * batch * block_size / step time
 
-Goals: saved / promised >= 0.9 for ZeRO 1-3; Hybrid ZeRO-0 tokens/s >= DDP (bucket view) and Hybrid ZeRO-3
-tokens/s >= FSDP2 (ratio >= 1.0); peak of ZeRO-0 <= DDP (bucket view) and of ZeRO-3 <= FSDP2. With dp ranks on
-fewer cores the step times are of an oversubscribed machine; each run reports how many CPUs other processes
-kept busy meanwhile (`benchmarks/machine_load.py`), and a speed ratio with a run above 0.25 is flagged
+Goals: saved / promised >= 0.9 for ZeRO 1-3 on both measures; Hybrid ZeRO-0 tokens/s >= DDP (bucket view) and
+Hybrid ZeRO-3 tokens/s >= FSDP2 (ratio >= 1.0); peak of ZeRO-0 <= DDP (bucket view) and of ZeRO-3 <= FSDP2. With
+dp ranks on fewer cores the step times are of an oversubscribed machine; each run reports how many CPUs other
+processes kept busy meanwhile (`benchmarks/machine_load.py`), and a speed ratio with a run above 0.25 is flagged
 disturbed. The tables are printed and written to benchmarks/MEMORY.md.
 """
 
@@ -60,6 +64,9 @@ from lightning_hybrid.testing import run_distributed  # noqa: E402
 VAL_FRACTION = 0.05  # ByteCorpusDataModule's default hold-out
 MIB = 2**20
 RATIO_GOAL = 0.9
+# Large allocations mmap'ed, so that a freed tensor leaves the resident set at once (glibc's default threshold
+# adapts up to 32 MiB, and memory freed below it stays in the heap, blurring the resident peak).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 MAX_OTHER_LOAD = 0.25  # CPUs busy with other processes above which a run's timing is flagged as disturbed
 # name: (label, ZeRO stage whose formula the row is held to)
 STRATEGIES = {
@@ -130,7 +137,14 @@ def worker(name: str, dp: int, cfg: dict) -> dict:
     trainer.fit(module, data)
     loss = trainer.callback_metrics.get("train_loss")
     return {"total": monitor.peak.total, "breakdown": monitor.peak.breakdown, "times": timer.times,
+            "resident": resident_peak(),
             "loss": float(loss) if loss is not None else float("nan"), "proc_cpu_s": cpu_s(resource.RUSAGE_SELF)}
+
+
+def resident_peak() -> int:
+    """This process's resident-set peak in bytes (``VmHWM``)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def run_one(name: str, dp: int, cfg: dict) -> dict:
@@ -148,6 +162,7 @@ def run_one(name: str, dp: int, cfg: dict) -> dict:
     n = min(len(r["times"]) for r in ranks)
     return {
         "peaks": [r["total"] for r in ranks], "total": top["total"], "breakdown": top["breakdown"],
+        "residents": [r["resident"] for r in ranks], "resident": max(r["resident"] for r in ranks),
         "step_s": statistics.fmean(max(r["times"][i] for r in ranks) for i in range(n)) if n else float("nan"),
         "loss": ranks[0]["loss"], "wall_s": wall,
         "other_load": max(0.0, (busy1 - busy0 - ours) / wall) if None not in (busy0, busy1) else float("nan"),
@@ -160,13 +175,23 @@ def formula(stage: int, psi: int, dp: int) -> float:
 
 
 def report(dp: int, res: dict, psi: int, tokens: int) -> list[str]:
-    """The markdown table of one dp and its goal lines."""
+    """The markdown tables of one dp (live tensors, resident set) and its goal lines."""
     ok = lambda n: n in res and "error" not in res[n]  # noqa: E731
-    base = res["zero0"]["total"] if ok("zero0") else None
+
+    def saving(name: str, measure: str) -> tuple[float, float, str]:
+        """(saved MiB against Hybrid ZeRO-0, promised MiB, saved / promised) on ``measure`` (total, resident)."""
+        stage = STRATEGIES[name][1]
+        promised = (formula(0, psi, dp) - formula(stage, psi, dp)) / MIB
+        saved = (res["zero0"][measure] - res[name][measure]) / MIB if ok("zero0") else float("nan")
+        return saved, promised, f"{saved / promised:.3f}" if promised else "-"
+
     out = [f"### dp = {dp}", "",
            "| strategy | peak MiB | params | grads | optim | act+temp | rest | saved vs Hybrid ZeRO-0"
            " | ZeRO formula promises | ratio | step s | tokens/s | other load |", "|---|" + "---:|" * 12]
-    for name, (label, stage) in STRATEGIES.items():
+    resident = ["Resident set (VmHWM, MiB):", "",
+                "| strategy | peak per rank | peak | saved vs Hybrid ZeRO-0 | ZeRO formula promises | ratio"
+                " | live-tensor ratio |", "|---|" + "---:|" * 6]
+    for name, (label, _stage) in STRATEGIES.items():
         r = res.get(name)
         if r is None:
             continue
@@ -176,20 +201,22 @@ def report(dp: int, res: dict, psi: int, tokens: int) -> list[str]:
         b = {k: v / MIB for k, v in r["breakdown"].items()}
         act = b["activations"] + b["temporary"]
         rest = r["total"] / MIB - b["parameters"] - b["gradients"] - b["optimizer_state"] - act
-        promised = (formula(0, psi, dp) - formula(stage, psi, dp)) / MIB
-        saved = (base - r["total"]) / MIB if base is not None else float("nan")
-        ratio = f"{saved / promised:.3f}" if promised else "-"
+        saved, promised, ratio = saving(name, "total")
         out.append(f"| {label} | {r['total'] / MIB:.1f} | {b['parameters']:.1f} | {b['gradients']:.1f}"
                    f" | {b['optimizer_state']:.1f} | {act:.1f} | {rest:.1f} | {saved:.1f} | {promised:.1f} | {ratio}"
                    f" | {r['step_s']:.3f}"
                    f" | {tokens / r['step_s']:.0f} | {r['other_load']:.2f} |")
-    out.append("")
+        rss_saved, _, rss_ratio = saving(name, "resident")
+        resident.append(f"| {label} | {' / '.join(f'{x / MIB:.1f}' for x in r['residents'])}"
+                        f" | {r['resident'] / MIB:.1f} | {rss_saved:.1f} | {promised:.1f} | {rss_ratio} | {ratio} |")
+    out += [""] + resident + [""]
     verdict = lambda good: "met" if good else "NOT MET"  # noqa: E731
     for s in (1, 2, 3):
-        if ok(f"zero{s}") and base is not None:
-            ratio = (base - res[f"zero{s}"]["total"]) / (formula(0, psi, dp) - formula(s, psi, dp))
-            out.append(f"- ZeRO-{s} saved / promised = {ratio:.3f} (goal >= {RATIO_GOAL}):"
-                       f" {verdict(ratio >= RATIO_GOAL)}")
+        if ok(f"zero{s}") and ok("zero0"):
+            for measure, what in (("total", "live tensors"), ("resident", "resident set")):
+                saved, promised, _ = saving(f"zero{s}", measure)
+                out.append(f"- ZeRO-{s} saved / promised, {what} = {saved / promised:.3f} (goal >= {RATIO_GOAL}):"
+                           f" {verdict(saved / promised >= RATIO_GOAL)}")
     for hyb, lit in (("zero0", "ddp_view"), ("zero3", "fsdp2")):
         h, l_ = STRATEGIES[hyb][0], STRATEGIES[lit][0]
         if not (ok(hyb) and ok(lit)):
@@ -246,6 +273,7 @@ def main(argv=None) -> int:
                 f" Hybrid bucket_cap_mb={args.bucket_cap_mb:g}; CPU, gloo, 1 thread per rank;"
                 f" torch {torch.__version__}, lightning {L.__version__}, {os.cpu_count()} CPUs")
     print(settings, flush=True)
+    os.environ.update(MALLOC_ENV)  # before the first launch starts the fork server the ranks are forked from
     results: dict[int, dict] = {}
     t_start = time.perf_counter()
     for dp in args.dps:
@@ -254,6 +282,7 @@ def main(argv=None) -> int:
             r = results[dp][name] = run_one(name, dp, cfg)
             line = (f"failed: {r['error']}" if "error" in r else
                     f"peak/rank MiB {' '.join(f'{x / MIB:.1f}' for x in r['peaks'])}  step {r['step_s']:.3f}s"
+                    f"  resident/rank MiB {' '.join(f'{x / MIB:.1f}' for x in r['residents'])}"
                     f"  loss {r['loss']:.4f}  other load {r['other_load']:.2f}")
             print(f"  dp={dp} {STRATEGIES[name][0]:<28} {line}  (run {r['wall_s']:.0f}s)", flush=True)
     total = time.perf_counter() - t_start
@@ -265,8 +294,10 @@ def main(argv=None) -> int:
              "Peak = highest live tensor bytes over the measured steps (PeakMemoryMonitor), max over ranks; the"
              " breakdown (MiB) is that rank's; act+temp = activations + backward temporaries; rest = buffers,"
              " optimizer-step"
-             " temporaries, other. Step time = slower rank per step, mean over the timed steps; other load = CPUs that"
-             " other processes kept busy during the run.", ""]
+             " temporaries, other. Resident set = each rank's VmHWM over its whole run (setup included; the"
+             " libraries alone are a constant part of it, the same in every row) with MALLOC_MMAP_THRESHOLD_=65536;"
+             " ratio = its saving against Hybrid ZeRO-0 over the formula's. Step time = slower rank per"
+             " step, mean over the timed steps; other load = CPUs that other processes kept busy during the run.", ""]
     for dp in args.dps:
         lines += report(dp, results[dp], psi, dp * args.batch * args.block_size)
     text = "\n".join(lines)

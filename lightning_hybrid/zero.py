@@ -13,7 +13,8 @@
     (gradients: Psi/dp plus the bucket backward is filling and at most ``MAX_IN_FLIGHT`` being reduced; a
     bucket is freed as soon as its reduce-scatter is done).
   Stages 1 and 2 then all-gather the updated slices into the flat parameter buffers the model's parameters are
-  views of (the same communication as DDP's all-reduce in total).
+  views of (the same communication as DDP's all-reduce in total). On gloo, whose reduce-scatter and all-gather
+  copy the whole buffer inside the call, both run as in-place collectives instead (`_COPYING_COLLECTIVES`).
 * stage 3 (`apply_fsdp`): FSDP2 (`fully_shard`) over the DP sub-mesh; parameters, gradients and optimizer
   state are all 1/dp, parameters are gathered per layer for forward and backward.
 
@@ -40,8 +41,15 @@ from torch.optim import Optimizer
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 # Backends whose reduce-scatter may write into its own input at ``input[rank * n : (rank + 1) * n]`` (NCCL
-# documents it; gloo measured in tests/test_zero.py).
-_IN_PLACE_REDUCE_SCATTER = ("gloo", "nccl")
+# documents it).
+_IN_PLACE_REDUCE_SCATTER = ("nccl",)
+# Backends whose collectives copy the whole buffer inside the call, out of the live-tensor tracker's sight: gloo's
+# reduce-scatter all-reduces a clone of its input, its all-gather fills a temporary as large as its output (+1x
+# the bucket of resident memory per call, measured; under stage 1 every bucket of a backward is in flight at once).
+# There a bucket all-reduces its buffer in place -- the all-reduce gloo's reduce-scatter runs, so the same sums,
+# bit for bit, at any dp -- and its slices are gathered by one in-place broadcast per rank (copies): both allocate
+# no more than a fixed ~2 MiB (tests/test_zero.py measures both).
+_COPYING_COLLECTIVES = ("gloo",)
 MAX_IN_FLIGHT = 1  # stage 2: reductions running while backward fills the next bucket
 
 #: torch's optimizers whose update of an element reads only that element's parameter, gradient and state (and
@@ -101,7 +109,7 @@ class _Bucket:
         if stage < 2:
             self.allocate()
         self.work = None  # the running reduction
-        self.scattered: Tensor | None = None  # stage 1: the reduce-scatter's output until it is copied in
+        self.scattered: Tensor | None = None  # stages 1-2: where the reduction leaves this rank's slice
 
     def offset(self, param: nn.Parameter) -> int:
         """Where ``param`` starts in the bucket's flat buffers."""
@@ -125,9 +133,14 @@ class _Bucket:
             self.work = dist.all_reduce(self.grad.div_(dist.get_world_size(self.group)), group=self.group,
                                         async_op=True)
             return
+        backend = dist.get_backend(self.group)
+        if backend in _COPYING_COLLECTIVES:  # the sum lands in the whole buffer, this rank's slice included
+            self.scattered = self.grad[self.lo : self.hi]
+            self.work = dist.all_reduce(self.grad, group=self.group, async_op=True)
+            return
         if self.stage == 2:
             out = self.shard_grad
-        elif dist.get_backend(self.group) in _IN_PLACE_REDUCE_SCATTER:  # this rank's slice of the buffer itself
+        elif backend in _IN_PLACE_REDUCE_SCATTER:  # this rank's slice of the buffer itself
             out = self.grad[self.lo : self.hi]
         else:
             out = self.grad.new_empty(self.hi - self.lo)
@@ -143,11 +156,12 @@ class _Bucket:
             return
         world = dist.get_world_size(self.group)
         assert self.grad is not None and self.scattered is not None
-        if self.stage == 1 and self.scattered.data_ptr() != self.grad[self.lo :].data_ptr():
-            mine = self.grad[self.lo : self.hi]  # back into the full buffer: gradients stay one buffer of Psi
+        # Stage 1: the slice of the full buffer (gradients stay one buffer of Psi); stage 2: the persistent slice.
+        mine = self.grad[self.lo : self.hi] if self.stage == 1 else self.shard_grad
+        assert mine is not None
+        if self.scattered.data_ptr() != mine.data_ptr():
             mine.copy_(self.scattered)
-            self.scattered = mine
-        self.shard.grad = self.scattered.div_(world)
+        self.shard.grad = mine.div_(world)
         self.scattered = None
         for p in self.params:  # the full views hold unreduced sums: not a gradient to read
             p.grad = None
@@ -156,6 +170,14 @@ class _Bucket:
 
     @torch.no_grad()
     def gather_parameters(self) -> None:
+        """Every rank's updated slice into ``flat`` (stages 1-2, after the step), over the DP group."""
+        if dist.get_backend(self.group) in _COPYING_COLLECTIVES:  # rank r's slice, from rank r, in place
+            size = self.hi - self.lo
+            works = [dist.broadcast(self.flat[r * size : (r + 1) * size], group_src=r, group=self.group,
+                                    async_op=True) for r in range(dist.get_world_size(self.group))]
+            for work in works:
+                work.wait()
+            return
         dist.all_gather_single(self.flat, self.shard.detach().clone(), group=self.group)
 
 

@@ -203,6 +203,92 @@ def test_gradient_buckets_reduce_during_backward_and_match_one_device():
                 assert refusal in got["refused"], got
 
 
+def _resident(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+
+def _transient(fn) -> int:
+    """How far the resident set rises above its level before ``fn()`` while it runs (``VmHWM`` reset first)."""
+    before = _resident("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    fn()
+    return _resident("VmHWM") - before
+
+
+GLOO_BUCKET_MB = 16  # a bucket of one parameter, for the resident-set measurement
+
+
+def _gloo_collective_checks() -> dict:
+    """Stages 1-2 on gloo over a DP group (the whole world if it is odd, else the ranks of one parity): the slice
+    gradients equal torch's reduce-scatter of the same float32 gradient buffers bit for bit, and the gathered
+    parameters its all-gather of the stepped slices; and how much resident memory reducing and gathering a bucket
+    of `GLOO_BUCKET_MB` add (gloo's own reduce-scatter and all-gather copy the whole bucket)."""
+    import ctypes
+
+    ctypes.CDLL(None).mallopt(-3, 65536)  # M_MMAP_THRESHOLD, as MALLOC_MMAP_THRESHOLD_: freed tensors leave the RSS
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = [dist.new_group(list(range(parity, world, 2))) for parity in (0, 1)] if world % 2 == 0 else []
+    group = groups[rank % 2] if groups else dist.group.WORLD
+    dp = dist.get_world_size(group)
+    out = {}
+    for stage in (1, 2):
+        torch.manual_seed(0)  # the same parameters on every rank; sizes that leave the buckets padded
+        params = [nn.Parameter(torch.randn(n)) for n in (1001, 37, 5003, 20_011, 3, 777)]
+        opt = ZeroOptimizer(torch.optim.SGD(params, lr=0.1), group, stage, set(), bucket_cap_mb=32 * 1024 / 2**20)
+        generator = torch.Generator().manual_seed(rank + 1)
+        for p in params:  # per rank, over many orders of magnitude: any change of summation order shows
+            scale = torch.exp(5 * torch.randn(p.shape, generator=generator))
+            p.grad = torch.randn(p.shape, generator=generator) * scale
+        full = []  # each bucket's gradient buffer as the bucket lays it out, zero-padded
+        for b in opt.buckets:
+            flat = torch.zeros(b.padded)
+            for q, offset in zip(b.params, b.offsets):
+                flat[offset : offset + q.numel()] = q.grad.reshape(-1)
+            full.append(flat)
+        opt.gradients.reduce()
+        scattered = []
+        for b, flat in zip(opt.buckets, full):
+            reference = flat.new_empty(b.hi - b.lo)
+            dist.reduce_scatter_single(reference, flat, group=group)
+            scattered.append(torch.equal(b.shard.grad, reference.div_(dp)))
+        opt.step()
+        gathered = []
+        for b in opt.buckets:
+            reference = torch.empty_like(b.flat)
+            dist.all_gather_single(reference, b.shard.detach().clone(), group=group)
+            gathered.append(torch.equal(b.flat, reference))
+        out[stage] = {"buckets": len(opt.buckets), "scattered": scattered, "gathered": gathered,
+                      "slice_in_bucket": stage == 2 or all(b.shard.grad.data_ptr() == b.grad[b.lo :].data_ptr()
+                                                           for b in opt.buckets)}
+        opt.gradients.remove()
+    # Stage 1 (its full buffer is allocated beforehand): what reducing and gathering a bucket add to the RSS.
+    big = nn.Parameter(torch.randn(GLOO_BUCKET_MB * 2**20 // 4))
+    opt = ZeroOptimizer(torch.optim.SGD([big], lr=0.1), group, 1, set(), bucket_cap_mb=GLOO_BUCKET_MB)
+    big.grad = opt.buckets[0].views[0].normal_()  # already the bucket's view: nothing is freed meanwhile
+    dist.barrier()
+    out["reduce_bytes"] = _transient(opt.gradients.reduce)
+    dist.barrier()
+    out["gather_bytes"] = _transient(opt.step)
+    opt.gradients.remove()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_gloo_reductions_are_exact_and_allocate_no_bucket_copy(world):
+    for rank, got in enumerate(run_distributed(_gloo_collective_checks, world)):
+        for stage in (1, 2):
+            assert got[stage]["buckets"] >= 3, (rank, stage, got[stage])
+            assert all(got[stage]["scattered"]) and all(got[stage]["gathered"]), (rank, stage, got[stage])
+            assert got[stage]["slice_in_bucket"], (rank, stage)  # stage 1 reduces in place into its bucket
+        # gloo's reduce-scatter and all-gather would add the whole bucket (16 MiB) each; in place: ~2 MiB
+        bucket = GLOO_BUCKET_MB * 2**20
+        assert got["reduce_bytes"] < bucket / 4 and got["gather_bytes"] < bucket / 4, (rank, got)
+
+
 def test_stages_1_and_2_take_element_wise_optimizers_only():
     from lightning_hybrid.zero import check_elementwise
 
