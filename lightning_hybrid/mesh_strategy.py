@@ -11,8 +11,11 @@ what Lightning's own collectives mean on it. It knows nothing of the model; `Hyb
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
+import traceback
 from contextlib import ExitStack
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional, Union
@@ -124,10 +127,47 @@ class MeshStrategy(ParallelStrategy):
         before Lightning's launcher starts the other ranks: raise on what they can tell that would fail on the
         ranks. Nothing here; `HybridStrategy` checks the batch size."""
 
+    # ------------------------------------------------------------------ progress, for a rank that stops answering
+    def mark_progress(self, batch: int) -> None:
+        """Record in the process group's store that this rank started training batch ``batch`` (one small store
+        write per batch), so that a rank whose collective times out can name the ranks that never came."""
+        store = _store()
+        if store is not None:
+            store.set(f"{_PROGRESS_KEY}/{self.global_rank}", str(batch))
+            self._batch = batch
+
+    def _report_timeout(self, exception: BaseException) -> None:
+        """If ``exception`` is a collective that timed out: one line on stderr naming the collective, where it was
+        called, and the ranks that had not reached this rank's batch (from `mark_progress`)."""
+        text = str(exception)
+        if not (isinstance(exception, RuntimeError) and re.search(r"(?i)timed? ?out", text)):
+            return
+        frames = traceback.extract_tb(exception.__traceback__)
+        inside = [i for i, f in enumerate(frames) if f.filename.endswith("distributed_c10d.py")]
+        if not inside:
+            return
+        collective = frames[inside[-1]].name
+        caller = next((f for f in reversed(frames[: inside[0]]) if "torch/distributed" not in f.filename), None)
+        where = f" called from {caller.filename}:{caller.lineno} ({caller.name})" if caller else ""
+        behind = []
+        store, mine = _store(), getattr(self, "_batch", None)
+        if store is not None and mine is not None:
+            for rank in range(self.world_size):
+                key = f"{_PROGRESS_KEY}/{rank}"
+                theirs = int(store.get(key)) if store.check([key]) else -1
+                if theirs < mine:
+                    behind.append(f"rank {rank} (at batch {theirs})" if theirs >= 0 else f"rank {rank} (no batch)")
+        who = ("; ranks that never reached this rank's batch " + f"{mine}: " + ", ".join(behind)) if behind else ""
+        seconds = self._timeout.total_seconds() if self._timeout is not None else "?"
+        os.write(2, f"error: rank {self.global_rank} waited {seconds:g} s in torch.distributed.{collective}{where},"
+                    f" and a rank never joined it{who}.\n".encode())
+
     def on_exception(self, exception: BaseException) -> None:
         """On the process that started the other ranks (Lightning's launcher): stop them. Lightning leaves them
         running on an error, and they would wait for this rank -- in the rendezvous, or in a collective -- until
-        the process group's timeout."""
+        the process group's timeout. A collective that timed out is named first, with the ranks that never came."""
+        with contextlib.suppress(Exception):  # a report only: never in the way of the error itself
+            self._report_timeout(exception)
         super().on_exception(exception)
         launcher = self._launcher
         if isinstance(launcher, _SubprocessScriptLauncher) and launcher.procs:
@@ -210,3 +250,13 @@ class _CheckedLauncher(_SubprocessScriptLauncher):
     def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self._strategy.check_before_launch(args)
         return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+_PROGRESS_KEY = "lightning_hybrid/progress"
+
+
+def _store() -> Optional[Any]:
+    """The default process group's store (where the ranks met), or ``None`` without one."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.distributed_c10d._get_default_store()

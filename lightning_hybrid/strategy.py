@@ -265,6 +265,7 @@ class HybridStrategy(MeshStrategy):
         pipeline = self._parallelized.pipeline if self._parallelized is not None else None
         module = self.lightning_module
         assert module is not None and self._sync is not None
+        self.mark_progress(module.trainer.fit_loop.total_batch_idx)
         self._batch_items = None
         if pipeline is None:
             loss_items = self._loss_items()
