@@ -252,12 +252,15 @@ class CausalLM(LanguageModel):
         for owner in dict.fromkeys(missing_buffers):  # the model's init computes them
             self.model._init_weights(layer.get_submodule(owner))
 
-    def forward(self, idx: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
-        """``idx (B, T) -> logits (B, T, V)``; ``position_ids`` ``(B, T)``: of a padded or packed batch
-        (`lightning_hybrid.batch`), checked once to keep documents apart in the model's own masks
-        (`check_document_masks`)."""
+    def forward(
+        self, idx: Tensor, position_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None
+    ) -> Tensor:
+        """``idx (B, T) -> logits (B, T, V)``; ``position_ids`` ``(B, T)`` and/or ``attention_mask``: of a padded or
+        packed batch (`lightning_hybrid.batch`: both become positions), checked once to keep documents apart in the
+        model's own masks (`check_document_masks`)."""
         if self.model is None:
             raise RuntimeError("call configure_model() before using the model")
+        position_ids = self._positions(idx, position_ids, attention_mask)
         if position_ids is None:
             return self.model(input_ids=idx, use_cache=False).logits
         if self._calls is not None and not self._calls.documents_checked:

@@ -111,6 +111,17 @@ class LanguageModel(L.LightningModule):
         whole model's weights are loaded on this one process)."""
         return super().load_from_checkpoint(lightning_checkpoint(checkpoint_path), *args, **kwargs)
 
+    @staticmethod
+    def _positions(
+        idx: Tensor, position_ids: Optional[Tensor], attention_mask: Optional[Tensor]
+    ) -> Optional[Tensor]:
+        """The one side input the models take, from ``self(idx, position_ids=..., attention_mask=...)`` as a
+        ``transformers`` user would call it (`lightning_hybrid.batch.TokenBatch`)."""
+        if attention_mask is None:
+            return position_ids
+        batch = {"input_ids": idx, "attention_mask": attention_mask, "position_ids": position_ids}
+        return TokenBatch.from_batch(batch).position_ids
+
     # ------------------------------------------------------------------ steps
     def on_train_batch_start(self, batch: Batch, batch_idx: int) -> None:
         # Read by Lightning's ThroughputMonitor, which reports model FLOPs utilisation from it: the training FLOPs

@@ -103,9 +103,10 @@ class GPTLightningModule(LanguageModel):
         """Initialise pipeline layer ``index`` (materialised from the meta device) as a one-device init would."""
         self.model.init_layer(index, layer)
 
-    def forward(self, idx: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``idx: LongTensor (B, T) -> logits (B, T, V)``; ``position_ids`` ``(B, T)``: of a padded or packed
-        batch (`lightning_hybrid.batch`)."""
+    def forward(self, idx: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``idx: LongTensor (B, T) -> logits (B, T, V)``; ``position_ids`` ``(B, T)`` and/or ``attention_mask``:
+        of a padded or packed batch (`lightning_hybrid.batch`)."""
         if self.model is None:
             raise RuntimeError("call configure_model() before using the model")
-        return self.model(idx, position_ids)
+        return self.model(idx, self._positions(idx, position_ids, attention_mask))
