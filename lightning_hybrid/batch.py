@@ -136,7 +136,8 @@ def document_causal_mask(position_ids: Optional[Tensor]) -> Optional[Tensor]:
     docs = document_ids(position_ids)
     n = position_ids.size(-1)
     causal = torch.ones(n, n, dtype=torch.bool, device=position_ids.device).tril()
-    return (docs.unsqueeze(-1) == docs.unsqueeze(-2)).logical_and_(causal).unsqueeze(1)
+    # No in-place op: selective recompute hands back the tensors it cached, which must stay as they were.
+    return ((docs.unsqueeze(-1) == docs.unsqueeze(-2)) & causal).unsqueeze(1)
 
 
 def _plain_rows(positions: Tensor, real: Optional[Tensor]) -> bool:

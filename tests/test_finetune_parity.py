@@ -127,6 +127,12 @@ def test_padded_and_packed_batches_match_one_device_on_2_ranks():
                                                                             "accumulate_grad_batches": 2}),
         "pp2-packed-accumulate-gpt": (dict(pp=2, micro_batches=2), gpt(), {"data": "packed",
                                                                           "accumulate_grad_batches": 2}),
+        # The positions reach recomputed layers: selective recompute caches the mask's ops (none in place).
+        "tp2-sp-recompute-packed-gpt": (dict(tp=2, sequence_parallel=True, recompute="attention"), gpt(),
+                                        {"data": "packed"}),
+        "pp2-zero_bubble-checkpointed-padded-gpt": (dict(pp=2, schedule="zero_bubble", micro_batches=2,
+                                                         activation_checkpointing=True), gpt(n_layer=4),
+                                                    {"data": "padded"}),
     }, references=references)
     runs = {f"pp2-packed-{family}": (dict(pp=2, micro_batches=2), partial(_lm, family), {"data": "packed"})
             for family in ("llama", "gpt2")}
