@@ -10,10 +10,11 @@ Shape legend: ``T`` = ``block_size``, ``B`` = ``batch_size``.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sysconfig
 from pathlib import Path
-from typing import Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import lightning as L
 import torch
@@ -197,7 +198,10 @@ class ResumableDataLoader(DataLoader):
     """A DataLoader whose first pass skips ``skip_batches`` batches: where a resumed run left off.
 
     ``skip_batches`` is an ``__init__`` argument so that it survives Lightning re-creating the loader with
-    a distributed sampler.
+    a distributed sampler. Its length stays the epoch's: Lightning restores the batches done and counts them
+    against it. The skip happens at the first batch, not when Lightning calls ``iter()`` -- it tells the sampler
+    the epoch after that, and the order of the resumed epoch is the order of that epoch. A checkpoint saved on an
+    epoch's last batch (``skip_batches`` of a whole epoch) skips nothing: Lightning starts the next epoch.
     """
 
     def __init__(self, *args, skip_batches: int = 0, **kwargs) -> None:
@@ -205,14 +209,15 @@ class ResumableDataLoader(DataLoader):
         self.skip_batches = skip_batches
 
     def __iter__(self):
-        iterator = super().__iter__()
         skip, self.skip_batches = self.skip_batches, 0
-        for _ in range(skip):
-            next(iterator)
-        return iterator
+        if skip >= super().__len__():
+            skip = 0
+        return _skipping(lambda: super(ResumableDataLoader, self).__iter__(), skip)
 
-    def __len__(self) -> int:
-        return super().__len__() - self.skip_batches
+
+def _skipping(make: Callable[[], Iterator], skip: int) -> Iterator:
+    """The batches of ``make()`` (called at the first ``next``) after the first ``skip``."""
+    yield from itertools.islice(make(), skip, None)
 
 
 class ByteCorpusDataModule(L.LightningDataModule):

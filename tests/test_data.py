@@ -143,3 +143,29 @@ def test_empty_and_too_small_corpus(tmp_path):
     _write(tmp_path / "small.txt", b"x" * 100)
     with pytest.raises(ValueError, match="too small"):
         ByteCorpusDataModule(tmp_path / "small.txt", block_size=64).setup()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_resumed_loader_skips_in_the_order_of_the_epoch_it_resumes(workers):
+    """Lightning calls ``iter()`` before it tells the sampler the epoch, and counts the batches it restored against
+    ``len``: the skip happens at the first batch, in that epoch's order, and the length is the whole epoch's."""
+    from torch.utils.data import DistributedSampler
+
+    from lightning_hybrid.data import ResumableDataLoader
+
+    data = torch.arange(40).view(20, 2)
+
+    def loader(skip: int) -> ResumableDataLoader:
+        sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+        return ResumableDataLoader(data, batch_size=2, sampler=sampler, skip_batches=skip, num_workers=workers)
+
+    def epoch(load: ResumableDataLoader, number: int) -> list:
+        batches = iter(load)  # as Lightning does: iter() first, the epoch after
+        load.sampler.set_epoch(number)
+        return [b.tolist() for b in batches]
+
+    whole = epoch(loader(0), 1)
+    resumed = loader(3)
+    assert len(resumed) == 10 and epoch(resumed, 1) == whole[3:]
+    assert epoch(resumed, 2) == epoch(loader(0), 2)  # later epochs whole
+    assert epoch(loader(10), 1) == whole  # saved on the epoch's last batch: the next epoch, whole
