@@ -164,12 +164,12 @@ class HybridStrategy(MeshStrategy):
     # ------------------------------------------------------------------ model and optimizers
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.lightning_module is not None
-        if trainer.state.fn == "fit":  # launched by torchrun or SLURM: checked here, before any step, alike on all
-            self._check_batch_size(_batch_size_of(trainer.datamodule))
         self.accelerator.setup(trainer)
         module = self.lightning_module
         if self._parallelized is None or self._parallelized.module is not module:  # a second fit reuses it
             self._parallelized = parallelize(module, self.device_mesh, self.options, self.root_device)
+        if trainer.state.fn == "fit":  # launched by torchrun or SLURM: checked here, before any step, alike on all
+            self._check_batch_size(_batch_size_of(trainer.datamodule))  # (the model's own errors first)
         self.model_to_device()
         pipeline = self._parallelized.pipeline
         if pipeline is not None:  # the schedule runs the backward: it applies accumulation's 1/k itself
