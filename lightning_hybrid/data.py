@@ -200,19 +200,28 @@ class ResumableDataLoader(DataLoader):
     ``skip_batches`` is an ``__init__`` argument so that it survives Lightning re-creating the loader with
     a distributed sampler. Its length stays the epoch's: Lightning restores the batches done and counts them
     against it. The skip happens at the first batch, not when Lightning calls ``iter()`` -- it tells the sampler
-    the epoch after that, and the order of the resumed epoch is the order of that epoch. A checkpoint saved on an
-    epoch's last batch (``skip_batches`` of a whole epoch) skips nothing: Lightning starts the next epoch.
+    the epoch after that -- and in the order of ``skip_epoch``, the sampler epoch those batches came from (a run
+    that stopped at ``max_steps`` in the middle of an epoch is saved with that epoch marked done, and Lightning
+    resumes it as the next one: its data goes on where it stopped). A checkpoint saved on an epoch's last batch
+    (``skip_batches`` of a whole epoch) skips nothing: Lightning starts the next epoch.
     """
 
-    def __init__(self, *args, skip_batches: int = 0, **kwargs) -> None:
+    def __init__(self, *args, skip_batches: int = 0, skip_epoch: Optional[int] = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.skip_batches = skip_batches
+        self.skip_batches, self.skip_epoch = skip_batches, skip_epoch
 
     def __iter__(self):
         skip, self.skip_batches = self.skip_batches, 0
         if skip >= super().__len__():
             skip = 0
-        return _skipping(lambda: super(ResumableDataLoader, self).__iter__(), skip)
+        epoch = self.skip_epoch if skip else None
+
+        def make() -> Iterator:
+            if epoch is not None and hasattr(self.sampler, "set_epoch"):
+                self.sampler.set_epoch(epoch)
+            return super(ResumableDataLoader, self).__iter__()
+
+        return _skipping(make, skip)
 
 
 def _skipping(make: Callable[[], Iterator], skip: int) -> Iterator:
@@ -313,24 +322,30 @@ class ByteCorpusDataModule(L.LightningDataModule):
         return dataset
 
     # The data position: a checkpoint records how many batches of the current epoch were trained on, and a
-    # run resumed from it starts that epoch's loader after them (same sampler order: same seed and epoch).
+    # run resumed from it starts that epoch's loader after them (same sampler order: same seed and epoch; the
+    # epoch those batches came from is the one last started, also where the run stopped at max_steps and
+    # Lightning marked it done).
     def state_dict(self) -> dict:
         trainer = getattr(self, "trainer", None)
         if trainer is None:
             return {}
         loop = trainer.fit_loop
         return {"epoch": loop.epoch_progress.current.completed,
+                "sampler_epoch": max(loop.epoch_progress.current.started - 1, 0),
                 "batches": loop.epoch_loop.batch_progress.current.processed}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._resume_batches = int(state_dict.get("batches", 0))
+        self._resume_epoch = state_dict.get("sampler_epoch")
 
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator(device="cpu")  # the sampler's: batches are made on the CPU
         generator.manual_seed(self.seed)
         skip, self._resume_batches = getattr(self, "_resume_batches", 0), 0
+        epoch, self._resume_epoch = getattr(self, "_resume_epoch", None), None
         return ResumableDataLoader(
             skip_batches=skip,
+            skip_epoch=epoch,
             dataset=self._require(self.train_dataset),
             batch_size=self.batch_size,
             shuffle=self.shuffle,

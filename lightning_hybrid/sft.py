@@ -377,8 +377,10 @@ class SFTDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         skip, self._resume_batches = getattr(self, "_resume_batches", 0), 0
+        epoch, self._resume_epoch = getattr(self, "_resume_epoch", None), None
         return ResumableDataLoader(
             skip_batches=skip,
+            skip_epoch=epoch,
             dataset=self._require(self.train_rows),
             batch_size=self.batch_size,
             shuffle=self.shuffle,
