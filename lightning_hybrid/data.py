@@ -24,6 +24,7 @@ __all__ = [
     "EXCLUDED_DIRS",
     "ByteBlockDataset",
     "ByteCorpusDataModule",
+    "DataPosition",
     "TokenCorpusDataModule",
     "collect_text_files",
     "default_corpus_files",
@@ -229,7 +230,42 @@ def _skipping(make: Callable[[], Iterator], skip: int) -> Iterator:
     yield from itertools.islice(make(), skip, None)
 
 
-class ByteCorpusDataModule(L.LightningDataModule):
+class DataPosition:
+    """The data position of a LightningDataModule's training loader, in checkpoints (``state_dict`` /
+    ``load_state_dict``), and the loader that resumes from it (`resumable_loader`): `ByteCorpusDataModule` and
+    `lightning_hybrid.sft.SFTDataModule` share it.
+
+    A checkpoint records how many batches of the current epoch were trained on, and a run resumed from it starts
+    that epoch's loader after them (same sampler order: same seed and epoch; the epoch those batches came from is
+    the one last started, also where the run stopped at max_steps and Lightning marked it done).
+    """
+
+    def state_dict(self) -> dict:
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return {}
+        loop = trainer.fit_loop
+        return {"epoch": loop.epoch_progress.current.completed,
+                "sampler_epoch": max(loop.epoch_progress.current.started - 1, 0),
+                "batches": loop.epoch_loop.batch_progress.current.processed}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._resume_batches = int(state_dict.get("batches", 0))
+        self._resume_epoch = state_dict.get("sampler_epoch")
+
+    def resumable_loader(self, dataset: Dataset, batch_size: int, shuffle: bool, seed: int,
+                         num_workers: int) -> "ResumableDataLoader":
+        """The training loader (``drop_last``; a seeded CPU generator for the sampler: batches are made on the
+        CPU), after the batches a loaded data position says were done -- once: later loaders start at 0."""
+        skip, self._resume_batches = getattr(self, "_resume_batches", 0), 0
+        epoch, self._resume_epoch = getattr(self, "_resume_epoch", None), None
+        return ResumableDataLoader(
+            dataset, batch_size=batch_size, shuffle=shuffle, drop_last=True, num_workers=num_workers,
+            generator=torch.Generator(device="cpu").manual_seed(seed), skip_batches=skip, skip_epoch=epoch,
+        )
+
+
+class ByteCorpusDataModule(DataPosition, L.LightningDataModule):
     """Byte-level language-modelling data (vocabulary 256) with a held-out tail.
 
     Args:
@@ -321,38 +357,9 @@ class ByteCorpusDataModule(L.LightningDataModule):
             raise RuntimeError("call setup() before requesting a dataloader")
         return dataset
 
-    # The data position: a checkpoint records how many batches of the current epoch were trained on, and a
-    # run resumed from it starts that epoch's loader after them (same sampler order: same seed and epoch; the
-    # epoch those batches came from is the one last started, also where the run stopped at max_steps and
-    # Lightning marked it done).
-    def state_dict(self) -> dict:
-        trainer = getattr(self, "trainer", None)
-        if trainer is None:
-            return {}
-        loop = trainer.fit_loop
-        return {"epoch": loop.epoch_progress.current.completed,
-                "sampler_epoch": max(loop.epoch_progress.current.started - 1, 0),
-                "batches": loop.epoch_loop.batch_progress.current.processed}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self._resume_batches = int(state_dict.get("batches", 0))
-        self._resume_epoch = state_dict.get("sampler_epoch")
-
     def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator(device="cpu")  # the sampler's: batches are made on the CPU
-        generator.manual_seed(self.seed)
-        skip, self._resume_batches = getattr(self, "_resume_batches", 0), 0
-        epoch, self._resume_epoch = getattr(self, "_resume_epoch", None), None
-        return ResumableDataLoader(
-            skip_batches=skip,
-            skip_epoch=epoch,
-            dataset=self._require(self.train_dataset),
-            batch_size=self.batch_size,
-            shuffle=self.shuffle,
-            generator=generator,
-            drop_last=True,
-            num_workers=self.num_workers,
-        )
+        return self.resumable_loader(self._require(self.train_dataset), self.batch_size, self.shuffle, self.seed,
+                                     self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(

@@ -43,7 +43,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_hybrid.batch import IGNORE_INDEX
-from lightning_hybrid.data import ByteCorpusDataModule, ResumableDataLoader, has_tokenizer
+from lightning_hybrid.data import ByteCorpusDataModule, DataPosition, has_tokenizer
 
 __all__ = [
     "IGNORE_INDEX",
@@ -248,7 +248,7 @@ class PackedRows(Dataset):
 
 
 # ---------------------------------------------------------------------------------------------- data module
-class SFTDataModule(L.LightningDataModule):
+class SFTDataModule(DataPosition, L.LightningDataModule):
     """Supervised fine-tuning on chat / instruction JSONL (see the module docstring), dict batches of ``(B, T)``
     int64 tensors: ``input_ids``, ``labels`` (shifted, -100 off the answers), ``attention_mask``, ``position_ids``.
 
@@ -371,23 +371,9 @@ class SFTDataModule(L.LightningDataModule):
             raise RuntimeError("call setup() before requesting a dataloader")
         return PackedRows(rows)
 
-    # The data position in a checkpoint, and where a resumed run starts: as the byte corpus keeps it.
-    state_dict = ByteCorpusDataModule.state_dict
-    load_state_dict = ByteCorpusDataModule.load_state_dict
-
     def train_dataloader(self) -> DataLoader:
-        skip, self._resume_batches = getattr(self, "_resume_batches", 0), 0
-        epoch, self._resume_epoch = getattr(self, "_resume_epoch", None), None
-        return ResumableDataLoader(
-            skip_batches=skip,
-            skip_epoch=epoch,
-            dataset=self._require(self.train_rows),
-            batch_size=self.batch_size,
-            shuffle=self.shuffle,
-            generator=torch.Generator(device="cpu").manual_seed(self.seed),
-            drop_last=True,
-            num_workers=self.num_workers,
-        )
+        return self.resumable_loader(self._require(self.train_rows), self.batch_size, self.shuffle, self.seed,
+                                     self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         # The last batch kept even when partial: a small validation split still gives a loss.
