@@ -38,12 +38,16 @@ BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 
 @dataclass(frozen=True)
 class TokenBatch:
-    """One batch in the models' form: ``input_ids`` and ``labels`` ``(B, T)``, and ``position_ids`` ``(B, T)``
-    where the batch is padded or packed (``None``: every row one document at positions ``0..T-1``)."""
+    """One batch in the models' form: ``input_ids`` and ``labels`` ``(B, T)``, ``position_ids`` ``(B, T)`` where
+    the batch is padded or packed (``None``: every row one document at positions ``0..T-1``), and ``padding``, the
+    ``(B, T)`` boolean mask of the real tokens where the batch's ``attention_mask`` marks padding (``None``: every
+    token is real; the models do not need it, the positions keep padding apart, but a loss over every token does:
+    a mixture-of-experts router's load-balancing loss)."""
 
     input_ids: Tensor
     labels: Tensor
     position_ids: Optional[Tensor] = None
+    padding: Optional[Tensor] = None
 
     @classmethod
     def from_batch(cls, batch: Any) -> "TokenBatch":
@@ -95,7 +99,7 @@ class TokenBatch:
             labels = labels.masked_fill(~real, IGNORE_INDEX)
         if positions is not None and _plain_rows(positions, real):
             positions = None  # one document per row from position 0, padding after it: plain causal attention
-        return cls(ids, labels, positions)
+        return cls(ids, labels, positions, real)
 
     def model_inputs(self) -> dict[str, Tensor]:
         """The keyword inputs of the model besides the token ids: ``{"position_ids": ...}`` for a padded or packed

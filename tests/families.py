@@ -12,6 +12,9 @@ _DROPOUTS = ("attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout", "atten
              "activation_dropout", "dropout")
 
 
+_MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5)
+
+
 def tiny_config(family: str):
     import transformers as T
 
@@ -29,6 +32,11 @@ def tiny_config(family: str):
         "llama": lambda: T.LlamaConfig(**llama_like),
         "qwen2": lambda: T.Qwen2Config(**llama_like),
         "mistral": lambda: T.MistralConfig(**llama_like),
+        # Mixture-of-experts: 4 experts, top-2, the router's load-balancing loss on (a large coefficient, so that
+        # a wrong one shows).
+        "mixtral": lambda: T.MixtralConfig(**llama_like, num_local_experts=4, **_MOE),
+        "olmoe": lambda: T.OlmoeConfig(**llama_like, num_experts=4, **_MOE),
+        "qwen3_moe": lambda: T.Qwen3MoeConfig(**llama_like, num_experts=4, moe_intermediate_size=FFN // 2, **_MOE),
     }
     config = configs[family]()
     for name in _DROPOUTS:

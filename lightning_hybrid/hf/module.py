@@ -13,7 +13,9 @@ from torch import Tensor, nn
 
 from lightning_hybrid.devices import module_device
 from lightning_hybrid.hf.config import _resolve_config
+from lightning_hybrid.batch import TokenBatch
 from lightning_hybrid.hf.decomposition import _PipelineCalls, check_decomposition, check_document_masks
+from lightning_hybrid.hf.moe import RouterAuxLoss
 from lightning_hybrid.hf.structure import PipelineDecompositionError, _Structure
 from lightning_hybrid.hf.weights import _Safetensors, _tied_keys
 from lightning_hybrid.models.language_model import LanguageModel
@@ -70,6 +72,8 @@ class CausalLM(LanguageModel):
         self._calls: Optional[_PipelineCalls] = None
         self._weights: Optional[_Safetensors] = None
         self._n_params = 0
+        self._aux: Optional[RouterAuxLoss] = None  # the router's auxiliary loss, where the model adds one
+        self._router_logits: Optional[tuple[Tensor, ...]] = None
         #: Whether `configure_model` left the pipeline layers unbuilt, on the meta device, for the strategy to build
         #: per rank (`lightning_hybrid.pipeline.protocol.DeferredLayers`).
         self.layers_deferred = False
@@ -92,6 +96,15 @@ class CausalLM(LanguageModel):
                 self.hf_config, attn_implementation=self.hparams.attn_implementation, dtype=torch.float32
             )
         model.config.use_cache = False
+        self._aux = RouterAuxLoss.of(model)
+        if self._aux is not None and self._pipeline_size() > 1:
+            raise ValueError(
+                f"{type(model).__name__} has output_router_logits=True: its training adds the router's load-balancing"
+                " loss, a product of means over every layer and token of the batch. Under pp > 1 the pipeline's"
+                " micro-batches reach the layers at different times, so that loss cannot be computed exactly;"
+                " train with pp=1 (dp, tp and ZeRO reproduce it exactly), or set output_router_logits=False in the"
+                " config to train on the cross entropy alone."
+            )
         self.model = model
         self._n_params = sum(p.numel() for p in model.parameters())  # the whole model's (for MFU)
         self._structure = _Structure(model)
@@ -115,6 +128,10 @@ class CausalLM(LanguageModel):
     def _tp_size(self) -> int:
         mesh = self._device_mesh  # set by HybridStrategy before configure_model
         return mesh["tp"].size() if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) else 1
+
+    def _pipeline_size(self) -> int:
+        mesh = self._device_mesh
+        return mesh["pp"].size() if mesh is not None and "pp" in (mesh.mesh_dim_names or ()) else 1
 
     def _layerwise(self) -> bool:
         """Whether the strategy can materialise the model layer by layer: its pipeline layers reproduce it (the
@@ -261,12 +278,45 @@ class CausalLM(LanguageModel):
         if self.model is None:
             raise RuntimeError("call configure_model() before using the model")
         position_ids = self._positions(idx, position_ids, attention_mask)
-        if position_ids is None:
-            return self.model(input_ids=idx, use_cache=False).logits
-        if self._calls is not None and not self._calls.documents_checked:
+        if position_ids is not None and self._calls is not None and not self._calls.documents_checked:
             check_document_masks(self._structure, idx.device)
             self._calls.documents_checked = True
-        return self.model(input_ids=idx, position_ids=position_ids, use_cache=False).logits
+        positions = {} if position_ids is None else {"position_ids": position_ids}
+        output = self.model(input_ids=idx, use_cache=False, **positions)
+        if self._aux is not None and self.training and torch.is_grad_enabled():
+            self._router_logits = output.router_logits  # for `auxiliary_loss`, right after this forward
+        return output.logits
+
+    def auxiliary_loss(self, tokens: TokenBatch) -> Optional[tuple[Tensor, Tensor]]:
+        """The router's load-balancing loss of a mixture-of-experts model whose config has
+        ``output_router_logits=True``, times its ``router_aux_loss_coef``, as the model's own training adds it,
+        over the whole data-parallel batch (`lightning_hybrid.hf.moe.RouterAuxLoss`); ``None`` otherwise."""
+        logits, self._router_logits = self._router_logits, None
+        if self._aux is None or logits is None:
+            return None
+        padding, group, scale = tokens.padding, self._data_parallel_group(), 1.0
+        rows, tp = logits[0].size(0), self._tp_size()
+        if tp > 1 and rows * tp == tokens.input_ids.numel():
+            # Sequence parallelism: the routers of this TP rank saw its part of the sequence (`seq_split`'s), so the
+            # batch is spread over the DP and TP ranks -- all of them, pp being 1 -- and each part's gradient comes
+            # back from the tp ranks that share its loss: once, not tp times.
+            mesh = self._device_mesh
+            assert mesh is not None
+            if padding is not None:
+                padding = padding.chunk(tp, dim=1)[mesh["tp"].get_local_rank()]
+            group, scale = torch.distributed.group.WORLD, 1.0 / tp
+        value = self._aux(list(logits), padding, group, scale)
+        return self._aux.coef * value, value
+
+    def _data_parallel_group(self) -> Optional[torch.distributed.ProcessGroup]:
+        """The ranks that hold other parts of the batch: the mesh's ``dp`` group under ``HybridStrategy``, every
+        rank under another distributed strategy (DDP, FSDP), none on one process."""
+        mesh = self._device_mesh
+        if mesh is not None and "dp" in (mesh.mesh_dim_names or ()):
+            return mesh["dp"].get_group()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.group.WORLD
+        return None
 
     def _flops_per_token(self, seq_len: int) -> Optional[int]:
         # 6 N per token for the matmuls of forward and backward, plus attention's 12 L H T (Kaplan et al. 2020;

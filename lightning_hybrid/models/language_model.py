@@ -96,14 +96,20 @@ class LanguageModel(L.LightningModule):
         micro-batch's and rank's loss by it (the token-weighted mean of the global batch)."""
         return count_loss_items(targets)
 
-    def _log_token_mean(self, name: str, loss: Tensor, items: Tensor, **kwargs: Any) -> None:
+    def _log_token_mean(
+        self, name: str, loss: Tensor, items: Tensor, plus: Optional[Tensor] = None, **kwargs: Any
+    ) -> None:
         """Log ``loss`` (the mean over this rank's ``items`` tokens) as the mean over every token of the batch on
-        all data-parallel ranks; per epoch, weighted by the tokens of each batch."""
+        all data-parallel ranks, plus ``plus`` (a term of the whole batch, the same on every rank); per epoch,
+        weighted by the tokens of each batch."""
         stats = torch.stack([loss.detach().float() * items, items.float()])
         if self._trainer is not None:
             stats = self.trainer.strategy.reduce(stats, reduce_op="sum")
         total = int(stats[1])
-        self.log(name, stats[0] / max(total, 1), batch_size=max(total, 1), **kwargs)
+        value = stats[0] / max(total, 1)
+        if plus is not None:
+            value = value + plus.to(value)
+        self.log(name, value, batch_size=max(total, 1), **kwargs)
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Union[str, Path, IO], *args: Any, **kwargs: Any) -> Self:
@@ -134,8 +140,23 @@ class LanguageModel(L.LightningModule):
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         tokens = TokenBatch.from_batch(batch)
         loss = self.loss_fn(self(tokens.input_ids, **tokens.model_inputs()), tokens.labels)
-        self._log_token_mean("train_loss", loss, tokens.loss_items(), prog_bar=True, on_step=True, on_epoch=False)
-        return loss
+        aux = self.auxiliary_loss(tokens)
+        if aux is None:
+            self._log_token_mean("train_loss", loss, tokens.loss_items(), prog_bar=True, on_step=True, on_epoch=False)
+            return loss
+        term, value = aux
+        self.log("train_aux_loss", value.detach(), on_step=True, on_epoch=False)
+        self._log_token_mean("train_loss", loss, tokens.loss_items(), plus=term.detach(), prog_bar=True,
+                             on_step=True, on_epoch=False)
+        return loss + term
+
+    def auxiliary_loss(self, tokens: TokenBatch) -> Optional[tuple[Tensor, Tensor]]:
+        """A term the model's own training adds to the loss of the batch just run forward (``tokens``), as
+        ``(term, value)``: ``term`` is added to the token-mean loss this rank returns, ``value`` logged as
+        ``train_aux_loss``. It must be the same on every data-parallel rank, the loss of the whole (global) batch:
+        the strategy's token weighting then makes its gradient exactly ``term``'s on one device (see
+        `lightning_hybrid.hf.moe`). ``None`` (the default): no such term."""
+        return None
 
     def _eval_step(self, batch: Batch, stage: str) -> Tensor:
         """The loss (and accuracy, where the stage has a metric ``{stage}_acc``) of an evaluation batch."""

@@ -1,0 +1,120 @@
+"""Mixture-of-experts models of `transformers`: the router's load-balancing loss, as the model's own training adds it,
+over the whole data-parallel batch -- equal to the model's own loss on one device, and every layout equal to one
+device (the loss is a product of batch-wide means: a rank's share of the batch alone would give another one)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_hybrid.batch import TokenBatch
+from tests.parity import RTOL, check_world
+
+pytest.importorskip("transformers")
+
+from lightning_hybrid.hf import CausalLM  # noqa: E402
+from lightning_hybrid.hf.moe import gather_rows  # noqa: E402
+from lightning_hybrid.mesh import ParallelDims  # noqa: E402
+from lightning_hybrid.testing import run_distributed  # noqa: E402
+from tests.families import tiny_config  # noqa: E402
+
+MOE_FAMILIES = ("mixtral", "olmoe", "qwen3_moe")
+HF_STEPS = 4
+HF_TOLERANCES = (RTOL, 1e-5)
+
+
+def _lm(family: str) -> CausalLM:
+    return CausalLM(tiny_config(family), lr=2e-4)
+
+
+def _padded_batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (3, 16), generator=g)
+    mask = torch.ones(3, 16, dtype=torch.long)
+    mask[1, 11:] = 0
+    mask[2, 7:] = 0  # right padding: transformers' own call needs no positions
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_the_loss_is_the_models_own_with_its_load_balancing_loss(family):
+    module = _lm(family)
+    module.configure_model()
+    module.train()
+    assert module._aux is not None and module._aux.coef == 0.5
+    ids, mask = _padded_batch()
+    tokens = TokenBatch.from_batch({"input_ids": ids, "attention_mask": mask})
+    loss = module.loss_fn(module(tokens.input_ids, **tokens.model_inputs()), tokens.labels)
+    term, value = module.auxiliary_loss(tokens)
+    # transformers' own: labels unshifted, padding ignored, the aux loss over the real tokens (attention_mask).
+    own = module.model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    torch.testing.assert_close(value, own.aux_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss + term, own.loss, rtol=1e-6, atol=0)
+    assert float(term.detach()) > 0.5  # large enough that a wrong one shows in the layouts below
+
+
+def test_models_without_a_load_balancing_loss_have_none():
+    import transformers as T
+
+    config = tiny_config("mixtral")
+    config.output_router_logits = False
+    module = CausalLM(config)
+    module.configure_model()
+    assert module._aux is None
+    # DeepSeek-V3 records router logits but balances its experts by a bias: its training adds no loss.
+    deepseek = T.DeepseekV3Config(vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                  n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                  first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+                                  qk_nope_head_dim=8, v_head_dim=8, output_router_logits=True,
+                                  max_position_embeddings=64)
+    module = CausalLM(deepseek)
+    module.configure_model()
+    assert module._aux is None
+
+
+# ---------------------------------------------------------------------------------------------- layouts
+def _gather_and_refuse() -> dict:
+    """On 2 ranks: `gather_rows` of uneven pieces and its gradient; a pipeline refused before it starts."""
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    x = torch.arange(3 + rank * 2, dtype=torch.float64).unsqueeze(1).repeat(1, 2).requires_grad_()
+    gathered = gather_rows(x, dist.group.WORLD)
+    weights = torch.arange(gathered.numel(), dtype=torch.float64).view_as(gathered) * (rank + 1)
+    (gathered * weights).sum().backward()
+    out = {"gathered": gathered.detach(), "grad": x.grad}
+    module = _lm("mixtral")
+    module._device_mesh = ParallelDims.resolve(1, 1, 2, 2).build_mesh("cpu")  # as HybridStrategy(pp=2) sets it
+    try:
+        module.configure_model()
+    except ValueError as e:
+        out["refused"] = str(e)
+    return out
+
+
+def test_gather_rows_and_the_pipeline_refusal_on_2_ranks():
+    results = run_distributed(_gather_and_refuse, 2)
+    expected = torch.cat([torch.arange(3, dtype=torch.float64), torch.arange(5, dtype=torch.float64)])
+    for rank, out in enumerate(results):
+        torch.testing.assert_close(out["gathered"][:, 0], expected)
+        # Rank r's rows get the sum over the ranks of their weights: (1 + 2) * their index in the gathered rows.
+        start = 0 if rank == 0 else 3
+        index = torch.arange(out["grad"].numel(), dtype=torch.float64).view_as(out["grad"]) + 2 * start
+        torch.testing.assert_close(out["grad"], 3 * index)
+        assert "output_router_logits=True" in out["refused"] and "pp > 1" in out["refused"], out.get("refused")
+
+
+def test_the_load_balancing_loss_matches_one_device_on_4_ranks():
+    check_world(4, {
+        "dp4-zero1-padded-mixtral": (dict(dp=4, zero_stage=1), partial(_lm, "mixtral"), {"data": "padded"}),
+        "dp2xtp2-zero3-padded-qwen3_moe": (dict(dp=2, tp=2, zero_stage=3), partial(_lm, "qwen3_moe"),
+                                           {"data": "padded"}),
+        "dp2xtp2-sp-packed-olmoe": (dict(dp=2, tp=2, sequence_parallel=True), partial(_lm, "olmoe"),
+                                    {"data": "packed"}),
+        # Accumulated: each batch's loss over its global batch, as one device accumulating the same batches.
+        "dp2xtp2-zero2-accumulate-mixtral": (dict(dp=2, tp=2, zero_stage=2), partial(_lm, "mixtral"),
+                                             {"accumulate_grad_batches": 2}),
+    }, steps=HF_STEPS, tolerances=HF_TOLERANCES)
