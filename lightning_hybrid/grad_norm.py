@@ -32,9 +32,12 @@ def global_grad_norm(
     dp_group: dist.ProcessGroup | None,
     pp_group: dist.ProcessGroup | None = None,
     device: torch.device | None = None,
+    ep_group: dist.ProcessGroup | None = None,
 ) -> Tensor:
-    """L2 norm of the full gradient. ``grads``: ``(grad, is_tp_shard, is_dp_shard)``; pipeline stages hold
-    disjoint parameters, so the squares are summed over ``pp_group`` too. Collective over all three groups.
+    """L2 norm of the full gradient. ``grads``: ``(grad, is_tp_shard, is_dp_shard[, is_ep_shard])``; pipeline
+    stages hold disjoint parameters, so the squares are summed over ``pp_group`` too, and those of expert shards
+    that are not DP shards (this rank's experts, replicated over their own DP group) over ``ep_group``.
+    Collective over all the groups.
     ``device``: where the sums live and are reduced (the rank's device; default: the gradients'), so that a rank
     without gradients takes part on the right device.
 
@@ -42,18 +45,20 @@ def global_grad_norm(
     """
     if device is None:
         device = local_tensor(grads[0][0]).device if grads else torch.device("cpu")
-    # sums[tp_shard][dp_shard], by kind, device and dtype.
-    sums = torch.zeros(2, 2, dtype=torch.float32, device=device)
+    # sums[tp_shard][0: replicated, 1: dp shard, 2: ep shard], by kind, device and dtype.
+    sums = torch.zeros(2, 3, dtype=torch.float32, device=device)
     kinds: dict[tuple[int, int, torch.dtype, torch.device], list[Tensor]] = {}
-    for grad, tp_shard, dp_shard in grads:
+    for grad, tp_shard, dp_shard, *ep in grads:
         local = local_tensor(grad).detach()
-        kinds.setdefault((int(tp_shard), int(dp_shard), local.dtype, local.device), []).append(local)
-    for (tp_shard, dp_shard, _, _), tensors in kinds.items():
-        sums[tp_shard, dp_shard] += _sum_of_squares(tensors).to(device)
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        dp_sharded = sums[:, 1].contiguous()
-        dist.all_reduce(dp_sharded, group=dp_group)
-        sums[:, 1] = dp_sharded
+        column = 1 if dp_shard else (2 if ep and ep[0] else 0)
+        kinds.setdefault((int(tp_shard), column, local.dtype, local.device), []).append(local)
+    for (tp_shard, column, _, _), tensors in kinds.items():
+        sums[tp_shard, column] += _sum_of_squares(tensors).to(device)
+    for column, group in ((1, dp_group), (2, ep_group)):
+        if group is not None and dist.get_world_size(group) > 1:
+            sharded = sums[:, column].contiguous()
+            dist.all_reduce(sharded, group=group)
+            sums[:, column] = sharded
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         tp_sharded = sums[1].contiguous()
         dist.all_reduce(tp_sharded, group=tp_group)
@@ -85,18 +90,22 @@ def parameter_grad_norms(
     tp_group: dist.ProcessGroup | None,
     dp_group: dist.ProcessGroup | None,
     device: torch.device,
+    ep_sharded: set[str] | frozenset[str] = frozenset(),
+    ep_group: dist.ProcessGroup | None = None,
 ) -> dict[str, Tensor]:
     """The L2 norm of each parameter's whole gradient, by name, from this rank's pieces of it (``pieces``: name ->
     local tensors; DTensors by their local shard): the squares of a TP shard are summed over ``tp_group``, of a
     DP shard (ZeRO 1-2 slices, ZeRO-3 shards) over ``dp_group``; a replicated piece is this rank's own copy, so a
     rank whose copy differs shows it. Every rank of a TP or DP group must list the same names (they hold the same
-    parameters). Collective over both groups; float32 scalars on ``device``, no host synchronisation."""
+    parameters); the squares of an expert shard that is not a DP shard over ``ep_group``. Collective over the
+    groups; float32 scalars on ``device``, no host synchronisation."""
     names = sorted(pieces)
     squares = torch.zeros(len(names), dtype=torch.float32, device=device)
     for i, name in enumerate(names):
         if pieces[name]:
             squares[i] = _sum_of_squares([local_tensor(t).detach() for t in pieces[name]]).to(device)
-    for group, sharded in ((dp_group, dp_sharded), (tp_group, tp_sharded)):
+    ep_only = set(ep_sharded) - set(dp_sharded)
+    for group, sharded in ((dp_group, dp_sharded), (ep_group, ep_only), (tp_group, tp_sharded)):
         if group is None or dist.get_world_size(group) == 1:
             continue
         mask = torch.tensor([n in sharded for n in names], dtype=torch.bool, device=device)

@@ -50,6 +50,8 @@ class GradientSync:
         mesh = parallelized.mesh
         self.dp_group, self.tp_group, self.pp_group = (mesh[n].get_group() for n in ("dp", "tp", "pp"))
         self.dp = mesh["dp"].size()
+        experts = parallelized.expert_mesh
+        self.ep_group = experts["ep"].get_group() if experts is not None else None
         self.optimizers: list[Optimizer] = []
         self.blocked = False
         self._items: Optional[Tensor] = None  # loss items of the window so far (token-weighted losses)
@@ -67,8 +69,12 @@ class GradientSync:
         if self.zero_stage in (0, 1, 2) and self.dp > 1:
             names = {id(p): n for n, p in self.module.named_parameters()}
             tp_sharded = {i for i, n in names.items() if n in self.parallelized.tp_sharded}
+            experts = None
+            if self.parallelized.expert_mesh is not None:
+                ids = {i for i, n in names.items() if n in self.parallelized.expert_params}
+                experts = (ids, self.parallelized.expert_mesh["edp"].get_group())
             optimizers = [
-                ZeroOptimizer(opt, self.dp_group, self.zero_stage, tp_sharded, self.bucket_cap_mb, names)
+                ZeroOptimizer(opt, self.dp_group, self.zero_stage, tp_sharded, self.bucket_cap_mb, names, experts)
                 for opt in optimizers
             ]
         self.optimizers = list(optimizers)
@@ -205,11 +211,12 @@ class GradientSync:
             wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
             dp_shard = bool(self.parallelized.fsdp_roots)
             grads = [
-                (p.grad, name in self.parallelized.tp_sharded, dp_shard)
+                (p.grad, name in self.parallelized.tp_sharded, dp_shard, name in self.parallelized.expert_params)
                 for name, p in self.module.named_parameters()
                 if id(p) in wanted and p.grad is not None
             ]
-        return global_grad_norm(grads, self.tp_group, self.dp_group, self.pp_group, device=self.device)
+        return global_grad_norm(grads, self.tp_group, self.dp_group, self.pp_group, device=self.device,
+                                ep_group=self.ep_group)
 
     def clip(self, optimizer: Optimizer, max_norm: float) -> Tensor:
         """Clip ``optimizer``'s gradients by their global norm; returns the norm (before clipping)."""
@@ -236,7 +243,8 @@ class GradientSync:
                 pieces[name].append(p.grad)
         dp_sharded = sliced | {n for n, p in named if hasattr(p, "_local_tensor")}
         return parameter_grad_norms(
-            pieces, self.parallelized.tp_sharded, dp_sharded, self.tp_group, self.dp_group, self.device
+            pieces, self.parallelized.tp_sharded, dp_sharded, self.tp_group, self.dp_group, self.device,
+            self.parallelized.expert_params, self.ep_group,
         )
 
 

@@ -38,6 +38,23 @@ class ParallelDims:
         if not isinstance(dp, int) or (dp < 1 and dp != -1):
             raise ValueError(f"dp={dp!r} is invalid: it must be a positive integer or -1 (infer from the world size).")
 
+    @staticmethod
+    def check_ep(ep: int, dp: int) -> None:
+        """The expert-parallel size on its own and against a given ``dp`` (``-1``: checked once it is known, by
+        `check_ep_divides`). Raises ``ValueError``."""
+        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+            raise ValueError(f"ep={ep!r} is invalid: it must be a positive integer (1: no expert parallelism).")
+        if dp != -1:
+            ParallelDims.check_ep_divides(ep, dp)
+
+    @staticmethod
+    def check_ep_divides(ep: int, dp: int) -> None:
+        if dp % ep:
+            raise ValueError(
+                f"ep={ep} does not divide dp={dp}: the expert-parallel ranks are carved out of the data-parallel ones."
+                f" Valid ep for dp={dp}: {divisors(dp)}."
+            )
+
     @classmethod
     def resolve(cls, dp: int, tp: int, pp: int, world_size: int) -> "ParallelDims":
         """Validate the requested sizes against ``world_size`` and infer ``dp=-1``. Raises ``ValueError``."""
@@ -68,6 +85,16 @@ class ParallelDims:
             raise RuntimeError(f"Process group has {dist.get_world_size()} ranks, the layout expects"
                                f" {self.world_size}.")
         return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIM_NAMES)
+
+
+def build_expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    """The ``(pp, edp, ep, tp)`` view of the ``(pp, dp, tp)`` ``mesh``: data-parallel rank ``d`` is
+    ``(edp, e) = divmod(d, ep)``; ``mesh["ep"]`` groups the ranks that split the experts (and exchange tokens),
+    ``mesh["edp"]`` the ranks holding the same experts (their gradients' data-parallel group). Collective (it
+    creates the two groups)."""
+    dp = mesh["dp"].size()
+    ParallelDims.check_ep_divides(ep, dp)
+    return mesh._unflatten("dp", (dp // ep, ep), ("edp", "ep"))
 
 
 def validate_zero_stage(stage: int) -> int:

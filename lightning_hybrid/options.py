@@ -45,6 +45,7 @@ class ParallelOptions:
     activation_checkpointing: Union[bool, str] = False
     recompute: Optional[Selection] = None  # None: full recomputation of a checkpointed layer
     compile: Optional[Mapping[str, Any]] = None  # torch.compile's arguments; None: no compilation
+    ep: int = 1  # expert parallelism: ranks (of the DP ones) that split each experts module
 
     @classmethod
     def create(
@@ -64,10 +65,12 @@ class ParallelOptions:
         activation_checkpointing: Union[bool, str] = False,
         recompute: Recompute = "full",
         compile: Compile = False,
+        ep: int = 1,
     ) -> "ParallelOptions":
         """Validate the `HybridStrategy` arguments of the same names. ``ValueError`` naming the bad value and
         what would be valid; an argument that nothing would use with these sizes is refused (`refuse_unused`)."""
         ParallelDims.check_sizes(dp, tp, pp)
+        ParallelDims.check_ep(ep, dp)
         refuse_unused(pp=pp, tp=tp, schedule=schedule, micro_batches=micro_batches, virtual_stages=virtual_stages,
                       split_points=split_points, sequence_parallel=sequence_parallel, tp_plan=tp_plan)
         spec, per_rank = None, 1
@@ -88,7 +91,7 @@ class ParallelOptions:
             virtual_stages=virtual_stages, split_points=tuple(split_points) if split_points is not None else None,
             # anything but full recomputation checkpoints every layer unless told which
             activation_checkpointing=activation_checkpointing or selection is not None,
-            recompute=selection, compile=MappingProxyType(arguments) if arguments is not None else None,
+            recompute=selection, compile=MappingProxyType(arguments) if arguments is not None else None, ep=ep,
         )
 
     @property

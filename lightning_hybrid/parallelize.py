@@ -1,7 +1,7 @@
 """`parallelize`: the one place the parallel dimensions are composed, in the order they must run.
 
     plan -> checkpoint targets -> pipeline cut -> TP/SP split (verified) -> materialise
-         -> activation checkpointing -> compile -> ZeRO-3 (FSDP2) -> pipeline executor
+         -> EP split (verified) -> activation checkpointing -> compile -> ZeRO-3 (FSDP2) -> pipeline executor
 
 Each step is one named function taking the mesh (or its sub-meshes and groups) and plain values from the frozen
 `ParallelOptions`, never the strategy; a new dimension is one more step here. `HybridStrategy.setup` calls
@@ -31,6 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_hybrid.activation_checkpointing import apply_activation_checkpointing, checkpoint_targets
 from lightning_hybrid.compile import apply_compile
 from lightning_hybrid.devices import module_device
+from lightning_hybrid.expert_parallel import apply_ep, expert_parameter_names, iter_expert_modules
+from lightning_hybrid.mesh import build_expert_mesh
 from lightning_hybrid.options import ParallelOptions
 from lightning_hybrid.pipeline import PipelineExecutor, check_protocol, stage_module
 from lightning_hybrid.pipeline.executor import forward_through_stages
@@ -58,7 +60,9 @@ class Parallelized:
     rank). ``partial_grads``: replicated parameters whose per-rank gradient is a part, summed over TP once per
     step. ``fsdp_roots``: the FSDP2 roots of ZeRO-3 (their gradient sync is switched off inside an accumulation
     window). ``pipeline``: the executor under ``pp > 1``. ``remote_prefixes``: module names of the pipeline layers
-    other ranks hold. ``tp_report``: what TP split and how.
+    other ranks hold. ``tp_report``: what TP split and how. ``expert_params``: names of the parameters that are
+    this rank's experts (`lightning_hybrid.expert_parallel`), split over ``expert_mesh["ep"]`` and reduced over
+    ``expert_mesh["edp"]``.
     """
 
     module: nn.Module
@@ -69,6 +73,8 @@ class Parallelized:
     pipeline: Optional[PipelineExecutor] = None
     remote_prefixes: tuple[str, ...] = ()
     tp_report: Optional[TPResult] = None
+    expert_params: frozenset[str] = frozenset()
+    expert_mesh: Optional[DeviceMesh] = None
 
 
 def parallelize(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, device: torch.device) -> Parallelized:
@@ -93,7 +99,11 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, d
         report = split_tp(module, mesh, plan, options, device, layer_names, layout, first_input, layerwise)
     if layerwise:
         materialise(module, unbuilt, device)
-    tp_sharded = frozenset(tp_sharded_parameter_names(module))
+    if options.ep > 1 and options.zero_stage == 3:
+        raise ValueError("ep > 1 with zero_stage=3 is not supported yet: use zero_stage 0, 1 or 2 with ep.")
+    expert_mesh = split_experts(module, mesh, options.ep) if options.ep > 1 else None
+    experts = expert_parameter_names(module)
+    tp_sharded = frozenset(tp_sharded_parameter_names(module)) - experts
     remote = tuple(layout.remote_prefixes) if layout is not None else ()
     apply_activation_checkpointing(module, _held_here(checkpointed, remote), options.recompute)
     if options.compile is not None:
@@ -104,6 +114,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, d
     return Parallelized(
         module, mesh, tp_sharded,
         tuple(sorted(report.partial_grads)) if report is not None else (), fsdp_roots, pipeline, remote, report,
+        experts, expert_mesh,
     )
 
 
@@ -165,6 +176,23 @@ def split_tp(
         raise ValueError("Tensor parallelism cannot split this model exactly:\n- " + "\n- ".join(messages))
     rank_zero_info(result.summary())
     return result
+
+
+def split_experts(module: nn.Module, mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    """Split this rank's experts modules over ``ep`` ranks of DP (`lightning_hybrid.expert_parallel.apply_ep`,
+    each kind verified first); returns the ``(pp, edp, ep, tp)`` mesh. An error on any rank is raised on every
+    rank."""
+    expert_mesh = build_expert_mesh(mesh, ep)
+    errors = apply_ep(module, expert_mesh["ep"].get_group())
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, errors)
+    messages = list(dict.fromkeys(m for per_rank in gathered for m in per_rank))
+    if messages:
+        raise ValueError("Expert parallelism cannot split this model exactly:\n- " + "\n- ".join(messages))
+    count = len(list(iter_expert_modules(module)))
+    rank_zero_info(f"expert parallelism: {count} experts modules split over ep={ep} (their gradients reduced over"
+                   f" {mesh['dp'].size() // ep} data-parallel ranks each)")
+    return expert_mesh
 
 
 def unsplit_copies(module: nn.Module, layout: Optional[StageLayout]) -> dict[int, nn.Module]:

@@ -75,6 +75,8 @@ class HybridStrategy(MeshStrategy):
             but ``"full"`` checkpoints every layer when ``activation_checkpointing`` is ``False``.
         compile: ``torch.compile`` each layer (those ``activation_checkpointing=True`` takes), after TP and
             checkpointing, before ZeRO-3 and the pipeline executor; ``True`` or ``torch.compile``'s arguments.
+        ep: expert parallelism (mixture-of-experts models): each experts module split over ``ep`` of the DP ranks,
+            tokens exchanged with all-to-alls, dropless (`lightning_hybrid.expert_parallel`); ``ep`` divides dp.
         process_group_backend: overrides the backend chosen from the accelerator (gloo on CPU, nccl on CUDA).
         timeout: process group timeout.
     """
@@ -98,6 +100,7 @@ class HybridStrategy(MeshStrategy):
         activation_checkpointing: Union[bool, str] = False,
         recompute: Recompute = "full",
         compile: Compile = False,
+        ep: int = 1,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -114,7 +117,7 @@ class HybridStrategy(MeshStrategy):
             dp=dp, tp=tp, pp=pp, zero_stage=zero_stage, bucket_cap_mb=bucket_cap_mb, tp_plan=tp_plan,
             sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, micro_batches=micro_batches,
             schedule=schedule, virtual_stages=virtual_stages, split_points=split_points,
-            activation_checkpointing=activation_checkpointing, recompute=recompute, compile=compile,
+            activation_checkpointing=activation_checkpointing, recompute=recompute, compile=compile, ep=ep,
         )
         _refuse_checkpoint_io(checkpoint_io)
         self._parallelized: Optional[Parallelized] = None
@@ -365,7 +368,7 @@ class HybridStrategy(MeshStrategy):
         assert self.lightning_module is not None
         save_sharded(
             self.broadcast(str(filepath)), self.lightning_module, self.optimizers, self.device_mesh, checkpoint,
-            self.zero_stage, int(self.options.bucket_cap_mb * 2**20), self.root_device,
+            self.zero_stage, int(self.options.bucket_cap_mb * 2**20), self.root_device, self.options.ep,
         )
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -84,8 +84,12 @@ class _Bucket:
     the user's optimizer steps, whose ``.grad`` is the reduced slice of ``grad``.
     """
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, stage: int, tp_sharded: bool):
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, stage: int, tp_sharded: bool,
+                 divisor: int | None = None):
         self.params, self.group, self.stage, self.tp_sharded = params, group, stage, tp_sharded
+        # The reduced sum is divided by this: the group's size, or for experts (reduced over their own data-parallel
+        # group, having met the tokens of the whole expert-parallel group) the full data-parallel size.
+        self.divisor = divisor or dist.get_world_size(group)
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         self.offsets, total = [], 0
         for p in params:
@@ -130,8 +134,7 @@ class _Bucket:
         """Start the reduction of ``grad`` over the DP group (asynchronous)."""
         assert self.grad is not None
         if self.stage == 0:  # averaged here, while backward still runs (as DDP does)
-            self.work = dist.all_reduce(self.grad.div_(dist.get_world_size(self.group)), group=self.group,
-                                        async_op=True)
+            self.work = dist.all_reduce(self.grad.div_(self.divisor), group=self.group, async_op=True)
             return
         backend = dist.get_backend(self.group)
         if backend in _COPYING_COLLECTIVES:  # the sum lands in the whole buffer, this rank's slice included
@@ -154,14 +157,13 @@ class _Bucket:
         self.work = None
         if self.stage == 0:
             return
-        world = dist.get_world_size(self.group)
         assert self.grad is not None and self.scattered is not None
         # Stage 1: the slice of the full buffer (gradients stay one buffer of Psi); stage 2: the persistent slice.
         mine = self.grad[self.lo : self.hi] if self.stage == 1 else self.shard_grad
         assert mine is not None
         if self.scattered.data_ptr() != mine.data_ptr():
             mine.copy_(self.scattered)
-        self.shard.grad = mine.div_(world)
+        self.shard.grad = mine.div_(self.divisor)
         self.scattered = None
         for p in self.params:  # the full views hold unreduced sums: not a gradient to read
             p.grad = None
@@ -360,12 +362,15 @@ class ZeroOptimizer(Optimizer):
     stages 1-2 re-point them at this rank's bucket slices, keeping every hyper-parameter. ``tp_sharded`` holds
     the ids of parameters that are TP shards, kept in other buckets than replicated ones so the gradient norm
     can count each once. ``bucket_cap_mb``: the size cap of one bucket. ``names``: id(parameter) -> name, for
-    errors. Stages 1-2 take element-wise optimizers only (`check_elementwise`).
+    errors. Stages 1-2 take element-wise optimizers only (`check_elementwise`). ``experts``: the ids of expert
+    parameters (`lightning_hybrid.expert_parallel`) and their own data-parallel group: they are bucketed apart and
+    reduced (stages 1-2: sharded) over that group, their sum divided by the size of ``group`` all the same.
     """
 
     def __init__(
         self, optimizer: Optimizer, group: dist.ProcessGroup, stage: int, tp_sharded: set[int],
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, names: dict[int, str] | None = None,
+        experts: tuple[set[int], dist.ProcessGroup] | None = None,
     ):
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeroOptimizer implements zero_stage 0, 1 and 2, got {stage}.")
@@ -381,9 +386,12 @@ class ZeroOptimizer(Optimizer):
         for param_group in optimizer.param_groups:
             params = _unique(param_group["params"])
             trainable = [p for p in params if p.requires_grad]
+            expert_ids, expert_group = experts if experts is not None else (set(), group)
+            dp = dist.get_world_size(group)
             group_buckets = [
-                _Bucket(ps, group, stage, id(ps[0]) in tp_sharded)
-                for ps in _layout(trainable, cap, lambda p: (p.dtype, p.device, id(p) in tp_sharded))
+                _Bucket(ps, expert_group if id(ps[0]) in expert_ids else group, stage, id(ps[0]) in tp_sharded, dp)
+                for ps in _layout(trainable, cap,
+                                  lambda p: (p.dtype, p.device, id(p) in tp_sharded, id(p) in expert_ids))
             ]
             self.buckets.extend(group_buckets)
             if stage:

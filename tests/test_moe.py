@@ -16,6 +16,7 @@ from tests.parity import RTOL, check_world
 pytest.importorskip("transformers")
 
 from lightning_hybrid.hf import CausalLM  # noqa: E402
+from lightning_hybrid.expert_parallel import find_experts  # noqa: E402
 from lightning_hybrid.hf.moe import gather_rows  # noqa: E402
 from lightning_hybrid.mesh import ParallelDims  # noqa: E402
 from lightning_hybrid.testing import run_distributed  # noqa: E402
@@ -107,14 +108,69 @@ def test_gather_rows_and_the_pipeline_refusal_on_2_ranks():
         assert "output_router_logits=True" in out["refused"] and "pp > 1" in out["refused"], out.get("refused")
 
 
-def test_the_load_balancing_loss_matches_one_device_on_4_ranks():
-    check_world(4, {
-        "dp4-zero1-padded-mixtral": (dict(dp=4, zero_stage=1), partial(_lm, "mixtral"), {"data": "padded"}),
+# ---------------------------------------------------------------------------------------------- expert parallelism
+def _no_aux(family: str) -> CausalLM:
+    """The family without its load-balancing loss (refused under pp > 1: it is a mean over every layer)."""
+    config = tiny_config(family)
+    config.output_router_logits = False
+    return CausalLM(config, lr=2e-4)
+
+
+def test_load_balancing_loss_and_expert_parallel_layouts_match_one_device_on_4_ranks():
+    """The load-balancing loss over the global batch (DP; DP x TP under SP; accumulation: each batch's), and the
+    experts split over ep ranks of DP (edp 2 or 1), with ZeRO 0-2, TP, SP, PP and activation checkpointing."""
+    results = check_world(4, {
+        "dp4-ep2-zero1-padded-olmoe": (dict(dp=4, ep=2, zero_stage=1), partial(_lm, "olmoe"), {"data": "padded"}),
+        "dp4-ep4-mixtral": (dict(dp=4, ep=4), partial(_lm, "mixtral"), {}),
         "dp2xtp2-zero3-padded-qwen3_moe": (dict(dp=2, tp=2, zero_stage=3), partial(_lm, "qwen3_moe"),
                                            {"data": "padded"}),
-        "dp2xtp2-sp-packed-olmoe": (dict(dp=2, tp=2, sequence_parallel=True), partial(_lm, "olmoe"),
-                                    {"data": "packed"}),
+        "dp2xtp2-sp-ep2-packed-olmoe": (dict(dp=2, tp=2, ep=2, sequence_parallel=True), partial(_lm, "olmoe"),
+                                        {"data": "packed"}),
         # Accumulated: each batch's loss over its global batch, as one device accumulating the same batches.
-        "dp2xtp2-zero2-accumulate-mixtral": (dict(dp=2, tp=2, zero_stage=2), partial(_lm, "mixtral"),
-                                             {"accumulate_grad_batches": 2}),
+        "dp2xtp2-ep2-zero2-accumulate-mixtral": (dict(dp=2, tp=2, ep=2, zero_stage=2), partial(_lm, "mixtral"),
+                                                 {"accumulate_grad_batches": 2}),
+        "dp2xpp2-ep2-mixtral": (dict(dp=2, pp=2, ep=2, micro_batches=2), partial(_no_aux, "mixtral"), {}),
+        "dp4-ep2-checkpointed-qwen3_moe": (dict(dp=4, ep=2, activation_checkpointing=True),
+                                           partial(_no_aux, "qwen3_moe"), {}),
     }, steps=HF_STEPS, tolerances=HF_TOLERANCES)
+    # Each rank holds 1/ep of every experts module's parameters.
+    for name, family, ep in (("dp4-ep2-zero1-padded-olmoe", "olmoe", 2), ("dp4-ep4-mixtral", "mixtral", 4),
+                             ("dp2xtp2-ep2-zero2-accumulate-mixtral", "mixtral", 2)):
+        module = _lm(family)
+        module.configure_model()
+        whole = sum(p.numel() for _, experts in find_experts(module) for p in experts.parameters())
+        assert whole > 0
+        for per_run in results:
+            assert per_run[name]["expert_params"] * ep == whole, (name, per_run[name]["expert_params"], whole)
+
+
+def _checkpoints(ckpt: str) -> dict:
+    from tests.test_checkpoint import _fit
+
+    make = partial(_lm, "mixtral")
+    saved = dict(dp=4, ep=2, zero_stage=1)
+    full = _fit(4, saved, 8, make_module=make)
+    _fit(4, saved, 4, ckpt_out=ckpt, make_module=make)
+    layouts = {"same": saved, "ep4-zero2": dict(dp=4, ep=4, zero_stage=2), "ep1-dp2xtp2": dict(dp=2, tp=2)}
+    return {"full": full, **{name: _fit(4, layout, 8, ckpt_in=ckpt, make_module=make)
+                             for name, layout in layouts.items()}}
+
+
+def test_expert_parallel_checkpoints_resume_exactly_under_other_ep_on_4_ranks(tmp_path):
+    ckpt = str(tmp_path / "step4.ckpt")
+    by_rank = run_distributed(_checkpoints, 4, ckpt)
+    from lightning_hybrid.checkpoint import consolidated_state_dict, read_meta
+
+    assert read_meta(ckpt)["lightning_hybrid"]["layout"]["ep"] == 2
+    whole = consolidated_state_dict(ckpt)  # the experts saved whole: (num_experts, ...)
+    assert whole["model.model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
+    for rank, runs in enumerate(by_rank):
+        full = runs["full"]
+        assert runs["same"]["losses"] == full["losses"][4:], rank
+        for what in ("params", "grads", "optimizer"):
+            for key, value in full[what].items():
+                assert torch.equal(runs["same"][what][key], value), (rank, what, key)
+        for name in ("ep4-zero2", "ep1-dp2xtp2"):
+            torch.testing.assert_close(torch.tensor(runs[name]["losses"]), torch.tensor(full["losses"][4:]),
+                                       rtol=1e-6, atol=0, msg=f"{name} rank {rank}")
+            torch.testing.assert_close(runs[name]["whole"], full["whole"], rtol=0, atol=1e-5, msg=f"{name} rank {rank}")
