@@ -10,7 +10,8 @@ gradients among themselves -- the experts' own data-parallel group, as in TorchT
 **Which modules** (`find_experts`): any module in the form ``transformers`` gives every MoE family since v5
 (``@use_experts_implementation``: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, GPT-OSS, GraniteMoE, ...): a module with
 an integer ``num_experts`` whose parameters are its own, all ``(num_experts, ...)`` (the packed 3D expert weights),
-called as ``experts(hidden_states (N, H), top_k_index (N, k), top_k_weights (N, k)) -> (N, H)``. The router,
+called as ``experts(hidden_states (N, H), top_k_index (N, k), top_k_weights (N, k)) -> (N, H)`` (the last two
+may have other names: GPT-OSS's ``router_indices``, ``routing_weights``). The router,
 shared experts and everything else stay as they are: the model's own code runs them.
 
 **How** (`ExpertParallel`): each experts module keeps the ``num_experts / ep`` experts of its EP rank (its
@@ -61,13 +62,21 @@ def find_experts(module: nn.Module) -> list[tuple[str, nn.Module]]:
             continue
         if not all(p.dim() >= 2 and p.size(0) == count for _, p in own):
             continue
-        try:
-            arguments = list(inspect.signature(type(sub).forward).parameters)[1:4]
-        except (TypeError, ValueError):
-            continue
-        if tuple(arguments) == _EXPERTS_ARGUMENTS:
+        if len(_argument_names(sub)) == 3:
             found.append((name, sub))
     return found
+
+
+def _argument_names(experts: nn.Module) -> tuple[str, ...]:
+    """The names of the experts' three inputs (hidden states, expert indices, routing weights: GPT-OSS calls the
+    last two ``router_indices`` and ``routing_weights``); fewer where the forward does not take three."""
+    try:
+        parameters = list(inspect.signature(type(experts).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return ()
+    plain = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = tuple(p.name for p in parameters if p.kind in plain)
+    return names if len(names) == 3 and names[0] == "hidden_states" else ()
 
 
 def expert_parameter_names(module: nn.Module) -> frozenset[str]:
@@ -126,11 +135,12 @@ class ExpertParallel:
     size: int
     rank: int
     num_experts: int
+    arguments: tuple[str, ...] = _EXPERTS_ARGUMENTS
     _pending: list[Any] = field(default_factory=list)
 
     def dispatch(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Forward pre-hook: the rows this rank's experts run on, with their local expert and weight 1."""
-        hidden, index, weights = _arguments(args, kwargs)
+        hidden, index, weights = _arguments(args, kwargs, self.arguments)
         tokens = hidden.size(0)
         k = index.size(-1)
         local = self.num_experts // self.size
@@ -166,10 +176,10 @@ class ExpertParallel:
         return (per_pair * weights.unsqueeze(-1).to(per_pair.dtype)).sum(1).to(output.dtype)
 
 
-def _arguments(args: tuple, kwargs: dict) -> tuple[Tensor, Tensor, Tensor]:
-    values = list(args) + [kwargs[n] for n in _EXPERTS_ARGUMENTS[len(args):] if n in kwargs]
+def _arguments(args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple[Tensor, Tensor, Tensor]:
+    values = list(args) + [kwargs[n] for n in names[len(args):] if n in kwargs]
     if len(values) != 3:
-        raise TypeError(f"an experts module is called as experts{_EXPERTS_ARGUMENTS}, got {len(args)} positional"
+        raise TypeError(f"an experts module is called as experts{names}, got {len(args)} positional"
                         f" and {sorted(kwargs)} keyword arguments")
     return values[0], values[1], values[2]
 
@@ -206,7 +216,7 @@ def apply_ep(module: nn.Module, group: dist.ProcessGroup) -> list[str]:
         for param_name, param in list(experts.named_parameters(recurse=False)):
             piece = nn.Parameter(_local_slice(param.detach(), rank, size).clone(), requires_grad=param.requires_grad)
             setattr(experts, param_name, piece)
-        state = ExpertParallel(group, size, rank, count)
+        state = ExpertParallel(group, size, rank, count, _argument_names(experts))
         experts.num_experts = count // size
         experts._expert_parallel = state
         # Checkpoints, full state dicts and exports see the experts whole (`tp_shard_specs`'s form: dim 0 over

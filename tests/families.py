@@ -37,6 +37,15 @@ def tiny_config(family: str):
         "mixtral": lambda: T.MixtralConfig(**llama_like, num_local_experts=4, **_MOE),
         "olmoe": lambda: T.OlmoeConfig(**llama_like, num_experts=4, **_MOE),
         "qwen3_moe": lambda: T.Qwen3MoeConfig(**llama_like, num_experts=4, moe_intermediate_size=FFN // 2, **_MOE),
+        # DeepSeek-V3: a dense first layer, MLA attention, grouped routing with a bias, a shared expert, no
+        # load-balancing loss. GPT-OSS: experts with biases, attention sinks.
+        "deepseek_v3": lambda: T.DeepseekV3Config(
+            **{**llama_like, "num_key_value_heads": HEADS}, moe_intermediate_size=FFN // 2, n_routed_experts=4,
+            num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, n_shared_experts=1,
+            q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+            rope_scaling=None),
+        "gpt_oss": lambda: T.GptOssConfig(**{**llama_like, "intermediate_size": FFN // 2}, num_local_experts=4,
+                                          head_dim=HIDDEN // HEADS, **_MOE),
     }
     config = configs[family]()
     for name in _DROPOUTS:

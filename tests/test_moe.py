@@ -22,7 +22,7 @@ from lightning_hybrid.mesh import ParallelDims  # noqa: E402
 from lightning_hybrid.testing import run_distributed  # noqa: E402
 from tests.families import tiny_config  # noqa: E402
 
-MOE_FAMILIES = ("mixtral", "olmoe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "olmoe", "qwen3_moe", "gpt_oss")
 HF_STEPS = 4
 HF_TOLERANCES = (RTOL, 1e-5)
 
@@ -121,7 +121,8 @@ def test_load_balancing_loss_and_expert_parallel_layouts_match_one_device_on_4_r
     experts split over ep ranks of DP (edp 2 or 1), with ZeRO 0-2, TP, SP, PP and activation checkpointing."""
     results = check_world(4, {
         "dp4-ep2-zero1-padded-olmoe": (dict(dp=4, ep=2, zero_stage=1), partial(_lm, "olmoe"), {"data": "padded"}),
-        "dp4-ep4-mixtral": (dict(dp=4, ep=4), partial(_lm, "mixtral"), {}),
+        "dp4-ep4-gpt_oss": (dict(dp=4, ep=4), partial(_lm, "gpt_oss"), {}),  # experts with biases
+        "dp2xtp2-ep2-deepseek_v3": (dict(dp=2, tp=2, ep=2), partial(_lm, "deepseek_v3"), {}),  # + shared expert
         "dp2xtp2-zero3-padded-qwen3_moe": (dict(dp=2, tp=2, zero_stage=3), partial(_lm, "qwen3_moe"),
                                            {"data": "padded"}),
         "dp2xtp2-sp-ep2-packed-olmoe": (dict(dp=2, tp=2, ep=2, sequence_parallel=True), partial(_lm, "olmoe"),
@@ -134,7 +135,7 @@ def test_load_balancing_loss_and_expert_parallel_layouts_match_one_device_on_4_r
                                            partial(_no_aux, "qwen3_moe"), {}),
     }, steps=HF_STEPS, tolerances=HF_TOLERANCES)
     # Each rank holds 1/ep of every experts module's parameters.
-    for name, family, ep in (("dp4-ep2-zero1-padded-olmoe", "olmoe", 2), ("dp4-ep4-mixtral", "mixtral", 4),
+    for name, family, ep in (("dp4-ep2-zero1-padded-olmoe", "olmoe", 2), ("dp4-ep4-gpt_oss", "gpt_oss", 4),
                              ("dp2xtp2-ep2-zero2-accumulate-mixtral", "mixtral", 2)):
         module = _lm(family)
         module.configure_model()
