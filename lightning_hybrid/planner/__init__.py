@@ -6,7 +6,8 @@ cluster, ranked (docs/planner.md).
     result.best.layout.strategy_kwargs()     # HybridStrategy(**...)
 
 ``python -m lightning_hybrid.planner --model gpt3-175b --cluster a100 --devices 1024 --global-batch 1536``
-prints the ranked table; ``python -m lightning_hybrid.planner calibrate`` measures this machine.
+prints the ranked table (mixture-of-experts models: expert parallelism ``ep`` searched too, `all_to_all_bytes` the
+expert all-to-all volume); ``python -m lightning_hybrid.planner calibrate`` measures this machine.
 """
 
 from .cluster import CLUSTER_PRESETS, Cluster, Link, calibrate, cpu_cluster, load_cluster
@@ -14,8 +15,8 @@ from .layout import Layout
 from .memory import MemoryEstimate, estimate_memory
 from .model import MODEL_PRESETS, ModelSpec, model_spec
 from .search import Candidate, Plan, evaluate, plan
-from .time import TimeEstimate, estimate_time
+from .time import TimeEstimate, all_to_all_bytes, estimate_time
 
 __all__ = ["CLUSTER_PRESETS", "Candidate", "Cluster", "Layout", "Link", "MODEL_PRESETS", "MemoryEstimate",
-           "ModelSpec", "Plan", "TimeEstimate", "calibrate", "cpu_cluster", "estimate_memory", "estimate_time",
-           "evaluate", "load_cluster", "model_spec", "plan"]
+           "ModelSpec", "Plan", "TimeEstimate", "all_to_all_bytes", "calibrate", "cpu_cluster", "estimate_memory",
+           "estimate_time", "evaluate", "load_cluster", "model_spec", "plan"]

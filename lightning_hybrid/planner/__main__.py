@@ -3,9 +3,13 @@
     python -m lightning_hybrid.planner --model gpt3-175b --cluster a100 --devices 1024 --global-batch 1536
     python -m lightning_hybrid.planner --model n_layer=4,n_embd=256,n_head=8 --cluster cpu --devices 4 \
         --global-batch 8 --seq-len 128 --json plan.json
+    python -m lightning_hybrid.planner --model n_layer=4,n_embd=256,n_head=8,experts=8,top_k=2,expert_ffn=512 \
+        --cluster cpu --devices 4 --global-batch 8 --seq-len 128
     python -m lightning_hybrid.planner calibrate [--out PATH]
 
-``--model``: a preset (`MODEL_PRESETS`), a Hugging Face ``config.json`` (or its folder) or `GPTConfig` fields;
+``--model``: a preset (`MODEL_PRESETS`; a preset followed by `ModelSpec` field overrides,
+``llama2-7b,experts=8,top_k=2``), a Hugging Face ``config.json`` (or its folder) or `GPTConfig` fields, each
+with mixture-of-experts fields ``experts=,top_k=,expert_ffn=,moe_layers=,shared_ffn=`` (`MOE_FIELDS`);
 ``--cluster``: ``a100``, ``h100``, ``cpu`` (this machine: its calibration file, else defaults) or a cluster
 JSON. Prints the ranked layouts (best first) with their memory and time breakdowns, then the closest layouts
 that do not fit and why, and how many sizes each validity rule turned away. Exit code 2 on a bad argument.
@@ -30,16 +34,20 @@ def _row(rank: int, c: Candidate) -> str:
     if c.time is None:
         return f"  -  {c.layout.label():<48} {mem}  {c.reason}"
     t = c.time
-    time = (f"{t.total:9.4g} = comp {t.compute:.3g} tp {t.tp_comm:.3g} pp {t.pp_comm:.3g} bubble {t.bubble:.3g}"
-            f" dp {t.dp_comm:.3g} opt {t.optimizer:.3g}")
+    time = (f"{t.total:9.4g} = comp {t.compute:.3g} tp {t.tp_comm:.3g} pp {t.pp_comm:.3g}"
+            + (f" ep {t.ep_comm:.3g}" if c.layout.ep > 1 else "")
+            + f" bubble {t.bubble:.3g} dp {t.dp_comm:.3g} opt {t.optimizer:.3g}")
     return f"{rank:4d} {c.layout.label():<48} {c.tokens_per_s:12.4g} {c.mfu:6.3f} {mem}  {time}"
 
 
 def format_plan(result: Plan, top: int = 10) -> str:
     """The table the command prints."""
     m, cl = result.model, result.cluster
+    moe = (f" MoE: {m.moe_layers} layers of {m.experts} experts top-{m.top_k} F_e={m.expert_ffn}"
+           + (f" shared F_s={m.shared_ffn}" if m.shared_ffn else "") + f", {m.active_params() / 1e9:.3g}B active;"
+           if m.experts else "")
     lines = [f"model {m.name}: {m.params / 1e9:.3g}B params, L={m.n_layer} h={m.hidden} heads={m.heads}/{m.kv_heads}"
-             f" F={m.ffn} V={m.vocab} s={m.seq_len}; cluster {cl.name} ({cl.precision}, {cl.memory / GIB:.0f} GiB,"
+             f" F={m.ffn} V={m.vocab} s={m.seq_len};{moe} cluster {cl.name} ({cl.precision}, {cl.memory / GIB:.0f} GiB,"
              f" {cl.devices_per_node}/node); {result.devices} devices, global batch {result.global_batch}",
              f"{len(result.ranked)} layouts fit, {len(result.too_big)} do not.", "",
              f"rank {'layout':<48} {'tokens/s':>12} {'mfu':>6} {'memory GiB (per device)':<52}  step s",]
@@ -62,7 +70,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"wrote {args.out}")
         return 0
     p = argparse.ArgumentParser(prog="python -m lightning_hybrid.planner", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="preset, config.json (or folder), or GPTConfig fields a=1,b=2")
+    p.add_argument("--model", required=True, help="preset, config.json (or folder), or GPTConfig fields a=1,b=2"
+                   " (MoE: experts=8,top_k=2,expert_ffn=..,moe_layers=..,shared_ffn=..)")
     p.add_argument("--cluster", default="cpu", help="a100, h100, cpu, or a cluster JSON (default: cpu)")
     p.add_argument("--devices", type=int, required=True)
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")

@@ -138,7 +138,8 @@ def _recipe_layout(cfg: DictConfig, world: dict[str, int]) -> tuple[Layout, int]
     checkpointing = bool(par.activation_checkpointing)
     layout = Layout(world["dp"], world["tp"], world["pp"], int(par.zero_stage), max(1, b), m,
                     str(par.schedule or "1f1b"), int(par.virtual_stages or 1) if par.schedule != "zero_bubble" else 2,
-                    checkpointing, bool(par.get("sequence_parallel", False)), bool(par.get("loss_parallel", False)))
+                    checkpointing, bool(par.get("sequence_parallel", False)), bool(par.get("loss_parallel", False)),
+                    ep=int(par.get("ep", 1) or 1))
     return layout, world["dp"] * batch * accumulate
 
 

@@ -15,7 +15,8 @@ class Layout:
     ``micro_batch`` sequences (a pipeline's micro-batches, or gradient accumulation when ``pp == 1``);
     ``schedule``/``virtual_stages`` as `lightning_hybrid.pipeline.resolve_schedule` takes them;
     ``loss_parallel``: the LM head's logits stay split over the vocabulary under TP (the strategy's default;
-    not searched: it only saves)."""
+    not searched: it only saves); ``ep``: expert parallelism, each experts module split over ``ep`` of the ``dp``
+    ranks (``ep`` divides ``dp``; 1: none; the model must have experts that ``ep`` divides: `check_model`)."""
 
     dp: int
     tp: int
@@ -28,6 +29,25 @@ class Layout:
     activation_checkpointing: bool = False
     sequence_parallel: bool = False
     loss_parallel: bool = True
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1 or self.dp % self.ep:
+            raise ValueError(f"ep={self.ep!r} is invalid for dp={self.dp}: it must be a positive divisor of dp (the"
+                             " expert-parallel ranks are carved out of the data-parallel ones).")
+
+    def check_model(self, model: Any) -> None:
+        """Raise ``ValueError`` unless ``ep`` suits ``model`` (a `ModelSpec`): ``ep > 1`` needs experts, and their
+        number must divide by ``ep``."""
+        if self.ep > 1 and not model.experts:
+            raise ValueError(f"ep={self.ep}: {model.name} has no experts to split (a dense model takes ep=1).")
+        if model.experts and model.experts % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide the {model.experts} experts of {model.name}.")
+
+    @property
+    def edp(self) -> int:
+        """The experts' own data-parallel size: ranks holding the same experts (``dp / ep``)."""
+        return self.dp // self.ep
 
     @property
     def devices(self) -> int:
@@ -39,8 +59,9 @@ class Layout:
         return self.micro_batches if self.pp == 1 else 1
 
     def label(self) -> str:
-        """``dp2xtp2xpp2 zero1 mb2x4 1f1b ac sp`` (only what differs from the defaults)."""
+        """``dp4xtp2xpp2 ep2 zero1 mb2x4 1f1b ac sp`` (only what differs from the defaults)."""
         parts = [f"dp{self.dp}xtp{self.tp}" + (f"xpp{self.pp}" if self.pp > 1 else "")]
+        parts += [f"ep{self.ep}"] if self.ep > 1 else []
         parts += [f"zero{self.zero_stage}"] if self.zero_stage else []
         parts.append(f"mb{self.micro_batch}x{self.micro_batches}")
         if self.pp > 1:
@@ -50,8 +71,8 @@ class Layout:
         return " ".join(parts)
 
     def strategy_kwargs(self, strategy_cls: Any = None) -> dict[str, Any]:
-        """Arguments of ``HybridStrategy`` (``strategy_cls``) for this layout; ``sequence_parallel`` only when the
-        strategy takes it (and it is on)."""
+        """Arguments of ``HybridStrategy`` (``strategy_cls``) for this layout; ``sequence_parallel`` and ``ep`` only
+        when the strategy takes them (and they are on)."""
         if strategy_cls is None:
             from lightning_hybrid import HybridStrategy as strategy_cls
         kwargs: dict[str, Any] = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "zero_stage": self.zero_stage,
@@ -61,6 +82,10 @@ class Layout:
         accepted = inspect.signature(strategy_cls).parameters
         if self.sequence_parallel and "sequence_parallel" in accepted:
             kwargs["sequence_parallel"] = True
+        if self.ep > 1:
+            if "ep" not in accepted:
+                raise ValueError(f"ep={self.ep}: {strategy_cls.__name__} takes no ep (expert parallelism).")
+            kwargs["ep"] = self.ep
         if "loss_parallel" in accepted:
             kwargs["loss_parallel"] = self.loss_parallel
         return kwargs

@@ -27,6 +27,16 @@ one block at a time (not while the head's loss is alive: the larger of the two c
 ``HEAD_ELEMENTS`` fp32 logit-sized tensors per token (logits, log-softmax, their gradients), ``V/tp`` wide with
 ``loss_parallel`` (the vocab-parallel cross entropy), else ``V`` (gathered). A schedule keeps several micro-batches
 in flight (`in_flight`).
+
+Mixture of experts (`ModelSpec.experts`, `Layout.ep`): a MoE block's experts are split over ``ep`` ranks (``E/ep``
+each, whole across TP: `rank_expert_params`) and ZeRO shards their states over their own data-parallel group of
+``dp/ep`` ranks, the rest over ``dp`` as above: with ``P_x`` the experts on the device and ``P_n`` the rest, each
+``P/dp`` above is ``P_n/dp + P_x/(dp/ep)``. Its activations: the block's without the dense MLP, with the shared
+experts' (``split``, as the MLP's), plus the experts' (`expert_activation_bytes`): per (token, expert) pair the
+rank computes -- ``k`` per token it routes under uniform routing, whatever ``ep`` (it receives as many pairs as it
+sends) -- the expert's input and output rows and its hidden tensors, ``e (2h + 4F_e)`` (``2F_e`` not gated), and per
+routed token the router's logits and fp32 probabilities ``(e + 4) E``. A rank routes all of its replica's tokens
+under TP (the experts are replicated over TP), ``1/tp`` of them with sequence parallelism.
 """
 
 from __future__ import annotations
@@ -42,7 +52,10 @@ from .layout import Layout
 from .model import ModelSpec
 
 __all__ = ["KORTHIKANTI", "PRECISIONS", "ActivationCoefficients", "MemoryEstimate", "block_activation_bytes",
-           "codebase_coefficients", "estimate_memory", "in_flight", "rank_layers", "rank_params", "zero_model_states"]
+           "block_activations", "codebase_coefficients", "estimate_memory", "expert_activation_bytes", "in_flight",
+           "largest_block_params", "moe_block_count", "moe_coefficients", "rank_block_counts",
+           "rank_expert_params", "rank_layers", "rank_params", "routed_tokens",
+           "zero_model_states"]
 
 #: bytes per element: (parameters, gradients, optimizer state, activations). Adam keeps 2 moments.
 #: ``32-true``: fp32 everything; ``bf16-mixed``: Lightning autocast, fp32 weights and gradients, bf16
@@ -55,22 +68,56 @@ HEAD_ELEMENTS = 4
 @dataclass(frozen=True)
 class ActivationCoefficients:
     """Bytes per token of one block: ``rep * h`` (outside TP regions), ``split * h`` (inside, ``/tp``) and
-    ``scores * a * s`` (attention scores, ``/tp``)."""
+    ``scores * a * s`` (attention scores, ``/tp``); ``mlp``: the part of ``split`` that is the MLP's (which a MoE
+    block replaces: `moe_coefficients`)."""
 
     rep: float
     split: float
     scores: float
+    mlp: float = 0.0
 
 
-KORTHIKANTI = ActivationCoefficients(rep=10, split=24, scores=5)
+#: The paper's MLP: GELU's input and output, 2 bytes each of ``4h`` (``16 sbh`` of the 24).
+KORTHIKANTI = ActivationCoefficients(rep=10, split=24, scores=5, mlp=16)
+
+
+def _mlp_split(model: ModelSpec, element: float, width: int) -> float:
+    """An MLP's hidden tensors per token, in units of ``h`` bytes: 2 (4 gated) of ``width`` elements."""
+    return element * (4 if model.gated_mlp else 2) * width / model.hidden
 
 
 def codebase_coefficients(model: ModelSpec, element: int) -> ActivationCoefficients:
     """This codebase's block (see the module docstring) with ``element``-byte activations."""
     gqa = model.kv_heads < model.heads
     attention = 3 + 2 * model.kv_heads / model.heads + (2 if gqa else 0)
-    mlp = (4 if model.gated_mlp else 2) * model.ffn / model.hidden
-    return ActivationCoefficients(rep=4 * element, split=element * (attention + mlp), scores=0)
+    mlp = _mlp_split(model, element, model.ffn)
+    return ActivationCoefficients(rep=4 * element, split=element * attention + mlp, scores=0, mlp=mlp)
+
+
+def moe_coefficients(c: ActivationCoefficients, model: ModelSpec, element: float) -> ActivationCoefficients:
+    """A MoE block's activations outside its experts: ``c`` with the dense MLP's part of ``split`` replaced by the
+    shared experts' (split over TP like it); the experts' own are `expert_activation_bytes`."""
+    shared = _mlp_split(model, element, model.shared_ffn)
+    return ActivationCoefficients(rep=c.rep, split=max(0.0, c.split - c.mlp) + shared, scores=c.scores, mlp=shared)
+
+
+def routed_tokens(tokens: float, tp: int, sequence_parallel: bool) -> float:
+    """Tokens one rank routes to experts out of its replica's ``tokens``: all of them under TP (the experts are
+    replicated over TP), ``1/tp`` with sequence parallelism."""
+    return tokens / tp if sequence_parallel else tokens
+
+
+def expert_activation_bytes(model: ModelSpec, tokens: float, element: float, tp: int = 1,
+                            sequence_parallel: bool = False) -> float:
+    """Bytes one MoE block's experts and router keep for backward on one rank for a micro-batch of ``tokens``
+    (its replica's): per pair computed (``k`` per routed token under uniform routing) the expert's input and
+    output rows and hidden tensors, ``e (2h + 4F_e)`` (``2F_e`` not gated); per routed token the router's logits
+    (``e``) and probabilities (fp32), ``(e + 4) E``."""
+    if not model.experts:
+        return 0.0
+    routed = routed_tokens(tokens, tp, sequence_parallel)
+    per_pair = element * (2 * model.hidden + (4 if model.gated_mlp else 2) * model.expert_ffn)
+    return routed * (model.top_k * per_pair + (element + 4) * model.experts)
 
 
 def block_activation_bytes(c: ActivationCoefficients, s: int, b: int, h: int, a: int, tp: int = 1,
@@ -113,22 +160,80 @@ def rank_layers(model: ModelSpec, pp: int, stages_per_rank: int, style: str) -> 
     return tuple(tuple(i for stage, r in zip(stages, ranks) if r == rank for i in stage) for rank in range(pp))
 
 
-def rank_params(model: ModelSpec, layers: tuple[int, ...], tp: int) -> float:
-    """Parameters a device holds for pipeline ``layers`` under ``tp``: matrices, embeddings, the LM head and
-    column-parallel biases split, norms and row-parallel biases whole."""
+def _block_on_device(model: ModelSpec, moe: bool, tp: int, ep: int) -> float:
+    """One block's parameters on a device: matrices and column-parallel biases split over ``tp``, norms and
+    row-parallel biases whole; in a MoE block the router whole and the experts ``1/ep`` (whole across TP)."""
+    norms = 2 * model.hidden * (2 if model.bias else 1)
+    if not (moe and model.experts):
+        whole = norms + (2 * model.hidden if model.bias else 0)  # norms, o/down bias
+        return (model.block_params() - whole) / tp + whole
+    experts = model.block_expert_params()
+    whole = norms + (model.hidden if model.bias else 0) + model.router_params()  # norms, o bias, router
+    whole += model.hidden if model.bias and model.shared_ffn else 0  # the shared experts' down bias
+    return (model.block_params(True) - whole - experts) / tp + whole + experts / ep
+
+
+def rank_params(model: ModelSpec, layers: tuple[int, ...], tp: int, ep: int = 1) -> float:
+    """Parameters a device holds for pipeline ``layers`` under ``tp`` (and ``ep``): matrices, embeddings, the LM
+    head and column-parallel biases split, norms and row-parallel biases whole; a MoE block's router whole and its
+    experts ``1/ep`` (`rank_expert_params`)."""
     head = model.n_layer + 1
-    whole = 2 * model.hidden * (2 if model.bias else 1) + (2 * model.hidden if model.bias else 0)  # norms, o/down bias
-    block = (model.block_params() - whole) / tp + whole
+    first_moe = model.n_layer - model.moe_layers + 1
+    dense = _block_on_device(model, False, tp, ep)
+    moe = _block_on_device(model, True, tp, ep) if model.experts else dense
     total = 0.0
     for i in layers:
         if i == 0:
-            total += model.pipeline_layer_params()[0] / tp
+            total += model.embedding_params() / tp
         elif i == head:
             total += (model.hidden * (2 if model.bias else 1)
                       + (0 if model.tied_embeddings else model.vocab * model.hidden / tp))
         else:
-            total += block
+            total += moe if i >= first_moe else dense
     return total
+
+
+def moe_block_count(model: ModelSpec, layers: tuple[int, ...]) -> int:
+    """How many of pipeline ``layers`` are MoE blocks."""
+    if not model.experts:
+        return 0
+    first, last = model.n_layer - model.moe_layers + 1, model.n_layer
+    return sum(1 for i in layers if first <= i <= last)
+
+
+@functools.lru_cache(maxsize=None)
+def rank_block_counts(model: ModelSpec, pp: int, stages_per_rank: int, style: str) -> tuple[tuple[int, int], ...]:
+    """``(dense blocks, MoE blocks)`` of each pipeline rank (`rank_layers`)."""
+    counts = []
+    for layers in rank_layers(model, pp, stages_per_rank, style):
+        moe = moe_block_count(model, layers)
+        counts.append((sum(1 for i in layers if 0 < i <= model.n_layer) - moe, moe))
+    return tuple(counts)
+
+
+@functools.lru_cache(maxsize=None)
+def largest_block_params(model: ModelSpec, tp: int, ep: int) -> float:
+    """The parameters on a device of the largest block (dense or MoE): an FSDP2 unit."""
+    return max(rank_params(model, (i,), tp, ep) for i in {1, model.n_layer}) if model.n_layer else 0.0
+
+
+def rank_expert_params(model: ModelSpec, layers: tuple[int, ...], ep: int = 1) -> float:
+    """The expert parameters a device holds for pipeline ``layers``: ``E/ep`` experts of each MoE block (whole
+    across TP), reduced and sharded over their own data-parallel group of ``dp/ep`` ranks."""
+    return moe_block_count(model, layers) * model.block_expert_params() / ep
+
+
+def block_activations(model: ModelSpec, layout: Layout, precision: str) -> tuple[float, float]:
+    """Bytes one dense block and one MoE block keep for backward for one micro-batch on a device (the MoE block's
+    experts included; 0 when the model has none)."""
+    e = PRECISIONS[precision][3]
+    coeffs = KORTHIKANTI if precision == "megatron" else codebase_coefficients(model, e)
+    s, b, h, t, sp = model.seq_len, layout.micro_batch, model.hidden, layout.tp, layout.sequence_parallel
+    dense = block_activation_bytes(coeffs, s, b, h, model.heads, t, sp)
+    if not model.experts:
+        return dense, 0.0
+    moe = block_activation_bytes(moe_coefficients(coeffs, model, e), s, b, h, model.heads, t, sp)
+    return dense, moe + expert_activation_bytes(model, s * b, e, t, sp)
 
 
 @dataclass(frozen=True)
@@ -156,45 +261,52 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
     """The predicted peak of the first and the last pipeline rank (the fullest is returned)."""
     pb, gb, ob, e = PRECISIONS[precision]
     lay = layout
+    lay.check_model(model)
     spec = SCHEDULES[lay.schedule] if lay.pp > 1 else SCHEDULES["1f1b"]
     per_rank = lay.virtual_stages if lay.pp > 1 else 1
     ranks = rank_layers(model, lay.pp, per_rank, spec.style)
-    coeffs = KORTHIKANTI if precision == "megatron" else codebase_coefficients(model, e)
-    s, b, h, t = model.seq_len, lay.micro_batch, model.hidden, lay.tp
-    block_act = block_activation_bytes(coeffs, s, b, h, model.heads, t, lay.sequence_parallel)
+    counts = rank_block_counts(model, lay.pp, per_rank, spec.style)
+    s, b, h, t, ep = model.seq_len, lay.micro_batch, model.hidden, lay.tp, lay.ep
+    dense_act, moe_act = block_activations(model, lay, precision)
     kept = s * b * h * e / (t if lay.sequence_parallel else 1)  # a checkpointed block's input
-    block_p = rank_params(model, (1,), t) if model.n_layer else 0.0
+    block_p = largest_block_params(model, t, ep)  # an FSDP2 unit
     whole_window = lay.pp > 1 or lay.accumulation > 1  # gradients not reduced before the window ends
     bucket = bucket_cap_mb * 2**20
     best = None
     for rank in sorted({0, lay.pp - 1}):
         layers = ranks[rank]
-        P = rank_params(model, layers, t)
-        blocks = sum(1 for i in layers if 0 < i <= model.n_layer)
+        P = rank_params(model, layers, t, ep)
+        experts = rank_expert_params(model, layers, ep)  # sharded over dp/ep ranks, the rest over dp
+        dense_blocks, moe_blocks = counts[rank]
         sharded = lay.zero_stage > 0 and lay.dp > 1
-        dp = lay.dp if sharded else 1
+        dp, edp = (lay.dp, lay.edp) if sharded else (1, 1)
+        slices = (P - experts) / dp + experts / edp  # this device's share of what ZeRO shards
         if lay.zero_stage == 3 and sharded:
             gathered = P if whole_window else min(P, 2 * block_p)
-            params = pb * (P / dp + gathered)
-            grads = gb * (P / dp + (P if whole_window else 0.0))
+            params = pb * (slices + gathered)
+            grads = gb * (slices + (P if whole_window else 0.0))
         else:
             params = pb * P
             if lay.zero_stage == 2 and sharded and not whole_window:
-                grads = gb * (P / dp + min(P, (1 + MAX_IN_FLIGHT) * bucket / gb))
+                grads = gb * (slices + min(P, (1 + MAX_IN_FLIGHT) * bucket / gb))
             elif lay.pp > 1 and not sharded and lay.dp == 1:
                 grads = 2 * gb * P  # no buckets: a micro-batch's new gradients beside the accumulated ones
             else:
-                grads = gb * (P + (P / dp if lay.zero_stage == 2 and sharded else 0))
-        optimizer = ob * P / dp
+                grads = gb * (P + (slices if lay.zero_stage == 2 and sharded else 0))
+        optimizer = ob * (P - experts) / dp + ob * experts / edp
         f = in_flight(lay.schedule, lay.pp, lay.micro_batches, lay.virtual_stages, rank)
-        held = blocks * f * (kept if lay.activation_checkpointing else block_act)
+        if lay.activation_checkpointing:
+            held = (dense_blocks + moe_blocks) * f * kept
+        else:
+            held = dense_blocks * f * dense_act + moe_blocks * f * moe_act
+        largest = max(dense_act if dense_blocks or not moe_blocks else 0.0, moe_act if moe_blocks else 0.0)
         head = 0.0
         if model.n_layer + 1 in layers:
             head_f = lay.micro_batches if (lay.pp > 1 and lay.schedule == "gpipe") else 1
             vocab = model.vocab / t if lay.loss_parallel else model.vocab
             head = head_f * s * b * (h * e + HEAD_ELEMENTS * 4 * vocab)
         # The head's loss and a recomputed block's activations are not alive at once.
-        act = held + max(head, block_act if lay.activation_checkpointing else 0.0)
+        act = held + max(head, largest if lay.activation_checkpointing else 0.0)
         buffers = 2 * s * b * h * e if lay.pp > 1 else 0.0  # the stage boundary's send and receive tensors
         est = MemoryEstimate(params, grads, optimizer, act * activation_scale, buffers, rank)
         if best is None or est.total > best.total:

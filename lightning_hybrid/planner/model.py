@@ -6,6 +6,12 @@
 an ``nn.Module`` (`ModelSpec.from_module`: its parameters counted, its sizes read from its config or its layers)
 or a preset name (`MODEL_PRESETS`, `model_spec`).
 
+Mixture of experts (``experts`` = ``E`` > 0): the last ``moe_layers`` blocks (default all; DeepSeek's dense first
+layers) replace the MLP by ``E`` experts (MLPs of width ``expert_ffn`` = ``F_e``, gated like the dense MLP), a
+router (``E x h``, replicated) sending each token to ``top_k`` = ``k`` of them, and shared experts that every token
+visits (one MLP of their total width ``shared_ffn`` = ``F_s``; 0: none). ``params`` counts every expert;
+`flops_per_token` only the ``k`` experts a token visits, the shared experts and the router (`active_params`).
+
 The pipeline sees the model as ``embed, block_1 .. block_L, head`` (`pipeline_layer_params`), as the reference
 GPT's ``layers()`` and `lightning_hybrid.hf.CausalLM` split it.
 """
@@ -20,7 +26,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-__all__ = ["MODEL_PRESETS", "ModelSpec", "model_spec"]
+__all__ = ["MODEL_PRESETS", "MOE_FIELDS", "ModelSpec", "model_spec"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,11 @@ class ModelSpec:
     ``learned_positions``: a ``seq_len x h`` position table (GPT-2 style) instead of rotary embeddings;
     ``tied_embeddings``: the LM head reuses the token embedding. ``params``: the parameter count, computed
     from the sizes unless given (a module's own count).
+
+    Mixture of experts (all 0 for a dense model): ``experts`` per MoE layer, ``top_k`` of them per token,
+    ``expert_ffn`` the width of one expert's MLP (0: ``ffn``), ``moe_layers`` how many blocks are MoE -- the
+    last ones (0: all), ``shared_ffn`` the total width of the shared experts every token visits (0: none).
+    Experts and shared experts are gated when ``gated_mlp``; with ``bias`` they (and the router) have biases.
     """
 
     name: str
@@ -46,6 +57,11 @@ class ModelSpec:
     learned_positions: bool = True
     tied_embeddings: bool = False
     params: int = 0
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    moe_layers: int = 0
+    shared_ffn: int = 0
 
     def __post_init__(self) -> None:
         for field in ("n_layer", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len"):
@@ -55,6 +71,21 @@ class ModelSpec:
         if self.hidden % self.heads or self.heads % self.kv_heads:
             raise ValueError(f"hidden={self.hidden}, heads={self.heads}, kv_heads={self.kv_heads}: heads must divide"
                              " hidden and kv_heads must divide heads.")
+        for field in ("experts", "top_k", "expert_ffn", "moe_layers", "shared_ffn"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"ModelSpec.{field}={value!r} is invalid: it must be a non-negative integer.")
+        if self.experts:
+            if not 1 <= self.top_k <= self.experts:
+                raise ValueError(f"top_k={self.top_k} is invalid for experts={self.experts}: each token visits"
+                                 " 1 to experts of them.")
+            if self.moe_layers > self.n_layer:
+                raise ValueError(f"moe_layers={self.moe_layers} > n_layer={self.n_layer}.")
+            object.__setattr__(self, "expert_ffn", self.expert_ffn or self.ffn)
+            object.__setattr__(self, "moe_layers", self.moe_layers or self.n_layer)
+        elif self.top_k or self.expert_ffn or self.moe_layers or self.shared_ffn:
+            raise ValueError("top_k, expert_ffn, moe_layers and shared_ffn describe experts: set experts > 0 (the"
+                             " number of experts per MoE layer), or leave them 0 for a dense model.")
         if not self.params:
             object.__setattr__(self, "params", sum(self.pipeline_layer_params()))
 
@@ -63,29 +94,91 @@ class ModelSpec:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
-    def block_matmul_weights(self) -> int:
-        """Weights of one block's matrices: q, o (``h x a*d``), k, v (``h x a_kv*d``) and the MLP (2 or 3 ``h x F``)."""
-        h, d = self.hidden, self.head_dim
-        return 2 * h * self.heads * d + 2 * h * self.kv_heads * d + (3 if self.gated_mlp else 2) * h * self.ffn
+    @property
+    def is_moe(self) -> bool:
+        """Whether some blocks hold experts."""
+        return self.experts > 0
 
-    def block_params(self) -> int:
-        """One block: its matrices, their biases and two norms (weight, and bias when ``bias``)."""
-        biases = (self.heads + 2 * self.kv_heads) * self.head_dim + self.hidden  # q, k, v, o
-        biases += (2 if self.gated_mlp else 1) * self.ffn + self.hidden  # up (and gate), down
+    def is_moe_block(self, index: int) -> bool:
+        """Whether block ``index`` (1 .. L, its pipeline layer index) is a MoE block: the last ``moe_layers``."""
+        return self.experts > 0 and self.n_layer - self.moe_layers < index <= self.n_layer
+
+    def attention_weights(self) -> int:
+        """q, o (``h x a*d``), k, v (``h x a_kv*d``)."""
+        h, d = self.hidden, self.head_dim
+        return 2 * h * self.heads * d + 2 * h * self.kv_heads * d
+
+    def mlp_weights(self, width: int) -> int:
+        """An MLP of ``width``: 2 or 3 (gated) ``h x width`` matrices."""
+        return (3 if self.gated_mlp else 2) * self.hidden * width if width else 0
+
+    def mlp_biases(self, width: int) -> int:
+        """An MLP's biases when ``bias``: up (and gate) ``width``, down ``h``."""
+        return ((2 if self.gated_mlp else 1) * width + self.hidden) if self.bias and width else 0
+
+    def router_params(self) -> int:
+        """One MoE layer's router: ``E x h`` (and ``E`` biases when ``bias``)."""
+        return self.experts * self.hidden + (self.experts if self.bias else 0)
+
+    def expert_params(self) -> int:
+        """One expert: an MLP of width ``expert_ffn`` (weights, and biases when ``bias``)."""
+        return self.mlp_weights(self.expert_ffn) + self.mlp_biases(self.expert_ffn)
+
+    def block_expert_params(self, moe: bool = True) -> int:
+        """The experts of one block (what expert parallelism splits): ``E`` experts, or 0 for a dense block."""
+        return self.experts * self.expert_params() if moe and self.experts else 0
+
+    def block_matmul_weights(self, moe: bool = False) -> int:
+        """Weights of one block's matrices: q, o (``h x a*d``), k, v (``h x a_kv*d``) and the MLP (2 or 3 ``h x F``);
+        a MoE block (``moe``): every expert (``E`` MLPs of ``F_e``), the shared experts (``F_s``) and the router."""
+        if not (moe and self.experts):
+            return self.attention_weights() + self.mlp_weights(self.ffn)
+        return (self.attention_weights() + self.experts * self.mlp_weights(self.expert_ffn)
+                + self.mlp_weights(self.shared_ffn) + self.experts * self.hidden)
+
+    def block_active_weights(self, moe: bool = False) -> int:
+        """The matrix weights one token multiplies by in a block: all of a dense block's; in a MoE block attention,
+        its ``k`` experts, the shared experts and the router."""
+        if not (moe and self.experts):
+            return self.block_matmul_weights()
+        return (self.attention_weights() + self.top_k * self.mlp_weights(self.expert_ffn)
+                + self.mlp_weights(self.shared_ffn) + self.experts * self.hidden)
+
+    def block_params(self, moe: bool = False) -> int:
+        """One block: its matrices, their biases and two norms (weight, and bias when ``bias``); a MoE block
+        (``moe``): attention, every expert, the shared experts and the router."""
         norms = 2 * self.hidden * (2 if self.bias else 1)
-        return self.block_matmul_weights() + (biases if self.bias else 0) + norms
+        attention_biases = ((self.heads + 2 * self.kv_heads) * self.head_dim + self.hidden) if self.bias else 0
+        if not (moe and self.experts):
+            return self.block_matmul_weights() + attention_biases + self.mlp_biases(self.ffn) + norms
+        return (self.attention_weights() + attention_biases + norms + self.block_expert_params()
+                + self.mlp_weights(self.shared_ffn) + self.mlp_biases(self.shared_ffn) + self.router_params())
+
+    def embedding_params(self) -> int:
+        """The token embedding (and a learned position table)."""
+        return self.vocab * self.hidden + (self.seq_len * self.hidden if self.learned_positions else 0)
 
     def pipeline_layer_params(self) -> list[int]:
         """Parameters of ``embed, block_1 .. block_L, head`` (a tied head counted in the embedding)."""
-        embed = self.vocab * self.hidden + (self.seq_len * self.hidden if self.learned_positions else 0)
         head = self.hidden * (2 if self.bias else 1) + (0 if self.tied_embeddings else self.vocab * self.hidden)
-        return [embed, *[self.block_params()] * self.n_layer, head]
+        dense = self.n_layer - self.moe_layers
+        return [self.embedding_params(), *[self.block_params()] * dense, *[self.block_params(True)] * self.moe_layers,
+                head]
+
+    def active_params(self) -> int:
+        """Parameters one token's computation uses: all but the ``E - k`` experts it does not visit per MoE layer
+        (Mixtral 8x7B: 12.9B of 46.7B); ``params`` for a dense model."""
+        return self.params - self.moe_layers * (self.experts - self.top_k) * self.expert_params()
 
     def flops_per_token(self) -> int:
         """Training FLOPs (forward + backward, no recomputation) per token: ``6`` per matmul weight -- every
         block's and the LM head's; embeddings are lookups -- plus ``12 L h s`` for the attention scores and their
-        weighted sum (PaLM, Chowdhery et al. 2022, appendix B; the same count as ``GPT.flops_per_token``)."""
-        weights = self.n_layer * self.block_matmul_weights() + self.hidden * self.vocab
+        weighted sum (PaLM, Chowdhery et al. 2022, appendix B; the same count as ``GPT.flops_per_token``). A MoE
+        block counts the weights a token multiplies by (`block_active_weights`: ``k`` experts, the shared
+        experts and the router ``E x h``), not every expert."""
+        dense = self.n_layer - self.moe_layers
+        blocks = dense * self.block_active_weights() + self.moe_layers * self.block_active_weights(True)
+        weights = blocks + self.hidden * self.vocab
         return 6 * weights + 12 * self.n_layer * self.hidden * self.seq_len
 
     def with_seq_len(self, seq_len: Optional[int]) -> "ModelSpec":
@@ -122,9 +215,10 @@ class ModelSpec:
         act = str(first("hidden_act", "activation_function", default="gelu"))
         gated = (act in ("silu", "swiglu")
                  or getattr(config, "model_type", "") in ("llama", "mistral", "qwen2", "qwen3", "gemma"))
+        n_layer = int(first("num_hidden_layers", "n_layer"))
         return cls(
             name=str(getattr(config, "model_type", None) or type(config).__name__),
-            n_layer=int(first("num_hidden_layers", "n_layer")), hidden=hidden, heads=heads,
+            n_layer=n_layer, hidden=hidden, heads=heads,
             kv_heads=int(first("num_key_value_heads", default=heads)),
             ffn=int(first("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden)),
             vocab=int(first("vocab_size")),
@@ -132,6 +226,7 @@ class ModelSpec:
             gated_mlp=gated, bias=bool(getattr(config, "attention_bias", getattr(config, "use_bias", not gated))),
             learned_positions=getattr(config, "model_type", "") in ("gpt2", "opt", "gpt_bigcode"),
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            **_hf_experts(config, n_layer),
         )
 
     @classmethod
@@ -163,8 +258,36 @@ class ModelSpec:
                    ffn=int(ffn), vocab=int(vocab), seq_len=int(seq_len), params=params)
 
 
+def _hf_experts(config: Any, n_layer: int) -> dict[str, int]:
+    """The MoE fields of a Hugging Face config (empty for a dense model): experts (``num_local_experts`` Mixtral,
+    GPT-OSS; ``num_experts`` Qwen2/3-MoE, OLMoE; ``n_routed_experts`` DeepSeek), ``num_experts_per_tok``, the
+    expert width (``moe_intermediate_size``, else ``intermediate_size``), the shared experts' (Qwen2-MoE's
+    ``shared_expert_intermediate_size``, DeepSeek's ``n_shared_experts x moe_intermediate_size``) and how many
+    layers are MoE (DeepSeek's ``first_k_dense_replace`` dense first; Qwen's ``decoder_sparse_step`` and
+    ``mlp_only_layers``)."""
+    def get(name: str) -> Any:
+        return getattr(config, name, None)
+
+    experts = next((int(get(n)) for n in ("num_local_experts", "num_experts", "n_routed_experts") if get(n)), 0)
+    if not experts:
+        return {}
+    if get("first_k_dense_replace") is not None:
+        moe_layers = n_layer - int(get("first_k_dense_replace"))
+    else:
+        step, dense = int(get("decoder_sparse_step") or 1), set(get("mlp_only_layers") or ())
+        moe_layers = sum(1 for i in range(n_layer) if i not in dense and (i + 1) % step == 0)
+    if moe_layers <= 0:
+        return {}
+    expert_ffn = int(get("moe_intermediate_size") or get("intermediate_size"))
+    shared = int(get("shared_expert_intermediate_size") or 0) or int(get("n_shared_experts") or 0) * expert_ffn
+    top_k = int(get("num_experts_per_tok") or get("moe_top_k") or 1)
+    return {"experts": experts, "top_k": top_k, "expert_ffn": expert_ffn, "moe_layers": moe_layers,
+            "shared_ffn": shared}
+
+
 #: Published models (sequence length 2048, vocabulary 51,200 for the GPT rows as in Narayanan et al. 2021,
-#: Table 1) and the recipe's own ``model=tiny`` / ``model=small`` (configs/model/*.yaml).
+#: Table 1), Mixtral (Jiang et al. 2024; trained at 32k, planned here at 4096), and the recipe's own
+#: ``model=tiny`` / ``model=small`` (configs/model/*.yaml) with ``small-moe`` its 8-expert top-2 sibling.
 MODEL_PRESETS: dict[str, ModelSpec] = {
     "tiny": ModelSpec("tiny", n_layer=1, hidden=32, heads=4, kv_heads=4, ffn=128, vocab=256, seq_len=32),
     "small": ModelSpec("small", n_layer=4, hidden=256, heads=8, kv_heads=8, ffn=1024, vocab=256, seq_len=128),
@@ -178,14 +301,36 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
                            learned_positions=False),
     "llama3-70b": ModelSpec("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, gated_mlp=True, bias=False,
                             learned_positions=False),
+    "small-moe": ModelSpec("small-moe", n_layer=4, hidden=256, heads=8, kv_heads=8, ffn=1024, vocab=256, seq_len=128,
+                           experts=8, top_k=2, expert_ffn=512),
+    "mixtral-8x7b": ModelSpec("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 4096, gated_mlp=True, bias=False,
+                              learned_positions=False, experts=8, top_k=2),
+    "mixtral-8x22b": ModelSpec("mixtral-8x22b", 56, 6144, 48, 8, 16384, 32768, 4096, gated_mlp=True, bias=False,
+                               learned_positions=False, experts=8, top_k=2),
 }
+
+#: ``model_spec``'s MoE fields (not `GPTConfig` fields): ``experts=8,top_k=2,expert_ffn=..,moe_layers=..,
+#: shared_ffn=..``.
+MOE_FIELDS = ("experts", "top_k", "expert_ffn", "moe_layers", "shared_ffn")
 
 
 def model_spec(text: str, seq_len: Optional[int] = None) -> ModelSpec:
     """A `ModelSpec` from the command line: a preset name (`MODEL_PRESETS`), a Hugging Face ``config.json``
-    (a file or a folder holding one), or `GPTConfig` field overrides ``n_layer=12,n_embd=768,...``."""
+    (a file or a folder holding one), or `GPTConfig` field overrides ``n_layer=12,n_embd=768,...``, each with
+    mixture-of-experts fields (`MOE_FIELDS`) ``experts=8,top_k=2,expert_ffn=1024,moe_layers=..,shared_ffn=..``.
+    A preset takes overrides of any `ModelSpec` field after it: ``llama2-7b,experts=8,top_k=2``."""
     if text in MODEL_PRESETS:
         return MODEL_PRESETS[text].with_seq_len(seq_len)
+    head, _, rest = text.partition(",")
+    if head in MODEL_PRESETS and rest:
+        names = {f.name for f in dataclasses.fields(ModelSpec)} - {"params"}
+        overrides = {}
+        for item in rest.split(","):
+            key, _, value = item.partition("=")
+            if key.strip() not in names:
+                raise ValueError(f"--model {text!r}: {key.strip()!r} is not a ModelSpec field ({sorted(names)}).")
+            overrides[key.strip()] = value.strip() if key.strip() == "name" else json.loads(value)
+        return dataclasses.replace(MODEL_PRESETS[head], params=0, **overrides).with_seq_len(seq_len)
     path = Path(text)
     if path.is_dir():
         path = path / "config.json"
@@ -200,6 +345,8 @@ def model_spec(text: str, seq_len: Optional[int] = None) -> ModelSpec:
         for item in text.split(","):
             key, _, value = item.partition("=")
             fields[key.strip()] = value if key.strip() == "mlp" else json.loads(value)
-        return ModelSpec.from_gpt(fields, seq_len)
+        moe = {k: fields.pop(k) for k in MOE_FIELDS if k in fields}
+        spec = ModelSpec.from_gpt(fields, seq_len)
+        return dataclasses.replace(spec, params=0, **moe) if moe else spec
     raise ValueError(f"--model {text!r} is neither a preset ({sorted(MODEL_PRESETS)}), a config.json nor GPTConfig"
-                     " fields (n_layer=12,n_embd=768,...).")
+                     " fields (n_layer=12,n_embd=768,...; MoE: experts=8,top_k=2,...).")

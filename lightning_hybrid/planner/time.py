@@ -34,6 +34,22 @@ schedule); the parameter all-gather of stages 1-2 follows the step; stage 3's ga
 compute, so only what exceeds it shows. The optimizer step reads and writes its states once (memory bound),
 or takes the measured time per parameter (CPU).
 
+Mixture of experts (`ModelSpec.experts`; `lightning_hybrid.expert_parallel`), per MoE block and micro-batch:
+
+* compute: attention and the shared experts as a dense block's (``/tp``); the router (``2 E h``) and the experts
+  (``2 x`` one expert's weights per (token, expert) pair, ``k`` pairs per token under uniform routing) on the
+  tokens the rank routes -- all of its replica's under TP (the experts are replicated over TP, so this work is
+  not split), ``1/tp`` of them with sequence parallelism -- whatever ``ep`` (a rank computes as many pairs as it
+  sends); TP's collectives only for attention (and the shared experts, when there are);
+* EP (``ep > 1``): an all-to-all of the pairs to the experts' ranks and one back in forward, the reverse two in
+  backward (two more when the block is recomputed), each sending ``(ep-1)/ep`` of the ``N k`` rows of ``h``
+  elements (`all_to_all_bytes`), over the link the EP group spans (``ep`` data-parallel ranks, ``tp`` apart:
+  `Cluster.link`), pairwise (``ep - 1`` steps of latency), plus the split sizes' exchange before each forward
+  dispatch; synchronous (a host sync for the split sizes per layer): on the critical path, not overlapped.
+* DP: the experts' gradients (``E/ep`` experts per MoE block) are reduced over their own data-parallel group of
+  ``dp/ep`` ranks (``ep tp`` apart), in their own buckets; the rest over ``dp`` as above; the optimizer steps
+  ``1/(dp/ep)`` of them under ZeRO.
+
 A step also costs the cluster's ``step_overhead`` (the training loop's own time; measured on CPU).
 
 Collectives between computation cost ``collective_overhead`` each beyond their transfer (ranks that arrive apart,
@@ -54,10 +70,12 @@ from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB
 
 from .cluster import Cluster, Link
 from .layout import Layout
-from .memory import KORTHIKANTI, PRECISIONS, block_activation_bytes, codebase_coefficients, rank_layers, rank_params
+from .memory import (PRECISIONS, block_activations, moe_block_count, rank_block_counts, rank_expert_params,
+                     rank_layers, rank_params, routed_tokens)
 from .model import ModelSpec
 
-__all__ = ["TimeEstimate", "bubble_fraction", "estimate_time", "ring_time", "ring_volume"]
+__all__ = ["TimeEstimate", "all_to_all_bytes", "all_to_all_time", "bubble_fraction", "estimate_time", "ring_time",
+           "ring_volume"]
 
 
 def ring_volume(n: int, nbytes: float, op: str = "all_reduce") -> float:
@@ -75,6 +93,57 @@ def ring_time(n: int, nbytes: float, link: Link, op: str = "all_reduce", message
         return 0.0
     steps = (2 if op == "all_reduce" else 1) * (n - 1)
     return messages * steps * link.latency + ring_volume(n, nbytes, op) / link.bandwidth
+
+
+def all_to_all_time(n: int, sent: float, link: Link, messages: int = 1) -> float:
+    """Seconds of ``messages`` all-to-alls over ``n`` ranks in which a rank sends ``sent`` bytes in all (and
+    receives as many): pairwise exchanges, ``n - 1`` steps of latency each, and the bytes at the link's bandwidth
+    per direction."""
+    if n <= 1:
+        return 0.0
+    return messages * (n - 1) * link.latency + sent / link.bandwidth
+
+
+def _pipeline_ranks(model: ModelSpec, layout: Layout) -> tuple[tuple[int, ...], ...]:
+    spec = SCHEDULES[layout.schedule] if layout.pp > 1 else SCHEDULES["1f1b"]
+    return rank_layers(model, layout.pp, layout.virtual_stages if layout.pp > 1 else 1, spec.style)
+
+
+def _exchange_bytes(model: ModelSpec, layout: Layout, tokens: float, element: float) -> float:
+    """Bytes a rank sends in one all-to-all of one MoE layer for ``tokens`` of its replica: ``(ep-1)/ep`` of its
+    ``N k`` rows of ``h`` elements (``N`` the tokens it routes: `routed_tokens`)."""
+    ep = layout.ep
+    routed = routed_tokens(tokens, layout.tp, layout.sequence_parallel)
+    return routed * model.top_k * model.hidden * element * (ep - 1) / ep
+
+
+def all_to_all_bytes(model: ModelSpec, layout: Layout, tokens_per_rank: float | None = None, *,
+                     precision: str = "bf16-mixed", bytes_per_element: float | None = None,
+                     pipeline_rank: int | None = None) -> float:
+    """Bytes one rank sends (and, under uniform routing, receives) in the expert-parallel all-to-alls of one
+    optimizer step:
+
+        X * L_moe * N * k * h * e * (ep - 1) / ep
+
+    ``X = 4`` exchanges per MoE layer (dispatch and combine in forward, their reverses in backward; 6 with
+    activation checkpointing, whose recomputed forward exchanges again), ``L_moe`` the MoE layers of the rank's
+    pipeline stages (``pipeline_rank``; default the rank with the most), ``N`` the tokens the rank routes in the
+    step -- ``tokens_per_rank``, its data-parallel replica's tokens over all micro-batches (default ``micro_batch x
+    micro_batches x seq_len``), divided by ``tp`` under sequence parallelism (each TP rank routes its part of the
+    sequence; without it every TP rank routes all of them) -- ``k`` the experts per token, ``h`` the width, ``e``
+    bytes per element (``bytes_per_element``, else the activation size of ``precision``: `PRECISIONS`), and
+    ``(ep - 1)/ep`` the pairs that leave the rank under uniform routing. 0 for ``ep = 1``. Not counted: the split
+    sizes exchanged before each forward dispatch (``8 (ep - 1)`` bytes per layer)."""
+    layout.check_model(model)
+    if layout.ep == 1:
+        return 0.0
+    tokens = (layout.micro_batch * layout.micro_batches * model.seq_len if tokens_per_rank is None
+              else tokens_per_rank)
+    element = bytes_per_element if bytes_per_element is not None else PRECISIONS[precision][3]
+    counts = [moe_block_count(model, layers) for layers in _pipeline_ranks(model, layout)]
+    moe_layers = max(counts) if pipeline_rank is None else counts[pipeline_rank]
+    exchanges = 6 if layout.activation_checkpointing else 4
+    return exchanges * moe_layers * _exchange_bytes(model, layout, tokens, element)
 
 
 def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> float:
@@ -100,26 +169,27 @@ class TimeEstimate:
     dp_comm: float
     optimizer: float
     total: float
+    ep_comm: float = 0.0  # the expert-parallel all-to-alls
 
     def as_dict(self) -> dict[str, float]:
-        return {"compute": self.compute, "tp_comm": self.tp_comm, "pp_comm": self.pp_comm, "bubble": self.bubble,
-                "dp_comm": self.dp_comm, "optimizer": self.optimizer, "total": self.total}
+        return {"compute": self.compute, "tp_comm": self.tp_comm, "pp_comm": self.pp_comm, "ep_comm": self.ep_comm,
+                "bubble": self.bubble, "dp_comm": self.dp_comm, "optimizer": self.optimizer, "total": self.total}
 
 
 def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
                   bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> TimeEstimate:
     lay, prec = layout, cluster.precision
+    lay.check_model(model)
     pb, gb, ob, e = PRECISIONS[prec]
     flops = cluster.achievable_flops(prec)
-    s, h, t, b = model.seq_len, model.hidden, lay.tp, lay.micro_batch
+    s, h, t, b, ep = model.seq_len, model.hidden, lay.tp, lay.micro_batch, lay.ep
     tokens = b * s
     recompute = lay.activation_checkpointing
     passes = 4 if recompute else 3  # forward, backward = 2 forwards, recomputed forward
-    coeffs = KORTHIKANTI if prec == "megatron" else codebase_coefficients(model, e)
-    block_act = block_activation_bytes(coeffs, s, b, h, model.heads, t, lay.sequence_parallel)
+    dense_act, moe_act = block_activations(model, lay, prec)
 
     block_flops = passes * tokens * (2 * model.block_matmul_weights() + 4 * h * s) / t
-    block_compute = block_flops / flops + passes * cluster.layer_overhead + 3 * block_act / cluster.memory_bandwidth
+    block_compute = block_flops / flops + passes * cluster.layer_overhead + 3 * dense_act / cluster.memory_bandwidth
     tp_link = cluster.link(t, 1)
     block_tp = (6 if recompute else 4) * ring_time(t, tokens * h * e, tp_link)
     head_compute = 6 * tokens * h * model.vocab / t / flops + 3 * cluster.layer_overhead
@@ -127,40 +197,65 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
         head_tp = 3 * ring_time(t, tokens * 4, tp_link)
     else:  # the logits gathered
         head_tp = ring_time(t, tokens * model.vocab * 4, tp_link, "all_gather")
+    # A MoE block: attention and shared experts split over TP, the router and the experts on the routed tokens;
+    # TP's collectives for attention (and the shared experts); the all-to-alls over the EP group.
+    moe_compute = moe_tp = moe_ep = 0.0
+    moe_units = 2 if model.shared_ffn else 1  # TP regions of a MoE block (a dense block has 2)
+    if model.experts:
+        routed = routed_tokens(tokens, t, lay.sequence_parallel)
+        split = model.attention_weights() + model.mlp_weights(model.shared_ffn)
+        expert = model.experts * h + model.top_k * model.mlp_weights(model.expert_ffn)
+        moe_flops = passes * (tokens * (2 * split + 4 * h * s) / t + routed * 2 * expert)
+        moe_compute = moe_flops / flops + passes * cluster.layer_overhead + 3 * moe_act / cluster.memory_bandwidth
+        moe_tp = moe_units / 2 * block_tp
+        ep_link = cluster.link(ep, t)
+        exchanges = 6 if recompute else 4
+        moe_ep = (all_to_all_time(ep, exchanges * _exchange_bytes(model, lay, tokens, e), ep_link, exchanges)
+                  + all_to_all_time(ep, (2 if recompute else 1) * 8 * (ep - 1), ep_link, 2 if recompute else 1))
 
     spec = SCHEDULES[lay.schedule] if lay.pp > 1 else SCHEDULES["1f1b"]
     per_rank = lay.virtual_stages if lay.pp > 1 else 1
     ranks = rank_layers(model, lay.pp, per_rank, spec.style)
+    counts = rank_block_counts(model, lay.pp, per_rank, spec.style)  # (dense, MoE) blocks per rank
     head_index = model.n_layer + 1
 
-    def rank_times(layers: tuple[int, ...]) -> tuple[float, float]:
-        blocks = sum(1 for i in layers if 0 < i < head_index)
-        head = head_index in layers
-        return (blocks * block_compute + (head_compute if head else 0.0),
-                blocks * block_tp + (head_tp if head else 0.0))
+    def rank_times(rank: int) -> tuple[float, float, float]:
+        (dense, moe), head = counts[rank], head_index in ranks[rank]
+        return (dense * block_compute + moe * moe_compute + (head_compute if head else 0.0),
+                dense * block_tp + moe * moe_tp + (head_tp if head else 0.0), moe * moe_ep)
 
-    times = [rank_times(layers) for layers in ranks]
-    compute_mb, tp_mb = max(times, key=lambda x: x[0] + x[1])
+    times = [rank_times(rank) for rank in range(lay.pp)]
+    compute_mb, tp_mb, ep_mb = max(times, key=sum)
     pp_link = cluster.link(2, lay.dp * lay.tp)
     boundary = tokens * h * e / (t if lay.sequence_parallel else 1)
     pp_mb = 2 * per_rank * (pp_link.latency + boundary / pp_link.bandwidth) if lay.pp > 1 else 0.0
     m = lay.micro_batches
-    t_mb = compute_mb + tp_mb + pp_mb
+    t_mb = compute_mb + tp_mb + ep_mb + pp_mb
     bubble = bubble_fraction(lay.schedule, lay.pp, m, lay.virtual_stages) * m * t_mb
 
     # DP: the fullest rank's parameters over the dp ring (ranks tp apart), in gradient buckets of
-    # ``bucket_cap_mb`` (stages 0-2) or FSDP2 units, one per block and one for the rest (stage 3).
-    fullest = max(ranks, key=lambda layers: rank_params(model, layers, t))
-    P = rank_params(model, fullest, t)
-    dp_link = cluster.link(lay.dp, lay.tp)
-    n = lay.dp
-    messages = (sum(1 for i in fullest if 0 < i < head_index) + 1 if lay.zero_stage == 3
-                else max(1, math.ceil(P * gb / (bucket_cap_mb * 2**20))))
+    # ``bucket_cap_mb`` (stages 0-2) or FSDP2 units, one per block and one for the rest (stage 3). Under EP the
+    # experts apart: over their own dp/ep ranks (ep tp apart), in their own buckets.
+    fullest = max(range(lay.pp), key=lambda rank: rank_params(model, ranks[rank], t, ep))
+    P = rank_params(model, ranks[fullest], t, ep)
+    P_x = rank_expert_params(model, ranks[fullest], ep) if ep > 1 else 0.0
+    n, edp = lay.dp, lay.edp
+    dense_units, moe_units_dp = counts[fullest]
+
+    def messages(params: float, units: int) -> int:
+        if params <= 0:
+            return 0
+        return units if lay.zero_stage == 3 else max(1, math.ceil(params * gb / (bucket_cap_mb * 2**20)))
+
+    groups = [(n, P - P_x, cluster.link(n, t), messages(P - P_x, dense_units + moe_units_dp + 1)),
+              (edp, P_x, cluster.link(edp, ep * t), messages(P_x, moe_units_dp))]
+    groups = [g for g in groups if g[0] > 1 and g[3] > 0]
     if lay.zero_stage == 0:
-        reduce, gather = ring_time(n, P * gb, dp_link, messages=messages), 0.0
+        reduce = sum(ring_time(size, p * gb, link, messages=k) for size, p, link, k in groups)
+        gather = 0.0
     else:
-        reduce = ring_time(n, P * gb, dp_link, "reduce_scatter", messages)
-        gather = ring_time(n, P * pb, dp_link, "all_gather", messages)
+        reduce = sum(ring_time(size, p * gb, link, "reduce_scatter", k) for size, p, link, k in groups)
+        gather = sum(ring_time(size, p * pb, link, "all_gather", k) for size, p, link, k in groups)
     # On a CPU the transfers are the cores' own work: nothing overlaps computation.
     overlap = 0.0 if lay.pp > 1 or cluster.compute_units else compute_mb * 2 / passes  # the last backward
     if lay.zero_stage == 3 and lay.pp > 1:  # a stage gathered once, reduced after the schedule
@@ -171,30 +266,34 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     else:
         dp_comm = max(0.0, reduce - overlap) + gather
     per_param = cluster.optimizer_time_per_param or 2 * (pb + gb + ob) / cluster.memory_bandwidth
-    optimizer = per_param * P / (n if lay.zero_stage else 1)  # ZeRO 1-3 step a 1/dp slice
+    # ZeRO 1-3 step a 1/dp slice (the experts' 1/(dp/ep))
+    optimizer = (per_param * (P - P_x) / (n if lay.zero_stage else 1)
+                 + per_param * P_x / (edp if lay.zero_stage else 1))
 
     own = m * compute_mb + optimizer  # what a rank computes itself
     # Collectives the fullest rank takes part in per step, each costing ``collective_overhead`` beyond its
     # transfer. TP: per block and micro-batch 2 per pass of the forward and 2 in backward (with SP an
     # all-gather + reduce-scatter per unit in forward; a reduce-scatter, an all-gather and the regather of the
-    # kept input per unit in backward), the head's 3 (vocab-parallel loss) or 1, the embedding's 1. PP: a send
-    # and a receive per stage and micro-batch. DP: one per bucket (ZeRO 1-2: and a gather), ZeRO-3 three per
-    # unit (gather in forward and in backward, reduce-scatter), per micro-batch without a pipeline.
-    blocks = max(sum(1 for i in layers if 0 < i < head_index) for layers in ranks)
+    # kept input per unit in backward), a MoE block's per its units (attention, shared experts), the head's 3
+    # (vocab-parallel loss) or 1, the embedding's 1. EP: per MoE block and micro-batch the split sizes' exchange
+    # and 2 all-to-alls per forward, 2 in backward. PP: a send and a receive per stage and micro-batch. DP: one
+    # per bucket (ZeRO 1-2: and a gather), ZeRO-3 three per unit (gather in forward and in backward,
+    # reduce-scatter), per micro-batch without a pipeline.
     if t > 1:
         per_block = (10 if lay.sequence_parallel else 4) + (4 if lay.sequence_parallel else 2) * recompute
-        tp_colls = m * (blocks * per_block + (3 if lay.loss_parallel else 1) + 1)
+        per_moe = per_block * moe_units / 2
+        tp_colls = m * (max(d * per_block + k * per_moe for d, k in counts) + (3 if lay.loss_parallel else 1) + 1)
     else:
         tp_colls = 0
+    ep_colls = m * max(k for _, k in counts) * (5 + 3 * recompute) if ep > 1 else 0
     pp_colls = m * 2 * per_rank if lay.pp > 1 else 0
-    if n == 1:
-        dp_colls = 0
-    elif lay.zero_stage == 3:
-        dp_colls = 3 * messages * (1 if lay.pp > 1 else m)
+    dp_messages = sum(k for *_, k in groups)
+    if lay.zero_stage == 3:
+        dp_colls = 3 * dp_messages * (1 if lay.pp > 1 else m)
     else:
-        dp_colls = messages * (2 if lay.zero_stage else 1)
-    sync = (tp_colls + pp_colls + dp_colls) * cluster.collective_overhead
-    waits = m * (tp_mb + pp_mb) + dp_comm + sync + cluster.step_overhead
+        dp_colls = dp_messages * (2 if lay.zero_stage else 1)
+    sync = (tp_colls + ep_colls + pp_colls + dp_colls) * cluster.collective_overhead
+    waits = m * (tp_mb + ep_mb + pp_mb) + dp_comm + sync + cluster.step_overhead
     critical = own + bubble + waits
     if cluster.compute_units:
         # A node's ranks share its cores, and on a CPU all of a rank's work -- computing, moving the bytes of
@@ -202,4 +301,4 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
         on_node = min(lay.devices, cluster.devices_per_node)
         critical = max(critical, (own + waits) * max(1.0, on_node / cluster.compute_units))
     return TimeEstimate(compute=m * compute_mb, tp_comm=m * tp_mb, pp_comm=m * pp_mb, bubble=bubble,
-                        dp_comm=dp_comm, optimizer=optimizer, total=critical)
+                        dp_comm=dp_comm, optimizer=optimizer, total=critical, ep_comm=m * ep_mb)
