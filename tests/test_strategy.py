@@ -162,6 +162,74 @@ def test_a_rank_that_stops_answering_ends_the_job_with_a_report_naming_it():
                                 report[0]), done.stderr[-3000:]
 
 
+def test_a_rank_that_dies_ends_the_job_with_a_report_naming_it():
+    """Rank 1 SIGKILLs itself before a batch: rank 0's next collective fails at once (gloo: the connection closed),
+    the job ends within seconds of the death, and rank 0 names the collective, where it was called, and rank 1 as
+    dead: its process, which rank 0 launched, ended by SIGKILL (instead of gloo's bare "Connection closed by
+    peer")."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    script = ROOT / "tests" / "scripts" / "dead_rank.py"
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=240)
+    ended = time.time()
+    died = re.search(r"rank 1: SIGKILL at (\d+\.\d+)", done.stderr)
+    assert done.returncode != 0 and died, done.stderr[-3000:]
+    assert ended - float(died.group(1)) < 60, done.stderr[-3000:]
+    report = [line for line in done.stderr.splitlines() if line.startswith("error: rank 0 lost a peer in")]
+    assert report and re.search(r"torch\.distributed\.\w+ called from .*:\d+ \(\w+\) \(\"(Connection closed by peer"
+                                r" \[127\.0\.0\.1\]:\d+|Read error \[127\.0\.0\.1\]:\d+: Connection reset by peer)\"\):"
+                                r" rank 1 died \(pid \d+ on this host, killed by SIGKILL, at batch 1\)\.$",
+                                report[0]), done.stderr[-3000:]
+
+
+def test_a_lost_peer_is_recognised_and_a_dead_process_told_from_a_live_one():
+    """What `_report_dead_peer` relies on, without a process group: gloo's and NCCL's errors for a peer that went
+    away are told from a timeout, with the peer's address; a process on this host is alive, or dead also while
+    its parent has not reaped it yet (a zombie), with its exit status where this process launched it."""
+    import signal
+
+    from lightning_hybrid.mesh_strategy import (
+        _ABORTED, _PEER_ADDRESS, _PEER_LOST, _clause, _process_gone, _ranks, _start_time, _this_process,
+    )
+
+    lost = {
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:30408. "
+        "This is typically caused by a remote worker crashing.": "[127.0.0.1]:30408",
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:414: Connection reset by "
+        "peer. This is typically caused by a remote worker hanging": "[10.0.0.2]:414",
+        "NCCL error in: ProcessGroupNCCL.cpp:3763, remote process exited or there was a network error, NCCL version "
+        "2.21.5\nncclRemoteError: A call failed possibly due to a network error or a remote process exiting "
+        "prematurely.\nLast error:\nsocketProgressOpt: Call to recv from 10.0.0.3<33759> failed": "10.0.0.3<33759>",
+    }
+    clauses = ["Connection closed by peer [127.0.0.1]:30408", "Read error [10.0.0.2]:414: Connection reset by peer",
+               "remote process exited or there was a network error"]
+    for (text, address), clause in zip(lost.items(), clauses):
+        assert _PEER_LOST.search(text) and _PEER_ADDRESS.search(text).group(0) == address, text
+        assert _clause(text, _PEER_LOST.search(text)) == clause
+    assert _ABORTED.search("NCCL communicator was aborted on rank 1.")
+    assert not _PEER_LOST.search("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv "
+                                 "operation to complete")
+    assert _ranks([3]) == "rank 3" and _ranks([7, 1, 4, 5, 6]) == "ranks 1, 4-7"
+
+    me = _this_process()
+    assert _process_gone(me, {}) is None
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        record = {"pid": child.pid, "start": _start_time(child.pid)}
+        assert _process_gone(record, {}) is None
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while _process_gone(record, {}) is None and time.monotonic() < deadline:  # not reaped: a zombie
+            time.sleep(0.05)
+        assert _process_gone(record, {}) in ("exited", "gone")
+        assert _process_gone(record, {child.pid: child.wait()}) == "killed by SIGKILL"
+        assert _process_gone(record, {}) == "gone"
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_a_checkpoint_io_plugin_is_refused_when_the_trainer_is_built():
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
