@@ -16,7 +16,8 @@
   views of (the same communication as DDP's all-reduce in total). On gloo, whose reduce-scatter and all-gather
   copy the whole buffer inside the call, both run as in-place collectives instead (`_COPYING_COLLECTIVES`).
 * stage 3 (`apply_fsdp`): FSDP2 (`fully_shard`) over the DP sub-mesh; parameters, gradients and optimizer
-  state are all 1/dp, parameters are gathered per layer for forward and backward.
+  state are all 1/dp, parameters are gathered per layer for forward and backward. On gloo FSDP2's all-gather and
+  reduce-scatter are replaced by the same in-place collectives, and it prefetches nothing (`_fsdp_on_gloo`).
 
 Gradients are reduced once per optimizer step: nothing is reduced during the earlier backward passes of an
 accumulation window (``sync = False``) or inside a pipeline schedule (`GradientBuckets.reduce` after it).
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.optim import Optimizer
 
 DEFAULT_BUCKET_CAP_MB = 25.0
@@ -479,6 +481,51 @@ class ZeroOptimizer(Optimizer):
         return f"ZeroOptimizer(stage={self.stage}, buckets={len(self.buckets)}, {self.optimizer!r})"
 
 
+class _InPlaceAllGather(AllGather):
+    """FSDP2's parameter all-gather on gloo, whose ``all_gather_single`` fills a temporary as large as its output
+    (one gathered layer) inside the call: as `_Bucket.gather_parameters`, one in-place broadcast per rank of its
+    slot of ``output_tensor`` (copies: the same result bit for bit). FSDP2 writes this rank's shards straight into
+    its slot (``input_tensor`` is a view of it).
+
+    It returns the ``Work`` of the last broadcast (the others are waited for here), even when FSDP2 asks for a
+    synchronous all-gather: FSDP2 waits for it before copying the layer's parameters out of ``output_tensor``,
+    and, the all-gather being asynchronous, frees ``output_tensor`` right after that copy. After a synchronous
+    all-gather in forward it would keep ``output_tensor`` until the next layer's parameters have been copied out
+    (so that, on a GPU, that copy overlaps the next all-gather on its stream): on CPU, a second gathered layer at
+    every layer's gather, with the activations of the whole forward -- the peak of a ZeRO-3 step."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> dist.Work:
+        n, rank = input_tensor.numel(), dist.get_rank(group)
+        mine = output_tensor.narrow(0, rank * n, n)
+        if input_tensor.data_ptr() != mine.data_ptr():
+            mine.copy_(input_tensor)
+        works = [dist.broadcast(output_tensor.narrow(0, r * n, n), group_src=r, group=group, async_op=True)
+                 for r in range(dist.get_world_size(group))]
+        for work in works[:-1]:
+            work.wait()
+        return works[-1]
+
+
+class _InPlaceReduceScatter(ReduceScatter):
+    """FSDP2's gradient reduce-scatter on gloo, whose ``reduce_scatter_single`` all-reduces a clone of its input
+    (one layer's gradients) inside the call: that all-reduce, in place in ``input_tensor`` (FSDP2's flat copy of
+    the layer's gradients, which it does not read again), then this rank's part copied out. The same op FSDP2
+    asks for (``AVG`` for float32), the same sums, bit for bit (tests/test_zero.py compares them)."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, op,
+                 async_op: bool = False) -> None:
+        dist.all_reduce(input_tensor, op=op, group=group)
+        n = output_tensor.numel()
+        output_tensor.copy_(input_tensor.narrow(0, dist.get_rank(group) * n, n))
+
+
 def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh) -> list[nn.Module]:
     """ZeRO-3: ``fully_shard`` every layer of ``module`` (the elements of its ``nn.ModuleList``s), then each of
     its children that holds parameters (the elements of a child that is a container without ``forward``,
@@ -513,14 +560,36 @@ def _fsdp_roots(module: nn.Module) -> list[nn.Module]:
 
 
 def apply_fsdp_units(units: list[nn.Module], root: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
-    """``fully_shard`` each unit that has parameters (gathered one at a time), then ``root`` (the rest)."""
+    """``fully_shard`` each unit that has parameters (gathered one at a time), then ``root`` (the rest). On gloo
+    (`_COPYING_COLLECTIVES`) each also gets the in-place collectives and no backward prefetch (`_fsdp_on_gloo`)."""
     from torch.distributed.fsdp import fully_shard
 
-    for unit in units:
-        if any(True for _ in unit.parameters()):
-            fully_shard(unit, mesh=dp_mesh, reshard_after_forward=True)
-    fully_shard(root, mesh=dp_mesh, reshard_after_forward=True)
+    sharded = [fully_shard(unit, mesh=dp_mesh, reshard_after_forward=True)
+               for unit in units if any(True for _ in unit.parameters())]
+    sharded.append(fully_shard(root, mesh=dp_mesh, reshard_after_forward=True))
+    if dp_mesh.ndim == 1 and dist.get_backend(dp_mesh.get_group()) in _COPYING_COLLECTIVES:
+        for module in sharded:
+            _fsdp_on_gloo(module)
     return root
+
+
+def _fsdp_on_gloo(module: nn.Module) -> None:
+    """FSDP2 on gloo (CPU): its all-gather and reduce-scatter become `_InPlaceAllGather` and
+    `_InPlaceReduceScatter`, and it prefetches nothing in backward.
+
+    FSDP2's default backward prefetch gathers the next layer (in backward order) as soon as a layer's backward
+    starts, so that the all-gather runs on its own stream while this layer computes. Gloo on CPU has no streams:
+    the all-gather runs then and there, before the layer's backward, and the only effect is that two layers are
+    gathered at once -- the running one (with its unsharded gradients) and the next: one more layer of memory at
+    the peak, for no overlap. FSDP2 has no switch to turn it off (an empty list of modules to prefetch means "the
+    default"), so each FSDP module is told to prefetch only itself: FSDP2 takes the explicit list instead of its
+    default prefetch, and ``unshard`` of a module whose ``pre_backward`` has just gathered it returns at once.
+    On NCCL none of this is done: there the prefetch overlaps communication with compute, and NCCL's collectives
+    write in place.
+    """
+    module.set_custom_all_gather(_InPlaceAllGather())
+    module.set_custom_reduce_scatter(_InPlaceReduceScatter())
+    module.set_modules_to_backward_prefetch([module])
 
 
 def _holds(module: nn.Module, root: nn.Module) -> bool:

@@ -12,19 +12,20 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_hybrid import HybridStrategy
 from lightning_hybrid.data import ByteCorpusDataModule
 from lightning_hybrid.memory import LiveTensorTracker, PeakMemoryMonitor, rank_state
 from lightning_hybrid.models import GPTConfig, GPTLightningModule
-from lightning_hybrid.zero import ZeroOptimizer
+from lightning_hybrid.zero import ZeroOptimizer, _InPlaceAllGather, _InPlaceReduceScatter
 from tests.helpers import QUIET_TRAINER, run_distributed
 
 DP = 2
 CAP_MB = 0.25  # small against the model, so that buckets in flight are a small part of it
 # (params, grads, optimizer state) in units of the rank-local model size Psi (TP shard, pipeline stage); AdamW
 # keeps two moments. At the peak, stage 2 also holds the bucket backward is filling and one being reduced, and
-# stage 3 the layers FSDP2 has gathered (the one running and the one prefetched).
+# stage 3 what FSDP2 has gathered (on gloo, without prefetch: one layer's flat all-gather buffer and its parameters).
 EXPECTED = {
     0: (1.0, 1.0, 2.0),
     1: (1.0, 1.0, 2.0 / DP),
@@ -74,6 +75,7 @@ def _peaks(ckpt_dir: str) -> dict:
             )
             trainer.fit(module, ByteCorpusDataModule(max_bytes=40_000, block_size=32, batch_size=2))
             params = list(module.parameters())
+            fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
             overheads = _checkpoint_overheads(trainer, f"{ckpt_dir}/{name}-{stage}.ckpt") if stage in (1, 3) else {}
             out[name, stage] = {
                 "checkpoint": overheads,
@@ -85,6 +87,10 @@ def _peaks(ckpt_dir: str) -> dict:
                                      for block in module.model.blocks),
                 "largest_bucket": max((b.padded * 4 for o in trainer.optimizers if isinstance(o, ZeroOptimizer)
                                        for b in o.buckets), default=0),
+                # Stage 3 on gloo: every FSDP2 module runs the in-place collectives and prefetches only itself.
+                "fsdp": [(type(g._all_gather_comm).__name__, type(g._reduce_scatter_comm).__name__,
+                          m._get_fsdp_state()._states_to_backward_prefetch == [m._get_fsdp_state()])
+                         for m in fsdp for g in m._get_fsdp_state()._fsdp_param_groups],
             }
     return out
 
@@ -99,8 +105,10 @@ def test_peak_memory_follows_zero_formulas(tmp_path):
             assert got["optimizer_state"] == pytest.approx(optim, rel=0.1), where
             if stage < 3:
                 assert got["parameters"] == pytest.approx(params, rel=0.1), where
+                assert not m["fsdp"], where
             else:
                 assert params * 0.95 <= got["parameters"] <= params + 2 * m["largest_layer"], where
+                assert set(m["fsdp"]) == {("_InPlaceAllGather", "_InPlaceReduceScatter", True)}, (rank, name, m)
             if stage == 2 and "pp" not in name:
                 assert grads * 0.95 <= got["gradients"] <= grads + 2 * m["largest_bucket"] + psi * 0.05, where
             else:
@@ -273,6 +281,31 @@ def _gloo_collective_checks() -> dict:
     dist.barrier()
     out["gather_bytes"] = _transient(opt.step)
     opt.gradients.remove()
+    # ZeRO-3 (FSDP2) on gloo: the same sums and copies as gloo's reduce-scatter and all-gather, with the op FSDP2
+    # passes for float32 (AVG) or others (SUM), and what each adds to the RSS for a layer of GLOO_BUCKET_MB.
+    n = 20_011
+    generator = torch.Generator().manual_seed(rank + 1)
+    grads = torch.randn(n * dp, generator=generator) * torch.exp(5 * torch.randn(n * dp, generator=generator))
+    out["fsdp_scattered"] = []
+    for op in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
+        reference, got = torch.empty(n), torch.empty(n)
+        dist.reduce_scatter_single(reference, grads, op=op, group=group)
+        _InPlaceReduceScatter()(got, grads.clone(), group, op)
+        out["fsdp_scattered"].append(torch.equal(got, reference))
+    reference, gathered = torch.empty(n * dp), torch.empty(n * dp)
+    dist.all_gather_single(reference, grads[:n], group=group)
+    work = _InPlaceAllGather()(gathered, grads[:n], group)
+    if work is not None:
+        work.wait()
+    out["fsdp_gathered"] = torch.equal(gathered, reference)
+    size = GLOO_BUCKET_MB * 2**20 // 4 // dp
+    layer, shard = torch.randn(size * dp), torch.zeros(size)  # written: resident before
+    dist.barrier()
+    reduce = _InPlaceReduceScatter()
+    out["fsdp_reduce_bytes"] = _transient(lambda: reduce(shard, layer, group, dist.ReduceOp.AVG))
+    dist.barrier()
+    mine = layer.narrow(0, dist.get_rank(group) * size, size)
+    out["fsdp_gather_bytes"] = _transient(lambda: _InPlaceAllGather()(layer, mine, group).wait())
     dist.destroy_process_group()
     return out
 
@@ -287,6 +320,9 @@ def test_gloo_reductions_are_exact_and_allocate_no_bucket_copy(world):
         # gloo's reduce-scatter and all-gather would add the whole bucket (16 MiB) each; in place: ~2 MiB
         bucket = GLOO_BUCKET_MB * 2**20
         assert got["reduce_bytes"] < bucket / 4 and got["gather_bytes"] < bucket / 4, (rank, got)
+        # ZeRO-3's FSDP2 collectives on gloo: exact, and as little memory (a gathered layer of the same size)
+        assert all(got["fsdp_scattered"]) and got["fsdp_gathered"], (rank, got)
+        assert got["fsdp_reduce_bytes"] < bucket / 4 and got["fsdp_gather_bytes"] < bucket / 4, (rank, got)
 
 
 def test_stages_1_and_2_take_element_wise_optimizers_only():
