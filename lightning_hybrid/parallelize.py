@@ -47,7 +47,7 @@ from lightning_hybrid.pipeline.stages import (
 from lightning_hybrid.tensor_parallel import TPPlan, TPResult, apply_tp, resolve_tp_plan, tp_sharded_parameter_names
 from lightning_hybrid.tensor_parallel.examples import first_layer_example, model_example, synthetic_call
 from lightning_hybrid.tensor_parallel.layerwise import Representatives, materialise_split_layers
-from lightning_hybrid.zero import apply_fsdp, apply_fsdp_units
+from lightning_hybrid.zero import apply_fsdp, apply_fsdp_experts, apply_fsdp_units
 
 __all__ = ["Parallelized", "parallelize"]
 
@@ -99,8 +99,6 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, d
         report = split_tp(module, mesh, plan, options, device, layer_names, layout, first_input, layerwise)
     if layerwise:
         materialise(module, unbuilt, device)
-    if options.ep > 1 and options.zero_stage == 3:
-        raise ValueError("ep > 1 with zero_stage=3 is not supported yet: use zero_stage 0, 1 or 2 with ep.")
     expert_mesh = split_experts(module, mesh, options.ep) if options.ep > 1 else None
     experts = expert_parameter_names(module)
     tp_sharded = frozenset(tp_sharded_parameter_names(module)) - experts
@@ -109,7 +107,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, d
     if options.compile is not None:
         apply_compile(module, _held_here(checkpoint_targets(module, True, pp > 1), remote), dict(options.compile))
     stages = local_stages(module, layout) if layout is not None else None
-    fsdp_roots = apply_zero3(module, stages, mesh["dp"]) if options.zero_stage == 3 and dp > 1 else []
+    fsdp_roots = apply_zero3(module, stages, mesh["dp"], expert_mesh) if options.zero_stage == 3 and dp > 1 else []
     pipeline = build_pipeline(module, stages, layout, mesh, options, device) if layout is not None else None
     return Parallelized(
         module, mesh, tp_sharded,
@@ -221,9 +219,15 @@ def local_stages(module: nn.Module, layout: StageLayout) -> dict[int, nn.Module]
     return {s: stage_module([layers[i] for i in layout.ranges[s]]) for s in layout.local_stages}
 
 
-def apply_zero3(module: nn.Module, stages: Optional[dict[int, nn.Module]], dp_mesh: DeviceMesh) -> list[nn.Module]:
-    """ZeRO-3 over DP with FSDP2; returns the FSDP roots. Under PP each stage is a root (the pipeline stage drives
-    its gradient sync) and each of its layers a unit; else `apply_fsdp` picks the units of the whole module."""
+def apply_zero3(
+    module: nn.Module, stages: Optional[dict[int, nn.Module]], dp_mesh: DeviceMesh,
+    expert_mesh: Optional[DeviceMesh] = None,
+) -> list[nn.Module]:
+    """ZeRO-3 over DP with FSDP2; returns the FSDP roots. Expert-parallel experts first, each over its own DP
+    group (``expert_mesh["edp"]``). Under PP each stage is a root (the pipeline stage drives its gradient sync)
+    and each of its layers a unit; else `apply_fsdp` picks the units of the whole module."""
+    if expert_mesh is not None:
+        apply_fsdp_experts(list(iter_expert_modules(module)), expert_mesh["edp"], dp_mesh.size())
     if stages is None:
         return apply_fsdp(module, dp_mesh)
     return [apply_fsdp_units(list(stage), stage, dp_mesh) for stage in stages.values()]

@@ -16,7 +16,8 @@
   views of (the same communication as DDP's all-reduce in total). On gloo, whose reduce-scatter and all-gather
   copy the whole buffer inside the call, both run as in-place collectives instead (`_COPYING_COLLECTIVES`).
 * stage 3 (`apply_fsdp`): FSDP2 (`fully_shard`) over the DP sub-mesh; parameters, gradients and optimizer
-  state are all 1/dp, parameters are gathered per layer for forward and backward. On gloo FSDP2's all-gather and
+  state are all 1/dp, parameters are gathered per layer for forward and backward (expert-parallel experts over
+  their own DP group first: `apply_fsdp_experts`). On gloo FSDP2's all-gather and
   reduce-scatter are replaced by the same in-place collectives, and it prefetches nothing (`_fsdp_on_gloo`).
 
 Gradients are reduced once per optimizer step: nothing is reduced during the earlier backward passes of an
@@ -571,6 +572,26 @@ def apply_fsdp_units(units: list[nn.Module], root: nn.Module, dp_mesh: DeviceMes
         for module in sharded:
             _fsdp_on_gloo(module)
     return root
+
+
+def apply_fsdp_experts(experts: list[nn.Module], edp_mesh: DeviceMesh, dp: int) -> None:
+    """ZeRO-3 of expert-parallel experts modules (`lightning_hybrid.expert_parallel`): each is ``fully_shard``-ed
+    over its own data-parallel mesh -- the ``dp / ep`` ranks holding the same experts -- before the layers that
+    hold it are sharded over DP (FSDP2 then leaves its parameters to it, as TorchTitan does). Their gradients,
+    summed over that mesh, are divided by the whole ``dp`` as every other gradient is: they met the tokens of the
+    whole expert-parallel group."""
+    from torch.distributed.fsdp import fully_shard
+
+    backend = dist.get_backend(edp_mesh.get_group())
+    for module in experts:
+        fully_shard(module, mesh=edp_mesh, reshard_after_forward=True)
+        module.set_gradient_divide_factor(float(dp))
+        # A divide factor is NCCL's PREMUL_SUM otherwise, which gloo does not have. Not on one rank: there
+        # FSDP2 (torch 2.13) divides by the factor while copying, and would then post-divide by it again.
+        if backend != "nccl" and edp_mesh.size() > 1:
+            module.set_force_sum_reduction_for_comms(True)
+        if backend in _COPYING_COLLECTIVES:
+            _fsdp_on_gloo(module)
 
 
 def _fsdp_on_gloo(module: nn.Module) -> None:

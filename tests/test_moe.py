@@ -118,21 +118,21 @@ def _no_aux(family: str) -> CausalLM:
 
 def test_load_balancing_loss_and_expert_parallel_layouts_match_one_device_on_4_ranks():
     """The load-balancing loss over the global batch (DP; DP x TP under SP; accumulation: each batch's), and the
-    experts split over ep ranks of DP (edp 2 or 1), with ZeRO 0-2, TP, SP, PP and activation checkpointing."""
+    experts split over ep ranks of DP (edp 2 or 1), with ZeRO 0-3, TP, SP, PP and activation checkpointing."""
     results = check_world(4, {
         "dp4-ep2-zero1-padded-olmoe": (dict(dp=4, ep=2, zero_stage=1), partial(_lm, "olmoe"), {"data": "padded"}),
         "dp4-ep4-gpt_oss": (dict(dp=4, ep=4), partial(_lm, "gpt_oss"), {}),  # experts with biases
         "dp2xtp2-ep2-deepseek_v3": (dict(dp=2, tp=2, ep=2), partial(_lm, "deepseek_v3"), {}),  # + shared expert
-        "dp2xtp2-zero3-padded-qwen3_moe": (dict(dp=2, tp=2, zero_stage=3), partial(_lm, "qwen3_moe"),
-                                           {"data": "padded"}),
+        "dp2xtp2-ep2-zero3-padded-qwen3_moe": (dict(dp=2, tp=2, ep=2, zero_stage=3), partial(_lm, "qwen3_moe"),
+                                               {"data": "padded"}),
         "dp2xtp2-sp-ep2-packed-olmoe": (dict(dp=2, tp=2, ep=2, sequence_parallel=True), partial(_lm, "olmoe"),
                                         {"data": "packed"}),
         # Accumulated: each batch's loss over its global batch, as one device accumulating the same batches.
         "dp2xtp2-ep2-zero2-accumulate-mixtral": (dict(dp=2, tp=2, ep=2, zero_stage=2), partial(_lm, "mixtral"),
                                                  {"accumulate_grad_batches": 2}),
         "dp2xpp2-ep2-mixtral": (dict(dp=2, pp=2, ep=2, micro_batches=2), partial(_no_aux, "mixtral"), {}),
-        "dp4-ep2-checkpointed-qwen3_moe": (dict(dp=4, ep=2, activation_checkpointing=True),
-                                           partial(_no_aux, "qwen3_moe"), {}),
+        "dp4-ep2-zero3-checkpointed-qwen3_moe": (dict(dp=4, ep=2, zero_stage=3, activation_checkpointing=True),
+                                                 partial(_no_aux, "qwen3_moe"), {}),
     }, steps=HF_STEPS, tolerances=HF_TOLERANCES)
     # Each rank holds 1/ep of every experts module's parameters.
     for name, family, ep in (("dp4-ep2-zero1-padded-olmoe", "olmoe", 2), ("dp4-ep4-gpt_oss", "gpt_oss", 4),
@@ -152,7 +152,7 @@ def _checkpoints(ckpt: str) -> dict:
     saved = dict(dp=4, ep=2, zero_stage=1)
     full = _fit(4, saved, 8, make_module=make)
     _fit(4, saved, 4, ckpt_out=ckpt, make_module=make)
-    layouts = {"same": saved, "ep4-zero2": dict(dp=4, ep=4, zero_stage=2), "ep1-dp2xtp2": dict(dp=2, tp=2)}
+    layouts = {"same": saved, "ep4-zero3": dict(dp=4, ep=4, zero_stage=3), "ep1-dp2xtp2": dict(dp=2, tp=2)}
     return {"full": full, **{name: _fit(4, layout, 8, ckpt_in=ckpt, make_module=make)
                              for name, layout in layouts.items()}}
 
@@ -171,7 +171,7 @@ def test_expert_parallel_checkpoints_resume_exactly_under_other_ep_on_4_ranks(tm
         for what in ("params", "grads", "optimizer"):
             for key, value in full[what].items():
                 assert torch.equal(runs["same"][what][key], value), (rank, what, key)
-        for name in ("ep4-zero2", "ep1-dp2xtp2"):
+        for name in ("ep4-zero3", "ep1-dp2xtp2"):
             torch.testing.assert_close(torch.tensor(runs[name]["losses"]), torch.tensor(full["losses"][4:]),
                                        rtol=1e-6, atol=0, msg=f"{name} rank {rank}")
             torch.testing.assert_close(runs[name]["whole"], full["whole"], rtol=0, atol=1e-5, msg=f"{name} rank {rank}")

@@ -329,7 +329,7 @@ def test_the_search_enumerates_ep_and_picks_it_when_memory_needs_it():
     layouts = [c.layout for c in result.ranked + result.too_big]
     assert {lay.ep for lay in layouts} == {1, 2, 4}
     for lay in layouts:
-        assert lay.dp % lay.ep == 0 and small.experts % lay.ep == 0 and (lay.ep == 1 or lay.zero_stage < 3)
+        assert lay.dp % lay.ep == 0 and small.experts % lay.ep == 0
     for lay in {lay for lay in layouts if lay.ep > 1 and lay.pp == 1 and lay.micro_batch == 1}:
         assert HybridStrategy(**lay.strategy_kwargs()).options.ep == lay.ep  # the strategy's own checks pass
     assert all(c.layout.ep == 1 for c in plan(model_spec("small"), load_cluster("cpu"), 4, 8).ranked)

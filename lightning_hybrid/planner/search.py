@@ -6,7 +6,7 @@ divide the global batch), ZeRO stage (1-3 only with ``dp > 1``), the micro-batch
 replica's batch; the count is then a pipeline's micro-batches or, without PP, gradient accumulation), the
 schedule and its virtual stages (checked by the strategy's own `resolve_schedule`), activation
 checkpointing, sequence parallelism (``tp > 1``), and for a mixture-of-experts model expert parallelism ``ep``
-(`ep_choices`: the divisors of ``dp`` that divide the number of experts, 1 included; ZeRO-3 only with ``ep = 1``,
+(`ep_choices`: the divisors of ``dp`` that divide the number of experts, 1 included; with every ZeRO stage,
 `EP_ZERO_STAGES`). Each candidate gets `estimate_memory`; those that fit the device (`USABLE_MEMORY` of it) get
 `estimate_time` and are ranked by step time (then memory).
 
@@ -32,11 +32,10 @@ from .time import TimeEstimate, estimate_time
 __all__ = ["Candidate", "EP_ZERO_STAGES", "Plan", "enumerate_layouts", "ep_choices", "evaluate", "plan", "tp_divides"]
 
 GIB = 2**30
-#: ZeRO stages the search combines with ``ep > 1``: 0-2 (the experts' buckets reduced and sharded over their own
-#: dp/ep group, tests/test_moe.py). ZeRO-3 (FSDP2) shards every parameter over the whole ``dp`` group
-#: (`lightning_hybrid.parallelize.apply_zero3`), which does not match the experts' own group and is not tested with
-#: ``ep > 1``: left out until it is (`estimate_memory` models it as the experts sharded over dp/ep).
-EP_ZERO_STAGES = (0, 1, 2)
+#: ZeRO stages the search combines with ``ep > 1``: all of them (0-2: the experts' buckets reduced and sharded over
+#: their own dp/ep group; 3: the experts ``fully_shard``-ed over that group, `lightning_hybrid.zero.apply_fsdp_experts`;
+#: tests/test_moe.py).
+EP_ZERO_STAGES = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True)
