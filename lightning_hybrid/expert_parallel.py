@@ -110,11 +110,12 @@ def check_experts(name: str, experts: nn.Module) -> Optional[str]:
     index = torch.stack([torch.randperm(count, generator=generator)[:2] for _ in range(rows)]).to(device) if count > 1 \
         else torch.zeros(rows, 1, dtype=torch.long, device=device)
     weights = torch.rand(index.shape, generator=generator, dtype=torch.float64).to(device=device, dtype=dtype)
+    run = type(experts).forward  # the module's own code, without the hooks of a split module
     try:
-        together = experts(x, index, weights)
+        together = run(experts, x, index, weights)
         ones = torch.ones(rows, 1, device=device, dtype=dtype)
-        apart = sum(experts(x, index[:, j: j + 1], ones) * weights[:, j: j + 1] for j in range(index.size(1)))
-        row_by_row = torch.cat([experts(x[i: i + 1], index[i: i + 1], weights[i: i + 1]) for i in range(rows)])
+        apart = sum(run(experts, x, index[:, j: j + 1], ones) * weights[:, j: j + 1] for j in range(index.size(1)))
+        row_by_row = torch.cat([run(experts, x[i: i + 1], index[i: i + 1], weights[i: i + 1]) for i in range(rows)])
     except Exception as error:  # noqa: BLE001 -- any failure is a refusal with its reason
         return f"{name} ({type(experts).__name__}) failed on stand-in rows: {type(error).__name__}: {error}"
     tolerance = 1e-5 if dtype == torch.float32 else (1e-12 if dtype == torch.float64 else 2e-2)
@@ -184,11 +185,12 @@ def _arguments(args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple[Tenso
     return values[0], values[1], values[2]
 
 
-def apply_ep(module: nn.Module, group: dist.ProcessGroup) -> list[str]:
+def apply_ep(module: nn.Module, group: dist.ProcessGroup, verify: bool = True) -> list[str]:
     """Split every experts module of ``module`` over the EP ``group``: this rank keeps its experts (contiguous,
     ``num_experts / ep`` of them), and the hooks of `ExpertParallel` dispatch and combine the tokens. Verified
-    first (`check_experts`); returns the errors (empty: done), naming the modules, so that the caller raises them
-    on every rank."""
+    first (`check_experts`) unless ``verify=False`` (experts still on the meta device, split before they are
+    materialised so that each rank fills or reads only its own: the caller checks them afterwards); returns the
+    errors (empty: done), naming the modules, so that the caller raises them on every rank."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     found = find_experts(module)
     if not found:
@@ -203,9 +205,9 @@ def apply_ep(module: nn.Module, group: dist.ProcessGroup) -> list[str]:
                           f" ep that divides {experts.num_experts}.")
         elif getattr(experts, "shard_specs", None):
             errors.append(f"{name} is already split over tensor parallelism: leave its experts out of tp_plan.")
-        elif any(p.is_meta for p in experts.parameters()):
+        elif verify and any(p.is_meta for p in experts.parameters()):
             errors.append(f"{name} is still on the meta device: expert parallelism splits built experts.")
-        else:
+        elif verify:
             reason = check_experts(name, experts)
             if reason is not None:
                 errors.append(reason)

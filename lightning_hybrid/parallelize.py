@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_hybrid.activation_checkpointing import apply_activation_checkpointing, checkpoint_targets
 from lightning_hybrid.compile import apply_compile
 from lightning_hybrid.devices import module_device
-from lightning_hybrid.expert_parallel import apply_ep, expert_parameter_names, iter_expert_modules
+from lightning_hybrid.expert_parallel import apply_ep, check_experts, expert_parameter_names, iter_expert_modules
 from lightning_hybrid.mesh import build_expert_mesh
 from lightning_hybrid.options import ParallelOptions
 from lightning_hybrid.pipeline import PipelineExecutor, check_protocol, stage_module
@@ -83,7 +83,8 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, d
     the mesh; an error on any rank is raised on every rank before the next collective."""
     pp, dp, tp = (mesh[name].size() for name in ("pp", "dp", "tp"))
     per_rank = builds_per_rank(module)
-    layerwise = tp > 1 and per_rank  # split on the meta device, then materialise each rank's slices
+    # Split on the meta device, then materialise (or read) each rank's slices: TP's, and its experts.
+    layerwise = (tp > 1 or options.ep > 1) and per_rank
     layer_names = pipeline_layer_names(module) if pp > 1 or layerwise else ()
     plan = plan_tp(module, tp, options, layer_names)
     checkpointed = []
@@ -97,9 +98,15 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, d
     report = None
     if plan is not None:
         report = split_tp(module, mesh, plan, options, device, layer_names, layout, first_input, layerwise)
+    expert_mesh = None
+    if options.ep > 1 and layerwise:  # on the meta device: verified once materialised
+        expert_mesh = split_experts(module, mesh, options.ep, verify=False)
     if layerwise:
         materialise(module, unbuilt, device)
-    expert_mesh = split_experts(module, mesh, options.ep) if options.ep > 1 else None
+    if options.ep > 1 and layerwise:
+        verify_experts(module)
+    elif options.ep > 1:
+        expert_mesh = split_experts(module, mesh, options.ep)
     experts = expert_parameter_names(module)
     tp_sharded = frozenset(tp_sharded_parameter_names(module)) - experts
     remote = tuple(layout.remote_prefixes) if layout is not None else ()
@@ -176,21 +183,32 @@ def split_tp(
     return result
 
 
-def split_experts(module: nn.Module, mesh: DeviceMesh, ep: int) -> DeviceMesh:
-    """Split this rank's experts modules over ``ep`` ranks of DP (`lightning_hybrid.expert_parallel.apply_ep`,
-    each kind verified first); returns the ``(pp, edp, ep, tp)`` mesh. An error on any rank is raised on every
-    rank."""
+def split_experts(module: nn.Module, mesh: DeviceMesh, ep: int, verify: bool = True) -> DeviceMesh:
+    """Split this rank's experts modules over ``ep`` ranks of DP (`lightning_hybrid.expert_parallel.apply_ep`;
+    built ones verified first, ``verify=False`` for those still on the meta device: `verify_experts` once they are
+    materialised); returns the ``(pp, edp, ep, tp)`` mesh. An error on any rank is raised on every rank."""
     expert_mesh = build_expert_mesh(mesh, ep)
-    errors = apply_ep(module, expert_mesh["ep"].get_group())
+    _raise_on_every_rank(apply_ep(module, expert_mesh["ep"].get_group(), verify))
+    count = len(list(iter_expert_modules(module)))
+    rank_zero_info(f"expert parallelism: {count} experts modules split over ep={ep} (their gradients reduced over"
+                   f" {mesh['dp'].size() // ep} data-parallel ranks each)")
+    return expert_mesh
+
+
+def verify_experts(module: nn.Module) -> None:
+    """`lightning_hybrid.expert_parallel.check_experts` on this rank's experts, split on the meta device and now
+    materialised; an error on any rank is raised on every rank."""
+    _raise_on_every_rank([reason for name, experts in module.named_modules()
+                          if experts in set(iter_expert_modules(module))
+                          for reason in [check_experts(name, experts)] if reason is not None])
+
+
+def _raise_on_every_rank(errors: list[str]) -> None:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, errors)
     messages = list(dict.fromkeys(m for per_rank in gathered for m in per_rank))
     if messages:
         raise ValueError("Expert parallelism cannot split this model exactly:\n- " + "\n- ".join(messages))
-    count = len(list(iter_expert_modules(module)))
-    rank_zero_info(f"expert parallelism: {count} experts modules split over ep={ep} (their gradients reduced over"
-                   f" {mesh['dp'].size() // ep} data-parallel ranks each)")
-    return expert_mesh
 
 
 def unsplit_copies(module: nn.Module, layout: Optional[StageLayout]) -> dict[int, nn.Module]:

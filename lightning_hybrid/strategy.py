@@ -136,6 +136,12 @@ class HybridStrategy(MeshStrategy):
         return self.options.sequence_parallel
 
     @property
+    def expert_parallel_size(self) -> int:
+        """``ep``: a module that builds its layers per rank (``CausalLM``) defers them, so that each rank fills
+        (or reads from a pretrained folder) only its own experts."""
+        return self.options.ep
+
+    @property
     def tensor_parallel_report(self) -> Optional[TPResult]:
         """What TP split and how (after setup; ``None`` under ``tp=1``)."""
         return self._parallelized.tp_report if self._parallelized is not None else None

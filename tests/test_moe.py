@@ -175,3 +175,64 @@ def test_expert_parallel_checkpoints_resume_exactly_under_other_ep_on_4_ranks(tm
             torch.testing.assert_close(torch.tensor(runs[name]["losses"]), torch.tensor(full["losses"][4:]),
                                        rtol=1e-6, atol=0, msg=f"{name} rank {rank}")
             torch.testing.assert_close(runs[name]["whole"], full["whole"], rtol=0, atol=1e-5, msg=f"{name} rank {rank}")
+
+
+
+class _ReadsRecorded(CausalLM):
+    """CausalLM whose folder reads are recorded (key, dim, start, length): which expert rows a rank reads."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        weights = self._weights
+        if weights is not None and not hasattr(weights, "reads"):
+            reads: list = []
+            read = weights.read
+
+            def recorded(key, dim=None, start=0, length=0):
+                reads.append((key, dim, start, length))
+                return read(key, dim, start, length)
+
+            weights.read, weights.reads = recorded, reads
+
+
+def _pretrained_experts(folder: str) -> dict:
+    """dp2 ep2 from a pretrained folder, one step at lr 0: each rank's experts are the folder's rows of its experts."""
+    import lightning as L
+
+    from lightning_hybrid import HybridStrategy
+    from lightning_hybrid.data import ByteCorpusDataModule
+    from tests.helpers import QUIET_TRAINER
+
+    module = _ReadsRecorded(folder, lr=0.0)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=HybridStrategy(dp=2, ep=2), max_steps=1,
+                        **{**QUIET_TRAINER, "limit_val_batches": 0})
+    trainer.fit(module, ByteCorpusDataModule(max_bytes=20_000, block_size=16, batch_size=2))
+    return {"reads": [r for r in module._weights.reads if ".experts." in r[0]], "deferred": module.layers_deferred,
+            "experts": {n: p.detach().clone() for n, p in module.named_parameters() if ".experts." in n}}
+
+
+def test_each_expert_parallel_rank_reads_only_its_experts_from_a_pretrained_folder(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from safetensors.torch import save_file
+
+    from lightning_hybrid.hf.weights import _Safetensors
+
+    # A folder holding the model's own (packed) expert tensors. (transformers' save_pretrained writes MoE experts in
+    # its per-expert checkpoint format, which its loader converts; CausalLM does not read that format yet.)
+    config = tiny_config("mixtral")
+    config.output_router_logits = False
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    (tmp_path / "model").mkdir()
+    config.save_pretrained(tmp_path / "model")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "model" / "model.safetensors")
+
+    folder = _Safetensors(tmp_path / "model")
+    for rank, out in enumerate(run_distributed(_pretrained_experts, 2, str(tmp_path / "model"))):
+        assert out["deferred"] and out["reads"], rank
+        # Only rows [2 * rank, 2 * rank + 2) of each (4, ...) experts tensor were read ...
+        assert all(dim == 0 and start == 2 * rank and length == 2 for _, dim, start, length in out["reads"]), out
+        # ... and they are this rank's experts.
+        for name, value in out["experts"].items():
+            torch.testing.assert_close(value, folder.read(name.removeprefix("model."))[2 * rank: 2 * rank + 2])

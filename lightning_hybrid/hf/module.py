@@ -117,7 +117,10 @@ class CausalLM(LanguageModel):
                 self._materialise(getattr(self._structure.trunk, name), torch.device("cpu"))
             for owner in self._structure._path_modules():  # buffers held by the model and its trunk themselves
                 self._materialise_own_buffers(owner)
-            self.layers_deferred = per_layer or (self._tp_size() > 1 and self._layerwise())
+            # Split layers are built per rank, each rank filling (reading) only its slices: TP's, and the experts
+            # of its expert-parallel rank.
+            split = self._tp_size() > 1 or self._expert_parallel_size() > 1
+            self.layers_deferred = per_layer or (split and self._layerwise())
             if not self.layers_deferred:
                 for index, layer in enumerate(self._structure.layers()):
                     layer.to_empty(device="cpu")
@@ -128,6 +131,10 @@ class CausalLM(LanguageModel):
     def _tp_size(self) -> int:
         mesh = self._device_mesh  # set by HybridStrategy before configure_model
         return mesh["tp"].size() if mesh is not None and "tp" in (mesh.mesh_dim_names or ()) else 1
+
+    def _expert_parallel_size(self) -> int:
+        trainer = self._trainer
+        return int(getattr(getattr(trainer, "strategy", None), "expert_parallel_size", 1) or 1)
 
     def _pipeline_size(self) -> int:
         mesh = self._device_mesh

@@ -53,6 +53,17 @@ class _Safetensors:
                 return f.get_tensor(key)
             return f.get_slice(key)[(slice(None),) * dim + (slice(start, start + length),)]
 
+    def _per_expert_hint(self, name: str) -> str:
+        """Why a packed experts tensor may be missing: the folder stores one tensor per expert (the checkpoint
+        format transformers' save_pretrained writes for MoE models and its loader converts)."""
+        prefix = name.rpartition(".")[0]
+        if not any(key.startswith(prefix + ".0.") for key in self.shapes):
+            return ""
+        return (f" The folder stores {prefix} one tensor per expert ({prefix}.0. ...), the checkpoint format"
+                " transformers writes for mixture-of-experts models and converts when it loads them; CausalLM reads"
+                " the model's own (packed) tensors only. Convert the folder once: AutoModelForCausalLM.from_pretrained"
+                " it and save its state_dict() with safetensors.torch.save_file next to its config.json.")
+
     def check(self, model: nn.Module) -> None:
         """``KeyError`` / ``ValueError`` unless the folder holds every parameter of ``model`` (but tied copies) with
         the model's shape: raised on every rank at ``configure_model``, before any collective."""
@@ -61,7 +72,8 @@ class _Safetensors:
             if name not in self.shapes:
                 if name in tied:
                     continue
-                raise KeyError(f"{self.folder} holds no tensor {name!r} (a parameter of {type(model).__name__}).")
+                raise KeyError(f"{self.folder} holds no tensor {name!r} (a parameter of {type(model).__name__})."
+                               + self._per_expert_hint(name))
             if self.shapes[name] != tuple(p.shape):
                 raise ValueError(f"{name}: the folder's tensor is {self.shapes[name]}, the model's {tuple(p.shape)}.")
 
