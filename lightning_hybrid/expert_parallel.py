@@ -106,10 +106,15 @@ def check_experts(name: str, experts: nn.Module) -> Optional[str]:
     generator = torch.Generator(device="cpu").manual_seed(0)
     count = int(experts.num_experts)
     rows = 3
-    x = torch.randn(rows, hidden, generator=generator, dtype=torch.float64).to(device=device, dtype=dtype)
-    index = torch.stack([torch.randperm(count, generator=generator)[:2] for _ in range(rows)]).to(device) if count > 1 \
-        else torch.zeros(rows, 1, dtype=torch.long, device=device)
-    weights = torch.rand(index.shape, generator=generator, dtype=torch.float64).to(device=device, dtype=dtype)
+    cpu = generator.device  # a generator's tensors are made on its device, then moved
+    x = torch.randn(rows, hidden, generator=generator, dtype=torch.float64, device=cpu).to(device=device, dtype=dtype)
+    if count > 1:
+        picks = [torch.randperm(count, generator=generator, device=cpu)[:2] for _ in range(rows)]
+        index = torch.stack(picks).to(device)
+    else:
+        index = torch.zeros(rows, 1, dtype=torch.long, device=device)
+    weights = torch.rand(tuple(index.shape), generator=generator, dtype=torch.float64, device=cpu)
+    weights = weights.to(device=device, dtype=dtype)
     run = type(experts).forward  # the module's own code, without the hooks of a split module
     try:
         together = run(experts, x, index, weights)

@@ -54,7 +54,7 @@ def test_models_are_built_and_checked_with_every_device_stated():
 
     with AmbientDeviceAudit() as audit:
         GPTLightningModule(config=TINY_GPT).configure_model()
-        for family in ("llama", "gpt2", "gpt_neox", "qwen2"):
+        for family in ("llama", "gpt2", "gpt_neox", "qwen2", "mixtral"):
             module = CausalLM(tiny_config(family))
             module.configure_model()
             module.pipeline_layers()  # the decomposition check on stand-ins
@@ -71,6 +71,8 @@ def _fits_under_the_audit(tmp: str) -> list[str]:
         (dict(pp=2, micro_batches=2), lambda: GPTLightningModule(config=TINY_GPT)),
         (dict(dp=2, zero_stage=1), lambda: GPTLightningModule(config=TINY_GPT)),
         (dict(dp=2, zero_stage=3), lambda: CausalLM(tiny_config("gpt2"))),
+        # experts split on meta and exchanged with all-to-alls; the load-balancing loss gathered over DP
+        (dict(dp=2, ep=2, zero_stage=1), lambda: CausalLM(tiny_config("mixtral"))),
     ]
     with AmbientDeviceAudit() as audit:
         for i, (kwargs, make) in enumerate(layouts):

@@ -325,7 +325,10 @@ def _logits_from_last_layer(model, s: _Structure, pro, epi, head, ids: Tensor, l
             child = _shell(owner._modules[name], {})
         owner._modules[name] = child
         owner = child
-    return root(input_ids=ids, use_cache=False).logits
+    # A mixture-of-experts model that adds its routers' loss would compute it from no router logits (the stand-ins
+    # route nothing) and fail: its logits are what is compared here.
+    routers = {"output_router_logits": False} if getattr(model.config, "output_router_logits", False) else {}
+    return root(input_ids=ids, use_cache=False, **routers).logits
 
 
 # ---------------------------------------------------------------------------------------------- document masks
