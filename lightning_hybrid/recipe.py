@@ -181,10 +181,10 @@ def _build(key: str, node: DictConfig, **kwargs: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- measuring
-def layout_label(dims: ParallelDims, zero_stage: int) -> str:
-    """``dp2xtp2xpp2`` (``pp`` only when > 1, ``zero<k>`` only when > 0)."""
+def layout_label(dims: ParallelDims, zero_stage: int, ep: int = 1) -> str:
+    """``dp2xtp2xpp2`` (``pp`` only when > 1, ``ep<k>`` and ``zero<k>`` only when > 1 and > 0)."""
     parts = [f"dp{dims.dp}", f"tp{dims.tp}"] + ([f"pp{dims.pp}"] if dims.pp > 1 else [])
-    return "x".join(parts + ([f"zero{zero_stage}"] if zero_stage else []))
+    return "x".join(parts + ([f"ep{ep}"] if ep > 1 else []) + ([f"zero{zero_stage}"] if zero_stage else []))
 
 
 def peak_memory_per_rank(monitor: PeakMemoryMonitor) -> Dict[str, Any]:
@@ -345,14 +345,16 @@ def _fit(cfg: DictConfig, callbacks: Sequence[L.Callback]) -> Dict[str, Any]:
         rates = throughput.training_rates
         dims = trainer.strategy.parallel_dims
         zero_stage = int(getattr(trainer.strategy, "zero_stage", 0))
+        ep = int(getattr(trainer.strategy, "expert_parallel_size", 1))
         metrics: Dict[str, Any] = {
-            "layout": layout_label(dims, zero_stage),
+            "layout": layout_label(dims, zero_stage, ep),
             "name": hydra_run["name"],
             "model": f"{type(model).__module__}.{type(model).__qualname__}",
             "overrides": hydra_run["overrides"],
             **layout,
             "world_size": dims.world_size,
             "zero_stage": zero_stage,
+            "ep": ep,
             "steps": int(trainer.global_step),
             "val_loss": float(val) if val is not None else None,
             # Lightning's ThroughputMonitor counting model replicas: global = replica rate * dp (no global key at dp=1)
