@@ -351,3 +351,21 @@ def test_command_line_takes_experts_and_prints_ep(capsys, tmp_path):
     data = json.loads(out_json.read_text())
     assert {c["ep"] for c in data["ranked"]} == {1, 2, 4, 8} and data["model"]["experts"] == 8
     assert all(c["time_s"]["ep_comm"] > 0 for c in data["ranked"] if c["ep"] > 1)
+
+
+def test_a_model_adding_its_routers_loss_is_planned_without_a_pipeline():
+    """CausalLM refuses the load-balancing loss under pp > 1 (docs/moe.md): parallel=auto keeps pp = 1 for it."""
+    from omegaconf import OmegaConf
+
+    from lightning_hybrid.planner.auto import _adds_router_loss
+    from lightning_hybrid.planner.search import enumerate_layouts
+
+    cfg = OmegaConf.create({"model": {"_target_": "lightning_hybrid.hf.CausalLM", "model": "mixtral",
+                                      "config": {"output_router_logits": True, "num_hidden_layers": 2}}})
+    assert _adds_router_loss(cfg)
+    cfg.model.config.output_router_logits = False
+    assert not _adds_router_loss(cfg)
+    small = model_spec("small-moe")
+    layouts = list(enumerate_layouts(small, load_cluster("cpu"), 4, 8, pipeline=False))
+    assert layouts and all(lay.pp == 1 for lay in layouts)
+    assert any(lay.pp > 1 for lay in enumerate_layouts(small, load_cluster("cpu"), 4, 8))

@@ -107,6 +107,22 @@ def explain(result: Plan, show: int) -> str:
     return "\n".join(lines)
 
 
+def _adds_router_loss(cfg: DictConfig) -> bool:
+    """Whether the recipe's model is a `CausalLM` whose config adds its routers' load-balancing loss
+    (``output_router_logits``): refused under ``pp > 1`` (docs/moe.md), so the planner keeps ``pp = 1``."""
+    node, target = cfg.model, str(cfg.model.get("_target_", ""))
+    if not target.endswith("CausalLM"):
+        return False
+    from transformers import AutoConfig
+
+    overrides = dict(node.get("config") or {})
+    if os.path.isdir(str(node.model)):
+        config = AutoConfig.from_pretrained(str(node.model), **overrides)
+    else:
+        config = AutoConfig.for_model(str(node.model), **overrides)
+    return bool(getattr(config, "output_router_logits", False))
+
+
 def choose_layout(cfg: DictConfig) -> tuple[DictConfig, str]:
     """A copy of ``cfg`` with the planner's best layout written in, and the explanation. Raises ``ValueError``
     (a bad cluster, no ``data.batch_size``, nothing fits)."""
@@ -117,7 +133,8 @@ def choose_layout(cfg: DictConfig) -> tuple[DictConfig, str]:
     accumulate = int(cfg.trainer.accumulate_grad_batches)
     global_batch = int(cfg.planner.global_batch or int(cfg.data.batch_size) * accumulate)
     has_sp = "sequence_parallel" in inspect.signature(HybridStrategy).parameters
-    result = plan(_model(cfg), _cluster(cfg), _devices(cfg), global_batch, sequence_parallel=has_sp)
+    result = plan(_model(cfg), _cluster(cfg), _devices(cfg), global_batch, sequence_parallel=has_sp,
+                  pipeline=not _adds_router_loss(cfg))
     best = result.best.layout
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     OmegaConf.set_struct(out, True)

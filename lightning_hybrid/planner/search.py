@@ -101,8 +101,11 @@ def ep_choices(model: ModelSpec, dp: int) -> list[int]:
 
 def enumerate_layouts(model: ModelSpec, cluster: Cluster, devices: int, global_batch: int, *,
                       sequence_parallel: bool = True, schedules: Sequence[str] = tuple(SCHEDULES),
-                      max_virtual_stages: int = 4, invalid: Optional[Counter] = None) -> Iterator[Layout]:
-    """Every valid layout (see the module docstring); the sizes turned away are counted in ``invalid``."""
+                      max_virtual_stages: int = 4, invalid: Optional[Counter] = None,
+                      pipeline: bool = True) -> Iterator[Layout]:
+    """Every valid layout (see the module docstring); the sizes turned away are counted in ``invalid``.
+    ``pipeline=False``: ``pp = 1`` only (a model that cannot train under a pipeline, e.g. one adding its routers'
+    load-balancing loss, which `lightning_hybrid.hf.CausalLM` refuses under ``pp > 1``)."""
     invalid = Counter() if invalid is None else invalid
     pipeline_layers = model.n_layer + 2
     for tp in divisors(devices):
@@ -115,6 +118,9 @@ def enumerate_layouts(model: ModelSpec, cluster: Cluster, devices: int, global_b
         for pp in divisors(devices // tp):
             if pp > pipeline_layers:
                 invalid[f"pp > {pipeline_layers} pipeline layers"] += 1
+                continue
+            if pp > 1 and not pipeline:
+                invalid["pp > 1: the model does not train under a pipeline"] += 1
                 continue
             dims = ParallelDims.resolve(-1, tp, pp, world_size=devices)
             if global_batch % dims.dp:
