@@ -174,11 +174,7 @@ def split_tp(
         example_input_for=example_input_for or (lambda name, block: synthetic_call(block, multiple)),
         representative=representative, sequence_parallel=options.sequence_parallel, split_logits=options.loss_parallel,
     )
-    errors: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, result.errors)
-    messages = list(dict.fromkeys(m for per_rank in errors for m in per_rank))
-    if messages:
-        raise ValueError("Tensor parallelism cannot split this model exactly:\n- " + "\n- ".join(messages))
+    raise_on_every_rank(result.errors, "Tensor parallelism")
     rank_zero_info(result.summary())
     return result
 
@@ -188,7 +184,7 @@ def split_experts(module: nn.Module, mesh: DeviceMesh, ep: int, verify: bool = T
     built ones verified first, ``verify=False`` for those still on the meta device: `verify_experts` once they are
     materialised); returns the ``(pp, edp, ep, tp)`` mesh. An error on any rank is raised on every rank."""
     expert_mesh = build_expert_mesh(mesh, ep)
-    _raise_on_every_rank(apply_ep(module, expert_mesh["ep"].get_group(), verify))
+    raise_on_every_rank(apply_ep(module, expert_mesh["ep"].get_group(), verify), "Expert parallelism")
     count = len(list(iter_expert_modules(module)))
     rank_zero_info(f"expert parallelism: {count} experts modules split over ep={ep} (their gradients reduced over"
                    f" {mesh['dp'].size() // ep} data-parallel ranks each)")
@@ -198,17 +194,19 @@ def split_experts(module: nn.Module, mesh: DeviceMesh, ep: int, verify: bool = T
 def verify_experts(module: nn.Module) -> None:
     """`lightning_hybrid.expert_parallel.check_experts` on this rank's experts, split on the meta device and now
     materialised; an error on any rank is raised on every rank."""
-    _raise_on_every_rank([reason for name, experts in module.named_modules()
-                          if experts in set(iter_expert_modules(module))
-                          for reason in [check_experts(name, experts)] if reason is not None])
+    split = set(iter_expert_modules(module))
+    reasons = [check_experts(name, experts) for name, experts in module.named_modules() if experts in split]
+    raise_on_every_rank([reason for reason in reasons if reason is not None], "Expert parallelism")
 
 
-def _raise_on_every_rank(errors: list[str]) -> None:
+def raise_on_every_rank(errors: list[str], what: str) -> None:
+    """Every rank's ``errors`` (the same message once), raised on every rank as one ``ValueError`` saying that
+    ``what`` cannot split this model exactly. Collective over the world."""
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, errors)
     messages = list(dict.fromkeys(m for per_rank in gathered for m in per_rank))
     if messages:
-        raise ValueError("Expert parallelism cannot split this model exactly:\n- " + "\n- ".join(messages))
+        raise ValueError(f"{what} cannot split this model exactly:\n- " + "\n- ".join(messages))
 
 
 def unsplit_copies(module: nn.Module, layout: Optional[StageLayout]) -> dict[int, nn.Module]:
