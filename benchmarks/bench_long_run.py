@@ -362,7 +362,7 @@ def main(argv=None) -> int:
         results = [run_layout(args, layout, work) for layout in args.layouts]
     total = time.time() - t0
 
-    from benchmarks.report import header
+    from benchmarks.report import header, write_report
 
     loads = [x[k]["other_load"] for x in results for k in ("full", "killed", "resumed")]
     lines = [header("A long run: kill, resume, resident set").rstrip(), "",
@@ -374,10 +374,7 @@ def main(argv=None) -> int:
              " (`consolidated_state_dict`). Other load = CPUs that other processes kept busy during a job (the"
              f" highest of the three); the highest here: {max(loads):.2f}.", ""]
     lines += report(args, results)
-    text = "\n".join(lines)
-    print("\n" + text)
-    args.out.write_text(text)
-    print(f"written to {args.out}")
+    write_report(args.out, "\n".join(lines))
     return 0
 
 

@@ -287,7 +287,7 @@ def main(argv=None) -> int:
             print(f"  dp={dp} {STRATEGIES[name][0]:<28} {line}  (run {r['wall_s']:.0f}s)", flush=True)
     total = time.perf_counter() - t_start
 
-    from benchmarks.report import header
+    from benchmarks.report import header, write_report
 
     lines = [header("Peak memory and step time: HybridStrategy ZeRO 0-3 vs Lightning DDP / FSDP2").rstrip(), "",
              settings + f"; total wall time {total:.0f}s.", "",
@@ -300,10 +300,7 @@ def main(argv=None) -> int:
              " step, mean over the timed steps; other load = CPUs that other processes kept busy during the run.", ""]
     for dp in args.dps:
         lines += report(dp, results[dp], psi, dp * args.batch * args.block_size)
-    text = "\n".join(lines)
-    print("\n" + text)
-    args.out.write_text(text)
-    print(f"written to {args.out}")
+    write_report(args.out, "\n".join(lines))
     return 0
 
 

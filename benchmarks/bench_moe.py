@@ -374,15 +374,12 @@ def main(argv=None) -> int:
                     print(f"  {layout_name(layout):<20} #{repeat + 1} {line}  (run {r['wall_s']:.0f}s)", flush=True)
     total = time.perf_counter() - t_start
 
-    from benchmarks.report import header
+    from benchmarks.report import header, write_report
 
     lines = [header("Expert parallelism: ep=2 against ep=1 (benchmarks/bench_moe.py)").rstrip(), "",
              settings + f"; total wall time {total:.0f}s.", ""]
     lines += report(runs, args, pe, n_routed)
-    text = "\n".join(lines) + "\n"
-    print("\n" + text)
-    args.out.write_text(text)
-    print(f"written to {args.out}")
+    write_report(args.out, "\n".join(lines) + "\n")
     return 0
 
 

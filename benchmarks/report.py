@@ -43,3 +43,10 @@ def printed_to(path: Path, title: str) -> Iterator[None]:
         yield
     Path(path).write_text(header(title) + captured.getvalue())
     print(f"written to {os.path.relpath(path)}")
+
+
+def write_report(path: Path, text: str) -> None:
+    """Print a benchmark's report ``text`` and write it to ``path`` (the tail every report-writing script shares)."""
+    print("\n" + text)
+    Path(path).write_text(text)
+    print(f"written to {path}")
