@@ -37,6 +37,7 @@ class ParallelOptions:
     sequence_parallel: bool = False
     loss_parallel: bool = True
     schedule: Optional[str] = None  # the name (pp > 1)
+    schedule_default: bool = False  # left to the default: 1F1B, GPipe for a module with a loss of the whole batch
     schedule_spec: Optional[ScheduleSpec] = None
     stages_per_rank: int = 1
     micro_batches: Optional[int] = None
@@ -73,7 +74,7 @@ class ParallelOptions:
         ParallelDims.check_ep(ep, dp)
         refuse_unused(pp=pp, tp=tp, schedule=schedule, micro_batches=micro_batches, virtual_stages=virtual_stages,
                       split_points=split_points, sequence_parallel=sequence_parallel, tp_plan=tp_plan)
-        spec, per_rank = None, 1
+        spec, per_rank, schedule_default = None, 1, pp > 1 and schedule is None
         if pp > 1:
             schedule, virtual_stages = schedule or "1f1b", virtual_stages or 1
             spec, per_rank, micro_batches = resolve_schedule(schedule, pp, micro_batches, virtual_stages)
@@ -87,7 +88,8 @@ class ParallelOptions:
             dp=dp, tp=tp, pp=pp, zero_stage=validate_zero_stage(zero_stage), bucket_cap_mb=float(bucket_cap_mb),
             tp_plan=MappingProxyType(dict(tp_plan)) if isinstance(tp_plan, Mapping) else tp_plan,
             sequence_parallel=bool(sequence_parallel), loss_parallel=bool(loss_parallel),
-            schedule=schedule, schedule_spec=spec, stages_per_rank=per_rank, micro_batches=micro_batches,
+            schedule=schedule, schedule_default=schedule_default, schedule_spec=spec, stages_per_rank=per_rank,
+            micro_batches=micro_batches,
             virtual_stages=virtual_stages, split_points=tuple(split_points) if split_points is not None else None,
             # anything but full recomputation checkpoints every layer unless told which
             activation_checkpointing=activation_checkpointing or selection is not None,

@@ -35,8 +35,9 @@ from lightning_hybrid.expert_parallel import apply_ep, check_experts, expert_par
 from lightning_hybrid.mesh import build_expert_mesh
 from lightning_hybrid.options import ParallelOptions
 from lightning_hybrid.pipeline import PipelineExecutor, check_protocol, stage_module
-from lightning_hybrid.pipeline.executor import forward_through_stages
-from lightning_hybrid.pipeline.protocol import builds_per_rank
+from lightning_hybrid.pipeline.executor import SCHEDULES, forward_through_stages
+from lightning_hybrid.pipeline.aux import AuxLossExchange, Source
+from lightning_hybrid.pipeline.protocol import PipelineAuxLoss, builds_per_rank
 from lightning_hybrid.pipeline.stages import (
     StageLayout,
     check_materialised,
@@ -254,14 +255,45 @@ def build_pipeline(
     options: ParallelOptions, device: torch.device,
 ) -> PipelineExecutor:
     assert stages is not None and options.schedule_spec is not None and options.micro_batches is not None
+    aux = pipeline_aux_loss(module, layout, mesh, device)
+    schedule, spec = options.schedule, options.schedule_spec
+    if aux is not None and schedule != "gpipe":
+        if not options.schedule_default:
+            aux.close()
+            raise ValueError(
+                f"{type(module).__name__} adds an auxiliary loss of the whole batch (e.g. a mixture-of-experts model's"
+                " load-balancing loss), which pipeline stages can compute exactly only when every micro-batch's"
+                f" forward runs before the first backward: use schedule='gpipe' (got schedule={schedule!r})."
+            )
+        schedule, spec = "gpipe", SCHEDULES["gpipe"]  # the default schedule, for such a module
     rank_zero_info(
-        f"pipeline: {len(layout.ranges)} stages over pp={mesh['pp'].size()} ({options.schedule},"
+        f"pipeline: {len(layout.ranges)} stages over pp={mesh['pp'].size()} ({schedule},"
         f" {options.micro_batches} micro-batches), layers per stage {[len(r) for r in layout.ranges]}"
+        + (" -- GPipe: the module adds an auxiliary loss of the whole batch" if aux is not None else "")
     )
     return PipelineExecutor(
-        stages, len(layout.ranges), layout.owners, options.schedule_spec, options.micro_batches, module.loss_fn,
-        mesh["pp"].get_group(), device,
+        stages, len(layout.ranges), layout.owners, spec, options.micro_batches, module.loss_fn,
+        mesh["pp"].get_group(), device, aux=aux, dp_group=mesh["dp"].get_group(),
     )
+
+
+def pipeline_aux_loss(
+    module: nn.Module, layout: StageLayout, mesh: DeviceMesh, device: torch.device,
+) -> Optional[AuxLossExchange]:
+    """The exchange of the module's auxiliary loss of the whole batch (`PipelineAuxLoss`), where any rank's layers
+    hold a source of it (every rank decides alike: collective)."""
+    if not isinstance(module, PipelineAuxLoss):
+        return None
+    layers = module.pipeline_layers()
+    local = {i: layers[i] for i in layout.local_layers()}
+    sources = [Source(i, k, m, index) for i, layer in local.items()
+               for k, (m, index) in enumerate(module.pipeline_aux_sources(layer))]
+    anywhere = torch.tensor([len(sources)], device=device)
+    dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
+    if not int(anywhere):
+        return None
+    return AuxLossExchange(sources, local, module.pipeline_aux_loss, mesh["dp"].get_group(), mesh["pp"].get_group(),
+                           device)
 
 
 # ----------------------------------------------------------------------------------------------- helpers

@@ -61,7 +61,8 @@ class HybridStrategy(MeshStrategy):
             patterns over module names -> ``"colwise" | "rowwise" | "replicate"`` (or a dict pinning
             ``part_sizes``, ``gather_output``, ``input_is_parallel``) overriding it where it matches.
         micro_batches, schedule, virtual_stages, split_points: under ``pp > 1`` (refused at ``pp=1``): micro-batches
-            per batch (default ``2 * pp``); ``"gpipe"``, ``"1f1b"`` (default), ``"interleaved_1f1b"``
+            per batch (default ``2 * pp``); ``"gpipe"``, ``"1f1b"`` (default; GPipe for a module that adds a loss of
+            the whole batch, `lightning_hybrid.pipeline.PipelineAuxLoss`), ``"interleaved_1f1b"``
             (``virtual_stages >= 2`` stages per rank) or ``"zero_bubble"`` (ZB-V); the indices of the layers that
             start stages 1..n-1 (default: stages balanced by parameter count).
         sequence_parallel: under ``tp > 1`` (refused at ``tp=1``), Megatron SP: the activations between the TP

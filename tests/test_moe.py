@@ -11,14 +11,14 @@ import torch
 import torch.distributed as dist
 
 from lightning_hybrid.batch import TokenBatch
-from tests.parity import RTOL, check_world
+from lightning_hybrid.models import GPTConfig, GPTLightningModule
+from tests.parity import BLOCK, RTOL, check_world
 
 pytest.importorskip("transformers")
 
 from lightning_hybrid.hf import CausalLM  # noqa: E402
 from lightning_hybrid.expert_parallel import find_experts  # noqa: E402
 from lightning_hybrid.hf.moe import gather_rows  # noqa: E402
-from lightning_hybrid.mesh import ParallelDims  # noqa: E402
 from lightning_hybrid.testing import run_distributed  # noqa: E402
 from tests.families import tiny_config  # noqa: E402
 
@@ -79,7 +79,11 @@ def test_models_without_a_load_balancing_loss_have_none():
 
 # ---------------------------------------------------------------------------------------------- layouts
 def _gather_and_refuse() -> dict:
-    """On 2 ranks: `gather_rows` of uneven pieces and its gradient; a pipeline refused before it starts."""
+    """On 2 ranks: `gather_rows` of uneven pieces and its gradient; a pipeline schedule that cannot compute the
+    load-balancing loss exactly, refused before it starts."""
+    from lightning_hybrid import HybridStrategy
+    from tests.parity import fit_and_record
+
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     x = torch.arange(3 + rank * 2, dtype=torch.float64).unsqueeze(1).repeat(1, 2).requires_grad_()
@@ -87,10 +91,8 @@ def _gather_and_refuse() -> dict:
     weights = torch.arange(gathered.numel(), dtype=torch.float64).view_as(gathered) * (rank + 1)
     (gathered * weights).sum().backward()
     out = {"gathered": gathered.detach(), "grad": x.grad}
-    module = _lm("mixtral")
-    module._device_mesh = ParallelDims.resolve(1, 1, 2, 2).build_mesh("cpu")  # as HybridStrategy(pp=2) sets it
     try:
-        module.configure_model()
+        fit_and_record(HybridStrategy(pp=2, micro_batches=2, schedule="1f1b"), 2, partial(_lm, "mixtral"), steps=1)
     except ValueError as e:
         out["refused"] = str(e)
     return out
@@ -105,20 +107,52 @@ def test_gather_rows_and_the_pipeline_refusal_on_2_ranks():
         start = 0 if rank == 0 else 3
         index = torch.arange(out["grad"].numel(), dtype=torch.float64).view_as(out["grad"]) + 2 * start
         torch.testing.assert_close(out["grad"], 3 * index)
-        assert "output_router_logits=True" in out["refused"] and "pp > 1" in out["refused"], out.get("refused")
+        refused = out.get("refused", "")
+        assert "schedule='gpipe'" in refused and "'1f1b'" in refused, refused
+
+
+def _batch_mean_gpt() -> "_BatchMeanGPT":
+    config = GPTConfig(vocab_size=256, block_size=BLOCK, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp="swiglu")
+    return _BatchMeanGPT(config=config, lr=5e-4, weight_decay=0.1)
+
+
+class _BatchMeanGPT(GPTLightningModule):
+    """Any LightningModule with an auxiliary loss of the whole batch (`PipelineAuxLoss`): the squared batch mean of
+    each block's ``ln_2`` output, a product of batch means as the load-balancing loss is. On one device its
+    training step adds the loss itself, from its own hooks; under pp > 1 the strategy computes it."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        self._seen: list[torch.Tensor] = []
+        for layer in self.pipeline_layers():
+            for source, _ in self.pipeline_aux_sources(layer):
+                source.register_forward_hook(self._see)
+
+    def _see(self, module, args, output) -> None:
+        if self.training and torch.is_grad_enabled():
+            self._seen.append(output)
+
+    def pipeline_aux_sources(self, layer):
+        return [(layer.ln_2, None)] if hasattr(layer, "ln_2") else []
+
+    def pipeline_aux_loss(self, outputs):
+        return sum((x.float().mean(dim=(0, 1)) ** 2).sum() for x in outputs) * 10.0
+
+    def auxiliary_loss(self, tokens):
+        seen, self._seen = self._seen, []
+        mesh = self._device_mesh
+        if mesh is not None and mesh["pp"].size() > 1:  # in the pipeline's loss already
+            return None
+        assert self._device_mesh is None or mesh.size() == 1, "this test module computes the loss on one device"
+        term = self.pipeline_aux_loss(seen)
+        return term, term.detach()
 
 
 # ---------------------------------------------------------------------------------------------- expert parallelism
-def _no_aux(family: str) -> CausalLM:
-    """The family without its load-balancing loss (refused under pp > 1: it is a mean over every layer)."""
-    config = tiny_config(family)
-    config.output_router_logits = False
-    return CausalLM(config, lr=2e-4)
-
-
 def test_load_balancing_loss_and_expert_parallel_layouts_match_one_device_on_4_ranks():
-    """The load-balancing loss over the global batch (DP; DP x TP under SP; accumulation: each batch's), and the
-    experts split over ep ranks of DP (edp 2 or 1), with ZeRO 0-3, TP, SP, PP and activation checkpointing."""
+    """The load-balancing loss over the global batch (DP; DP x TP under SP; accumulation: each batch's; PP under
+    GPipe, any module's through `PipelineAuxLoss`), and the experts split over ep ranks of DP (edp 2 or 1), with
+    ZeRO 0-3, TP, SP, PP and activation checkpointing."""
     results = check_world(4, {
         "dp4-ep2-zero1-padded-olmoe": (dict(dp=4, ep=2, zero_stage=1), partial(_lm, "olmoe"), {"data": "padded"}),
         "dp4-ep4-gpt_oss": (dict(dp=4, ep=4), partial(_lm, "gpt_oss"), {}),  # experts with biases
@@ -130,9 +164,19 @@ def test_load_balancing_loss_and_expert_parallel_layouts_match_one_device_on_4_r
         # Accumulated: each batch's loss over its global batch, as one device accumulating the same batches.
         "dp2xtp2-ep2-zero2-accumulate-mixtral": (dict(dp=2, tp=2, ep=2, zero_stage=2), partial(_lm, "mixtral"),
                                                  {"accumulate_grad_batches": 2}),
-        "dp2xpp2-ep2-mixtral": (dict(dp=2, pp=2, ep=2, micro_batches=2), partial(_no_aux, "mixtral"), {}),
         "dp4-ep2-zero3-checkpointed-qwen3_moe": (dict(dp=4, ep=2, zero_stage=3, activation_checkpointing=True),
-                                                 partial(_no_aux, "qwen3_moe"), {}),
+                                                 partial(_lm, "qwen3_moe"), {}),
+        # Pipelines (GPipe, the default schedule for such a model): the loss of every layer and micro-batch,
+        # exchanged between the forwards and the backwards.
+        "dp2xpp2-ep2-default-schedule-padded-olmoe": (dict(dp=2, pp=2, ep=2, micro_batches=2),
+                                                      partial(_lm, "olmoe"), {"data": "padded"}),
+        "dp2xpp2-zero3-checkpointed-gpipe-qwen3_moe": (dict(dp=2, pp=2, zero_stage=3, activation_checkpointing=True,
+                                                            micro_batches=2, schedule="gpipe"),
+                                                       partial(_lm, "qwen3_moe"), {}),
+        "tp2xpp2-gpipe-accumulate-mixtral": (dict(tp=2, pp=2, micro_batches=2, schedule="gpipe"),
+                                             partial(_lm, "mixtral"), {"accumulate_grad_batches": 2}),
+        "dp2xpp2-zero1-gpipe-batch-mean-gpt": (dict(dp=2, pp=2, zero_stage=1, micro_batches=2, schedule="gpipe"),
+                                               _batch_mean_gpt, {}),
     }, steps=HF_STEPS, tolerances=HF_TOLERANCES)
     # Each rank holds 1/ep of every experts module's parameters.
     for name, family, ep in (("dp4-ep2-zero1-padded-olmoe", "olmoe", 2), ("dp4-ep4-gpt_oss", "gpt_oss", 4),
@@ -214,25 +258,18 @@ def _pretrained_experts(folder: str) -> dict:
 def test_each_expert_parallel_rank_reads_only_its_experts_from_a_pretrained_folder(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from safetensors.torch import save_file
-
-    from lightning_hybrid.hf.weights import _Safetensors
-
-    # A folder holding the model's own (packed) expert tensors. (transformers' save_pretrained writes MoE experts in
-    # its per-expert checkpoint format, which its loader converts; CausalLM does not read that format yet.)
+    # save_pretrained's folder: one tensor per expert (experts.0.w1.weight ...), which transformers' loader stacks
+    # into the model's packed tensors, as CausalLM does (tests/test_expert_folders.py).
     config = tiny_config("mixtral")
     config.output_router_logits = False
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
-    (tmp_path / "model").mkdir()
-    config.save_pretrained(tmp_path / "model")
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "model" / "model.safetensors")
-
-    folder = _Safetensors(tmp_path / "model")
+    model.save_pretrained(tmp_path / "model")
+    packed = model.state_dict()
     for rank, out in enumerate(run_distributed(_pretrained_experts, 2, str(tmp_path / "model"))):
         assert out["deferred"] and out["reads"], rank
         # Only rows [2 * rank, 2 * rank + 2) of each (4, ...) experts tensor were read ...
         assert all(dim == 0 and start == 2 * rank and length == 2 for _, dim, start, length in out["reads"]), out
         # ... and they are this rank's experts.
         for name, value in out["experts"].items():
-            torch.testing.assert_close(value, folder.read(name.removeprefix("model."))[2 * rank: 2 * rank + 2])
+            torch.testing.assert_close(value, packed[name.removeprefix("model.")][2 * rank: 2 * rank + 2])

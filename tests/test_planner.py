@@ -353,8 +353,9 @@ def test_command_line_takes_experts_and_prints_ep(capsys, tmp_path):
     assert all(c["time_s"]["ep_comm"] > 0 for c in data["ranked"] if c["ep"] > 1)
 
 
-def test_a_model_adding_its_routers_loss_is_planned_without_a_pipeline():
-    """CausalLM refuses the load-balancing loss under pp > 1 (docs/moe.md): parallel=auto keeps pp = 1 for it."""
+def test_a_model_adding_its_routers_loss_is_planned_with_gpipe_pipelines_only():
+    """A pipeline computes the load-balancing loss of the whole batch under GPipe only, without sequence parallelism
+    (docs/moe.md): parallel=auto searches those layouts for such a model."""
     from omegaconf import OmegaConf
 
     from lightning_hybrid.planner.auto import _adds_router_loss
@@ -366,6 +367,9 @@ def test_a_model_adding_its_routers_loss_is_planned_without_a_pipeline():
     cfg.model.config.output_router_logits = False
     assert not _adds_router_loss(cfg)
     small = model_spec("small-moe")
-    layouts = list(enumerate_layouts(small, load_cluster("cpu"), 4, 8, pipeline=False))
-    assert layouts and all(lay.pp == 1 for lay in layouts)
-    assert any(lay.pp > 1 for lay in enumerate_layouts(small, load_cluster("cpu"), 4, 8))
+    layouts = list(enumerate_layouts(small, load_cluster("cpu"), 4, 8, whole_batch_loss=True))
+    piped = [lay for lay in layouts if lay.pp > 1]
+    assert piped and all(lay.schedule == "gpipe" and not lay.sequence_parallel for lay in piped)
+    assert any(lay.pp == 1 and lay.sequence_parallel for lay in layouts)
+    assert all(lay.pp == 1 for lay in enumerate_layouts(small, load_cluster("cpu"), 4, 8, pipeline=False))
+    assert {lay.schedule for lay in enumerate_layouts(small, load_cluster("cpu"), 4, 8) if lay.pp > 1} > {"gpipe"}

@@ -15,7 +15,7 @@ from lightning_hybrid.devices import module_device
 from lightning_hybrid.hf.config import _resolve_config
 from lightning_hybrid.batch import TokenBatch
 from lightning_hybrid.hf.decomposition import _PipelineCalls, check_decomposition, check_document_masks
-from lightning_hybrid.hf.moe import RouterAuxLoss
+from lightning_hybrid.hf.moe import RouterAuxLoss, gather_rows
 from lightning_hybrid.hf.structure import PipelineDecompositionError, _Structure
 from lightning_hybrid.hf.weights import _Safetensors, _tied_keys
 from lightning_hybrid.models.language_model import LanguageModel
@@ -74,6 +74,9 @@ class CausalLM(LanguageModel):
         self._n_params = 0
         self._aux: Optional[RouterAuxLoss] = None  # the router's auxiliary loss, where the model adds one
         self._router_logits: Optional[tuple[Tensor, ...]] = None
+        self._batch_padding: Optional[Tensor] = None  # under pp > 1: the padding mask of the batch being trained
+        self._batch_tokens = 0  # and its tokens
+        self._pipeline_aux_value: Optional[Tensor] = None  # under pp > 1: the last step's load-balancing loss
         #: Whether `configure_model` left the pipeline layers unbuilt, on the meta device, for the strategy to build
         #: per rank (`lightning_hybrid.pipeline.protocol.DeferredLayers`).
         self.layers_deferred = False
@@ -98,13 +101,7 @@ class CausalLM(LanguageModel):
         model.config.use_cache = False
         self._aux = RouterAuxLoss.of(model)
         if self._aux is not None and self._pipeline_size() > 1:
-            raise ValueError(
-                f"{type(model).__name__} has output_router_logits=True: its training adds the router's load-balancing"
-                " loss, a product of means over every layer and token of the batch. Under pp > 1 the pipeline's"
-                " micro-batches reach the layers at different times, so that loss cannot be computed exactly;"
-                " train with pp=1 (dp, tp and ZeRO reproduce it exactly), or set output_router_logits=False in the"
-                " config to train on the cross entropy alone."
-            )
+            self._check_pipelined_aux_loss(model)
         self.model = model
         self._n_params = sum(p.numel() for p in model.parameters())  # the whole model's (for MFU)
         self._structure = _Structure(model)
@@ -299,6 +296,10 @@ class CausalLM(LanguageModel):
         ``output_router_logits=True``, times its ``router_aux_loss_coef``, as the model's own training adds it,
         over the whole data-parallel batch (`lightning_hybrid.hf.moe.RouterAuxLoss`); ``None`` otherwise."""
         logits, self._router_logits = self._router_logits, None
+        pipelined, self._pipeline_aux_value = self._pipeline_aux_value, None
+        if pipelined is not None:  # under pp > 1: in the loss of the schedule already (`pipeline_aux_loss`)
+            self.log("train_aux_loss", pipelined, on_step=True, on_epoch=False)
+            return None
         if self._aux is None or logits is None:
             return None
         padding, group, scale = tokens.padding, self._data_parallel_group(), 1.0
@@ -314,6 +315,66 @@ class CausalLM(LanguageModel):
             group, scale = torch.distributed.group.WORLD, 1.0 / tp
         value = self._aux(list(logits), padding, group, scale)
         return self._aux.coef * value, value
+
+    # ------------------------------------------------------------------ the load-balancing loss under pp > 1
+    def _check_pipelined_aux_loss(self, model: nn.Module) -> None:
+        """``ValueError`` where the pipeline cannot reproduce the router's loss: routers the model does not record
+        through ``transformers``' output capture (whose hooks name the router class), or sequence parallelism
+        (each TP rank's routers then see part of the sequence). The schedule (GPipe) is checked by the strategy."""
+        strategy = getattr(self._trainer, "strategy", None)
+        if self._tp_size() > 1 and getattr(strategy, "sequence_parallel", False):
+            raise ValueError(
+                f"{type(model).__name__} has output_router_logits=True: under pp > 1 its load-balancing loss is"
+                " computed from the routers' logits of the whole batch, which sequence parallelism splits over the TP"
+                " ranks: train with sequence_parallel=False (or pp=1), or set output_router_logits=False."
+            )
+        if self._router_recorder(model) is None:
+            raise ValueError(
+                f"{type(model).__name__} has output_router_logits=True, but does not say where its router logits come"
+                " from (no 'router_logits' in its _can_record_outputs), so the pipeline cannot collect them for its"
+                " load-balancing loss: train with pp=1, or set output_router_logits=False in the config."
+            )
+
+    @staticmethod
+    def _router_recorder(model: nn.Module) -> Optional[tuple[type, Optional[str], Optional[int]]]:
+        """``(class, class-name suffix, output index)`` of the modules whose outputs ``transformers`` records as the
+        router logits (its ``_can_record_outputs``), or ``None``."""
+        spec = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+        if spec is None:
+            return None
+        if isinstance(spec, type):
+            return spec, None, 0
+        return getattr(spec, "target_class", None), getattr(spec, "class_name", None), getattr(spec, "index", 0)
+
+    def pipeline_aux_sources(self, layer: nn.Module) -> list[tuple[nn.Module, Optional[int]]]:
+        """The routers inside pipeline ``layer`` (`lightning_hybrid.pipeline.protocol.PipelineAuxLoss`): the modules
+        ``transformers`` records the router logits of, with the element of their output it records."""
+        if self._aux is None or self.model is None:
+            return []
+        recorder = self._router_recorder(self.model)
+        assert recorder is not None  # checked in configure_model
+        cls, suffix, index = recorder
+        return [(m, index) for m in layer.modules() if (cls is not None and isinstance(m, cls))
+                or (suffix is not None and type(m).__name__.endswith(suffix))]
+
+    def pipeline_aux_loss(self, outputs: list[Tensor]) -> Tensor:
+        """The router's load-balancing loss of the whole batch times its coefficient, from every MoE layer's router
+        logits over the global batch (rows of the DP ranks in rank order) and the batch's padding, gathered alike."""
+        assert self._aux is not None
+        padding, device = self._batch_padding, outputs[0].device
+        mask = padding.reshape(-1).float().to(device) if padding is not None else None
+        group = self._data_parallel_group()
+        if group is not None and torch.distributed.get_world_size(group) > 1:  # some ranks may have padding, some not
+            with torch.no_grad():
+                mask = gather_rows(torch.ones(self._batch_tokens, device=device) if mask is None else mask, group)
+        value = self._aux(list(outputs), mask, None)
+        self._pipeline_aux_value = value.detach()
+        return self._aux.coef * value
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        tokens = TokenBatch.from_batch(batch)
+        self._batch_padding, self._batch_tokens = tokens.padding, tokens.input_ids.numel()
 
     def _data_parallel_group(self) -> Optional[torch.distributed.ProcessGroup]:
         """The ranks that hold other parts of the batch: the mesh's ``dp`` group under ``HybridStrategy``, every

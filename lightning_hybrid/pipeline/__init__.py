@@ -5,6 +5,7 @@ from lightning_hybrid.pipeline.partition import partition_layers, stage_ranks
 from lightning_hybrid.pipeline.protocol import (
     PROTOCOL_HELP,
     LayerwiseInit,
+    PipelineAuxLoss,
     PipelineModule,
     SliceLoading,
     check_protocol,
@@ -14,6 +15,7 @@ __all__ = [
     "PROTOCOL_HELP",
     "SCHEDULES",
     "LayerwiseInit",
+    "PipelineAuxLoss",
     "PipelineExecutor",
     "PipelineModule",
     "SliceLoading",

@@ -26,6 +26,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from lightning_hybrid.pipeline.aux import AuxLossExchange
 from lightning_hybrid.pipeline.output import PipelineOutput
 from lightning_hybrid.rank_zero import BatchError, raise_from_rank_zero
 
@@ -85,6 +86,23 @@ class _Stage(PipelineStage):
     """
 
     reduce_grads = True
+    #: The module's auxiliary loss of the whole batch (GPipe): it records during the micro-batches' forwards (not
+    #: the schedule's shape inference) and is exchanged before the first backward, once every forward has run.
+    aux: Optional[AuxLossExchange] = None
+
+    def forward_one_chunk(self, *args, **kwargs):
+        if self.aux is None:
+            return super().forward_one_chunk(*args, **kwargs)
+        self.aux.recording = True
+        try:
+            return super().forward_one_chunk(*args, **kwargs)
+        finally:
+            self.aux.recording = False
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
+        if bwd_chunk_id == 0 and self.aux is not None:
+            self.aux.exchange()
+        return super().get_bwd_recv_ops(bwd_chunk_id)
 
     def perform_reduce_grad(self, grad_scale_factor: int):
         from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -126,6 +144,9 @@ class PipelineExecutor:
             gradient of the loss *sum* (`GradientSync` divides by the global batch's items at the end of the
             accumulation window) and `train_step` returns the token mean of the batch. Without it, the mean of the
             micro-batch means, scaled by ``loss_scale``.
+        aux: the module's auxiliary loss of the whole batch (`AuxLossExchange`; GPipe only), added to the loss
+            `train_step` returns and, through its records, to the gradients; ``dp_group``: the data-parallel ranks
+            (the loss items of the global batch scale its gradient).
 
     Keyword tensors of `train_step` and `eval_forward` (side inputs such as ``position_ids``, with the batch's
     first dimension) are split into micro-batches with the inputs and reach every stage: each stage module calls
@@ -143,6 +164,8 @@ class PipelineExecutor:
         group: dist.ProcessGroup,
         device: torch.device,
         loss_items: Optional[Callable[[Tensor], Tensor]] = None,
+        aux: Optional[AuxLossExchange] = None,
+        dp_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         self.group, self.device, self.owners, self.num_stages = group, device, owners, num_stages
         self.micro_batches = micro_batches
@@ -156,6 +179,12 @@ class PipelineExecutor:
         self.stages = [
             _Stage(module, index, num_stages, device, group=group) for index, module in self.stage_modules.items()
         ]
+        self.aux, self.dp_group = aux, dp_group
+        if aux is not None:
+            if spec.cls is not ScheduleGPipe:
+                raise ValueError("an auxiliary loss of the whole batch needs schedule='gpipe' (every forward before the"
+                                 " first backward)")
+            self.stages[0].aux = aux
         stages = self.stages[0] if spec.stages_per_rank == 1 else self.stages
         # The mean over micro-batches is taken in the loss (not by rescaling every gradient the stage finds after
         # the schedule): gradients then add up across the batches of an accumulation window in place.
@@ -178,9 +207,16 @@ class PipelineExecutor:
                 f" micro_batches={self.micro_batches}: choose a batch size that is a multiple of micro_batches."
             ))
         _check_side_inputs(side, inputs.size(0))
-        losses: list[Tensor] = []  # filled on the last stage: one (scaled) loss per micro-batch
-        self.schedule.step(inputs, target=targets, losses=losses, **side)
         items = None if self.loss_items is None else self.loss_items(targets)
+        if self.aux is not None:
+            self.aux.begin(lambda: self._aux_scale(items))
+        losses: list[Tensor] = []  # filled on the last stage: one (scaled) loss per micro-batch
+        try:
+            self.schedule.step(inputs, target=targets, losses=losses, **side)
+        finally:
+            aux = self.aux.end() if self.aux is not None else None
+        if self.aux is not None and aux is None:
+            raise RuntimeError("the pipeline's auxiliary loss was not computed: the schedule ran no backward")
         self.last_items = items
         if losses:
             loss = torch.stack([micro_loss.detach() for micro_loss in losses]).float().sum()
@@ -188,7 +224,19 @@ class PipelineExecutor:
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
         dist.broadcast(loss, src=dist.get_global_rank(self.group, self.owners[-1]), group=self.group)
-        return loss
+        return loss if aux is None else loss + aux.to(loss.device)
+
+    def _aux_scale(self, items: Optional[Tensor]) -> float:
+        """The factor of the auxiliary loss's gradient: the global batch's loss items (the backward is that of the
+        loss sum, divided by the window's items over DP afterwards), else ``loss_scale`` times ``dp`` (the DP
+        reduction averages)."""
+        dp = dist.get_world_size(self.dp_group) if self.dp_group is not None else 1
+        if items is None:
+            return self.loss_scale * dp
+        total = items.detach().to(self.device, torch.float64)
+        if dp > 1:
+            dist.all_reduce(total, group=self.dp_group)
+        return float(total)
 
     @torch.no_grad()
     def eval_forward(self, inputs: Tensor, **side: Tensor) -> PipelineOutput:

@@ -10,14 +10,15 @@ in `PipelineModule`'s docstring.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Optional, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
 from lightning_hybrid.devices import is_meta
 
 __all__ = [
-    "PROTOCOL_HELP", "DeferredLayers", "LayerwiseInit", "PipelineLayers", "PipelineModule", "SliceLoading",
+    "PROTOCOL_HELP", "DeferredLayers", "LayerwiseInit", "PipelineAuxLoss", "PipelineLayers", "PipelineModule",
+    "SliceLoading",
     "builds_per_rank", "check_protocol",
 ]
 
@@ -79,6 +80,31 @@ class PipelineModule(PipelineLayers, Protocol):
     """
 
     def loss_fn(self, output: Tensor, target: Tensor) -> Tensor: ...
+
+
+@runtime_checkable
+class PipelineAuxLoss(Protocol):
+    """Optional: an auxiliary loss of the whole batch, computed from what modules inside the layers output (the
+    load-balancing loss of a mixture-of-experts model, from its routers' logits), exact under ``pp > 1``.
+
+    ``pipeline_aux_sources(layer)`` lists the modules inside pipeline layer ``layer`` whose outputs the loss reads,
+    in order, each with the element of its output tuple it reads (``None``: the output itself, a tensor whose
+    first dimension runs over the batch's rows: samples, or tokens in sample-major order). An empty list for
+    every layer: no auxiliary loss. ``pipeline_aux_loss(outputs)`` is the term added to the loss of the whole
+    batch: ``outputs`` holds, for every source of every layer in order, its output over the global batch (the
+    rows of every data-parallel rank, in rank order; each rank's rows in its batch's order); it runs on every
+    rank, may call collectives, and must be differentiable in ``outputs``.
+
+    Under ``pp > 1`` (``schedule='gpipe'``, where every forward precedes the first backward; the other
+    schedules are refused at setup) the strategy records the sources' outputs during the forwards, gathers them
+    between the forward and the backward phase, and adds the term's exact gradient to each micro-batch's
+    backward; ``self.loss_fn(self(x), y)`` then returns the loss plus the term. Under ``pp == 1`` the module
+    adds its term itself, in ``training_step`` (`lightning_hybrid.hf.CausalLM` does both).
+    """
+
+    def pipeline_aux_sources(self, layer: nn.Module) -> list[tuple[nn.Module, Optional[int]]]: ...
+
+    def pipeline_aux_loss(self, outputs: list[Tensor]) -> Tensor: ...
 
 
 @runtime_checkable

@@ -109,7 +109,8 @@ def explain(result: Plan, show: int) -> str:
 
 def _adds_router_loss(cfg: DictConfig) -> bool:
     """Whether the recipe's model is a `CausalLM` whose config adds its routers' load-balancing loss
-    (``output_router_logits``): refused under ``pp > 1`` (docs/moe.md), so the planner keeps ``pp = 1``."""
+    (``output_router_logits``): a loss of the whole batch, which a pipeline computes under GPipe only, without
+    sequence parallelism (docs/moe.md); the planner searches those layouts."""
     node, target = cfg.model, str(cfg.model.get("_target_", ""))
     if not target.endswith("CausalLM"):
         return False
@@ -134,7 +135,7 @@ def choose_layout(cfg: DictConfig) -> tuple[DictConfig, str]:
     global_batch = int(cfg.planner.global_batch or int(cfg.data.batch_size) * accumulate)
     has_sp = "sequence_parallel" in inspect.signature(HybridStrategy).parameters
     result = plan(_model(cfg), _cluster(cfg), _devices(cfg), global_batch, sequence_parallel=has_sp,
-                  pipeline=not _adds_router_loss(cfg))
+                  whole_batch_loss=_adds_router_loss(cfg))
     best = result.best.layout
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     OmegaConf.set_struct(out, True)

@@ -102,10 +102,11 @@ def ep_choices(model: ModelSpec, dp: int) -> list[int]:
 def enumerate_layouts(model: ModelSpec, cluster: Cluster, devices: int, global_batch: int, *,
                       sequence_parallel: bool = True, schedules: Sequence[str] = tuple(SCHEDULES),
                       max_virtual_stages: int = 4, invalid: Optional[Counter] = None,
-                      pipeline: bool = True) -> Iterator[Layout]:
+                      pipeline: bool = True, whole_batch_loss: bool = False) -> Iterator[Layout]:
     """Every valid layout (see the module docstring); the sizes turned away are counted in ``invalid``.
-    ``pipeline=False``: ``pp = 1`` only (a model that cannot train under a pipeline, e.g. one adding its routers'
-    load-balancing loss, which `lightning_hybrid.hf.CausalLM` refuses under ``pp > 1``)."""
+    ``pipeline=False``: ``pp = 1`` only (a model that cannot train under a pipeline). ``whole_batch_loss``: the
+    model adds a loss of the whole batch (its routers' load-balancing loss), which a pipeline computes under GPipe
+    only, without sequence parallelism (`lightning_hybrid.pipeline.aux`)."""
     invalid = Counter() if invalid is None else invalid
     pipeline_layers = model.n_layer + 2
     for tp in divisors(devices):
@@ -129,6 +130,10 @@ def enumerate_layouts(model: ModelSpec, cluster: Cluster, devices: int, global_b
             replica_batch = global_batch // dims.dp
             for b in divisors(replica_batch):
                 m = replica_batch // b
+                if pp > 1 and whole_batch_loss:
+                    yield from _schedules(model, dims, b, m, pipeline_layers, False,
+                                          [s for s in schedules if s == "gpipe"], max_virtual_stages, invalid)
+                    continue
                 yield from _schedules(model, dims, b, m, pipeline_layers, sequence_parallel, schedules,
                                       max_virtual_stages, invalid)
 
