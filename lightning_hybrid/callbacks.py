@@ -74,7 +74,8 @@ class ReplicaThroughputMonitor(ThroughputMonitor):
 
     Lightning's monitor takes every rank for a device that processes samples of its own and multiplies its
     rates by the world size. Under TP and PP the ``world / dp`` ranks of one model replica process the same
-    samples, so here the per-"device" rates (``train|device/...``) are one replica's -- samples, tokens
+    samples (and under CP each holds ``1 / cp`` of every sequence), so here the per-"device" rates
+    (``train|device/...``) are one replica's -- samples, tokens
     (``items``) and FLOPs per second -- the global ones are those times the number of replicas (the
     strategy's ``distributed_sampler_kwargs["num_replicas"]``: ``dp``), and ``device/mfu`` divides a replica's
     FLOP/s by the peak of all its devices. Where a replica is one rank (DDP, one device) this is Lightning's
@@ -96,6 +97,9 @@ class ReplicaThroughputMonitor(ThroughputMonitor):
         sampler = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
         replicas = int(sampler.get("num_replicas", trainer.world_size))
         ranks_per_replica = trainer.world_size // replicas
+        cp = int(getattr(getattr(trainer.strategy, "_dims", None), "cp", 1) or 1)
+        if cp > 1:  # each rank holds 1/cp of every sequence: a replica's batch has cp times its tokens
+            self.length_fn = lambda batch: batch_tokens(batch) * cp
         for throughput in self._throughputs.values():  # built by Lightning with world_size = all ranks
             throughput.world_size = replicas
             if throughput.available_flops:

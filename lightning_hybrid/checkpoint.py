@@ -172,11 +172,12 @@ def _group_settings(optimizer) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------------------------- save
 def save_sharded(
     path: str | Path, module: nn.Module, optimizers: list, mesh, checkpoint: dict[str, Any], zero_stage: int,
-    part_bytes: int, device: torch.device, ep: int = 1,
+    part_bytes: int, device: torch.device, ep: int = 1, cp: int = 1,
 ) -> None:
     """Write ``checkpoint`` (Lightning's dict; weights and optimizer state are taken from the live ``module`` and
     ``optimizers``, parallelised over the ``(pp, dp, tp)`` ``mesh``) to the folder ``path``, atomically, in parts of
-    at most ``part_bytes`` of unsplit tensors. ``zero_stage`` and ``ep`` are recorded with the layout; experts are
+    at most ``part_bytes`` of unsplit tensors. ``zero_stage``, ``ep`` and ``cp`` are recorded with the layout (the
+    mesh's ``dp`` holds ``dp * cp`` ranks: CP ranks hold the same tensors, as DP ranks do); experts are
     saved whole (an experts module's ``shard_specs`` over its EP group). Collective over every
     rank; ``path`` must be the same on every rank."""
     path = Path(path)
@@ -221,7 +222,8 @@ def save_sharded(
             "model_shapes": {k[len("model/"):]: v[1] for k, v in tensors.items() if k.startswith("model/")},
             "tensors": tensors,  # key -> (part, unsplit shape, dtype)
             "optimizers": [{"param_groups": _group_settings(o)} for o in optimizers],
-            "layout": {"dp": dp, "tp": tp, "pp": pp, "zero_stage": zero_stage, **({"ep": ep} if ep > 1 else {})},
+            "layout": {"dp": dp // cp, "tp": tp, "pp": pp, "zero_stage": zero_stage, **({"ep": ep} if ep > 1 else {}),
+                       **({"cp": cp} if cp > 1 else {})},
             "files": files,  # relative path -> (bytes, CRC-32)
         }
         torch.save(meta, partial / META_FILE)

@@ -1,4 +1,4 @@
-"""The 3D device mesh: sizes, their validation, and the `DeviceMesh` built from them.
+"""The device mesh: sizes, their validation, and the `DeviceMesh` built from them.
 
 `ParallelDims` is the one place where layout sizes are checked. It is a frozen value: the strategy builds it
 once it knows the world size, builds the mesh from it, and hands sub-meshes (or their process groups) to
@@ -19,15 +19,19 @@ ZERO_STAGES = (0, 1, 2, 3)
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Sizes of the mesh dimensions ``(pp, dp, tp)``; TP innermost (adjacent ranks), PP outermost.
+    """Sizes of the mesh dimensions ``(pp, dp, cp, tp)``; TP innermost (adjacent ranks), PP outermost.
 
-    ``dp=-1`` means "whatever the world size leaves": ``world_size // (tp * pp)``.
+    ``dp=-1`` means "whatever the world size leaves": ``world_size // (tp * pp * cp)``. Context parallelism's
+    ranks hold other tokens of the same samples, so for everything but the data they are data-parallel ranks: the
+    mesh's ``"dp"`` dimension holds the ``dp * cp`` ranks over which gradients are reduced and ZeRO shards (as
+    TorchTitan's ``dp_shard_cp``), and `build_context_mesh` views it as ``("batch", "cp")``.
     """
 
     dp: int
     tp: int
     pp: int
     world_size: int
+    cp: int = 1
 
     @staticmethod
     def check_sizes(dp: int, tp: int, pp: int) -> None:
@@ -55,30 +59,39 @@ class ParallelDims:
                 f" Valid ep for dp={dp}: {divisors(dp)}."
             )
 
+    @staticmethod
+    def check_cp(cp: int) -> None:
+        if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+            raise ValueError(f"cp={cp!r} is invalid: it must be a positive integer (1: no context parallelism).")
+
     @classmethod
-    def resolve(cls, dp: int, tp: int, pp: int, world_size: int) -> "ParallelDims":
+    def resolve(cls, dp: int, tp: int, pp: int, world_size: int, cp: int = 1) -> "ParallelDims":
         """Validate the requested sizes against ``world_size`` and infer ``dp=-1``. Raises ``ValueError``."""
         cls.check_sizes(dp, tp, pp)
+        cls.check_cp(cp)
+        others, named = tp * pp * cp, ("tp*pp" if cp == 1 else "tp*pp*cp")
+        sizes = f"{tp}*{pp}" if cp == 1 else f"{tp}*{pp}*{cp}"
         if dp == -1:
-            if world_size % (tp * pp) != 0:
+            if world_size % others != 0:
                 raise ValueError(
-                    f"The world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}, so dp cannot be"
-                    f" inferred. Valid tp*pp for this world size are its divisors: {divisors(world_size)}."
+                    f"The world size {world_size} is not divisible by {named} = {sizes} = {others}, so dp cannot be"
+                    f" inferred. Valid {named} for this world size are its divisors: {divisors(world_size)}."
                 )
-            dp = world_size // (tp * pp)
-        if dp * tp * pp != world_size:
+            dp = world_size // others
+        if dp * others != world_size:
             raise ValueError(
-                f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} does not equal the world size {world_size}."
+                f"dp*{named} = {dp}*{sizes} = {dp * others} does not equal the world size {world_size}."
                 f" Choose sizes whose product is {world_size} (or dp=-1 to infer dp)."
             )
-        return cls(dp=dp, tp=tp, pp=pp, world_size=world_size)
+        return cls(dp=dp, tp=tp, pp=pp, world_size=world_size, cp=cp)
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        return (self.pp, self.dp, self.tp)
+        """The mesh's ``(pp, dp, tp)``: its ``"dp"`` dimension holds the ``dp * cp`` ranks of the gradients."""
+        return (self.pp, self.dp * self.cp, self.tp)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Create the ``(pp, dp, tp)`` mesh over the default process group (which must be initialised)."""
+        """Create the ``(pp, dp * cp, tp)`` mesh over the default process group (which must be initialised)."""
         if not dist.is_initialized():
             raise RuntimeError("The default process group must be initialised before the device mesh is built.")
         if dist.get_world_size() != self.world_size:
@@ -95,6 +108,13 @@ def build_expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     dp = mesh["dp"].size()
     ParallelDims.check_ep_divides(ep, dp)
     return mesh._unflatten("dp", (dp // ep, ep), ("edp", "ep"))
+
+
+def build_context_mesh(mesh: DeviceMesh, cp: int) -> DeviceMesh:
+    """The ``(pp, batch, cp, tp)`` view of the ``(pp, dp * cp, tp)`` ``mesh``: gradient rank ``d`` is
+    ``(batch, c) = divmod(d, cp)``; ``mesh["cp"]`` groups the ranks that split each sequence, ``mesh["batch"]`` the
+    ranks with other samples. Collective (it creates the groups)."""
+    return mesh._unflatten("dp", (mesh["dp"].size() // cp, cp), ("batch", "cp"))
 
 
 def validate_zero_stage(stage: int) -> int:

@@ -55,15 +55,16 @@ if TYPE_CHECKING:
 
 
 class MeshStrategy(ParallelStrategy):
-    """The processes and the ``(pp, dp, tp)`` mesh of ``sizes`` (``dp=-1``: inferred from the world size).
+    """The processes and the ``(pp, dp * cp, tp)`` mesh of ``sizes`` ``(dp, tp, pp, cp)`` (``dp=-1``: inferred from
+    the world size; `lightning_hybrid.mesh.ParallelDims`).
     ``process_group_backend`` overrides the one chosen from the accelerator; ``timeout``: the process group's."""
 
     def __init__(
-        self, sizes: tuple[int, int, int], process_group_backend: Optional[str], timeout: Optional[timedelta],
+        self, sizes: tuple[int, int, int, int], process_group_backend: Optional[str], timeout: Optional[timedelta],
         **lightning: Any,
     ) -> None:
         super().__init__(**lightning)
-        self._sizes = sizes  # (dp, tp, pp) as requested
+        self._sizes = sizes  # (dp, tp, pp, cp) as requested
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self.num_nodes = 1
@@ -102,7 +103,9 @@ class MeshStrategy(ParallelStrategy):
 
     @property
     def dp_rank(self) -> int:
-        return self.device_mesh["dp"].get_local_rank()
+        """This rank's place among the ranks with other samples (the ``dp * cp`` ranks of the mesh's ``"dp"``
+        dimension hold ``dp`` samples' shares: a CP group shares its samples)."""
+        return self.device_mesh["dp"].get_local_rank() // self.parallel_dims.cp
 
     @property
     def is_distributed(self) -> bool:
@@ -119,7 +122,7 @@ class MeshStrategy(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Only DP ranks see different samples; a TP group (and a pipeline) shares them.
+        # Only DP ranks see different samples; a TP group, a pipeline and a CP group share them.
         return {"num_replicas": self.parallel_dims.dp, "rank": self.dp_rank}
 
     @property
@@ -282,8 +285,8 @@ class MeshStrategy(ParallelStrategy):
         self._set_world_ranks()
         self._run_scope.enter_context(library_warnings_from_rank_zero(self.global_rank))
         # Validate before the process group exists: every rank raises the same error, none hangs.
-        dp, tp, pp = self._sizes
-        self._dims = ParallelDims.resolve(dp, tp, pp, world_size=self.world_size)
+        dp, tp, pp, cp = self._sizes
+        self._dims = ParallelDims.resolve(dp, tp, pp, world_size=self.world_size, cp=cp)
         super().setup_environment()
         reset_seed()
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(

@@ -47,6 +47,7 @@ class ParallelOptions:
     recompute: Optional[Selection] = None  # None: full recomputation of a checkpointed layer
     compile: Optional[Mapping[str, Any]] = None  # torch.compile's arguments; None: no compilation
     ep: int = 1  # expert parallelism: ranks (of the DP ones) that split each experts module
+    cp: int = 1  # context parallelism: ranks that split each sequence
 
     @classmethod
     def create(
@@ -67,11 +68,13 @@ class ParallelOptions:
         recompute: Recompute = "full",
         compile: Compile = False,
         ep: int = 1,
+        cp: int = 1,
     ) -> "ParallelOptions":
         """Validate the `HybridStrategy` arguments of the same names. ``ValueError`` naming the bad value and
         what would be valid; an argument that nothing would use with these sizes is refused (`refuse_unused`)."""
         ParallelDims.check_sizes(dp, tp, pp)
-        ParallelDims.check_ep(ep, dp)
+        ParallelDims.check_cp(cp)
+        ParallelDims.check_ep(ep, dp * cp if dp != -1 else -1)
         refuse_unused(pp=pp, tp=tp, schedule=schedule, micro_batches=micro_batches, virtual_stages=virtual_stages,
                       split_points=split_points, sequence_parallel=sequence_parallel, tp_plan=tp_plan)
         spec, per_rank, schedule_default = None, 1, pp > 1 and schedule is None
@@ -84,6 +87,9 @@ class ParallelOptions:
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} is invalid: it must be a positive number of MiB.")
         selection = recompute_selection(recompute)
         arguments = compile_options(compile)
+        if cp > 1 and arguments is not None:
+            raise ValueError(f"cp={cp} with compile={compile!r}: context parallelism catches each layer's attention"
+                             " at run time, which torch.compile does not trace; use compile=False with cp > 1.")
         return cls(
             dp=dp, tp=tp, pp=pp, zero_stage=validate_zero_stage(zero_stage), bucket_cap_mb=float(bucket_cap_mb),
             tp_plan=MappingProxyType(dict(tp_plan)) if isinstance(tp_plan, Mapping) else tp_plan,
@@ -94,6 +100,7 @@ class ParallelOptions:
             # anything but full recomputation checkpoints every layer unless told which
             activation_checkpointing=activation_checkpointing or selection is not None,
             recompute=selection, compile=MappingProxyType(arguments) if arguments is not None else None, ep=ep,
+            cp=cp,
         )
 
     @property

@@ -32,7 +32,8 @@ from lightning_hybrid.activation_checkpointing import apply_activation_checkpoin
 from lightning_hybrid.compile import apply_compile
 from lightning_hybrid.devices import module_device
 from lightning_hybrid.expert_parallel import apply_ep, check_experts, expert_parameter_names, iter_expert_modules
-from lightning_hybrid.mesh import build_expert_mesh
+from lightning_hybrid.context_parallel import ContextParallel
+from lightning_hybrid.mesh import build_context_mesh, build_expert_mesh
 from lightning_hybrid.options import ParallelOptions
 from lightning_hybrid.pipeline import PipelineExecutor, check_protocol, stage_module
 from lightning_hybrid.pipeline.executor import SCHEDULES, forward_through_stages
@@ -63,7 +64,8 @@ class Parallelized:
     window). ``pipeline``: the executor under ``pp > 1``. ``remote_prefixes``: module names of the pipeline layers
     other ranks hold. ``tp_report``: what TP split and how. ``expert_params``: names of the parameters that are
     this rank's experts (`lightning_hybrid.expert_parallel`), split over ``expert_mesh["ep"]`` and reduced over
-    ``expert_mesh["edp"]``.
+    ``expert_mesh["edp"]``. ``context``: the attention over the CP group under ``cp > 1``
+    (`lightning_hybrid.context_parallel`).
     """
 
     module: nn.Module
@@ -76,6 +78,7 @@ class Parallelized:
     tp_report: Optional[TPResult] = None
     expert_params: frozenset[str] = frozenset()
     expert_mesh: Optional[DeviceMesh] = None
+    context: Optional[ContextParallel] = None
 
 
 def parallelize(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, device: torch.device) -> Parallelized:
@@ -111,6 +114,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, d
     experts = expert_parameter_names(module)
     tp_sharded = frozenset(tp_sharded_parameter_names(module)) - experts
     remote = tuple(layout.remote_prefixes) if layout is not None else ()
+    context = split_context(module, mesh, options, _held_here(checkpoint_targets(module, True, pp > 1), remote))
     apply_activation_checkpointing(module, _held_here(checkpointed, remote), options.recompute)
     if options.compile is not None:
         apply_compile(module, _held_here(checkpoint_targets(module, True, pp > 1), remote), dict(options.compile))
@@ -120,7 +124,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, d
     return Parallelized(
         module, mesh, tp_sharded,
         tuple(sorted(report.partial_grads)) if report is not None else (), fsdp_roots, pipeline, remote, report,
-        experts, expert_mesh,
+        experts, expert_mesh, context,
     )
 
 
@@ -248,6 +252,20 @@ def apply_zero3(
     if stages is None:
         return apply_fsdp(module, dp_mesh)
     return [apply_fsdp_units(list(stage), stage, dp_mesh) for stage in stages.values()]
+
+
+def split_context(
+    module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, layers: list[str],
+) -> Optional[ContextParallel]:
+    """Context parallelism (``cp > 1``): each named layer (those activation checkpointing takes, wrapped first so
+    that recomputation runs through it too) attends over the CP group. Collective (it creates the CP groups)."""
+    if options.cp == 1:
+        return None
+    selective = options.activation_checkpointing and options.recompute is not None
+    context = ContextParallel(build_context_mesh(mesh, options.cp)["cp"].get_group(), not selective)
+    for name in layers:
+        context.wrap(module.get_submodule(name))
+    return context
 
 
 def build_pipeline(

@@ -138,27 +138,29 @@ def check_arguments(key: str, node: DictConfig) -> None:
 
 
 def world_layout(cfg: DictConfig) -> Dict[str, int]:
-    """``{"devices", "num_nodes", "dp", "tp", "pp"}`` from ``parallel`` and ``trainer``: ``trainer.devices=null``
-    means ``dp * tp * pp / num_nodes`` (``dp >= 1`` then); an explicit ``devices`` must fit the layout."""
+    """``{"devices", "num_nodes", "dp", "tp", "pp", "cp"}`` from ``parallel`` and ``trainer``:
+    ``trainer.devices=null`` means ``dp * tp * pp * cp / num_nodes`` (``dp >= 1`` then); an explicit ``devices``
+    must fit the layout."""
     par, tr = cfg.parallel, cfg.trainer
     num_nodes = int(tr.num_nodes)
+    cp = int(par.get("cp", 1) or 1)
     if tr.devices is None:
         if par.dp < 1:
             raise ConfigError(
                 f"parallel.dp={par.dp}: with trainer.devices=null the layout must name dp >= 1"
-                " (devices = dp*tp*pp); or set trainer.devices to infer dp=-1 from it."
+                " (devices = dp*tp*pp*cp); or set trainer.devices to infer dp=-1 from it."
             )
-        world = par.dp * par.tp * par.pp
+        world = par.dp * par.tp * par.pp * cp
         if world % num_nodes != 0:
-            raise ConfigError(f"dp*tp*pp = {world} is not divisible by trainer.num_nodes={num_nodes}.")
+            raise ConfigError(f"dp*tp*pp*cp = {world} is not divisible by trainer.num_nodes={num_nodes}.")
         devices = world // num_nodes
     else:
         devices = int(tr.devices)
     try:  # the strategy's own check (and message), but now, before processes are launched
-        dims = ParallelDims.resolve(int(par.dp), int(par.tp), int(par.pp), world_size=devices * num_nodes)
+        dims = ParallelDims.resolve(int(par.dp), int(par.tp), int(par.pp), world_size=devices * num_nodes, cp=cp)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    return {"devices": devices, "num_nodes": num_nodes, "dp": dims.dp, "tp": dims.tp, "pp": dims.pp}
+    return {"devices": devices, "num_nodes": num_nodes, "dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp}
 
 
 def check(cfg: DictConfig) -> Dict[str, int]:
@@ -182,8 +184,9 @@ def _build(key: str, node: DictConfig, **kwargs: Any) -> Any:
 
 # ---------------------------------------------------------------------------------------------- measuring
 def layout_label(dims: ParallelDims, zero_stage: int, ep: int = 1) -> str:
-    """``dp2xtp2xpp2`` (``pp`` only when > 1, ``ep<k>`` and ``zero<k>`` only when > 1 and > 0)."""
+    """``dp2xtp2xpp2`` (``pp`` and ``cp`` only when > 1, ``ep<k>`` and ``zero<k>`` only when > 1 and > 0)."""
     parts = [f"dp{dims.dp}", f"tp{dims.tp}"] + ([f"pp{dims.pp}"] if dims.pp > 1 else [])
+    parts += [f"cp{dims.cp}"] if dims.cp > 1 else []
     return "x".join(parts + ([f"ep{ep}"] if ep > 1 else []) + ([f"zero{zero_stage}"] if zero_stage else []))
 
 

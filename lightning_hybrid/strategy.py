@@ -35,6 +35,7 @@ from lightning_hybrid.activation_checkpointing import Recompute
 from lightning_hybrid.checkpoint import full_state_dict, load_sharded, save_sharded
 from lightning_hybrid.checkpoint import remove as remove_checkpoint_path
 from lightning_hybrid.compile import Compile
+from lightning_hybrid.context_parallel import split_batch
 from lightning_hybrid.grad_sync import GradientSync
 from lightning_hybrid.mesh_strategy import MeshStrategy
 from lightning_hybrid.options import ParallelOptions
@@ -77,7 +78,11 @@ class HybridStrategy(MeshStrategy):
         compile: ``torch.compile`` each layer (those ``activation_checkpointing=True`` takes), after TP and
             checkpointing, before ZeRO-3 and the pipeline executor; ``True`` or ``torch.compile``'s arguments.
         ep: expert parallelism (mixture-of-experts models): each experts module split over ``ep`` of the DP ranks,
-            tokens exchanged with all-to-alls, dropless (`lightning_hybrid.expert_parallel`); ``ep`` divides dp.
+            tokens exchanged with all-to-alls, dropless (`lightning_hybrid.expert_parallel`); ``ep`` divides
+            ``dp * cp``.
+        cp: context parallelism: every sequence split over ``cp`` ranks (the zigzag split), attention over the
+            whole sequence by all-gathering keys and values (`lightning_hybrid.context_parallel`); token batches
+            whose length is a multiple of ``2 * cp``; ``dp=-1`` infers ``world_size // (tp * pp * cp)``.
         process_group_backend: overrides the backend chosen from the accelerator (gloo on CPU, nccl on CUDA).
         timeout: process group timeout.
     """
@@ -102,6 +107,7 @@ class HybridStrategy(MeshStrategy):
         recompute: Recompute = "full",
         compile: Compile = False,
         ep: int = 1,
+        cp: int = 1,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -111,14 +117,15 @@ class HybridStrategy(MeshStrategy):
         precision_plugin: Optional[Any] = None,
     ) -> None:
         super().__init__(
-            (dp, tp, pp), process_group_backend, timeout, accelerator=accelerator, parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+            (dp, tp, pp, cp), process_group_backend, timeout, accelerator=accelerator,
+            parallel_devices=parallel_devices, cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
         )
         self.options = ParallelOptions.create(
             dp=dp, tp=tp, pp=pp, zero_stage=zero_stage, bucket_cap_mb=bucket_cap_mb, tp_plan=tp_plan,
             sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, micro_batches=micro_batches,
             schedule=schedule, virtual_stages=virtual_stages, split_points=split_points,
-            activation_checkpointing=activation_checkpointing, recompute=recompute, compile=compile, ep=ep,
+            activation_checkpointing=activation_checkpointing, recompute=recompute, compile=compile, ep=ep, cp=cp,
         )
         _refuse_checkpoint_io(checkpoint_io)
         self._parallelized: Optional[Parallelized] = None
@@ -170,6 +177,42 @@ class HybridStrategy(MeshStrategy):
         error = None if batch_size is None else self.options.batch_size_error(batch_size)
         if error is not None:
             raise_from_rank_zero(BatchError(error))
+
+    # ------------------------------------------------------------------ context parallelism
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        """The batch on the device; under ``cp > 1`` this CP rank's share of its sequences
+        (`lightning_hybrid.context_parallel.split_batch`), as a dict batch with the tokens' positions."""
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        context = self._parallelized.context if self._parallelized is not None else None
+        if context is None:
+            return batch
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.predicting:
+            raise_from_rank_zero(BatchError(
+                f"predict under cp={context.size} is not supported: each rank would return its share of the"
+                " sequences' logits, in the split's order; predict with cp=1."
+            ))
+        context.new_batch()
+        try:
+            return split_batch(batch, context.size, context.rank)
+        except (ValueError, TypeError) as e:
+            raise_from_rank_zero(BatchError(f"cp={context.size}: {e}"))
+
+    def _check_attention_reached(self) -> None:
+        """After the first training step under ``cp > 1``: ``ValueError`` on every rank where no layer's attention
+        went through ``F.scaled_dot_product_attention`` (an eager or flash attention cannot be split)."""
+        context = self._parallelized.context if self._parallelized is not None else None
+        if context is None or context.verified:
+            return
+        calls = torch.tensor([context.calls], device=self.root_device)
+        torch.distributed.all_reduce(calls)
+        if not int(calls):
+            raise ValueError(
+                f"cp={context.size}: no attention of {type(self.lightning_module).__name__} went through"
+                " torch.nn.functional.scaled_dot_product_attention, which context parallelism splits over the"
+                " sequence: use an SDPA attention (transformers: attn_implementation='sdpa'), or cp=1."
+            )
+        context.verified = True
 
     # ------------------------------------------------------------------ model and optimizers
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -280,9 +323,12 @@ class HybridStrategy(MeshStrategy):
         if pipeline is None:
             loss_items = self._loss_items()
             if loss_items is None:
-                return super().training_step(*args, **kwargs)
+                output = super().training_step(*args, **kwargs)
+                self._check_attention_reached()
+                return output
             with bind_loss_items(module, loss_items) as counted:
                 output = super().training_step(*args, **kwargs)
+            self._check_attention_reached()
             self._batch_items = counted.items(output)
             return output
         first_in_window = module.trainer.fit_loop.epoch_loop.batch_idx % module.trainer.accumulate_grad_batches == 0
@@ -294,6 +340,7 @@ class HybridStrategy(MeshStrategy):
             return output
 
         output = self._sync.pipeline_step(step, first_in_window)
+        self._check_attention_reached()
         if pipeline.loss_items is not None and output is not None:
             self._sync.add_loss_items(pipeline.last_items)
         return output
@@ -376,6 +423,7 @@ class HybridStrategy(MeshStrategy):
         save_sharded(
             self.broadcast(str(filepath)), self.lightning_module, self.optimizers, self.device_mesh, checkpoint,
             self.zero_stage, int(self.options.bucket_cap_mb * 2**20), self.root_device, self.options.ep,
+            self.options.cp,
         )
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -73,6 +73,8 @@ def _fits_under_the_audit(tmp: str) -> list[str]:
         (dict(dp=2, zero_stage=3), lambda: CausalLM(tiny_config("gpt2"))),
         # experts split on meta and exchanged with all-to-alls; the load-balancing loss gathered over DP
         (dict(dp=2, ep=2, zero_stage=1), lambda: CausalLM(tiny_config("mixtral"))),
+        # sequences split over CP ranks (positions, the mask of the whole sequence), keys and values gathered
+        (dict(dp=1, cp=2), lambda: CausalLM(tiny_config("llama"))),
     ]
     with AmbientDeviceAudit() as audit:
         for i, (kwargs, make) in enumerate(layouts):

@@ -373,3 +373,230 @@ def test_a_model_adding_its_routers_loss_is_planned_with_gpipe_pipelines_only():
     assert any(lay.pp == 1 and lay.sequence_parallel for lay in layouts)
     assert all(lay.pp == 1 for lay in enumerate_layouts(small, load_cluster("cpu"), 4, 8, pipeline=False))
     assert {lay.schedule for lay in enumerate_layouts(small, load_cluster("cpu"), 4, 8) if lay.pp > 1} > {"gpipe"}
+
+
+# ---------------------------------------------------------------------------------------------- context parallelism
+#: Qwen2-7B's sizes (28 query heads, 4 key/value heads: tp at most 4 of a node's 8; vocabulary 152,064).
+QWEN2_7B = ModelSpec("qwen2-7b", n_layer=28, hidden=3584, heads=28, kv_heads=4, ffn=18944, vocab=152064,
+                     seq_len=32768, gated_mlp=True, bias=False, learned_positions=False)
+
+
+class _StrategyWithCP:
+    """A stand-in for ``HybridStrategy`` once it takes ``cp`` (strategy_kwargs reads only its signature)."""
+
+    def __init__(self, dp=-1, tp=1, pp=1, zero_stage=0, activation_checkpointing=False, micro_batches=None,
+                 schedule=None, virtual_stages=None, sequence_parallel=False, loss_parallel=True, ep=1, cp=1):
+        pass
+
+
+def _strategy_takes_cp() -> bool:
+    import inspect
+
+    return "cp" in inspect.signature(HybridStrategy).parameters
+
+
+def test_cp_halves_activations_per_rank_but_the_gathered_keys_and_values():
+    from lightning_hybrid.planner.memory import codebase_coefficients
+
+    m = model_spec("llama2-7b", seq_len=32768)  # 32 blocks, h 4096, 32 heads of 128, vocabulary 32000
+    e, s, h, L = 2, 32768, 4096, 32  # bf16-mixed activations
+    # What each held block's attention over the whole sequence keeps at cp=2 (SDPA saves its inputs): K and V of
+    # all s tokens, gathered over the cp group, and the whole-sequence mask of the rank's s/2 queries as a bias.
+    kv = 2 * 1 * s * 32 * 128 * e + 1 * (s // 2) * s * e
+    own_kv = s * 2 * e * h  # the block's own K and V (2e h per token), which SDPA then no longer keeps
+    block = block_activation_bytes(codebase_coefficients(m, e), s, 1, h, 32)  # one block at cp=1
+    head = s * (h * e + 4 * 4 * 32000)  # the head's input and 4 fp32 logit-sized tensors per token
+    one, two = (estimate_memory(m, Layout(1, 1, 1, 0, 1, 1, cp=cp), "bf16-mixed") for cp in (1, 2))
+    assert one.activations == pytest.approx(L * block + head)
+    # Every block's activations and the head's halve (s/2 tokens per rank), and in each block the gathered K/V
+    # (and the mask) take the place of its own K/V.
+    assert two.activations == pytest.approx(L * ((block - own_kv) / 2 + kv) + head / 2)
+    assert two.activations == pytest.approx(one.activations / 2 + L * (kv - own_kv / 2))
+    assert (two.params, two.grads, two.optimizer) == (one.params, one.grads, one.optimizer)  # no ZeRO: whole
+    # Checkpointed: each block's input halves; beside them the head or the recomputed block with its K/V.
+    one, two = (estimate_memory(m, Layout(1, 1, 1, 0, 1, 1, activation_checkpointing=True, cp=cp), "bf16-mixed")
+                for cp in (1, 2))
+    kept = s * h * e
+    assert one.activations == pytest.approx(L * kept + max(head, block))
+    assert two.activations == pytest.approx(L * kept / 2 + max(head / 2, (block - own_kv) / 2 + kv))
+    # Under TP the gathered K/V are the rank's heads/tp heads; the mask is whole on every TP rank.
+    tp2 = estimate_memory(m, Layout(1, 2, 1, 0, 1, 1, cp=2), "bf16-mixed").activations
+    tp2_cp1 = estimate_memory(m, Layout(1, 2, 1, 0, 1, 1), "bf16-mixed").activations
+    assert tp2 == pytest.approx(tp2_cp1 / 2 + L * (2 * s * 16 * 128 * e + (s // 2) * s * e - own_kv / 2 / 2))
+    # Grouped-query attention: K and V gathered per query head (the implementation repeats them first).
+    from lightning_hybrid.planner.memory import context_attention_bytes, gathered_kv_bytes
+
+    gqa = model_spec("llama3-70b", seq_len=8192)  # 64 heads, 8 kv heads of 128
+    assert gathered_kv_bytes(gqa, 2, 2, tp=8, cp=4) == 2 * 2 * 8192 * (64 // 8) * 128 * 2
+    assert context_attention_bytes(gqa, 2, "bf16-mixed", tp=8, cp=4) == pytest.approx(
+        2 * 2 * 8192 * 8 * 128 * 2 + 2 * 2048 * 8192 * 2)
+    assert context_attention_bytes(gqa, 2, "megatron", tp=8, cp=4) == gathered_kv_bytes(gqa, 2, 2, 8, 4)  # own scores
+    assert context_attention_bytes(gqa, 2, "bf16-mixed", tp=8, cp=1) == 0
+    # Korthikanti's s x s scores become (s/cp) x s per rank: the whole block's bytes / cp.
+    s2, b, h2, a = 2048, 1, 12288, 96
+    assert block_activation_bytes(KORTHIKANTI, s2, b, h2, a, tp=8, cp=4) == pytest.approx(
+        s2 / 4 * b * h2 * (10 + 24 / 8 + 5 * a * s2 / (h2 * 8)))
+    # ZeRO shards over dp*cp: ZeRO-1's Adam states (8 bytes per parameter) over dp2 x cp2 = 4 ranks.
+    P = m.params
+    zero1 = estimate_memory(m, Layout(2, 1, 1, 1, 1, 1, cp=2), "bf16-mixed")
+    assert zero1.optimizer == pytest.approx(8 * P / 4) and zero1.params == 4 * P
+    assert estimate_memory(m, Layout(1, 1, 1, 1, 1, 1, cp=2), "bf16-mixed").optimizer == pytest.approx(8 * P / 2)
+
+
+def test_kv_exchange_time_and_bytes_by_hand():
+    from lightning_hybrid.planner.time import kv_exchange_bytes
+
+    m = model_spec("n_layer=2,n_embd=64,n_head=4,n_kv_head=2,block_size=4096")  # 4 heads (2 kv heads) of 16
+    intra, inter = Link(1e9, 1e-6), Link(1e8, 1e-5)
+    cluster = dataclasses.replace(load_cluster("a100"), precision="32-true", intra=intra, inter=inter)
+    lay = Layout(1, 2, 1, 0, 2, 3, cp=4)  # cp4 x tp2 = 8 ranks of one node; 2 x 4096-token sequences, 3 micro-batches
+    # K and V of b=2 sequences for the rank's heads/tp = 2 query heads of 16 (GQA's kv heads repeated), fp32.
+    kv = 2 * 2 * 4096 * (4 // 2) * 16 * 4
+    # Per block and micro-batch: an all-gather of K and of V in forward (and of the int64 positions, for the mask),
+    # a reduce-scatter of each in backward, each a ring of cp - 1 steps sending (cp - 1)/cp of the bytes; not
+    # overlapped.
+    ring = 2 * 3 * intra.latency + 3 / 4 * kv / intra.bandwidth  # two collectives (K, V) over 4 ranks
+    positions = 3 * intra.latency + 3 / 4 * 8 * 2 * 4096 / intra.bandwidth
+    t = estimate_time(m, lay, cluster)
+    assert t.cp_comm == pytest.approx(3 * 2 * (ring + positions + ring))  # micro-batches x blocks x (fwd + bwd)
+    assert t.total > t.compute + t.cp_comm
+    assert kv_exchange_bytes(m, lay, precision="32-true") == 2 * 2 * 3 * 3 / 4 * kv
+    checkpointed = dataclasses.replace(lay, activation_checkpointing=True)  # the recomputed forward gathers again
+    assert estimate_time(m, checkpointed, cluster).cp_comm == pytest.approx(3 * 2 * (3 * ring + 2 * positions))
+    assert kv_exchange_bytes(m, checkpointed, precision="32-true") == 3 * 2 * 3 * 3 / 4 * kv
+    # cp8 x tp2 = 16 ranks: the cp group spans two nodes, so the exchange runs at the inter-node link.
+    wide = Layout(1, 2, 1, 0, 2, 3, cp=8)
+    ring = 2 * 7 * inter.latency + 7 / 8 * kv / inter.bandwidth
+    positions = 7 * inter.latency + 7 / 8 * 8 * 2 * 4096 / inter.bandwidth
+    assert estimate_time(m, wide, cluster).cp_comm == pytest.approx(3 * 2 * (2 * ring + positions))
+    # gloo (a CPU cluster) has no reduce-scatter of its own: backward all-reduces the gathered gradients.
+    cpu = dataclasses.replace(cluster, compute_units=8)
+    ring = 2 * 3 * intra.latency + 3 / 4 * kv / intra.bandwidth
+    positions = 3 * intra.latency + 3 / 4 * 8 * 2 * 4096 / intra.bandwidth
+    all_reduce = 2 * 2 * 3 * intra.latency + 2 * 3 / 4 * kv / intra.bandwidth
+    assert estimate_time(m, lay, cpu).cp_comm == pytest.approx(3 * 2 * (ring + positions + all_reduce))
+    plain = Layout(1, 2, 1, 0, 2, 3)
+    assert estimate_time(m, plain, cluster).cp_comm == kv_exchange_bytes(m, plain) == 0
+    # Compute per rank: 1/cp of the FLOPs (s/cp queries against all s keys); element-wise traffic left out here.
+    flat = dataclasses.replace(cluster, memory_bandwidth=float("inf"))
+    base = estimate_time(m, plain, flat).compute
+    assert estimate_time(m, lay, flat).compute == pytest.approx(base / 4)
+    # Gradients reduced over dp*cp: dp1 x cp2 steps and reduces as dp2 does (here under PP: nothing overlapped).
+    a = estimate_time(m, Layout(1, 1, 2, 1, 1, 4, cp=2), cluster)
+    b = estimate_time(m, Layout(2, 1, 2, 1, 1, 4), cluster)
+    assert a.dp_comm == b.dp_comm > 0 and a.optimizer == b.optimizer
+
+
+def test_the_search_enumerates_cp_only_where_the_sequence_splits():
+    from collections import Counter
+
+    from lightning_hybrid.planner.search import MIN_CP_TOKENS, enumerate_layouts
+
+    cluster = load_cluster("h100")
+    # 4100 tokens: 2*cp divides them for cp 2 only (4100 = 4 x 1025); cp 4 and 8 are turned away and counted.
+    odd = model_spec("n_layer=2,n_embd=64,n_head=4", seq_len=4100)
+    invalid = Counter()
+    layouts = list(enumerate_layouts(odd, cluster, 8, 8, invalid=invalid))
+    assert {lay.cp for lay in layouts} == {1, 2}
+    assert invalid["seq_len not divisible by 2*cp"] > 0
+    for lay in layouts:
+        assert lay.devices == 8 and lay.dp * lay.micro_batch * lay.micro_batches == 8
+        assert odd.seq_len % (2 * lay.cp) == 0 and (lay.zero_stage == 0 or lay.dp * lay.cp > 1)
+    with pytest.raises(ValueError, match="does not divide by 2\\*cp = 8"):
+        estimate_memory(odd, Layout(2, 1, 1, 0, 1, 4, cp=4), "bf16-mixed")
+    # 8192 tokens: every cp that leaves a rank >= MIN_CP_TOKENS tokens (cp <= 4); ZeRO with dp 1 when cp > 1.
+    long = odd.with_seq_len(8192)
+    invalid = Counter()
+    layouts = list(enumerate_layouts(long, cluster, 8, 8, invalid=invalid))
+    assert MIN_CP_TOKENS == 2048 and {lay.cp for lay in layouts} == {1, 2, 4}
+    assert invalid[f"cp: fewer than {MIN_CP_TOKENS} tokens of a sequence per rank"] > 0
+    assert any(lay.dp == 1 and lay.cp > 1 and lay.zero_stage for lay in layouts)
+    assert {lay.cp for lay in enumerate_layouts(long, cluster, 8, 8, min_cp_tokens=1024)} == {1, 2, 4, 8}
+    assert {lay.cp for lay in enumerate_layouts(long, cluster, 8, 8, context_parallel=False)} == {1}
+    # Ordinary sequence lengths: no cp at all, so the search (and every number of the cp=1 layouts) is as before.
+    assert {lay.cp for lay in enumerate_layouts(model_spec("gpt3-175b"), load_cluster("a100"), 64, 64)} == {1}
+    # Expert parallelism carved out of the dp*cp ranks.
+    moe = model_spec("small-moe", seq_len=8192)
+    eps = {(lay.dp, lay.cp, lay.ep) for lay in enumerate_layouts(moe, cluster, 4, 4)}
+    assert (1, 4, 4) in eps and all((dp * cp) % ep == 0 for dp, cp, ep in eps)
+
+
+def test_the_search_picks_cp_for_long_sequences_and_only_cp_fits_the_longest():
+    cluster = load_cluster("h100")
+    # 32k tokens on 8 H100s: layouts with and without cp fit, and cp is among those ranked.
+    result = plan(QWEN2_7B, cluster, devices=8, global_batch=8)
+    assert {c.layout.cp for c in result.ranked} >= {1, 2}
+    assert all(c.layout.devices == 8 and QWEN2_7B.seq_len % (2 * c.layout.cp) == 0 for c in result.ranked)
+    cp_best = next(c for c in result.ranked if c.layout.cp > 1)
+    assert cp_best.time.cp_comm > 0 and cp_best.time.as_dict()["cp_comm"] == cp_best.time.cp_comm
+    # 128k tokens: tp stops at 4 (4 kv heads), and without cp no layout's activations fit; with cp2 some do.
+    result = plan(QWEN2_7B.with_seq_len(131072), cluster, devices=8, global_batch=8)
+    assert result.ranked and all(c.layout.cp > 1 for c in result.ranked)
+    assert any(c.layout.cp == 1 for c in result.too_big)
+    smallest_without = next(c for c in result.too_big if c.layout.cp == 1)
+    assert smallest_without.memory.activations > result.best.memory.activations
+    best = result.best.layout
+    kwargs = best.strategy_kwargs(_StrategyWithCP)
+    assert kwargs["cp"] == best.cp > 1 and kwargs["dp"] * kwargs["tp"] * kwargs["pp"] * kwargs["cp"] == 8
+    assert plan(QWEN2_7B.with_seq_len(131072), cluster, 8, 8, context_parallel=False).ranked == []
+    if _strategy_takes_cp():  # the strategy's own checks pass
+        for c in result.ranked:
+            HybridStrategy(**c.layout.strategy_kwargs())
+
+
+def test_layout_label_and_strategy_arguments_name_cp():
+    lay = Layout(2, 2, 1, 1, 1, 4, cp=2)
+    assert lay.label() == "dp2xtp2 cp2 zero1 mb1x4" and lay.devices == 8 and lay.shard == 4
+    assert Layout(2, 2, 2, 0, 1, 4, ep=2, cp=2).label() == "dp2xtp2xpp2 cp2 ep2 mb1x4 1f1b"
+    assert lay.strategy_kwargs(_StrategyWithCP)["cp"] == 2
+    assert "cp" not in Layout(2, 2, 1, 1, 1, 4).strategy_kwargs(_StrategyWithCP)
+    assert "cp" not in Layout(2, 2, 1, 1, 1, 4).label()
+
+    class NoCP:
+        def __init__(self, dp=-1, tp=1, pp=1, zero_stage=0, activation_checkpointing=False):
+            pass
+
+    with pytest.raises(ValueError, match="takes no cp"):
+        lay.strategy_kwargs(NoCP)
+    assert lay.as_dict()["cp"] == 2
+    with pytest.raises(ValueError, match="cp=0 is invalid"):
+        Layout(2, 1, 1, 0, 1, 1, cp=0)
+    assert Layout(1, 1, 1, 0, 1, 1, ep=2, cp=2).edp == 1  # ep divides dp*cp
+    with pytest.raises(ValueError, match="divisor of dp\\*cp"):
+        Layout(1, 1, 1, 0, 1, 1, ep=4, cp=2)
+
+
+def test_command_line_and_parallel_auto_name_cp(capsys, monkeypatch):
+    from omegaconf import OmegaConf
+
+    import lightning_hybrid
+    from lightning_hybrid.planner.auto import _recipe_layout, choose_layout
+
+    assert planner_main(["--model", "llama2-7b", "--seq-len", "131072", "--cluster", "h100", "--devices", "8",
+                         "--global-batch", "8", "--top", "200"]) == 0
+    out = capsys.readouterr().out
+    assert " cp2 " in out and re.search(r" cp \d", out)  # cp in the layouts, and the key/value exchange's time
+    assert planner_main(["--model", "llama2-7b", "--seq-len", "131072", "--cluster", "h100", "--devices", "8",
+                         "--global-batch", "8", "--top", "200", "--no-context-parallel"]) == 0
+    assert " cp2 " not in capsys.readouterr().out
+    # parallel=auto writes the layout's cp into the recipe's parallel node (the strategy taking cp).
+    monkeypatch.setattr(lightning_hybrid, "HybridStrategy", _StrategyWithCP)
+    cfg = OmegaConf.create({
+        "model": {"_target_": "lightning_hybrid.models.GPTLightningModule", "n_layer": 28, "n_embd": 3584,
+                  "n_head": 28, "n_kv_head": 4, "mlp": "swiglu", "vocab_size": 152064, "bias": False},
+        "data": {"batch_size": 8, "block_size": 131072}, "parallel": {"dp": 1, "tp": 1, "pp": 1, "cp": 1},
+        "trainer": {"devices": 8, "num_nodes": 1, "accumulate_grad_batches": 1, "accelerator": "gpu"},
+        "planner": {"cluster": "h100", "global_batch": None, "show": 3}})
+    out_cfg, why = choose_layout(cfg)
+    best = plan(ModelSpec.from_gpt({k: v for k, v in cfg.model.items() if k != "_target_"}, 131072, name="gpt"),
+                load_cluster("h100"), 8, 8).best.layout
+    assert best.cp > 1 and out_cfg.parallel.cp == best.cp and out_cfg.parallel.dp == best.dp
+    assert out_cfg.trainer.devices == 8 and why.endswith(f"planner: running {best.label()}") and " cp" in why
+    # A run's own layout read back for its prediction: cp from the world (dp without it) or from parallel.cp.
+    world = {"dp": 2, "tp": 2, "pp": 1, "cp": 2}
+    run = OmegaConf.merge(OmegaConf.to_container(out_cfg), {"parallel": {
+        "zero_stage": 1, "micro_batches": None, "schedule": None, "virtual_stages": None,
+        "activation_checkpointing": False}})
+    assert _recipe_layout(run, world)[0].cp == 2 and _recipe_layout(run, world)[0].dp == 2
+    run.parallel.cp = 2
+    assert _recipe_layout(run, {"dp": 4, "tp": 2, "pp": 1})[0].dp == 2  # world without cp: dp over tp*pp

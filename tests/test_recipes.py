@@ -83,7 +83,7 @@ def test_model_data_trainer_configs_compose(model, data, trainer, tmp_path):
 
 def test_layout_fields_are_overridable():
     cfg = _compose("parallel=dp_tp", "parallel.tp=4", "parallel.zero_stage=2", "trainer.devices=8")
-    assert world_layout(cfg) == {"devices": 8, "num_nodes": 1, "dp": 2, "tp": 4, "pp": 1}
+    assert world_layout(cfg) == {"devices": 8, "num_nodes": 1, "dp": 2, "tp": 4, "pp": 1, "cp": 1}
 
 
 @pytest.mark.parametrize("typo", ["parallel.tpp=2", "model.n_layers=3", "data.batchsize=3", "trainer.max_step=3",

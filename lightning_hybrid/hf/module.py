@@ -281,6 +281,7 @@ class CausalLM(LanguageModel):
         model's own masks (`check_document_masks`)."""
         if self.model is None:
             raise RuntimeError("call configure_model() before using the model")
+        self._check_sliding_window(idx.size(1) * self._context_parallel_size())
         position_ids = self._positions(idx, position_ids, attention_mask)
         if position_ids is not None and self._calls is not None and not self._calls.documents_checked:
             check_document_masks(self._structure, idx.device)
@@ -290,6 +291,23 @@ class CausalLM(LanguageModel):
         if self._aux is not None and self.training and torch.is_grad_enabled():
             self._router_logits = output.router_logits  # for `auxiliary_loss`, right after this forward
         return output.logits
+
+    def _check_sliding_window(self, length: int) -> None:
+        """Under context parallelism the attention mask is rebuilt for the whole sequence as the causal document
+        mask: ``ValueError`` for a model whose layers attend within a sliding window shorter than the sequence."""
+        if self._context_parallel_size() == 1:
+            return
+        config = self.model.config
+        window = getattr(config, "sliding_window", None)
+        types = getattr(config, "layer_types", None)
+        sliding = window is not None and getattr(config, "use_sliding_window", True) is not False and (
+            types is None or "sliding_attention" in types)
+        if sliding and length > window:
+            raise ValueError(
+                f"{type(self.model).__name__} attends within a sliding window of {window} tokens, shorter than the"
+                f" sequence ({length}); context parallelism rebuilds the causal mask of the whole sequence, which"
+                " would widen it: train with cp=1, or sequences of at most the window."
+            )
 
     def auxiliary_loss(self, tokens: TokenBatch) -> Optional[tuple[Tensor, Tensor]]:
         """The router's load-balancing loss of a mixture-of-experts model whose config has

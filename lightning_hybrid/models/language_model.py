@@ -133,9 +133,14 @@ class LanguageModel(L.LightningModule):
         # Read by Lightning's ThroughputMonitor, which reports model FLOPs utilisation from it: the training FLOPs
         # of this batch on the whole model.
         x = TokenBatch.from_batch(batch).input_ids
-        per_token = self._flops_per_token(x.size(1))
+        cp = self._context_parallel_size()  # x holds 1/cp of each sequence: the batch's FLOPs are the whole's
+        per_token = self._flops_per_token(x.size(1) * cp)
         if per_token is not None:
-            self.flops_per_batch = per_token * x.numel()
+            self.flops_per_batch = per_token * x.numel() * cp
+
+    def _context_parallel_size(self) -> int:
+        dims = getattr(getattr(self._trainer, "strategy", None), "_dims", None)
+        return int(getattr(dims, "cp", 1) or 1)
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         tokens = TokenBatch.from_batch(batch)

@@ -7,7 +7,8 @@ cluster, ranked (docs/planner.md).
 
 ``python -m lightning_hybrid.planner --model gpt3-175b --cluster a100 --devices 1024 --global-batch 1536``
 prints the ranked table (mixture-of-experts models: expert parallelism ``ep`` searched too, `all_to_all_bytes` the
-expert all-to-all volume); ``python -m lightning_hybrid.planner calibrate`` measures this machine.
+expert all-to-all volume; long sequences: context parallelism ``cp`` searched too, `kv_exchange_bytes` the key/value
+exchange's volume); ``python -m lightning_hybrid.planner calibrate`` measures this machine.
 """
 
 from .cluster import CLUSTER_PRESETS, Cluster, Link, calibrate, cpu_cluster, load_cluster
@@ -15,8 +16,8 @@ from .layout import Layout
 from .memory import MemoryEstimate, estimate_memory
 from .model import MODEL_PRESETS, ModelSpec, model_spec
 from .search import Candidate, Plan, evaluate, plan
-from .time import TimeEstimate, all_to_all_bytes, estimate_time
+from .time import TimeEstimate, all_to_all_bytes, estimate_time, kv_exchange_bytes
 
 __all__ = ["CLUSTER_PRESETS", "Candidate", "Cluster", "Layout", "Link", "MODEL_PRESETS", "MemoryEstimate",
            "ModelSpec", "Plan", "TimeEstimate", "all_to_all_bytes", "calibrate", "cpu_cluster", "estimate_memory",
-           "estimate_time", "evaluate", "load_cluster", "model_spec", "plan"]
+           "estimate_time", "evaluate", "kv_exchange_bytes", "load_cluster", "model_spec", "plan"]

@@ -5,14 +5,17 @@
         --global-batch 8 --seq-len 128 --json plan.json
     python -m lightning_hybrid.planner --model n_layer=4,n_embd=256,n_head=8,experts=8,top_k=2,expert_ffn=512 \
         --cluster cpu --devices 4 --global-batch 8 --seq-len 128
+    python -m lightning_hybrid.planner --model llama2-7b --seq-len 131072 --cluster h100 --devices 8 --global-batch 8
     python -m lightning_hybrid.planner calibrate [--out PATH]
 
 ``--model``: a preset (`MODEL_PRESETS`; a preset followed by `ModelSpec` field overrides,
-``llama2-7b,experts=8,top_k=2``), a Hugging Face ``config.json`` (or its folder) or `GPTConfig` fields, each
-with mixture-of-experts fields ``experts=,top_k=,expert_ffn=,moe_layers=,shared_ffn=`` (`MOE_FIELDS`);
-``--cluster``: ``a100``, ``h100``, ``cpu`` (this machine: its calibration file, else defaults) or a cluster
-JSON. Prints the ranked layouts (best first) with their memory and time breakdowns, then the closest layouts
-that do not fit and why, and how many sizes each validity rule turned away. Exit code 2 on a bad argument.
+``llama2-7b,experts=8,top_k=2``), a Hugging Face ``config.json`` (or its folder) or `GPTConfig` fields, each with
+mixture-of-experts fields ``experts=,top_k=,expert_ffn=,moe_layers=,shared_ffn=`` (`MOE_FIELDS`); ``--cluster``:
+``a100``, ``h100``, ``cpu`` (this machine: its calibration file, else defaults) or a cluster JSON. Context
+parallelism (``cp``) is searched for sequences of at least ``2 x MIN_CP_TOKENS`` tokens (``--no-context-parallel``:
+not at all). Prints the ranked layouts (best first) with their memory and time breakdowns (``cp``: the key/value
+exchange's time), then the closest layouts that do not fit and why, and how many sizes each validity rule turned
+away. Exit code 2 on a bad argument.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ def _row(rank: int, c: Candidate) -> str:
     t = c.time
     time = (f"{t.total:9.4g} = comp {t.compute:.3g} tp {t.tp_comm:.3g} pp {t.pp_comm:.3g}"
             + (f" ep {t.ep_comm:.3g}" if c.layout.ep > 1 else "")
+            + (f" cp {t.cp_comm:.3g}" if c.layout.cp > 1 else "")
             + f" bubble {t.bubble:.3g} dp {t.dp_comm:.3g} opt {t.optimizer:.3g}")
     return f"{rank:4d} {c.layout.label():<48} {c.tokens_per_s:12.4g} {c.mfu:6.3f} {mem}  {time}"
 
@@ -77,12 +81,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--seq-len", type=int, default=None, help="default: the model's")
     p.add_argument("--no-sequence-parallel", action="store_true", help="leave sequence parallelism out")
+    p.add_argument("--no-context-parallel", action="store_true", help="leave context parallelism (cp) out")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--json", default=None, help="write every candidate to this file")
     args = p.parse_args(argv)
     try:
         result = plan(model_spec(args.model, args.seq_len), load_cluster(args.cluster), args.devices, args.global_batch,
-                      sequence_parallel=not args.no_sequence_parallel)
+                      sequence_parallel=not args.no_sequence_parallel,
+                      context_parallel=not args.no_context_parallel)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

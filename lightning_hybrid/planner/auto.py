@@ -2,13 +2,15 @@
 prediction for its own layout (``predicted_*`` in ``metrics.json``, shown by the sweep summary).
 
 ``parallel=auto`` (``configs/parallel/auto.yaml``) sets the top-level ``planner`` node (`AutoLayoutConfig`).
-`choose_layout` then plans the recipe's model on the machine it runs on -- ``trainer.devices x num_nodes``
-devices (null: every CUDA device, or every CPU core) of ``planner.cluster`` (null: this machine, `this_machine`)
--- for the global batch ``planner.global_batch`` (null: ``data.batch_size x trainer.accumulate_grad_batches``,
-the batch one device would step on, so the run stays comparable to ``parallel=single``), and writes the best
-layout into the config: the ``parallel`` arguments, ``data.batch_size`` (a replica's batch), and
-``trainer.accumulate_grad_batches`` and ``trainer.devices``. Every rank plans the same way from the same
-inputs, so the ranks Lightning starts agree with rank 0 without a message passed.
+`choose_layout` then plans the recipe's model on the machine it runs on -- ``trainer.devices x num_nodes`` devices
+(null: every CUDA device, or every CPU core) of ``planner.cluster`` (null: this machine, `this_machine`) -- for the
+global batch ``planner.global_batch`` (null: ``data.batch_size x trainer.accumulate_grad_batches``, the batch one
+device would step on, so the run stays comparable to ``parallel=single``), and writes the best layout into the
+config: the ``parallel`` arguments (``ep`` and ``cp`` among them when the layout has them, and the strategy takes
+them: the search tries context parallelism only for a strategy with a ``cp`` argument), ``data.batch_size`` (a
+replica's batch: the ``cp`` ranks of a replica share its samples), and ``trainer.accumulate_grad_batches`` and
+``trainer.devices`` (``dp tp pp cp`` over the nodes). Every rank plans the same way from the same inputs, so the
+ranks Lightning starts agree with rank 0 without a message passed.
 """
 
 from __future__ import annotations
@@ -133,14 +135,17 @@ def choose_layout(cfg: DictConfig) -> tuple[DictConfig, str]:
         raise ValueError(f"parallel=auto sets data.batch_size, which {cfg.data.get('_target_')} does not take.")
     accumulate = int(cfg.trainer.accumulate_grad_batches)
     global_batch = int(cfg.planner.global_batch or int(cfg.data.batch_size) * accumulate)
-    has_sp = "sequence_parallel" in inspect.signature(HybridStrategy).parameters
-    result = plan(_model(cfg), _cluster(cfg), _devices(cfg), global_batch, sequence_parallel=has_sp,
+    accepted = inspect.signature(HybridStrategy).parameters
+    result = plan(_model(cfg), _cluster(cfg), _devices(cfg), global_batch,
+                  sequence_parallel="sequence_parallel" in accepted, context_parallel="cp" in accepted,
                   whole_batch_loss=_adds_router_loss(cfg))
     best = result.best.layout
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     OmegaConf.set_struct(out, True)
     with open_dict(out):
         out.parallel.update(best.strategy_kwargs(HybridStrategy))
+        if "cp" in out.parallel:  # the layout's cp, 1 included (strategy_kwargs names it only when > 1)
+            out.parallel.cp = best.cp
         out.data.batch_size = best.micro_batch * (best.micro_batches if best.pp > 1 else 1)
         out.trainer.accumulate_grad_batches = best.accumulation
         out.trainer.devices = best.devices // int(cfg.trainer.num_nodes)
@@ -148,17 +153,21 @@ def choose_layout(cfg: DictConfig) -> tuple[DictConfig, str]:
 
 
 def _recipe_layout(cfg: DictConfig, world: dict[str, int]) -> tuple[Layout, int]:
-    """The layout a recipe config runs (its per-replica batch split into micro-batches) and its global batch."""
+    """The layout a recipe config runs (its per-replica batch split into micro-batches) and its global batch.
+    ``cp``: ``world["cp"]`` (then ``world["dp"]`` is the data-parallel size without it), else ``parallel.cp``
+    (then ``world["dp"]``, the devices over ``tp pp``, holds the ``cp`` ranks too)."""
     par = cfg.parallel
+    cp = int(world.get("cp") or par.get("cp", 1) or 1)
+    dp = world["dp"] if "cp" in world else world["dp"] // cp
     batch, accumulate = int(cfg.data.batch_size), int(cfg.trainer.accumulate_grad_batches)
     m = int(par.micro_batches or 2 * world["pp"]) if world["pp"] > 1 else accumulate
     b = batch // m if world["pp"] > 1 else batch
     checkpointing = bool(par.activation_checkpointing)
-    layout = Layout(world["dp"], world["tp"], world["pp"], int(par.zero_stage), max(1, b), m,
+    layout = Layout(dp, world["tp"], world["pp"], int(par.zero_stage), max(1, b), m,
                     str(par.schedule or "1f1b"), int(par.virtual_stages or 1) if par.schedule != "zero_bubble" else 2,
                     checkpointing, bool(par.get("sequence_parallel", False)), bool(par.get("loss_parallel", False)),
-                    ep=int(par.get("ep", 1) or 1))
-    return layout, world["dp"] * batch * accumulate
+                    ep=int(par.get("ep", 1) or 1), cp=cp)
+    return layout, dp * batch * accumulate
 
 
 def predicted_metrics(cfg: DictConfig, world: dict[str, int], module: Any = None) -> dict[str, Any]:

@@ -11,12 +11,16 @@ __all__ = ["Layout"]
 
 @dataclass(frozen=True)
 class Layout:
-    """``dp x tp x pp`` with ZeRO ``zero_stage``; each replica's batch is ``micro_batches`` micro-batches of
+    """``dp x tp x pp`` (x ``cp``) with ZeRO ``zero_stage``; each replica's batch is ``micro_batches`` micro-batches of
     ``micro_batch`` sequences (a pipeline's micro-batches, or gradient accumulation when ``pp == 1``);
     ``schedule``/``virtual_stages`` as `lightning_hybrid.pipeline.resolve_schedule` takes them;
     ``loss_parallel``: the LM head's logits stay split over the vocabulary under TP (the strategy's default;
     not searched: it only saves); ``ep``: expert parallelism, each experts module split over ``ep`` of the ``dp``
-    ranks (``ep`` divides ``dp``; 1: none; the model must have experts that ``ep`` divides: `check_model`)."""
+    ranks (``ep`` divides ``dp``; 1: none; the model must have experts that ``ep`` divides: `check_model`);
+    ``cp``: context parallelism, every sequence split over ``cp`` ranks (mesh ``(pp, dp, cp, tp)``: ``devices = pp dp
+    cp tp``; the ``cp`` ranks of a replica see the same samples, gradients are reduced and ZeRO-sharded over ``dp cp``
+    ranks, and the expert-parallel ranks are carved out of those, so ``ep`` divides ``dp cp``; the sequence length
+    must divide by ``2 cp``, the zigzag split's chunks: `check_model`)."""
 
     dp: int
     tp: int
@@ -30,28 +34,43 @@ class Layout:
     sequence_parallel: bool = False
     loss_parallel: bool = True
     ep: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1 or self.dp % self.ep:
-            raise ValueError(f"ep={self.ep!r} is invalid for dp={self.dp}: it must be a positive divisor of dp (the"
-                             " expert-parallel ranks are carved out of the data-parallel ones).")
+        if not isinstance(self.cp, int) or isinstance(self.cp, bool) or self.cp < 1:
+            raise ValueError(f"cp={self.cp!r} is invalid: it must be a positive integer (1: no context parallelism).")
+        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1 or self.dp * self.cp % self.ep:
+            within = f"dp*cp = {self.dp * self.cp}" if self.cp > 1 else f"dp={self.dp}"
+            raise ValueError(f"ep={self.ep!r} is invalid for {within}: it must be a positive divisor of dp"
+                             + ("*cp" if self.cp > 1 else "")
+                             + " (the expert-parallel ranks are carved out of the data-parallel ones).")
 
     def check_model(self, model: Any) -> None:
-        """Raise ``ValueError`` unless ``ep`` suits ``model`` (a `ModelSpec`): ``ep > 1`` needs experts, and their
-        number must divide by ``ep``."""
+        """Raise ``ValueError`` unless ``ep`` and ``cp`` suit ``model`` (a `ModelSpec`): ``ep > 1`` needs experts, and
+        their number must divide by ``ep``; ``cp > 1`` needs a sequence length that divides by ``2 cp`` (each rank
+        holds chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp``)."""
         if self.ep > 1 and not model.experts:
             raise ValueError(f"ep={self.ep}: {model.name} has no experts to split (a dense model takes ep=1).")
         if model.experts and model.experts % self.ep:
             raise ValueError(f"ep={self.ep} does not divide the {model.experts} experts of {model.name}.")
+        if self.cp > 1 and model.seq_len % (2 * self.cp):
+            raise ValueError(f"cp={self.cp}: the sequence length {model.seq_len} of {model.name} does not divide by"
+                             f" 2*cp = {2 * self.cp} (the load-balanced split's chunks).")
 
     @property
     def edp(self) -> int:
-        """The experts' own data-parallel size: ranks holding the same experts (``dp / ep``)."""
-        return self.dp // self.ep
+        """The experts' own data-parallel size: ranks holding the same experts (``dp cp / ep``)."""
+        return self.dp * self.cp // self.ep
+
+    @property
+    def shard(self) -> int:
+        """Ranks over which gradients are reduced and ZeRO shards (``dp cp``: the context-parallel ranks hold the
+        same parameters and reduce their gradients with the data-parallel ones)."""
+        return self.dp * self.cp
 
     @property
     def devices(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def accumulation(self) -> int:
@@ -59,8 +78,9 @@ class Layout:
         return self.micro_batches if self.pp == 1 else 1
 
     def label(self) -> str:
-        """``dp4xtp2xpp2 ep2 zero1 mb2x4 1f1b ac sp`` (only what differs from the defaults)."""
+        """``dp4xtp2xpp2 cp2 ep2 zero1 mb2x4 1f1b ac sp`` (only what differs from the defaults)."""
         parts = [f"dp{self.dp}xtp{self.tp}" + (f"xpp{self.pp}" if self.pp > 1 else "")]
+        parts += [f"cp{self.cp}"] if self.cp > 1 else []
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
         parts += [f"zero{self.zero_stage}"] if self.zero_stage else []
         parts.append(f"mb{self.micro_batch}x{self.micro_batches}")
@@ -71,8 +91,8 @@ class Layout:
         return " ".join(parts)
 
     def strategy_kwargs(self, strategy_cls: Any = None) -> dict[str, Any]:
-        """Arguments of ``HybridStrategy`` (``strategy_cls``) for this layout; ``sequence_parallel`` and ``ep`` only
-        when the strategy takes them (and they are on)."""
+        """Arguments of ``HybridStrategy`` (``strategy_cls``) for this layout; ``sequence_parallel``, ``ep`` and ``cp``
+        only when they are on (``ep``, ``cp``: ``ValueError`` if the strategy does not take them)."""
         if strategy_cls is None:
             from lightning_hybrid import HybridStrategy as strategy_cls
         kwargs: dict[str, Any] = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "zero_stage": self.zero_stage,
@@ -86,6 +106,10 @@ class Layout:
             if "ep" not in accepted:
                 raise ValueError(f"ep={self.ep}: {strategy_cls.__name__} takes no ep (expert parallelism).")
             kwargs["ep"] = self.ep
+        if self.cp > 1:
+            if "cp" not in accepted:
+                raise ValueError(f"cp={self.cp}: {strategy_cls.__name__} takes no cp (context parallelism).")
+            kwargs["cp"] = self.cp
         if "loss_parallel" in accepted:
             kwargs["loss_parallel"] = self.loss_parallel
         return kwargs

@@ -37,10 +37,37 @@ rank computes -- ``k`` per token it routes under uniform routing, whatever ``ep`
 sends) -- the expert's input and output rows and its hidden tensors, ``e (2h + 4F_e)`` (``2F_e`` not gated), and per
 routed token the router's logits and fp32 probabilities ``(e + 4) E``. A rank routes all of its replica's tokens
 under TP (the experts are replicated over TP), ``1/tp`` of them with sequence parallelism.
+
+Context parallelism (`Layout.cp` = ``c``; `lightning_hybrid.context_parallel`): each rank holds ``s/c`` tokens of
+every sequence (the zigzag split: chunks ``r`` and ``2c-1-r`` of ``2c``). Everything outside attention is local
+to them, and attention computes ``s/c`` queries against all ``s`` keys, so every activation above is ``1/c`` --
+the ``s x s`` scores of `KORTHIKANTI` become ``(s/c) x s`` per rank, also ``1/c`` -- plus what the rank's attention
+over the whole sequence keeps for its backward (`context_attention_bytes`), per block whose activations are held
+and micro-batch in flight (with activation checkpointing only the recomputed block's; a checkpointed block keeps
+its ``1/c`` input):
+
+* the keys and values all-gathered over the ``cp`` group, ``2 b s (a/tp) d e`` (`gathered_kv_bytes`): K and V of
+  all ``s`` tokens, per query head -- the implementation repeats grouped-query attention's key/value heads before
+  gathering -- ``a/tp`` heads of ``d`` under TP; SDPA saves its inputs, and backward's only exchange is the
+  reduce-scatter of their gradients (nothing is gathered again);
+* this codebase's attention (not `KORTHIKANTI`'s): the mask of the whole sequence for the rank's queries, ``b
+  (s/c) s`` elements, which SDPA turns into an additive bias of ``e`` bytes each (one for all heads, whole on
+  every TP rank) and keeps (`context_mask_bytes`): the flash kernels take no mask, so this is the one ``(s/c) x
+  s`` term of the codebase's block (checked on CPU: ``ScaledDotProductFlashAttentionForCpuBackward`` saves a
+  ``(b, 1, s/c, s)`` float mask).
+
+The head, a checkpointed block's input and the pipeline's boundary tensors are ``1/c`` too. Model states: the
+``cp`` ranks of a replica hold the same parameters and reduce their gradients together with the ``dp`` ranks, so
+ZeRO shards over ``dp c`` ranks (each ``P/dp`` above is ``P/(dp c)``; the experts' group is ``dp c/ep`` ranks).
+In this codebase's block the gathered keys and values take the place of the block's own (and their GQA repeats:
+``e (2 a_kv/a + 2 [a_kv < a]) h`` per local token, `local_kv_split`), which SDPA no longer keeps. Not counted:
+transients of one layer (the boolean mask before its conversion, the gathered keys' gradients before their
+reduce-scatter).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -51,11 +78,11 @@ from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB, MAX_IN_FLIGHT
 from .layout import Layout
 from .model import ModelSpec
 
-__all__ = ["KORTHIKANTI", "PRECISIONS", "ActivationCoefficients", "MemoryEstimate", "block_activation_bytes",
-           "block_activations", "codebase_coefficients", "estimate_memory", "expert_activation_bytes", "in_flight",
-           "largest_block_params", "moe_block_count", "moe_coefficients", "rank_block_counts",
-           "rank_expert_params", "rank_layers", "rank_params", "routed_tokens",
-           "zero_model_states"]
+__all__ = ["ActivationCoefficients", "KORTHIKANTI", "MemoryEstimate", "PRECISIONS", "block_activation_bytes",
+           "block_activations", "codebase_coefficients", "context_attention_bytes", "context_mask_bytes",
+           "estimate_memory", "expert_activation_bytes", "gathered_kv_bytes", "in_flight", "largest_block_params",
+           "local_kv_split", "moe_block_count", "moe_coefficients", "rank_block_counts", "rank_expert_params",
+           "rank_layers", "rank_params", "routed_tokens", "zero_model_states"]
 
 #: bytes per element: (parameters, gradients, optimizer state, activations). Adam keeps 2 moments.
 #: ``32-true``: fp32 everything; ``bf16-mixed``: Lightning autocast, fp32 weights and gradients, bf16
@@ -84,6 +111,13 @@ KORTHIKANTI = ActivationCoefficients(rep=10, split=24, scores=5, mlp=16)
 def _mlp_split(model: ModelSpec, element: float, width: int) -> float:
     """An MLP's hidden tensors per token, in units of ``h`` bytes: 2 (4 gated) of ``width`` elements."""
     return element * (4 if model.gated_mlp else 2) * width / model.hidden
+
+
+def local_kv_split(model: ModelSpec, element: float) -> float:
+    """The part of `codebase_coefficients`' ``split`` that is the block's keys and values and their GQA repeats
+    (``e (2 a_kv/a + 2 [a_kv < a])``): what SDPA keeps of them, which context parallelism replaces by the gathered
+    ones (`gathered_kv_bytes`)."""
+    return element * (2 * model.kv_heads / model.heads + (2 if model.kv_heads < model.heads else 0))
 
 
 def codebase_coefficients(model: ModelSpec, element: int) -> ActivationCoefficients:
@@ -121,10 +155,42 @@ def expert_activation_bytes(model: ModelSpec, tokens: float, element: float, tp:
 
 
 def block_activation_bytes(c: ActivationCoefficients, s: int, b: int, h: int, a: int, tp: int = 1,
-                           sequence_parallel: bool = False) -> float:
-    """Bytes one block keeps for backward for one micro-batch of ``b`` sequences of ``s`` tokens."""
+                           sequence_parallel: bool = False, cp: int = 1) -> float:
+    """Bytes one block keeps for backward for one micro-batch of ``b`` sequences of ``s`` tokens; under context
+    parallelism ``cp`` the rank's ``s/cp`` tokens of each (their scores against all ``s`` keys), without what the
+    attention over the whole sequence keeps besides (`context_attention_bytes`)."""
     rep = c.rep / tp if sequence_parallel else c.rep
-    return s * b * (h * (rep + c.split / tp) + c.scores * a * s / tp)
+    return s * b * (h * (rep + c.split / tp) + c.scores * a * s / tp) / cp
+
+
+def gathered_kv_bytes(model: ModelSpec, b: int, element: float, tp: int = 1, cp: int = 1) -> float:
+    """Bytes of one block's keys and values all-gathered over ``cp`` ranks for a micro-batch of ``b`` sequences:
+    ``2 b s (a/tp) d e`` (K and V of every token for the rank's ``a/tp`` query heads of ``d``: the implementation
+    repeats grouped-query attention's key/value heads before gathering, `lightning_hybrid.context_parallel`); 0
+    without context parallelism (the block's own keys and values are in its coefficients)."""
+    if cp == 1:
+        return 0.0
+    return 2 * b * model.seq_len * model.heads * model.head_dim / tp * element
+
+
+def context_mask_bytes(model: ModelSpec, b: int, element: float, cp: int = 1) -> float:
+    """Bytes of the whole-sequence mask this codebase's context-parallel attention hands SDPA for a micro-batch of
+    ``b`` sequences, as SDPA keeps it for backward: an additive bias of ``b (s/cp) s`` elements of ``e`` bytes (the
+    rank's queries against every key; one for all heads); 0 without context parallelism (a plain causal attention
+    takes no mask)."""
+    if cp == 1:
+        return 0.0
+    return b * (model.seq_len // cp) * model.seq_len * element
+
+
+def context_attention_bytes(model: ModelSpec, b: int, precision: str, tp: int = 1, cp: int = 1) -> float:
+    """What one block's attention over the whole sequence keeps for backward under context parallelism beyond its
+    ``1/cp`` share of the block's activations: the gathered keys and values (`gathered_kv_bytes`) and, for this
+    codebase's attention (every precision but ``megatron``, whose `KORTHIKANTI` block counts its own scores), the
+    mask (`context_mask_bytes`)."""
+    e = PRECISIONS[precision][3]
+    mask = 0.0 if precision == "megatron" else context_mask_bytes(model, b, e, cp)
+    return gathered_kv_bytes(model, b, e, tp, cp) + mask
 
 
 def zero_model_states(psi: float, dp: int, stage: int, precision: str = "megatron") -> float:
@@ -225,15 +291,20 @@ def rank_expert_params(model: ModelSpec, layers: tuple[int, ...], ep: int = 1) -
 
 def block_activations(model: ModelSpec, layout: Layout, precision: str) -> tuple[float, float]:
     """Bytes one dense block and one MoE block keep for backward for one micro-batch on a device (the MoE block's
-    experts included; 0 when the model has none)."""
+    experts included; 0 when the model has none); under context parallelism the rank's ``1/cp`` of them plus what
+    its attention over the whole sequence keeps (`context_attention_bytes`)."""
     e = PRECISIONS[precision][3]
     coeffs = KORTHIKANTI if precision == "megatron" else codebase_coefficients(model, e)
     s, b, h, t, sp = model.seq_len, layout.micro_batch, model.hidden, layout.tp, layout.sequence_parallel
-    dense = block_activation_bytes(coeffs, s, b, h, model.heads, t, sp)
+    cp = layout.cp
+    kv = context_attention_bytes(model, b, precision, t, cp)
+    if cp > 1 and precision != "megatron":  # SDPA keeps the gathered keys and values instead of the block's own
+        coeffs = dataclasses.replace(coeffs, split=coeffs.split - local_kv_split(model, e))
+    dense = block_activation_bytes(coeffs, s, b, h, model.heads, t, sp, cp) + kv
     if not model.experts:
         return dense, 0.0
-    moe = block_activation_bytes(moe_coefficients(coeffs, model, e), s, b, h, model.heads, t, sp)
-    return dense, moe + expert_activation_bytes(model, s * b, e, t, sp)
+    moe = block_activation_bytes(moe_coefficients(coeffs, model, e), s, b, h, model.heads, t, sp, cp) + kv
+    return dense, moe + expert_activation_bytes(model, s * b // cp, e, t, sp)
 
 
 @dataclass(frozen=True)
@@ -266,9 +337,9 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
     per_rank = lay.virtual_stages if lay.pp > 1 else 1
     ranks = rank_layers(model, lay.pp, per_rank, spec.style)
     counts = rank_block_counts(model, lay.pp, per_rank, spec.style)
-    s, b, h, t, ep = model.seq_len, lay.micro_batch, model.hidden, lay.tp, lay.ep
+    s, b, h, t, ep, cp = model.seq_len, lay.micro_batch, model.hidden, lay.tp, lay.ep, lay.cp
     dense_act, moe_act = block_activations(model, lay, precision)
-    kept = s * b * h * e / (t if lay.sequence_parallel else 1)  # a checkpointed block's input
+    kept = s * b * h * e / (t if lay.sequence_parallel else 1) / cp  # a checkpointed block's input
     block_p = largest_block_params(model, t, ep)  # an FSDP2 unit
     whole_window = lay.pp > 1 or lay.accumulation > 1  # gradients not reduced before the window ends
     bucket = bucket_cap_mb * 2**20
@@ -276,10 +347,10 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
     for rank in sorted({0, lay.pp - 1}):
         layers = ranks[rank]
         P = rank_params(model, layers, t, ep)
-        experts = rank_expert_params(model, layers, ep)  # sharded over dp/ep ranks, the rest over dp
+        experts = rank_expert_params(model, layers, ep)  # sharded over dp cp/ep ranks, the rest over dp cp
         dense_blocks, moe_blocks = counts[rank]
-        sharded = lay.zero_stage > 0 and lay.dp > 1
-        dp, edp = (lay.dp, lay.edp) if sharded else (1, 1)
+        sharded = lay.zero_stage > 0 and lay.shard > 1
+        dp, edp = (lay.shard, lay.edp) if sharded else (1, 1)
         slices = (P - experts) / dp + experts / edp  # this device's share of what ZeRO shards
         if lay.zero_stage == 3 and sharded:
             gathered = P if whole_window else min(P, 2 * block_p)
@@ -289,7 +360,7 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
             params = pb * P
             if lay.zero_stage == 2 and sharded and not whole_window:
                 grads = gb * (slices + min(P, (1 + MAX_IN_FLIGHT) * bucket / gb))
-            elif lay.pp > 1 and not sharded and lay.dp == 1:
+            elif lay.pp > 1 and not sharded and lay.shard == 1:
                 grads = 2 * gb * P  # no buckets: a micro-batch's new gradients beside the accumulated ones
             else:
                 grads = gb * (P + (slices if lay.zero_stage == 2 and sharded else 0))
@@ -304,10 +375,10 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
         if model.n_layer + 1 in layers:
             head_f = lay.micro_batches if (lay.pp > 1 and lay.schedule == "gpipe") else 1
             vocab = model.vocab / t if lay.loss_parallel else model.vocab
-            head = head_f * s * b * (h * e + HEAD_ELEMENTS * 4 * vocab)
+            head = head_f * s * b * (h * e + HEAD_ELEMENTS * 4 * vocab) / cp
         # The head's loss and a recomputed block's activations are not alive at once.
         act = held + max(head, largest if lay.activation_checkpointing else 0.0)
-        buffers = 2 * s * b * h * e if lay.pp > 1 else 0.0  # the stage boundary's send and receive tensors
+        buffers = 2 * s * b * h * e / cp if lay.pp > 1 else 0.0  # the stage boundary's send and receive tensors
         est = MemoryEstimate(params, grads, optimizer, act * activation_scale, buffers, rank)
         if best is None or est.total > best.total:
             best = est

@@ -1,14 +1,16 @@
 """The search: every valid layout of a model on ``devices`` devices for a global batch, predicted and ranked.
 
 Dimensions: ``tp`` (a divisor of the devices within one node that divides the heads, key/value heads, MLP
-size and vocabulary: `tp_divides`), ``pp`` (at most one stage per pipeline layer), ``dp`` = the rest (it must
-divide the global batch), ZeRO stage (1-3 only with ``dp > 1``), the micro-batch size (a divisor of a
-replica's batch; the count is then a pipeline's micro-batches or, without PP, gradient accumulation), the
-schedule and its virtual stages (checked by the strategy's own `resolve_schedule`), activation
-checkpointing, sequence parallelism (``tp > 1``), and for a mixture-of-experts model expert parallelism ``ep``
-(`ep_choices`: the divisors of ``dp`` that divide the number of experts, 1 included; with every ZeRO stage,
-`EP_ZERO_STAGES`). Each candidate gets `estimate_memory`; those that fit the device (`USABLE_MEMORY` of it) get
-`estimate_time` and are ranked by step time (then memory).
+size and vocabulary: `tp_divides`), ``pp`` (at most one stage per pipeline layer), context parallelism ``cp``
+(`cp_choices`: a divisor of what ``tp pp`` leave such that the sequence length divides by ``2 cp`` and each rank
+keeps at least `MIN_CP_TOKENS` tokens of a sequence; those that do not are counted as turned away), ``dp`` = the
+rest (it must divide the global batch), ZeRO stage (1-3 only with ``dp cp > 1``: ZeRO shards over the ``dp cp``
+ranks), the micro-batch size (a divisor of a replica's batch; the count is then a pipeline's micro-batches or,
+without PP, gradient accumulation), the schedule and its virtual stages (checked by the strategy's own
+`resolve_schedule`), activation checkpointing, sequence parallelism (``tp > 1``), and for a mixture-of-experts
+model expert parallelism ``ep`` (`ep_choices`: the divisors of ``dp cp`` that divide the number of experts, 1
+included; with every ZeRO stage, `EP_ZERO_STAGES`). Each candidate gets `estimate_memory`; those that fit the
+device (`USABLE_MEMORY` of it) get `estimate_time` and are ranked by step time (then memory).
 
 The partition of the layers over stages is cached per stage count (`rank_layers`), so 1,024 devices search in
 one to two seconds (`benchmarks/bench_planner.py` times it).
@@ -29,13 +31,20 @@ from .memory import MemoryEstimate, estimate_memory
 from .model import ModelSpec
 from .time import TimeEstimate, estimate_time
 
-__all__ = ["Candidate", "EP_ZERO_STAGES", "Plan", "enumerate_layouts", "ep_choices", "evaluate", "plan", "tp_divides"]
+__all__ = ["Candidate", "EP_ZERO_STAGES", "MIN_CP_TOKENS", "Plan", "cp_choices", "enumerate_layouts", "ep_choices",
+           "evaluate", "plan", "tp_divides"]
 
 GIB = 2**30
 #: ZeRO stages the search combines with ``ep > 1``: all of them (0-2: the experts' buckets reduced and sharded over
 #: their own dp/ep group; 3: the experts ``fully_shard``-ed over that group, `lightning_hybrid.zero.apply_fsdp_experts`;
 #: tests/test_moe.py).
 EP_ZERO_STAGES = (0, 1, 2, 3)
+#: The fewest tokens of a sequence the search leaves a context-parallel rank (``seq_len / cp``): context parallelism
+#: is for sequences too long for one device's activations. Below this the time model, which takes every GEMM at the
+#: same efficiency and every attention tile as large, would credit splitting a short sequence as a finer
+#: micro-batch (smaller pipeline bubble) that real kernels do not deliver; it also keeps the search of ordinary
+#: sequence lengths (<= 2048: no ``cp`` at all) the size it was. ``enumerate_layouts(min_cp_tokens=...)`` changes it.
+MIN_CP_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -94,16 +103,36 @@ def tp_divides(model: ModelSpec, tp: int) -> bool:
 
 
 def ep_choices(model: ModelSpec, dp: int) -> list[int]:
-    """Expert-parallel sizes for ``dp``: the divisors of ``dp`` that divide the number of experts (``[1]`` for a
-    dense model)."""
+    """Expert-parallel sizes for ``dp`` ranks (``dp cp`` under context parallelism: the expert-parallel ranks are
+    carved out of those): its divisors that divide the number of experts (``[1]`` for a dense model)."""
     return [ep for ep in divisors(dp) if model.experts and model.experts % ep == 0] if model.experts else [1]
+
+
+def cp_choices(model: ModelSpec, ranks: int, invalid: Optional[Counter] = None,
+               min_tokens: int = MIN_CP_TOKENS) -> list[int]:
+    """Context-parallel sizes out of ``ranks`` (the devices ``tp pp`` leave): 1 and its divisors ``cp`` such that
+    the model's sequence length divides by ``2 cp`` (the zigzag split's chunks) and leaves each rank at least
+    ``min_tokens`` of it; the others counted in ``invalid``."""
+    invalid = Counter() if invalid is None else invalid
+    choices = [1]
+    for cp in divisors(ranks)[1:]:
+        if model.seq_len % (2 * cp):
+            invalid["seq_len not divisible by 2*cp"] += 1
+        elif model.seq_len // cp < min_tokens:
+            invalid[f"cp: fewer than {min_tokens} tokens of a sequence per rank"] += 1
+        else:
+            choices.append(cp)
+    return choices
 
 
 def enumerate_layouts(model: ModelSpec, cluster: Cluster, devices: int, global_batch: int, *,
                       sequence_parallel: bool = True, schedules: Sequence[str] = tuple(SCHEDULES),
                       max_virtual_stages: int = 4, invalid: Optional[Counter] = None,
-                      pipeline: bool = True, whole_batch_loss: bool = False) -> Iterator[Layout]:
+                      pipeline: bool = True, whole_batch_loss: bool = False,
+                      context_parallel: bool = True, min_cp_tokens: int = MIN_CP_TOKENS) -> Iterator[Layout]:
     """Every valid layout (see the module docstring); the sizes turned away are counted in ``invalid``.
+    ``context_parallel=False``: ``cp = 1`` only (a strategy without context parallelism); ``min_cp_tokens``: the
+    fewest tokens of a sequence a context-parallel rank may keep (`MIN_CP_TOKENS`).
     ``pipeline=False``: ``pp = 1`` only (a model that cannot train under a pipeline). ``whole_batch_loss``: the
     model adds a loss of the whole batch (its routers' load-balancing loss), which a pipeline computes under GPipe
     only, without sequence parallelism (`lightning_hybrid.pipeline.aux`)."""
@@ -123,22 +152,23 @@ def enumerate_layouts(model: ModelSpec, cluster: Cluster, devices: int, global_b
             if pp > 1 and not pipeline:
                 invalid["pp > 1: the model does not train under a pipeline"] += 1
                 continue
-            dims = ParallelDims.resolve(-1, tp, pp, world_size=devices)
-            if global_batch % dims.dp:
-                invalid["dp does not divide the global batch"] += 1
-                continue
-            replica_batch = global_batch // dims.dp
-            for b in divisors(replica_batch):
-                m = replica_batch // b
-                if pp > 1 and whole_batch_loss:
-                    yield from _schedules(model, dims, b, m, pipeline_layers, False,
-                                          [s for s in schedules if s == "gpipe"], max_virtual_stages, invalid)
+            for cp in cp_choices(model, devices // (tp * pp), invalid, min_cp_tokens) if context_parallel else (1,):
+                dims = ParallelDims.resolve(-1, tp, pp, world_size=devices // cp)  # dp: what tp, pp and cp leave
+                if global_batch % dims.dp:
+                    invalid["dp does not divide the global batch"] += 1
                     continue
-                yield from _schedules(model, dims, b, m, pipeline_layers, sequence_parallel, schedules,
-                                      max_virtual_stages, invalid)
+                replica_batch = global_batch // dims.dp
+                for b in divisors(replica_batch):
+                    m = replica_batch // b
+                    if pp > 1 and whole_batch_loss:
+                        yield from _schedules(model, dims, cp, b, m, pipeline_layers, False,
+                                              [s for s in schedules if s == "gpipe"], max_virtual_stages, invalid)
+                        continue
+                    yield from _schedules(model, dims, cp, b, m, pipeline_layers, sequence_parallel, schedules,
+                                          max_virtual_stages, invalid)
 
 
-def _schedules(model, dims, b, m, pipeline_layers, sequence_parallel, schedules, max_virtual_stages, invalid):
+def _schedules(model, dims, cp, b, m, pipeline_layers, sequence_parallel, schedules, max_virtual_stages, invalid):
     tp, pp, dp = dims.tp, dims.pp, dims.dp
     choices = [("1f1b", 1)] if pp == 1 else []
     for name in (schedules if pp > 1 else ()):
@@ -154,13 +184,13 @@ def _schedules(model, dims, b, m, pipeline_layers, sequence_parallel, schedules,
                 continue
             choices.append((name, v))
     for name, v in choices:
-        for ep in ep_choices(model, dp):
-            for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
+        for ep in ep_choices(model, dp * cp):
+            for zero in ((0, 1, 2, 3) if dp * cp > 1 else (0,)):
                 if ep > 1 and zero not in EP_ZERO_STAGES:
                     continue
                 for ac in (False, True):
                     for sp in ((False, True) if tp > 1 and sequence_parallel else (False,)):
-                        yield Layout(dp, tp, pp, zero, b, m, name, v, ac, sp, ep=ep)
+                        yield Layout(dp, tp, pp, zero, b, m, name, v, ac, sp, ep=ep, cp=cp)
 
 
 def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: int) -> Candidate:

@@ -50,6 +50,23 @@ Mixture of experts (`ModelSpec.experts`; `lightning_hybrid.expert_parallel`), pe
   ``dp/ep`` ranks (``ep tp`` apart), in their own buckets; the rest over ``dp`` as above; the optimizer steps
   ``1/(dp/ep)`` of them under ZeRO.
 
+Context parallelism (`Layout.cp` = ``c``; `lightning_hybrid.context_parallel`), per block and micro-batch:
+
+* compute: ``1/c`` of the block's -- its ``T/c`` tokens through the matrices, and attention's ``T/c`` queries
+  against all ``T`` keys (``4 h s`` FLOPs per query: ``1/c`` as well; the zigzag split balances the causal mask's
+  work) -- and of the head; TP's collectives and the pipeline's boundary tensors carry ``T/c`` tokens;
+* KV exchange (``c > 1``; `kv_exchange_time`): in forward an all-gather of K and one of V over the ``cp`` group
+  (and of the tokens' positions, for the whole sequence's mask), in backward a reduce-scatter of their gradients
+  (gloo, on a CPU cluster: an all-reduce), and with activation checkpointing the recomputed forward's gathers
+  again: each a ring over ``c`` ranks of ``2 b s (a/tp) d e`` bytes for K and V together -- per query head: the
+  implementation repeats grouped-query attention's key/value heads before gathering -- a rank sending ``(c-1)/c``
+  of it (`kv_exchange_bytes`); over the link the cp group spans (``c`` ranks ``tp`` apart: NVLink while ``c tp``
+  fits in a node; `Cluster.link`). Not overlapped with computation (attention waits for the gathered keys; the
+  implementation's collectives are synchronous): on the critical path (``cp_comm``), and in the pipeline bubble
+  like the rest of a micro-batch's time;
+* DP: the gradients are reduced (and ZeRO-sharded) over the ``dp c`` ranks (``tp`` apart), the experts' over
+  ``dp c/ep``; the optimizer steps ``1/(dp c)`` under ZeRO.
+
 A step also costs the cluster's ``step_overhead`` (the training loop's own time; measured on CPU).
 
 Collectives between computation cost ``collective_overhead`` each beyond their transfer (ranks that arrive apart,
@@ -70,12 +87,12 @@ from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB
 
 from .cluster import Cluster, Link
 from .layout import Layout
-from .memory import (PRECISIONS, block_activations, moe_block_count, rank_block_counts, rank_expert_params,
-                     rank_layers, rank_params, routed_tokens)
+from .memory import (PRECISIONS, block_activations, gathered_kv_bytes, moe_block_count, rank_block_counts,
+                     rank_expert_params, rank_layers, rank_params, routed_tokens)
 from .model import ModelSpec
 
-__all__ = ["TimeEstimate", "all_to_all_bytes", "all_to_all_time", "bubble_fraction", "estimate_time", "ring_time",
-           "ring_volume"]
+__all__ = ["TimeEstimate", "all_to_all_bytes", "all_to_all_time", "bubble_fraction", "estimate_time",
+           "kv_exchange_bytes", "kv_exchange_time", "ring_time", "ring_volume"]
 
 
 def ring_volume(n: int, nbytes: float, op: str = "all_reduce") -> float:
@@ -117,6 +134,52 @@ def _exchange_bytes(model: ModelSpec, layout: Layout, tokens: float, element: fl
     return routed * model.top_k * model.hidden * element * (ep - 1) / ep
 
 
+def kv_exchange_bytes(model: ModelSpec, layout: Layout, *, precision: str = "bf16-mixed",
+                      bytes_per_element: float | None = None, pipeline_rank: int | None = None) -> float:
+    """Bytes one rank sends in the context-parallel key/value exchanges of one optimizer step:
+
+        X * L * m * (cp - 1)/cp * 2 b s (a/tp) d e
+
+    ``X = 2`` exchanges per block and micro-batch (the forward's all-gather of K and V, the backward's
+    reduce-scatter of their gradients; 3 with activation checkpointing, whose recomputed forward gathers again),
+    ``L`` the blocks of the rank's pipeline stages (``pipeline_rank``; default the rank with the most), ``m`` the
+    micro-batches, ``2 b s (a/tp) d e`` the gathered K and V of a micro-batch (`gathered_kv_bytes`: ``b``
+    sequences of ``s`` tokens, the rank's ``a/tp`` query heads of ``d`` -- grouped-query attention's key/value heads
+    are repeated before the gather -- ``e`` bytes per element: ``bytes_per_element``, else the activation size of
+    ``precision``) of which a rank sends ``(cp - 1)/cp`` in a ring. 0 for ``cp = 1``. Not counted: the tokens'
+    positions gathered for the mask (``8 b s (cp - 1)/cp`` bytes per forward), and on gloo the backward's
+    all-reduce in place of the reduce-scatter (twice the volume; `estimate_time` counts both)."""
+    layout.check_model(model)
+    if layout.cp == 1:
+        return 0.0
+    element = bytes_per_element if bytes_per_element is not None else PRECISIONS[precision][3]
+    blocks = [sum(1 for i in layers if 0 < i <= model.n_layer) for layers in _pipeline_ranks(model, layout)]
+    count = max(blocks) if pipeline_rank is None else blocks[pipeline_rank]
+    exchanges = 3 if layout.activation_checkpointing else 2
+    volume = ring_volume(layout.cp, gathered_kv_bytes(model, layout.micro_batch, element, layout.tp, layout.cp),
+                         "all_gather")
+    return exchanges * count * layout.micro_batches * volume
+
+
+def kv_exchange_time(model: ModelSpec, layout: Layout, cluster: Cluster) -> float:
+    """Seconds of one block's context-parallel exchanges for one micro-batch, all on the critical path: in forward
+    the all-gather of the tokens' positions (int64, for the whole sequence's mask) and of K and of V, in backward
+    the reduce-scatter of their gradients (two; on a CPU cluster gloo's all-reduce in its place), and with
+    activation checkpointing the recomputed forward's three gathers again; each a ring over the ``cp`` ranks (``tp``
+    apart: `Cluster.link`). 0 for ``cp = 1``. Not overlapped with computation (attention waits for the keys)."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0
+    b = layout.micro_batch
+    kv = gathered_kv_bytes(model, b, PRECISIONS[cluster.precision][3], layout.tp, cp)
+    link = cluster.link(cp, layout.tp)
+    forwards = 2 if layout.activation_checkpointing else 1
+    positions = ring_time(cp, 8 * b * model.seq_len, link, "all_gather")
+    gather = ring_time(cp, kv, link, "all_gather", messages=2) + positions
+    backward_op = "all_reduce" if cluster.compute_units else "reduce_scatter"  # gloo: no reduce-scatter of its own
+    return forwards * gather + ring_time(cp, kv, link, backward_op, messages=2)
+
+
 def all_to_all_bytes(model: ModelSpec, layout: Layout, tokens_per_rank: float | None = None, *,
                      precision: str = "bf16-mixed", bytes_per_element: float | None = None,
                      pipeline_rank: int | None = None) -> float:
@@ -129,15 +192,16 @@ def all_to_all_bytes(model: ModelSpec, layout: Layout, tokens_per_rank: float | 
     activation checkpointing, whose recomputed forward exchanges again), ``L_moe`` the MoE layers of the rank's
     pipeline stages (``pipeline_rank``; default the rank with the most), ``N`` the tokens the rank routes in the
     step -- ``tokens_per_rank``, its data-parallel replica's tokens over all micro-batches (default ``micro_batch x
-    micro_batches x seq_len``), divided by ``tp`` under sequence parallelism (each TP rank routes its part of the
-    sequence; without it every TP rank routes all of them) -- ``k`` the experts per token, ``h`` the width, ``e``
-    bytes per element (``bytes_per_element``, else the activation size of ``precision``: `PRECISIONS`), and
-    ``(ep - 1)/ep`` the pairs that leave the rank under uniform routing. 0 for ``ep = 1``. Not counted: the split
-    sizes exchanged before each forward dispatch (``8 (ep - 1)`` bytes per layer)."""
+    micro_batches x seq_len``; ``/cp`` under context parallelism: the rank's part of each sequence), divided by ``tp``
+    under sequence parallelism (each TP rank routes its part of the sequence; without it every TP rank routes all of
+    them) -- ``k`` the experts per token, ``h`` the width, ``e`` bytes per element (``bytes_per_element``, else the
+    activation size of ``precision``: `PRECISIONS`), and ``(ep - 1)/ep`` the pairs that leave the rank under uniform
+    routing. 0 for ``ep = 1``. Not counted: the split sizes exchanged before each forward dispatch (``8 (ep - 1)``
+    bytes per layer)."""
     layout.check_model(model)
     if layout.ep == 1:
         return 0.0
-    tokens = (layout.micro_batch * layout.micro_batches * model.seq_len if tokens_per_rank is None
+    tokens = (layout.micro_batch * layout.micro_batches * model.seq_len // layout.cp if tokens_per_rank is None
               else tokens_per_rank)
     element = bytes_per_element if bytes_per_element is not None else PRECISIONS[precision][3]
     counts = [moe_block_count(model, layers) for layers in _pipeline_ranks(model, layout)]
@@ -170,10 +234,12 @@ class TimeEstimate:
     optimizer: float
     total: float
     ep_comm: float = 0.0  # the expert-parallel all-to-alls
+    cp_comm: float = 0.0  # the context-parallel key/value all-gathers and reduce-scatters
 
     def as_dict(self) -> dict[str, float]:
         return {"compute": self.compute, "tp_comm": self.tp_comm, "pp_comm": self.pp_comm, "ep_comm": self.ep_comm,
-                "bubble": self.bubble, "dp_comm": self.dp_comm, "optimizer": self.optimizer, "total": self.total}
+                "cp_comm": self.cp_comm, "bubble": self.bubble, "dp_comm": self.dp_comm, "optimizer": self.optimizer,
+                "total": self.total}
 
 
 def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
@@ -182,8 +248,8 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     lay.check_model(model)
     pb, gb, ob, e = PRECISIONS[prec]
     flops = cluster.achievable_flops(prec)
-    s, h, t, b, ep = model.seq_len, model.hidden, lay.tp, lay.micro_batch, lay.ep
-    tokens = b * s
+    s, h, t, b, ep, cp = model.seq_len, model.hidden, lay.tp, lay.micro_batch, lay.ep, lay.cp
+    tokens = b * s // cp  # the rank's tokens of a micro-batch (all of them without context parallelism)
     recompute = lay.activation_checkpointing
     passes = 4 if recompute else 3  # forward, backward = 2 forwards, recomputed forward
     dense_act, moe_act = block_activations(model, lay, prec)
@@ -192,6 +258,7 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     block_compute = block_flops / flops + passes * cluster.layer_overhead + 3 * dense_act / cluster.memory_bandwidth
     tp_link = cluster.link(t, 1)
     block_tp = (6 if recompute else 4) * ring_time(t, tokens * h * e, tp_link)
+    block_cp = kv_exchange_time(model, lay, cluster)  # per block, dense or MoE
     head_compute = 6 * tokens * h * model.vocab / t / flops + 3 * cluster.layer_overhead
     if lay.loss_parallel:  # vocab-parallel cross entropy: all-reduces of a max, a sum and the target logit
         head_tp = 3 * ring_time(t, tokens * 4, tp_link)
@@ -219,27 +286,27 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     counts = rank_block_counts(model, lay.pp, per_rank, spec.style)  # (dense, MoE) blocks per rank
     head_index = model.n_layer + 1
 
-    def rank_times(rank: int) -> tuple[float, float, float]:
+    def rank_times(rank: int) -> tuple[float, float, float, float]:
         (dense, moe), head = counts[rank], head_index in ranks[rank]
         return (dense * block_compute + moe * moe_compute + (head_compute if head else 0.0),
-                dense * block_tp + moe * moe_tp + (head_tp if head else 0.0), moe * moe_ep)
+                dense * block_tp + moe * moe_tp + (head_tp if head else 0.0), moe * moe_ep, (dense + moe) * block_cp)
 
     times = [rank_times(rank) for rank in range(lay.pp)]
-    compute_mb, tp_mb, ep_mb = max(times, key=sum)
-    pp_link = cluster.link(2, lay.dp * lay.tp)
+    compute_mb, tp_mb, ep_mb, cp_mb = max(times, key=sum)
+    pp_link = cluster.link(2, lay.dp * cp * lay.tp)
     boundary = tokens * h * e / (t if lay.sequence_parallel else 1)
     pp_mb = 2 * per_rank * (pp_link.latency + boundary / pp_link.bandwidth) if lay.pp > 1 else 0.0
     m = lay.micro_batches
-    t_mb = compute_mb + tp_mb + ep_mb + pp_mb
+    t_mb = compute_mb + tp_mb + ep_mb + cp_mb + pp_mb
     bubble = bubble_fraction(lay.schedule, lay.pp, m, lay.virtual_stages) * m * t_mb
 
-    # DP: the fullest rank's parameters over the dp ring (ranks tp apart), in gradient buckets of
-    # ``bucket_cap_mb`` (stages 0-2) or FSDP2 units, one per block and one for the rest (stage 3). Under EP the
-    # experts apart: over their own dp/ep ranks (ep tp apart), in their own buckets.
+    # DP: the fullest rank's parameters over the dp ring (ranks tp apart; dp cp ranks under CP), in gradient buckets
+    # of ``bucket_cap_mb`` (stages 0-2) or FSDP2 units, one per block and one for the rest (stage 3). Under EP the
+    # experts apart: over their own dp cp/ep ranks (ep tp apart), in their own buckets.
     fullest = max(range(lay.pp), key=lambda rank: rank_params(model, ranks[rank], t, ep))
     P = rank_params(model, ranks[fullest], t, ep)
     P_x = rank_expert_params(model, ranks[fullest], ep) if ep > 1 else 0.0
-    n, edp = lay.dp, lay.edp
+    n, edp = lay.shard, lay.edp
     dense_units, moe_units_dp = counts[fullest]
 
     def messages(params: float, units: int) -> int:
@@ -266,7 +333,7 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     else:
         dp_comm = max(0.0, reduce - overlap) + gather
     per_param = cluster.optimizer_time_per_param or 2 * (pb + gb + ob) / cluster.memory_bandwidth
-    # ZeRO 1-3 step a 1/dp slice (the experts' 1/(dp/ep))
+    # ZeRO 1-3 step a 1/dp slice (the experts' 1/(dp/ep)); dp cp under CP
     optimizer = (per_param * (P - P_x) / (n if lay.zero_stage else 1)
                  + per_param * P_x / (edp if lay.zero_stage else 1))
 
@@ -278,7 +345,8 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     # (vocab-parallel loss) or 1, the embedding's 1. EP: per MoE block and micro-batch the split sizes' exchange
     # and 2 all-to-alls per forward, 2 in backward. PP: a send and a receive per stage and micro-batch. DP: one
     # per bucket (ZeRO 1-2: and a gather), ZeRO-3 three per unit (gather in forward and in backward,
-    # reduce-scatter), per micro-batch without a pipeline.
+    # reduce-scatter), per micro-batch without a pipeline. CP: per block and micro-batch the all-gathers of the
+    # positions, K and V in forward (again when recomputed) and the reduce-scatters of K's and V's gradients.
     if t > 1:
         per_block = (10 if lay.sequence_parallel else 4) + (4 if lay.sequence_parallel else 2) * recompute
         per_moe = per_block * moe_units / 2
@@ -286,14 +354,15 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     else:
         tp_colls = 0
     ep_colls = m * max(k for _, k in counts) * (5 + 3 * recompute) if ep > 1 else 0
+    cp_colls = m * max(d + k for d, k in counts) * (5 + 3 * recompute) if cp > 1 else 0
     pp_colls = m * 2 * per_rank if lay.pp > 1 else 0
     dp_messages = sum(k for *_, k in groups)
     if lay.zero_stage == 3:
         dp_colls = 3 * dp_messages * (1 if lay.pp > 1 else m)
     else:
         dp_colls = dp_messages * (2 if lay.zero_stage else 1)
-    sync = (tp_colls + ep_colls + pp_colls + dp_colls) * cluster.collective_overhead
-    waits = m * (tp_mb + ep_mb + pp_mb) + dp_comm + sync + cluster.step_overhead
+    sync = (tp_colls + ep_colls + cp_colls + pp_colls + dp_colls) * cluster.collective_overhead
+    waits = m * (tp_mb + ep_mb + cp_mb + pp_mb) + dp_comm + sync + cluster.step_overhead
     critical = own + bubble + waits
     if cluster.compute_units:
         # A node's ranks share its cores, and on a CPU all of a rank's work -- computing, moving the bytes of
@@ -301,4 +370,4 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
         on_node = min(lay.devices, cluster.devices_per_node)
         critical = max(critical, (own + waits) * max(1.0, on_node / cluster.compute_units))
     return TimeEstimate(compute=m * compute_mb, tp_comm=m * tp_mb, pp_comm=m * pp_mb, bubble=bubble,
-                        dp_comm=dp_comm, optimizer=optimizer, total=critical, ep_comm=m * ep_mb)
+                        dp_comm=dp_comm, optimizer=optimizer, total=critical, ep_comm=m * ep_mb, cp_comm=m * cp_mb)

@@ -1,0 +1,254 @@
+"""Context parallelism: every sequence of the batch split over the ``cp`` ranks, exact.
+
+**The split.** Each CP rank holds ``T / cp`` tokens of every sequence: for causal attention the work of a token
+grows with its position, so the sequence is cut into ``2 * cp`` chunks and rank ``r`` takes chunks ``r`` and
+``2 * cp - 1 - r`` (the zigzag split of Megatron-LM and TorchTitan), which gives every rank the same attention
+work. `split_batch` cuts a token batch (`lightning_hybrid.batch`) this way after it has been read whole: labels
+(already shifted), the padding mask and the positions of each token in its document are those of the whole
+sequence, so everything outside attention -- embeddings, norms, MLPs, the head, the per-token loss -- is the same
+computation on fewer tokens. The positions always travel (``position_ids``): a rank's tokens are not contiguous.
+
+**Attention** is the one place where tokens meet. Inside every layer the strategy wraps (`ContextParallel`), a
+`torch.overrides.TorchFunctionMode` catches ``F.scaled_dot_product_attention`` -- the reference GPT's attention and
+transformers' SDPA attention call it -- all-gathers the keys and values over the CP group (backward: the sum of
+their gradients, back to the rank that holds them), and attends the rank's queries to every key with the mask of
+the whole sequence: causal by the tokens' places in the sequence and within each document (documents restart
+where the positions do not continue by +1, `lightning_hybrid.batch.document_ids`) -- the mask one device uses,
+cut to this rank's queries. The model's own mask (built for the rank's tokens alone) is replaced, so it must be
+that mask: a float mask carrying anything but 0 / -inf (ALiBi), or an attention that is neither causal nor masked,
+is refused when first seen.
+
+**All-gather, not a ring.** Gathering K and V costs each rank ``(cp - 1) / cp`` of the sequence's keys and values
+per layer (forward, and the same back in backward), the same volume a ring passes, in one collective that NCCL
+runs at full bandwidth, and it leaves SDPA's kernels and any mask untouched (a ring needs the partial results
+merged by their log-sum-exp, per mask block). The gather and the attention are checkpointed, so a layer keeps
+only its own keys and values for backward, which gathers them again; what grows with ``T`` per rank is the
+``(T / cp) x T`` mask (one per micro-batch) and the score block of the layer being computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.checkpoint import checkpoint
+
+from lightning_hybrid.batch import TokenBatch, document_ids
+
+__all__ = ["ContextParallel", "split_batch", "zigzag_indices"]
+
+
+def zigzag_indices(length: int, cp: int, rank: int, device: Optional[torch.device] = None) -> Tensor:
+    """The places in a sequence of ``length`` tokens of the tokens CP rank ``rank`` of ``cp`` holds: chunks
+    ``rank`` and ``2 * cp - 1 - rank`` of ``2 * cp``. ``ValueError`` unless ``2 * cp`` divides ``length``."""
+    if length % (2 * cp):
+        raise ValueError(
+            f"A sequence of {length} tokens does not split into 2 * cp = {2 * cp} equal chunks (context parallelism"
+            f" gives each CP rank two of them): use a sequence length that is a multiple of {2 * cp}."
+        )
+    chunk = length // (2 * cp)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    last = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
+    return torch.cat([first, last])
+
+
+def split_batch(batch: Any, cp: int, rank: int) -> dict[str, Tensor]:
+    """This CP rank's share of a token batch (an ``(x, y)`` pair or a dict of `lightning_hybrid.batch`), as a dict
+    batch: ``input_ids``, ``labels``, ``position_ids`` (each token's position in its document, always), and
+    ``attention_mask`` where the batch has padding."""
+    tokens = TokenBatch.from_batch(batch)
+    ids = tokens.input_ids
+    places = zigzag_indices(ids.size(1), cp, rank, ids.device)
+    positions = tokens.position_ids
+    if positions is None:
+        positions = torch.arange(ids.size(1), device=ids.device).expand_as(ids)
+    out = {"input_ids": ids[:, places], "labels": tokens.labels[:, places], "position_ids": positions[:, places]}
+    if tokens.padding is not None:
+        out["attention_mask"] = tokens.padding[:, places].long()
+    return out
+
+
+class ContextParallel:
+    """The attention of the layers of one module over the CP ``group`` (see the module doc).
+
+    `wrap` makes a layer's ``forward`` run its attention over the whole sequence: the layer reads the positions
+    of its tokens from its ``position_ids`` keyword (the batch's, split by `split_batch`; every layer of the
+    reference GPT and of a transformers decoder takes them), and activation checkpointing, applied after, recomputes
+    through the same wrapper. ``calls`` counts the attentions caught (a module whose layers make none does not
+    reach its attention through SDPA: refused by the strategy after the first step). ``recompute_attention``:
+    backward gathers the keys and values again and recomputes the attention rather than keeping them (off inside
+    selectively recomputed layers, whose policy decides).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, recompute_attention: bool = True) -> None:
+        self.group, self.recompute_attention = group, recompute_attention
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.calls = 0
+        self.verified = False  # the strategy found attention caught after the first step
+        self._positions: Optional[Tensor] = None
+        self._checked: set[tuple] = set()
+        self._masks: dict[int, tuple[Tensor, Tensor]] = {}  # id(positions) -> (positions, mask), this batch's
+
+    def wrap(self, layer: nn.Module) -> None:
+        forward = layer.forward
+
+        def context_parallel_forward(*args: Any, **kwargs: Any) -> Any:
+            with self.attending(kwargs.get("position_ids")):
+                return forward(*args, **kwargs)
+
+        layer.forward = context_parallel_forward
+        layer.register_forward_pre_hook(self._prepare_mask, with_kwargs=True)
+
+    @contextmanager
+    def attending(self, positions: Optional[Tensor]) -> Iterator[None]:
+        """While a layer runs: its tokens' positions, and SDPA caught."""
+        saved, self._positions = self._positions, positions
+        try:
+            with _AttentionMode(self):
+                yield
+        finally:
+            self._positions = saved
+
+    # ------------------------------------------------------------------ attention
+    def attention(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
+                  dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
+                  enable_gqa: bool = False) -> Tensor:
+        """``F.scaled_dot_product_attention`` of this rank's queries against the keys and values of the whole
+        sequence, under the mask of the whole sequence."""
+        self._check_mask(attn_mask, is_causal, query)
+        positions = self._positions
+        if positions is None:
+            raise RuntimeError(
+                "Under context parallelism every layer must receive the positions of its tokens (position_ids=...):"
+                " a CP rank's tokens are not contiguous. The strategy gives them with the batch; call the layers"
+                " with them."
+            )
+        local = query.size(-2)
+        if key.size(-2) != local or positions.size(-1) != local:
+            raise RuntimeError(f"context parallelism: the attention's keys ({key.size(-2)}) and positions"
+                               f" ({positions.size(-1)}) do not cover the rank's {local} queries")
+        # A model may hand SDPA its key/value heads once (grouped-query attention, enable_gqa) on one rank and
+        # repeated per query head on another (transformers decides by the rank's own mask): gathered per query head.
+        heads = query.size(-3)
+        if key.size(-3) != heads:
+            key = key.repeat_interleave(heads // key.size(-3), dim=-3)
+            value = value.repeat_interleave(heads // value.size(-3), dim=-3)
+        mask = self.mask(positions, query.device)
+        # Checkpointed: backward gathers the keys and values again rather than keeping the whole sequence's (and
+        # SDPA's scores of the rank's queries against them) for every layer until its backward. (Not inside a
+        # selectively recomputed layer: its policy decides what is kept, replaying the ops in their order.)
+        if not self.recompute_attention:
+            return self._attend(query, key, value, mask, dropout_p, scale)
+        return checkpoint(self._attend, query, key, value, mask, dropout_p, scale, use_reentrant=False)
+
+    def _attend(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor, dropout_p: float,
+                scale: Optional[float]) -> Tensor:
+        keys = gather_sequence(key, self.group)
+        values = gather_sequence(value, self.group)
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+
+    def mask(self, positions: Tensor, device: torch.device) -> Tensor:
+        """``(B, 1, T / cp, T)``: which keys (in gathered order) each of this rank's queries may attend to. Made once
+        per (micro-)batch, before its first layer (`_prepare_mask`, outside any checkpointed region: a selective
+        recomputation replays the layer's ops in their order, so a layer must run the same ops in its forward and
+        its recomputation), and looked up by the layers."""
+        entry = self._masks.get(id(positions))
+        if entry is None or entry[0] is not positions:
+            entry = (positions, self._make_mask(positions, device))
+            self._masks[id(positions)] = entry
+        return entry[1]
+
+    def new_batch(self) -> None:
+        """A batch starts: the masks of the last are dropped."""
+        self._masks.clear()
+
+    def _prepare_mask(self, layer: nn.Module, args: tuple, kwargs: dict) -> None:
+        positions = kwargs.get("position_ids")
+        if isinstance(positions, Tensor) and not positions.is_meta:
+            self.mask(positions, positions.device)
+
+    def _make_mask(self, positions: Tensor, device: torch.device) -> Tensor:
+        local = positions.size(-1)
+        length = local * self.size
+        with torch.no_grad():
+            pieces = [torch.empty_like(positions) for _ in range(self.size)]
+            dist.all_gather(pieces, positions.contiguous(), group=self.group)
+            gathered = torch.cat(pieces, dim=-1)  # (B, T): rank 0's tokens, rank 1's, ...
+            order = torch.cat([zigzag_indices(length, self.size, r, device) for r in range(self.size)])
+            whole = torch.empty_like(gathered)
+            whole[:, order] = gathered  # the positions in the sequence's order
+            docs = document_ids(whole)[:, order]  # each key's document, in gathered order
+            mine = order[self.rank * local:(self.rank + 1) * local]
+            causal = order.unsqueeze(0) <= mine.unsqueeze(1)  # (T / cp, T)
+            same = docs[:, self.rank * local:(self.rank + 1) * local].unsqueeze(-1) == docs.unsqueeze(-2)
+            return (same & causal).unsqueeze(1)
+
+    def _check_mask(self, attn_mask: Optional[Tensor], is_causal: bool, query: Tensor) -> None:
+        """Refuse, when first seen, an attention whose own mask is not the causal document mask this replaces."""
+        if attn_mask is None:
+            if not is_causal and query.size(-2) > 1:
+                raise ValueError("context parallelism: an attention that is neither causal nor masked"
+                                 " (bidirectional) is not supported: the mask of a causal LM is replaced.")
+            return
+        key = (attn_mask.dtype, tuple(attn_mask.shape))
+        if key in self._checked:
+            return
+        if attn_mask.is_floating_point():
+            # Outside the dispatch modes: a selectively recomputed layer must run the same ops in its recomputation,
+            # which does not check again.
+            with _disable_current_modes():
+                mask = attn_mask.detach()
+                allowed = bool(((mask == 0) | (mask <= torch.finfo(mask.dtype).min)).all())
+            if not allowed:
+                raise ValueError(
+                    "context parallelism: the attention's mask adds biases (e.g. ALiBi), which cannot be rebuilt for"
+                    " the whole sequence: train this model with cp=1."
+                )
+        self._checked.add(key)
+
+
+class _AttentionMode(TorchFunctionMode):
+    def __init__(self, cp: ContextParallel) -> None:
+        super().__init__()
+        self.cp = cp
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[Mapping] = None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            self.cp.calls += 1
+            return self.cp.attention(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def gather_sequence(t: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """``t`` ``(..., T / cp, D)`` of every rank of ``group``, concatenated along the sequence (dim -2) in rank order;
+    backward: each rank gets the sum over the ranks of the gradient of its part."""
+    return _GatherSequence.apply(t, group)
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        pieces = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, t.contiguous(), group=group)
+        return torch.cat(pieces, dim=-2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        grad = grad.contiguous()
+        if dist.get_backend(ctx.group) == "nccl":
+            parts = torch.stack(grad.chunk(size, dim=-2))  # (cp, ..., T / cp, D): one part per rank
+            out = torch.empty_like(parts[0])
+            dist.reduce_scatter_tensor(out, parts, group=ctx.group)
+            return out, None
+        dist.all_reduce(grad, group=ctx.group)  # gloo: no reduce-scatter of its own that keeps memory bounded
+        return grad.chunk(size, dim=-2)[rank].contiguous(), None

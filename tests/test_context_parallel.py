@@ -1,0 +1,177 @@
+"""Context parallelism: each sequence split over the CP ranks (the zigzag split), attention over the whole sequence
+(keys and values all-gathered, the mask of the whole sequence: causal, padded, packed documents), every layout
+equal to one device -- on the reference GPT and on transformers families, composed with DP, TP + SP, PP, ZeRO,
+activation checkpointing and reshardable checkpoints."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_hybrid import HybridStrategy
+from lightning_hybrid.batch import TokenBatch, document_causal_mask
+from lightning_hybrid.context_parallel import split_batch, zigzag_indices
+from lightning_hybrid.data import ByteCorpusDataModule
+from lightning_hybrid.rank_zero import BatchError
+from lightning_hybrid.testing import run_distributed
+from tests.helpers import QUIET_TRAINER
+from tests.parity import RTOL, check_world
+from tests.test_strategy_parity import gpt
+
+pytest.importorskip("transformers")
+
+from lightning_hybrid.hf import CausalLM  # noqa: E402
+from tests.families import tiny_config  # noqa: E402
+
+HF_TOLERANCES = (RTOL, 1e-5)
+
+
+def _hf(family: str, **overrides) -> CausalLM:
+    config = tiny_config(family)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return CausalLM(config, lr=2e-4)
+
+
+# ---------------------------------------------------------------------------------------------- the split
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_zigzag_split_gives_each_rank_two_chunks_and_every_token_once(cp):
+    shares = [zigzag_indices(16, cp, r) for r in range(cp)]
+    assert torch.equal(torch.cat(shares).sort().values, torch.arange(16))
+    chunk = 16 // (2 * cp)
+    assert shares[0].tolist()[:chunk] == list(range(chunk)) and shares[0].tolist()[-1] == 15  # first and last
+    with pytest.raises(ValueError, match="multiple of 8"):
+        zigzag_indices(12, 4, 0)
+
+
+def test_a_split_batch_keeps_the_positions_labels_and_padding_of_the_whole_sequence():
+    ids = torch.arange(16).view(2, 8)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0  # right padding
+    whole = TokenBatch.from_batch({"input_ids": ids, "attention_mask": mask})
+    for rank in range(2):
+        part = split_batch({"input_ids": ids, "attention_mask": mask}, 2, rank)
+        places = zigzag_indices(8, 2, rank)
+        assert torch.equal(part["input_ids"], ids[:, places])
+        assert torch.equal(part["labels"], whole.labels[:, places])  # shifted over the whole sequence
+        assert torch.equal(part["attention_mask"], mask[:, places])
+        local = TokenBatch.from_batch(part)  # what the module reads: the positions travel
+        assert local.position_ids is not None and torch.equal(local.labels, whole.labels[:, places])
+    pair = split_batch((ids, ids + 1), 2, 1)  # an (x, y) pair: positions 0..T-1 of the whole
+    assert torch.equal(pair["position_ids"], torch.arange(8)[zigzag_indices(8, 2, 1)].expand(2, -1))
+    assert "attention_mask" not in pair and torch.equal(pair["labels"], (ids + 1)[:, zigzag_indices(8, 2, 1)])
+
+
+def test_the_mask_of_a_rank_is_the_whole_sequences_mask_cut_to_its_queries():
+    """What `ContextParallel.mask` computes (on one process: the gather over CP done by hand) equals the document
+    mask of one device (`document_causal_mask`), rows of the rank's tokens, columns in gathered order."""
+    from lightning_hybrid.batch import document_ids
+
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7]])  # three packed documents
+    whole = document_causal_mask(positions)[0, 0]
+    cp, length = 4, 16
+    order = torch.cat([zigzag_indices(length, cp, r) for r in range(cp)])
+    docs = document_ids(positions)[:, order]
+    for rank in range(cp):
+        mine = zigzag_indices(length, cp, rank)
+        local = 4
+        causal = order.unsqueeze(0) <= mine.unsqueeze(1)
+        same = docs[:, rank * local:(rank + 1) * local].unsqueeze(-1) == docs.unsqueeze(-2)
+        assert torch.equal((same & causal)[0], whole[mine][:, order])
+
+
+# ---------------------------------------------------------------------------------------------- layouts
+def test_context_parallel_layouts_match_one_device_on_4_ranks():
+    """cp4, dp2 x cp2 with ZeRO-3, cp2 x tp2 with SP, cp2 x pp2 with selective recompute: the reference GPT and
+    three transformers families, with causal, padded and packed batches."""
+    check_world(4, {
+        "cp4-packed-gpt": (dict(dp=1, cp=4), gpt(), {"data": "packed"}),
+        "dp2xcp2-zero3-padded-gpt": (dict(dp=2, cp=2, zero_stage=3), gpt(), {"data": "padded"}),
+        "cp2xtp2-sp-gpt": (dict(dp=1, cp=2, tp=2, sequence_parallel=True), gpt(), {}),
+        "cp2xpp2-recompute-packed-gpt": (dict(dp=1, cp=2, pp=2, micro_batches=2, recompute="attention"), gpt(),
+                                         {"data": "packed"}),
+        "dp2xcp2-zero1-packed-llama": (dict(dp=2, cp=2, zero_stage=1), partial(_hf, "llama"), {"data": "packed"},
+                                       HF_TOLERANCES),
+        "cp2xtp2-sp-padded-qwen2": (dict(dp=1, cp=2, tp=2, sequence_parallel=True), partial(_hf, "qwen2"),
+                                    {"data": "padded"}, HF_TOLERANCES),
+        "cp2xpp2-checkpointed-mistral": (dict(dp=1, cp=2, pp=2, micro_batches=2, activation_checkpointing=True),
+                                         partial(_hf, "mistral"), {}, HF_TOLERANCES),
+        "cp4-packed-gpt_neox": (dict(dp=1, cp=4), partial(_hf, "gpt_neox"), {"data": "packed"}, HF_TOLERANCES),
+    }, steps=4, tolerances=(RTOL, 5e-6))
+
+
+def _checkpoints(ckpt: str) -> dict:
+    from tests.test_checkpoint import _fit
+
+    saved = dict(dp=2, cp=2, zero_stage=1)
+    make = gpt()
+    full = _fit(4, saved, 8, make_module=make)
+    _fit(4, saved, 4, ckpt_out=ckpt, make_module=make)
+    layouts = {"same": saved, "cp1-dp4-zero3": dict(dp=4, zero_stage=3), "cp4-dp1": dict(dp=1, cp=4)}
+    return {"full": full, **{name: _fit(4, layout, 8, ckpt_in=ckpt, make_module=make)
+                             for name, layout in layouts.items()}}
+
+
+def test_checkpoints_resume_exactly_under_another_cp_on_4_ranks(tmp_path):
+    from lightning_hybrid.checkpoint import read_meta
+
+    ckpt = str(tmp_path / "step4.ckpt")
+    by_rank = run_distributed(_checkpoints, 4, ckpt)
+    assert read_meta(ckpt)["lightning_hybrid"]["layout"] == {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 1, "cp": 2}
+    for rank, runs in enumerate(by_rank):
+        full = runs["full"]
+        assert runs["same"]["losses"] == full["losses"][4:], rank
+        for what in ("params", "grads", "optimizer"):
+            for key, value in full[what].items():
+                assert torch.equal(runs["same"][what][key], value), (rank, what, key)
+        for name in ("cp1-dp4-zero3", "cp4-dp1"):
+            torch.testing.assert_close(torch.tensor(runs[name]["losses"]), torch.tensor(full["losses"][4:]),
+                                       rtol=1e-6, atol=0, msg=f"{name} rank {rank}")
+            torch.testing.assert_close(runs[name]["whole"], full["whole"], rtol=0, atol=1e-5, msg=f"{name} rank {rank}")
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+def _refusals() -> dict:
+    out = {}
+
+    def fit(module, block_size: int = 16, predict: bool = False) -> None:
+        L.seed_everything(0, verbose=False)
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=HybridStrategy(dp=1, cp=2), max_steps=1,
+                            **{**QUIET_TRAINER, "limit_val_batches": 0})
+        data = ByteCorpusDataModule(max_bytes=10_000, block_size=block_size, batch_size=2)
+        if predict:
+            data.setup("fit")
+            trainer.predict(module, data.train_dataloader())
+        else:
+            trainer.fit(module, data)
+
+    for name, call in {
+        "eager": lambda: fit(CausalLM(tiny_config("llama"), attn_implementation="eager")),
+        "window": lambda: fit(_hf("mistral", sliding_window=8)),  # 16 tokens: a window the mask would widen
+        "length": lambda: fit(gpt()(), block_size=14),
+        "predict": lambda: fit(gpt()(), predict=True),
+    }.items():
+        try:
+            call()
+        except (ValueError, BatchError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+        except SystemExit as e:  # a batch error: rank 0 says it, the others leave quietly
+            out[name] = f"SystemExit: {e.code}"
+    return out
+
+
+def test_what_context_parallelism_cannot_split_is_refused_with_the_reason_on_2_ranks():
+    first, other = run_distributed(_refusals, 2)
+    for out in (first, other):
+        assert "scaled_dot_product_attention" in out["eager"] and "attn_implementation='sdpa'" in out["eager"], out
+        assert "sliding window of 8 tokens" in out["window"] and "(16)" in out["window"], out
+    assert "BatchError" in first["length"] and "multiple of 4" in first["length"], first
+    assert "BatchError" in first["predict"] and "predict under cp=2" in first["predict"], first
+    assert other["length"] == other["predict"] == "SystemExit: 1", other
+    with pytest.raises(ValueError, match="compile=False with cp > 1"):
+        HybridStrategy(cp=2, compile=True)
+    with pytest.raises(ValueError, match="cp=0 is invalid"):
+        HybridStrategy(cp=0)
