@@ -6,7 +6,8 @@ grows with its position, so the sequence is cut into ``2 * cp`` chunks and rank 
 work. `split_batch` cuts a token batch (`lightning_hybrid.batch`) this way after it has been read whole: labels
 (already shifted), the padding mask and the positions of each token in its document are those of the whole
 sequence, so everything outside attention -- embeddings, norms, MLPs, the head, the per-token loss -- is the same
-computation on fewer tokens. The positions always travel (``position_ids``): a rank's tokens are not contiguous.
+computation on fewer tokens. The positions always travel (``position_ids`` of the `TokenBatch` the module
+receives): a rank's tokens are not contiguous.
 
 **Attention** is the one place where tokens meet. Inside every layer the strategy wraps (`ContextParallel`), a
 `torch.overrides.TorchFunctionMode` catches ``F.scaled_dot_product_attention`` -- the reference GPT's attention and
@@ -59,20 +60,19 @@ def zigzag_indices(length: int, cp: int, rank: int, device: Optional[torch.devic
     return torch.cat([first, last])
 
 
-def split_batch(batch: Any, cp: int, rank: int) -> dict[str, Tensor]:
-    """This CP rank's share of a token batch (an ``(x, y)`` pair or a dict of `lightning_hybrid.batch`), as a dict
-    batch: ``input_ids``, ``labels``, ``position_ids`` (each token's position in its document, always), and
-    ``attention_mask`` where the batch has padding."""
+def split_batch(batch: Any, cp: int, rank: int) -> TokenBatch:
+    """This CP rank's share of a token batch (an ``(x, y)`` pair or a dict of `lightning_hybrid.batch`), read whole
+    first: ``input_ids`` and ``labels`` (shifted over the whole sequence) of its tokens, their ``position_ids`` in
+    their documents -- always, even where they happen to count 0, 1, ... (the attention's mask is made from them)
+    -- and the ``padding`` mask where the batch has padding. A `TokenBatch`, which the modules read as it is."""
     tokens = TokenBatch.from_batch(batch)
     ids = tokens.input_ids
     places = zigzag_indices(ids.size(1), cp, rank, ids.device)
     positions = tokens.position_ids
     if positions is None:
         positions = torch.arange(ids.size(1), device=ids.device).expand_as(ids)
-    out = {"input_ids": ids[:, places], "labels": tokens.labels[:, places], "position_ids": positions[:, places]}
-    if tokens.padding is not None:
-        out["attention_mask"] = tokens.padding[:, places].long()
-    return out
+    padding = tokens.padding[:, places] if tokens.padding is not None else None
+    return TokenBatch(ids[:, places], tokens.labels[:, places], positions[:, places], padding)
 
 
 class ContextParallel:

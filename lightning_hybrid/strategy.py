@@ -181,7 +181,7 @@ class HybridStrategy(MeshStrategy):
     # ------------------------------------------------------------------ context parallelism
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         """The batch on the device; under ``cp > 1`` this CP rank's share of its sequences
-        (`lightning_hybrid.context_parallel.split_batch`), as a dict batch with the tokens' positions."""
+        (`lightning_hybrid.context_parallel.split_batch`), as a `TokenBatch` with the tokens' positions."""
         batch = super().batch_to_device(batch, device, dataloader_idx)
         context = self._parallelized.context if self._parallelized is not None else None
         if context is None:

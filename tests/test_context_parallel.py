@@ -55,14 +55,17 @@ def test_a_split_batch_keeps_the_positions_labels_and_padding_of_the_whole_seque
     for rank in range(2):
         part = split_batch({"input_ids": ids, "attention_mask": mask}, 2, rank)
         places = zigzag_indices(8, 2, rank)
-        assert torch.equal(part["input_ids"], ids[:, places])
-        assert torch.equal(part["labels"], whole.labels[:, places])  # shifted over the whole sequence
-        assert torch.equal(part["attention_mask"], mask[:, places])
-        local = TokenBatch.from_batch(part)  # what the module reads: the positions travel
-        assert local.position_ids is not None and torch.equal(local.labels, whole.labels[:, places])
+        assert torch.equal(part.input_ids, ids[:, places])
+        assert torch.equal(part.labels, whole.labels[:, places])  # shifted over the whole sequence
+        assert torch.equal(part.padding, mask.bool()[:, places])
+        assert TokenBatch.from_batch(part) is part  # what the module reads
     pair = split_batch((ids, ids + 1), 2, 1)  # an (x, y) pair: positions 0..T-1 of the whole
-    assert torch.equal(pair["position_ids"], torch.arange(8)[zigzag_indices(8, 2, 1)].expand(2, -1))
-    assert "attention_mask" not in pair and torch.equal(pair["labels"], (ids + 1)[:, zigzag_indices(8, 2, 1)])
+    assert torch.equal(pair.position_ids, torch.arange(8)[zigzag_indices(8, 2, 1)].expand(2, -1))
+    assert pair.padding is None and torch.equal(pair.labels, (ids + 1)[:, zigzag_indices(8, 2, 1)])
+    # Packed documents whose positions on a rank happen to count 0, 1, ...: they still travel (the mask needs them).
+    packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])  # rank 0 holds places 0, 1, 6, 7: positions 0, 1, 2, 3
+    part = split_batch({"input_ids": ids[:1], "position_ids": packed}, 2, 0)
+    assert torch.equal(part.position_ids, torch.tensor([[0, 1, 2, 3]]))
 
 
 def test_the_mask_of_a_rank_is_the_whole_sequences_mask_cut_to_its_queries():
