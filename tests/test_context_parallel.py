@@ -89,7 +89,7 @@ def test_the_mask_of_a_rank_is_the_whole_sequences_mask_cut_to_its_queries():
 # ---------------------------------------------------------------------------------------------- layouts
 def test_context_parallel_layouts_match_one_device_on_4_ranks():
     """cp4, dp2 x cp2 with ZeRO-3, cp2 x tp2 with SP, cp2 x pp2 with selective recompute: the reference GPT and
-    three transformers families, with causal, padded and packed batches."""
+    four transformers families (one a mixture of experts under EP), with causal, padded and packed batches."""
     check_world(4, {
         "cp4-packed-gpt": (dict(dp=1, cp=4), gpt(), {"data": "packed"}),
         "dp2xcp2-zero3-padded-gpt": (dict(dp=2, cp=2, zero_stage=3), gpt(), {"data": "padded"}),
@@ -103,6 +103,9 @@ def test_context_parallel_layouts_match_one_device_on_4_ranks():
         "cp2xpp2-checkpointed-mistral": (dict(dp=1, cp=2, pp=2, micro_batches=2, activation_checkpointing=True),
                                          partial(_hf, "mistral"), {}, HF_TOLERANCES),
         "cp4-packed-gpt_neox": (dict(dp=1, cp=4), partial(_hf, "gpt_neox"), {"data": "packed"}, HF_TOLERANCES),
+        # experts over EP ranks of dp * cp, the load-balancing loss over every rank's tokens
+        "dp2xcp2-ep2-padded-olmoe": (dict(dp=2, cp=2, ep=2), partial(_hf, "olmoe"), {"data": "padded"},
+                                     HF_TOLERANCES),
     }, steps=4, tolerances=(RTOL, 5e-6))
 
 
