@@ -72,6 +72,7 @@ MULTIRANK_LAYOUTS = {  # (c): name -> HybridStrategy arguments (world 2)
     "dp2 zero0": dict(dp=2, zero_stage=0),
     "dp2 zero1": dict(dp=2, zero_stage=1),
     "dp2 zero3": dict(dp=2, zero_stage=3),
+    "cp2": dict(dp=1, cp=2),  # context parallelism: the zigzag split, K/V all-gathered, the mask built on the device
 }
 MULTIRANK_RTOL = 1e-5
 
@@ -708,7 +709,7 @@ def multirank_fit(
         strategy = HybridStrategy(**layout, process_group_backend=backend, timeout=timedelta(seconds=timeout_s))
         one_per_node = os.environ.get("LOCAL_WORLD_SIZE") == "1" and world > 1
         devices, num_nodes = (1, world) if one_per_node else (world, 1)
-        dp = max(1, layout.get("dp", world // (layout.get("tp", 1) * layout.get("pp", 1))))
+        dp = max(1, layout.get("dp", world // (layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1))))
         data = ByteCorpusDataModule(max_bytes=80_000, block_size=MR_BLOCK, batch_size=MR_GLOBAL_BATCH // dp)
     recorder = Recorder()
     trainer = L.Trainer(

@@ -40,29 +40,37 @@ under TP (the experts are replicated over TP), ``1/tp`` of them with sequence pa
 
 Context parallelism (`Layout.cp` = ``c``; `lightning_hybrid.context_parallel`): each rank holds ``s/c`` tokens of
 every sequence (the zigzag split: chunks ``r`` and ``2c-1-r`` of ``2c``). Everything outside attention is local
-to them, and attention computes ``s/c`` queries against all ``s`` keys, so every activation above is ``1/c`` --
-the ``s x s`` scores of `KORTHIKANTI` become ``(s/c) x s`` per rank, also ``1/c`` -- plus what the rank's attention
-over the whole sequence keeps for its backward (`context_attention_bytes`), per block whose activations are held
-and micro-batch in flight (with activation checkpointing only the recomputed block's; a checkpointed block keeps
-its ``1/c`` input):
+to them, and attention computes ``s/c`` queries against all ``s`` keys. The implementation checkpoints the gather
+of the keys and values and the attention (``torch.utils.checkpoint`` around them, in every layer it wraps), so:
 
-* the keys and values all-gathered over the ``cp`` group, ``2 b s (a/tp) d e`` (`gathered_kv_bytes`): K and V of
-  all ``s`` tokens, per query head -- the implementation repeats grouped-query attention's key/value heads before
-  gathering -- ``a/tp`` heads of ``d`` under TP; SDPA saves its inputs, and backward's only exchange is the
-  reduce-scatter of their gradients (nothing is gathered again);
-* this codebase's attention (not `KORTHIKANTI`'s): the mask of the whole sequence for the rank's queries, ``b
-  (s/c) s`` elements, which SDPA turns into an additive bias of ``e`` bytes each (one for all heads, whole on
-  every TP rank) and keeps (`context_mask_bytes`): the flash kernels take no mask, so this is the one ``(s/c) x
-  s`` term of the codebase's block (checked on CPU: ``ScaledDotProductFlashAttentionForCpuBackward`` saves a
-  ``(b, 1, s/c, s)`` float mask).
+* per held block (each micro-batch in flight; with activation checkpointing only the recomputed block's) the
+  block's activations above are ``1/c`` -- its ``s/c`` tokens; the gathered keys and values and SDPA's saved tensors
+  are not kept, only the checkpoint's inputs (the block's own q, k, v and their GQA repeats, which the block keeps
+  anyway) -- less SDPA's output (``e h`` per local token, `context_unsaved_split`: the checkpoint's output, which
+  the output projection does not keep; its contiguous copy it does). `KORTHIKANTI`'s block (``megatron``) drops its
+  scores term (``5 a s/h``), as under Korthikanti's selective recomputation: the attention core is recomputed;
+* once per rank, the boolean masks of the whole sequence for the rank's queries (`context_mask_bytes` with 1 byte
+  per element, ``b (s/c) s`` each), made once per micro-batch before its first layer and kept until the batch
+  ends: all ``m`` micro-batches of the batch under PP (every pipeline rank makes each), one without (gradient
+  accumulation starts a batch per micro-batch);
+* once, for the layer being computed (forward, or the backward that gathers and recomputes its attention), its
+  attention's transient (`context_transient_bytes`): the gathered K and V (`gathered_kv_bytes`, ``2 b s (a/tp) d
+  e``: per query head -- the implementation repeats grouped-query attention's key/value heads before gathering --
+  ``a/tp`` heads of ``d`` under TP), their gradients before the reduce-scatter (as many bytes), and SDPA's float
+  copy of the mask (``b (s/c) s`` elements of ``e`` bytes, one for all heads, whole on every TP rank); for
+  `KORTHIKANTI` instead of the mask its own scores of the one layer (``5 b (a/tp) (s/c) s`` bytes). SDPA's fused
+  kernels (CPU flash attention, CUDA's memory-efficient and cuDNN kernels, which take a mask) keep no ``(s/c) x
+  s`` scores: measured on CPU, its forward and backward allocate the float mask, the output and the gradients,
+  nothing of the scores' size. This transient is counted in the larger-of with the head's (`estimate_memory`): the
+  head's loss and a block's backward are not alive at once.
 
 The head, a checkpointed block's input and the pipeline's boundary tensors are ``1/c`` too. Model states: the
 ``cp`` ranks of a replica hold the same parameters and reduce their gradients together with the ``dp`` ranks, so
 ZeRO shards over ``dp c`` ranks (each ``P/dp`` above is ``P/(dp c)``; the experts' group is ``dp c/ep`` ranks).
-In this codebase's block the gathered keys and values take the place of the block's own (and their GQA repeats:
-``e (2 a_kv/a + 2 [a_kv < a]) h`` per local token, `local_kv_split`), which SDPA no longer keeps. Not counted:
-transients of one layer (the boolean mask before its conversion, the gathered keys' gradients before their
-reduce-scatter).
+Not counted: the model's own mask of the rank's tokens (``b (s/c)^2`` bytes, made and dropped in each layer), and
+the copy of the K/V gradients NCCL's reduce-scatter is handed (one of K or V at a time). Under selective recompute
+(`HybridStrategy(recompute=...)`, not a `Layout` choice) the implementation does not checkpoint the attention (the
+layer's policy decides): not modelled here.
 """
 
 from __future__ import annotations
@@ -79,9 +87,9 @@ from .layout import Layout
 from .model import ModelSpec
 
 __all__ = ["ActivationCoefficients", "KORTHIKANTI", "MemoryEstimate", "PRECISIONS", "block_activation_bytes",
-           "block_activations", "codebase_coefficients", "context_attention_bytes", "context_mask_bytes",
-           "estimate_memory", "expert_activation_bytes", "gathered_kv_bytes", "in_flight", "largest_block_params",
-           "local_kv_split", "moe_block_count", "moe_coefficients", "rank_block_counts", "rank_expert_params",
+           "block_activations", "codebase_coefficients", "context_mask_bytes", "context_masks",
+           "context_transient_bytes", "context_unsaved_split", "estimate_memory", "expert_activation_bytes",
+           "gathered_kv_bytes", "in_flight", "largest_block_params", "moe_block_count", "moe_coefficients", "rank_block_counts", "rank_expert_params",
            "rank_layers", "rank_params", "routed_tokens", "zero_model_states"]
 
 #: bytes per element: (parameters, gradients, optimizer state, activations). Adam keeps 2 moments.
@@ -113,11 +121,10 @@ def _mlp_split(model: ModelSpec, element: float, width: int) -> float:
     return element * (4 if model.gated_mlp else 2) * width / model.hidden
 
 
-def local_kv_split(model: ModelSpec, element: float) -> float:
-    """The part of `codebase_coefficients`' ``split`` that is the block's keys and values and their GQA repeats
-    (``e (2 a_kv/a + 2 [a_kv < a])``): what SDPA keeps of them, which context parallelism replaces by the gathered
-    ones (`gathered_kv_bytes`)."""
-    return element * (2 * model.kv_heads / model.heads + (2 if model.kv_heads < model.heads else 0))
+def context_unsaved_split(element: float) -> float:
+    """The part of `codebase_coefficients`' ``split`` that a context-parallel block does not keep: SDPA's output
+    (``e``; under CP the output of the checkpointed attention, recomputed in backward)."""
+    return float(element)
 
 
 def codebase_coefficients(model: ModelSpec, element: int) -> ActivationCoefficients:
@@ -174,23 +181,38 @@ def gathered_kv_bytes(model: ModelSpec, b: int, element: float, tp: int = 1, cp:
 
 
 def context_mask_bytes(model: ModelSpec, b: int, element: float, cp: int = 1) -> float:
-    """Bytes of the whole-sequence mask this codebase's context-parallel attention hands SDPA for a micro-batch of
-    ``b`` sequences, as SDPA keeps it for backward: an additive bias of ``b (s/cp) s`` elements of ``e`` bytes (the
-    rank's queries against every key; one for all heads); 0 without context parallelism (a plain causal attention
-    takes no mask)."""
+    """Bytes of the whole-sequence mask of the rank's queries under context parallelism for a micro-batch of ``b``
+    sequences: ``b (s/cp) s`` elements (the rank's queries against every key; one for all heads) of ``element``
+    bytes -- 1 for the boolean mask the implementation makes once per micro-batch, ``e`` for SDPA's float copy of it
+    in the layer being computed; 0 without context parallelism (a plain causal attention takes no mask)."""
     if cp == 1:
         return 0.0
     return b * (model.seq_len // cp) * model.seq_len * element
 
 
-def context_attention_bytes(model: ModelSpec, b: int, precision: str, tp: int = 1, cp: int = 1) -> float:
-    """What one block's attention over the whole sequence keeps for backward under context parallelism beyond its
-    ``1/cp`` share of the block's activations: the gathered keys and values (`gathered_kv_bytes`) and, for this
-    codebase's attention (every precision but ``megatron``, whose `KORTHIKANTI` block counts its own scores), the
-    mask (`context_mask_bytes`)."""
+def context_masks(layout: Layout) -> int:
+    """How many boolean masks (`context_mask_bytes`) a rank keeps at its peak: one per micro-batch of the batch, kept
+    until the batch ends -- all ``m`` under PP, 1 without (each micro-batch is a batch of its own); 0 at ``cp = 1``."""
+    if layout.cp == 1:
+        return 0
+    return layout.micro_batches if layout.pp > 1 else 1
+
+
+def context_transient_bytes(model: ModelSpec, b: int, precision: str, tp: int = 1, cp: int = 1) -> float:
+    """The transient of the attention of the layer being computed under context parallelism (its forward, or its
+    backward, which gathers the keys and values again and recomputes the attention): the gathered K and V
+    (`gathered_kv_bytes`) and their gradients before the reduce-scatter (as many), and SDPA's float copy of the mask
+    (`context_mask_bytes` with ``e``-byte elements), or for `KORTHIKANTI`'s block (``megatron``) its own scores of
+    the one layer instead (``5 b (a/tp) (s/cp) s`` bytes). 0 without context parallelism."""
+    if cp == 1:
+        return 0.0
     e = PRECISIONS[precision][3]
-    mask = 0.0 if precision == "megatron" else context_mask_bytes(model, b, e, cp)
-    return gathered_kv_bytes(model, b, e, tp, cp) + mask
+    if precision == "megatron":
+        local = block_activation_bytes(ActivationCoefficients(0.0, 0.0, KORTHIKANTI.scores), model.seq_len, b,
+                                       model.hidden, model.heads, tp, cp=cp)
+    else:
+        local = context_mask_bytes(model, b, e, cp)
+    return 2 * gathered_kv_bytes(model, b, e, tp, cp) + local
 
 
 def zero_model_states(psi: float, dp: int, stage: int, precision: str = "megatron") -> float:
@@ -291,19 +313,22 @@ def rank_expert_params(model: ModelSpec, layers: tuple[int, ...], ep: int = 1) -
 
 def block_activations(model: ModelSpec, layout: Layout, precision: str) -> tuple[float, float]:
     """Bytes one dense block and one MoE block keep for backward for one micro-batch on a device (the MoE block's
-    experts included; 0 when the model has none); under context parallelism the rank's ``1/cp`` of them plus what
-    its attention over the whole sequence keeps (`context_attention_bytes`)."""
+    experts included; 0 when the model has none); under context parallelism the rank's ``1/cp`` of them, without
+    what the checkpointed attention does not keep (SDPA's output, `context_unsaved_split`; `KORTHIKANTI`'s scores):
+    its transient is `context_transient_bytes`."""
     e = PRECISIONS[precision][3]
     coeffs = KORTHIKANTI if precision == "megatron" else codebase_coefficients(model, e)
     s, b, h, t, sp = model.seq_len, layout.micro_batch, model.hidden, layout.tp, layout.sequence_parallel
     cp = layout.cp
-    kv = context_attention_bytes(model, b, precision, t, cp)
-    if cp > 1 and precision != "megatron":  # SDPA keeps the gathered keys and values instead of the block's own
-        coeffs = dataclasses.replace(coeffs, split=coeffs.split - local_kv_split(model, e))
-    dense = block_activation_bytes(coeffs, s, b, h, model.heads, t, sp, cp) + kv
+    if cp > 1:  # the attention is checkpointed: SDPA keeps nothing (Korthikanti: the scores are recomputed)
+        if precision == "megatron":
+            coeffs = dataclasses.replace(coeffs, scores=0.0)
+        else:
+            coeffs = dataclasses.replace(coeffs, split=coeffs.split - context_unsaved_split(e))
+    dense = block_activation_bytes(coeffs, s, b, h, model.heads, t, sp, cp)
     if not model.experts:
         return dense, 0.0
-    moe = block_activation_bytes(moe_coefficients(coeffs, model, e), s, b, h, model.heads, t, sp, cp) + kv
+    moe = block_activation_bytes(moe_coefficients(coeffs, model, e), s, b, h, model.heads, t, sp, cp)
     return dense, moe + expert_activation_bytes(model, s * b // cp, e, t, sp)
 
 
@@ -339,6 +364,8 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
     counts = rank_block_counts(model, lay.pp, per_rank, spec.style)
     s, b, h, t, ep, cp = model.seq_len, lay.micro_batch, model.hidden, lay.tp, lay.ep, lay.cp
     dense_act, moe_act = block_activations(model, lay, precision)
+    transient = context_transient_bytes(model, b, precision, t, cp)  # the layer being computed's attention
+    masks = context_masks(lay) * context_mask_bytes(model, b, 1, cp)  # boolean, per micro-batch of the batch
     kept = s * b * h * e / (t if lay.sequence_parallel else 1) / cp  # a checkpointed block's input
     block_p = largest_block_params(model, t, ep)  # an FSDP2 unit
     whole_window = lay.pp > 1 or lay.accumulation > 1  # gradients not reduced before the window ends
@@ -376,8 +403,9 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
             head_f = lay.micro_batches if (lay.pp > 1 and lay.schedule == "gpipe") else 1
             vocab = model.vocab / t if lay.loss_parallel else model.vocab
             head = head_f * s * b * (h * e + HEAD_ELEMENTS * 4 * vocab) / cp
-        # The head's loss and a recomputed block's activations are not alive at once.
-        act = held + max(head, largest if lay.activation_checkpointing else 0.0)
+        # The head's loss and a block's backward (a recomputed block's activations, the attention's transient under
+        # CP) are not alive at once.
+        act = held + masks + max(head, (largest if lay.activation_checkpointing else 0.0) + transient)
         buffers = 2 * s * b * h * e / cp if lay.pp > 1 else 0.0  # the stage boundary's send and receive tensors
         est = MemoryEstimate(params, grads, optimizer, act * activation_scale, buffers, rank)
         if best is None or est.total > best.total:
