@@ -119,7 +119,9 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, d
     if options.compile is not None:
         apply_compile(module, _held_here(checkpoint_targets(module, True, pp > 1), remote), dict(options.compile))
     stages = local_stages(module, layout) if layout is not None else None
-    fsdp_roots = apply_zero3(module, stages, mesh["dp"], expert_mesh) if options.zero_stage == 3 and dp > 1 else []
+    fsdp_roots = []
+    if options.zero_stage == 3 and dp > 1:
+        fsdp_roots = apply_zero3(module, stages, mesh["dp"], expert_mesh, parts=options.compile is None)
     pipeline = build_pipeline(module, stages, layout, mesh, options, device) if layout is not None else None
     return Parallelized(
         module, mesh, tp_sharded,
@@ -242,7 +244,7 @@ def local_stages(module: nn.Module, layout: StageLayout) -> dict[int, nn.Module]
 
 def apply_zero3(
     module: nn.Module, stages: Optional[dict[int, nn.Module]], dp_mesh: DeviceMesh,
-    expert_mesh: Optional[DeviceMesh] = None,
+    expert_mesh: Optional[DeviceMesh] = None, parts: bool = True,
 ) -> list[nn.Module]:
     """ZeRO-3 over DP with FSDP2; returns the FSDP roots. Expert-parallel experts first, each over its own DP
     group (``expert_mesh["edp"]``). Under PP each stage is a root (the pipeline stage drives its gradient sync)
@@ -250,8 +252,8 @@ def apply_zero3(
     if expert_mesh is not None:
         apply_fsdp_experts(list(iter_expert_modules(module)), expert_mesh["edp"], dp_mesh.size())
     if stages is None:
-        return apply_fsdp(module, dp_mesh)
-    return [apply_fsdp_units(list(stage), stage, dp_mesh) for stage in stages.values()]
+        return apply_fsdp(module, dp_mesh, parts)
+    return [apply_fsdp_units(list(stage), stage, dp_mesh, parts) for stage in stages.values()]
 
 
 def split_context(

@@ -527,7 +527,7 @@ class _InPlaceReduceScatter(ReduceScatter):
         output_tensor.copy_(input_tensor.narrow(0, dist.get_rank(group) * n, n))
 
 
-def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh) -> list[nn.Module]:
+def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, parts: bool = True) -> list[nn.Module]:
     """ZeRO-3: ``fully_shard`` every layer of ``module`` (the elements of its ``nn.ModuleList``s), then each of
     its children that holds parameters (the elements of a child that is a container without ``forward``,
     such as an ``nn.ModuleList`` held by the LightningModule itself). Returns those children: the FSDP roots.
@@ -542,8 +542,8 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh) -> list[nn.Module]:
         )
     layers = [layer for sub in module.modules() if isinstance(sub, nn.ModuleList) for layer in sub]
     roots = _fsdp_roots(module)
-    return [apply_fsdp_units([layer for layer in layers if layer is not root and _holds(layer, root)], root, dp_mesh)
-            for root in roots]
+    return [apply_fsdp_units([layer for layer in layers if layer is not root and _holds(layer, root)], root, dp_mesh,
+                             parts) for root in roots]
 
 
 def _fsdp_roots(module: nn.Module) -> list[nn.Module]:
@@ -560,13 +560,24 @@ def _fsdp_roots(module: nn.Module) -> list[nn.Module]:
     return out
 
 
-def apply_fsdp_units(units: list[nn.Module], root: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
-    """``fully_shard`` each unit that has parameters (gathered one at a time), then ``root`` (the rest). On gloo
+def apply_fsdp_units(units: list[nn.Module], root: nn.Module, dp_mesh: DeviceMesh, parts: bool = True) -> nn.Module:
+    """``fully_shard`` each unit that has parameters (gathered one at a time), then ``root`` (the rest); with
+    ``parts`` (not under ``torch.compile``, whose layer graphs FSDP2's hooks inside a layer would break) a unit's
+    children that hold parameters (its attention, its MLP, its norms) are units of their own, gathered one at a
+    time: a unit's gather holds it twice for a moment (FSDP2's flat buffer and the parameters copied out of it),
+    and a part is a fraction of a layer. Every element's sum over the ranks is the same. On gloo
     (`_COPYING_COLLECTIVES`) each also gets the in-place collectives and no backward prefetch (`_fsdp_on_gloo`)."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    sharded = [fully_shard(unit, mesh=dp_mesh, reshard_after_forward=True)
-               for unit in units if any(True for _ in unit.parameters())]
+    sharded = []
+    for unit in units:
+        if not any(True for _ in unit.parameters()):
+            continue
+        if parts:
+            sharded += [fully_shard(child, mesh=dp_mesh, reshard_after_forward=True) for child in unit.children()
+                        if not isinstance(child, FSDPModule) and type(child).forward is not nn.Module.forward
+                        and any(True for _ in child.parameters())]
+        sharded.append(fully_shard(unit, mesh=dp_mesh, reshard_after_forward=True))
     sharded.append(fully_shard(root, mesh=dp_mesh, reshard_after_forward=True))
     if dp_mesh.ndim == 1 and dist.get_backend(dp_mesh.get_group()) in _COPYING_COLLECTIVES:
         for module in sharded:

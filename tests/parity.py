@@ -399,4 +399,7 @@ class DoubleOneGradient(L.Callback):
             module = pl_module.get_submodule(self.module_name)
         except AttributeError:  # another pipeline stage holds it
             return
-        module.register_forward_hook(lambda m, args, out: out + (m.bias - m.bias.detach()))
+        # Inside the module's forward (not a forward hook): under ZeRO-3 a module that is a unit of its own has its
+        # parameters gathered during its forward only, as FSDP2 gathers any unit's.
+        forward = module.forward
+        module.forward = lambda *args, **kwargs: forward(*args, **kwargs) + (module.bias - module.bias.detach())
