@@ -395,43 +395,73 @@ def _strategy_takes_cp() -> bool:
     return "cp" in inspect.signature(HybridStrategy).parameters
 
 
-def test_cp_halves_activations_per_rank_but_the_gathered_keys_and_values():
-    from lightning_hybrid.planner.memory import codebase_coefficients
+def test_cp_halves_activations_per_rank_plus_the_masks_and_one_layers_attention():
+    from lightning_hybrid.planner.memory import (codebase_coefficients, context_mask_bytes, context_masks,
+                                                 context_transient_bytes, gathered_kv_bytes)
 
     m = model_spec("llama2-7b", seq_len=32768)  # 32 blocks, h 4096, 32 heads of 128, vocabulary 32000
     e, s, h, L = 2, 32768, 4096, 32  # bf16-mixed activations
-    # What each held block's attention over the whole sequence keeps at cp=2 (SDPA saves its inputs): K and V of
-    # all s tokens, gathered over the cp group, and the whole-sequence mask of the rank's s/2 queries as a bias.
-    kv = 2 * 1 * s * 32 * 128 * e + 1 * (s // 2) * s * e
-    own_kv = s * 2 * e * h  # the block's own K and V (2e h per token), which SDPA then no longer keeps
     block = block_activation_bytes(codebase_coefficients(m, e), s, 1, h, 32)  # one block at cp=1
+    sdpa_out = s * e * h  # SDPA's output (e h per token): the checkpointed attention's, which nothing keeps
     head = s * (h * e + 4 * 4 * 32000)  # the head's input and 4 fp32 logit-sized tensors per token
+    # The attention is checkpointed: a held block keeps only its 1/2 (its own q, k, v as the checkpoint's inputs),
+    # not the gathered K/V. Once per rank: the boolean mask of the micro-batch, (s/2) x s bytes; once, for the
+    # layer being computed: the gathered K and V of all s tokens, their gradients, and SDPA's float mask.
+    kv = 2 * 1 * s * 32 * 128 * e
+    mask = 1 * (s // 2) * s
+    transient = 2 * kv + mask * e
     one, two = (estimate_memory(m, Layout(1, 1, 1, 0, 1, 1, cp=cp), "bf16-mixed") for cp in (1, 2))
     assert one.activations == pytest.approx(L * block + head)
-    # Every block's activations and the head's halve (s/2 tokens per rank), and in each block the gathered K/V
-    # (and the mask) take the place of its own K/V.
-    assert two.activations == pytest.approx(L * ((block - own_kv) / 2 + kv) + head / 2)
-    assert two.activations == pytest.approx(one.activations / 2 + L * (kv - own_kv / 2))
+    assert two.activations == pytest.approx(L * (block - sdpa_out) / 2 + mask + max(head / 2, transient))
+    assert head / 2 > transient  # here the head's loss is the larger transient
+    assert two.activations == pytest.approx(one.activations / 2 - L * sdpa_out / 2 + mask)
     assert (two.params, two.grads, two.optimizer) == (one.params, one.grads, one.optimizer)  # no ZeRO: whole
-    # Checkpointed: each block's input halves; beside them the head or the recomputed block with its K/V.
+    # Checkpointed: each block's input halves; beside them the head, or the recomputed block with the attention's
+    # transient.
     one, two = (estimate_memory(m, Layout(1, 1, 1, 0, 1, 1, activation_checkpointing=True, cp=cp), "bf16-mixed")
                 for cp in (1, 2))
     kept = s * h * e
     assert one.activations == pytest.approx(L * kept + max(head, block))
-    assert two.activations == pytest.approx(L * kept / 2 + max(head / 2, (block - own_kv) / 2 + kv))
-    # Under TP the gathered K/V are the rank's heads/tp heads; the mask is whole on every TP rank.
+    assert two.activations == pytest.approx(L * kept / 2 + mask + max(head / 2, (block - sdpa_out) / 2 + transient))
+    # A small vocabulary: the attention's transient is the larger, taken once (not per block).
+    small = ModelSpec("small-vocab", n_layer=4, hidden=512, heads=8, kv_heads=8, ffn=2048, vocab=256, seq_len=16384)
+    lay = Layout(1, 1, 1, 0, 2, 1, cp=2)
+    small_block = block_activation_bytes(codebase_coefficients(small, e), 16384, 2, 512, 8)
+    small_transient = 2 * (2 * 2 * 16384 * 512 * e) + 2 * 8192 * 16384 * e
+    small_head = 2 * 8192 * (512 * e + 4 * 4 * 256)
+    assert small_transient > small_head
+    assert context_transient_bytes(small, 2, "bf16-mixed", cp=2) == small_transient
+    assert estimate_memory(small, lay, "bf16-mixed").activations == pytest.approx(
+        4 * (small_block - 2 * 16384 * e * 512) / 2 + 2 * 8192 * 16384 + small_transient)
+    # Under PP every micro-batch of the batch has its mask on every pipeline rank, kept until the batch ends.
+    piped = Layout(1, 1, 2, 0, 1, 8, activation_checkpointing=True, cp=2)
+    assert context_masks(piped) == 8 and context_masks(dataclasses.replace(piped, pp=1)) == 1
+    assert context_masks(dataclasses.replace(piped, cp=1)) == 0
+    # 1F1B holds pp - rank micro-batches in flight whatever m: 8 micro-batches rather than 4 add 4 masks (none at cp=1).
+    for cp, masks in ((2, 4 * mask), (1, 0)):
+        eight, four = (estimate_memory(m, dataclasses.replace(piped, micro_batches=k, cp=cp), "bf16-mixed")
+                       for k in (8, 4))
+        assert eight.activations - four.activations == pytest.approx(masks) and eight.rank == four.rank
+    # Under TP the gathered K/V are the rank's heads/tp heads; the masks are whole on every TP rank.
     tp2 = estimate_memory(m, Layout(1, 2, 1, 0, 1, 1, cp=2), "bf16-mixed").activations
     tp2_cp1 = estimate_memory(m, Layout(1, 2, 1, 0, 1, 1), "bf16-mixed").activations
-    assert tp2 == pytest.approx(tp2_cp1 / 2 + L * (2 * s * 16 * 128 * e + (s // 2) * s * e - own_kv / 2 / 2))
+    assert tp2 == pytest.approx(tp2_cp1 / 2 - L * sdpa_out / 2 / 2 + mask)
+    assert context_transient_bytes(m, 1, "bf16-mixed", tp=2, cp=2) == 2 * kv / 2 + mask * e
     # Grouped-query attention: K and V gathered per query head (the implementation repeats them first).
-    from lightning_hybrid.planner.memory import context_attention_bytes, gathered_kv_bytes
-
     gqa = model_spec("llama3-70b", seq_len=8192)  # 64 heads, 8 kv heads of 128
     assert gathered_kv_bytes(gqa, 2, 2, tp=8, cp=4) == 2 * 2 * 8192 * (64 // 8) * 128 * 2
-    assert context_attention_bytes(gqa, 2, "bf16-mixed", tp=8, cp=4) == pytest.approx(
-        2 * 2 * 8192 * 8 * 128 * 2 + 2 * 2048 * 8192 * 2)
-    assert context_attention_bytes(gqa, 2, "megatron", tp=8, cp=4) == gathered_kv_bytes(gqa, 2, 2, 8, 4)  # own scores
-    assert context_attention_bytes(gqa, 2, "bf16-mixed", tp=8, cp=1) == 0
+    assert context_mask_bytes(gqa, 2, 1, cp=4) == 2 * 2048 * 8192
+    assert context_transient_bytes(gqa, 2, "bf16-mixed", tp=8, cp=4) == pytest.approx(
+        2 * (2 * 2 * 8192 * 8 * 128 * 2) + 2 * 2048 * 8192 * 2)
+    # Korthikanti's block (megatron): its s x s scores term is recomputed (not held) and is the one layer's
+    # transient instead of the float mask: 5 b (a/tp) (s/cp) s bytes.
+    assert context_transient_bytes(gqa, 2, "megatron", tp=8, cp=4) == pytest.approx(
+        2 * gathered_kv_bytes(gqa, 2, 2, 8, 4) + 5 * 2 * (64 / 8) * 2048 * 8192)
+    assert context_transient_bytes(gqa, 2, "bf16-mixed", tp=8, cp=1) == 0
+    meg = estimate_memory(m, Layout(1, 1, 1, 0, 1, 1, cp=2), "megatron").activations
+    korthikanti_held = block_activation_bytes(dataclasses.replace(KORTHIKANTI, scores=0), s, 1, h, 32, cp=2)
+    assert meg == pytest.approx(L * korthikanti_held + mask + max(head / 2, context_transient_bytes(
+        m, 1, "megatron", cp=2)))
     # Korthikanti's s x s scores become (s/cp) x s per rank: the whole block's bytes / cp.
     s2, b, h2, a = 2048, 1, 12288, 96
     assert block_activation_bytes(KORTHIKANTI, s2, b, h2, a, tp=8, cp=4) == pytest.approx(
@@ -444,7 +474,7 @@ def test_cp_halves_activations_per_rank_but_the_gathered_keys_and_values():
 
 
 def test_kv_exchange_time_and_bytes_by_hand():
-    from lightning_hybrid.planner.time import kv_exchange_bytes
+    from lightning_hybrid.planner.time import kv_exchange_bytes, kv_exchanges
 
     m = model_spec("n_layer=2,n_embd=64,n_head=4,n_kv_head=2,block_size=4096")  # 4 heads (2 kv heads) of 16
     intra, inter = Link(1e9, 1e-6), Link(1e8, 1e-5)
@@ -452,35 +482,52 @@ def test_kv_exchange_time_and_bytes_by_hand():
     lay = Layout(1, 2, 1, 0, 2, 3, cp=4)  # cp4 x tp2 = 8 ranks of one node; 2 x 4096-token sequences, 3 micro-batches
     # K and V of b=2 sequences for the rank's heads/tp = 2 query heads of 16 (GQA's kv heads repeated), fp32.
     kv = 2 * 2 * 4096 * (4 // 2) * 16 * 4
-    # Per block and micro-batch: an all-gather of K and of V in forward (and of the int64 positions, for the mask),
-    # a reduce-scatter of each in backward, each a ring of cp - 1 steps sending (cp - 1)/cp of the bytes; not
-    # overlapped.
+    # Per block and micro-batch: an all-gather of K and of V in forward; in backward the checkpointed attention's
+    # recomputation gathers them again, then a reduce-scatter of each gradient; each a ring of cp - 1 steps sending
+    # (cp - 1)/cp of the bytes; not overlapped. Per micro-batch the int64 positions' all-gather, for its mask.
     ring = 2 * 3 * intra.latency + 3 / 4 * kv / intra.bandwidth  # two collectives (K, V) over 4 ranks
     positions = 3 * intra.latency + 3 / 4 * 8 * 2 * 4096 / intra.bandwidth
     t = estimate_time(m, lay, cluster)
-    assert t.cp_comm == pytest.approx(3 * 2 * (ring + positions + ring))  # micro-batches x blocks x (fwd + bwd)
+    assert kv_exchanges(lay) == 3
+    assert t.cp_comm == pytest.approx(3 * (2 * (ring + ring + ring) + positions))  # micro-batches x (blocks x 3 + 1)
     assert t.total > t.compute + t.cp_comm
-    assert kv_exchange_bytes(m, lay, precision="32-true") == 2 * 2 * 3 * 3 / 4 * kv
-    checkpointed = dataclasses.replace(lay, activation_checkpointing=True)  # the recomputed forward gathers again
-    assert estimate_time(m, checkpointed, cluster).cp_comm == pytest.approx(3 * 2 * (3 * ring + 2 * positions))
-    assert kv_exchange_bytes(m, checkpointed, precision="32-true") == 3 * 2 * 3 * 3 / 4 * kv
+    assert kv_exchange_bytes(m, lay, precision="32-true") == 3 * 2 * 3 * 3 / 4 * kv
+    # Activation checkpointing: the layer's recomputation runs the attention's checkpoint again, which gathers, and
+    # its own recomputation in backward gathers once more: 4 exchanges.
+    checkpointed = dataclasses.replace(lay, activation_checkpointing=True)
+    assert kv_exchanges(checkpointed) == 4
+    assert estimate_time(m, checkpointed, cluster).cp_comm == pytest.approx(3 * (2 * 4 * ring + positions))
+    assert kv_exchange_bytes(m, checkpointed, precision="32-true") == 4 * 2 * 3 * 3 / 4 * kv
     # cp8 x tp2 = 16 ranks: the cp group spans two nodes, so the exchange runs at the inter-node link.
     wide = Layout(1, 2, 1, 0, 2, 3, cp=8)
     ring = 2 * 7 * inter.latency + 7 / 8 * kv / inter.bandwidth
     positions = 7 * inter.latency + 7 / 8 * 8 * 2 * 4096 / inter.bandwidth
-    assert estimate_time(m, wide, cluster).cp_comm == pytest.approx(3 * 2 * (2 * ring + positions))
+    assert estimate_time(m, wide, cluster).cp_comm == pytest.approx(3 * (2 * 3 * ring + positions))
     # gloo (a CPU cluster) has no reduce-scatter of its own: backward all-reduces the gathered gradients.
     cpu = dataclasses.replace(cluster, compute_units=8)
     ring = 2 * 3 * intra.latency + 3 / 4 * kv / intra.bandwidth
     positions = 3 * intra.latency + 3 / 4 * 8 * 2 * 4096 / intra.bandwidth
     all_reduce = 2 * 2 * 3 * intra.latency + 2 * 3 / 4 * kv / intra.bandwidth
-    assert estimate_time(m, lay, cpu).cp_comm == pytest.approx(3 * 2 * (ring + positions + all_reduce))
+    assert estimate_time(m, lay, cpu).cp_comm == pytest.approx(3 * (2 * (2 * ring + all_reduce) + positions))
     plain = Layout(1, 2, 1, 0, 2, 3)
-    assert estimate_time(m, plain, cluster).cp_comm == kv_exchange_bytes(m, plain) == 0
-    # Compute per rank: 1/cp of the FLOPs (s/cp queries against all s keys); element-wise traffic left out here.
+    assert estimate_time(m, plain, cluster).cp_comm == kv_exchange_bytes(m, plain) == kv_exchanges(plain) == 0
+    # Compute per rank: 1/cp of the FLOPs (s/cp queries against all s keys), plus the attention core's forward once
+    # more (the checkpointed attention recomputed: 4 h s FLOPs per local token, over tp); element-wise traffic left
+    # out here.
     flat = dataclasses.replace(cluster, memory_bandwidth=float("inf"))
     base = estimate_time(m, plain, flat).compute
-    assert estimate_time(m, lay, flat).compute == pytest.approx(base / 4)
+    core = 3 * 2 * (2 * 4096 // 4) * 4 * 64 * 4096 / 2 / flat.achievable_flops("32-true")  # m x blocks x ...
+    assert estimate_time(m, lay, flat).compute == pytest.approx(base / 4 + core)
+    core_ac = estimate_time(m, dataclasses.replace(checkpointed, cp=1), flat).compute / 4 + core
+    assert estimate_time(m, checkpointed, flat).compute == pytest.approx(core_ac)
+    # Collectives counted for collective_overhead (dp1 x cp4, no TP: one DP bucket besides): per micro-batch 2
+    # blocks x 2 (K, V) x 3 exchanges (4 checkpointed) and the positions' gather.
+    solo = Layout(1, 1, 1, 0, 2, 3, cp=4)
+    for layout, collectives in ((solo, 3 * (2 * 2 * 3 + 1) + 1),
+                                (dataclasses.replace(solo, activation_checkpointing=True), 3 * (2 * 2 * 4 + 1) + 1)):
+        slow = dataclasses.replace(cluster, collective_overhead=1.0)
+        assert estimate_time(m, layout, slow).total - estimate_time(m, layout, cluster).total == pytest.approx(
+            collectives)
     # Gradients reduced over dp*cp: dp1 x cp2 steps and reduces as dp2 does (here under PP: nothing overlapped).
     a = estimate_time(m, Layout(1, 1, 2, 1, 1, 4, cp=2), cluster)
     b = estimate_time(m, Layout(2, 1, 2, 1, 1, 4), cluster)
@@ -529,8 +576,9 @@ def test_the_search_picks_cp_for_long_sequences_and_only_cp_fits_the_longest():
     assert all(c.layout.devices == 8 and QWEN2_7B.seq_len % (2 * c.layout.cp) == 0 for c in result.ranked)
     cp_best = next(c for c in result.ranked if c.layout.cp > 1)
     assert cp_best.time.cp_comm > 0 and cp_best.time.as_dict()["cp_comm"] == cp_best.time.cp_comm
-    # 128k tokens: tp stops at 4 (4 kv heads), and without cp no layout's activations fit; with cp2 some do.
-    result = plan(QWEN2_7B.with_seq_len(131072), cluster, devices=8, global_batch=8)
+    # 96k tokens: tp stops at 4 (4 kv heads), and without cp no layout's activations fit; with cp2 some do. (At
+    # 128k none does: the boolean (s/2) x s mask, 8 GiB, is kept for the whole step, beside the head's loss.)
+    result = plan(QWEN2_7B.with_seq_len(98304), cluster, devices=8, global_batch=8)
     assert result.ranked and all(c.layout.cp > 1 for c in result.ranked)
     assert any(c.layout.cp == 1 for c in result.too_big)
     smallest_without = next(c for c in result.too_big if c.layout.cp == 1)
@@ -538,7 +586,8 @@ def test_the_search_picks_cp_for_long_sequences_and_only_cp_fits_the_longest():
     best = result.best.layout
     kwargs = best.strategy_kwargs(_StrategyWithCP)
     assert kwargs["cp"] == best.cp > 1 and kwargs["dp"] * kwargs["tp"] * kwargs["pp"] * kwargs["cp"] == 8
-    assert plan(QWEN2_7B.with_seq_len(131072), cluster, 8, 8, context_parallel=False).ranked == []
+    assert plan(QWEN2_7B.with_seq_len(98304), cluster, 8, 8, context_parallel=False).ranked == []
+    assert plan(QWEN2_7B.with_seq_len(131072), cluster, 8, 8).ranked == []
     if _strategy_takes_cp():  # the strategy's own checks pass
         for c in result.ranked:
             HybridStrategy(**c.layout.strategy_kwargs())
@@ -584,11 +633,11 @@ def test_command_line_and_parallel_auto_name_cp(capsys, monkeypatch):
     cfg = OmegaConf.create({
         "model": {"_target_": "lightning_hybrid.models.GPTLightningModule", "n_layer": 28, "n_embd": 3584,
                   "n_head": 28, "n_kv_head": 4, "mlp": "swiglu", "vocab_size": 152064, "bias": False},
-        "data": {"batch_size": 8, "block_size": 131072}, "parallel": {"dp": 1, "tp": 1, "pp": 1, "cp": 1},
+        "data": {"batch_size": 8, "block_size": 98304}, "parallel": {"dp": 1, "tp": 1, "pp": 1, "cp": 1},
         "trainer": {"devices": 8, "num_nodes": 1, "accumulate_grad_batches": 1, "accelerator": "gpu"},
         "planner": {"cluster": "h100", "global_batch": None, "show": 3}})
     out_cfg, why = choose_layout(cfg)
-    best = plan(ModelSpec.from_gpt({k: v for k, v in cfg.model.items() if k != "_target_"}, 131072, name="gpt"),
+    best = plan(ModelSpec.from_gpt({k: v for k, v in cfg.model.items() if k != "_target_"}, 98304, name="gpt"),
                 load_cluster("h100"), 8, 8).best.layout
     assert best.cp > 1 and out_cfg.parallel.cp == best.cp and out_cfg.parallel.dp == best.dp
     assert out_cfg.trainer.devices == 8 and why.endswith(f"planner: running {best.label()}") and " cp" in why

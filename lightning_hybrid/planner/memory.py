@@ -89,8 +89,9 @@ from .model import ModelSpec
 __all__ = ["ActivationCoefficients", "KORTHIKANTI", "MemoryEstimate", "PRECISIONS", "block_activation_bytes",
            "block_activations", "codebase_coefficients", "context_mask_bytes", "context_masks",
            "context_transient_bytes", "context_unsaved_split", "estimate_memory", "expert_activation_bytes",
-           "gathered_kv_bytes", "in_flight", "largest_block_params", "moe_block_count", "moe_coefficients", "rank_block_counts", "rank_expert_params",
-           "rank_layers", "rank_params", "routed_tokens", "zero_model_states"]
+           "gathered_kv_bytes", "in_flight", "largest_block_params", "moe_block_count", "moe_coefficients",
+           "rank_block_counts", "rank_expert_params", "rank_layers", "rank_params", "routed_tokens",
+           "zero_model_states"]
 
 #: bytes per element: (parameters, gradients, optimizer state, activations). Adam keeps 2 moments.
 #: ``32-true``: fp32 everything; ``bf16-mixed``: Lightning autocast, fp32 weights and gradients, bf16
@@ -164,8 +165,8 @@ def expert_activation_bytes(model: ModelSpec, tokens: float, element: float, tp:
 def block_activation_bytes(c: ActivationCoefficients, s: int, b: int, h: int, a: int, tp: int = 1,
                            sequence_parallel: bool = False, cp: int = 1) -> float:
     """Bytes one block keeps for backward for one micro-batch of ``b`` sequences of ``s`` tokens; under context
-    parallelism ``cp`` the rank's ``s/cp`` tokens of each (their scores against all ``s`` keys), without what the
-    attention over the whole sequence keeps besides (`context_attention_bytes`)."""
+    parallelism ``cp`` the rank's ``s/cp`` tokens of each (their scores against all ``s`` keys); the attention over
+    the whole sequence's transient and masks are `context_transient_bytes` and `context_mask_bytes`."""
     rep = c.rep / tp if sequence_parallel else c.rep
     return s * b * (h * (rep + c.split / tp) + c.scores * a * s / tp) / cp
 

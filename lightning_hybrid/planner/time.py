@@ -54,16 +54,21 @@ Context parallelism (`Layout.cp` = ``c``; `lightning_hybrid.context_parallel`), 
 
 * compute: ``1/c`` of the block's -- its ``T/c`` tokens through the matrices, and attention's ``T/c`` queries
   against all ``T`` keys (``4 h s`` FLOPs per query: ``1/c`` as well; the zigzag split balances the causal mask's
-  work) -- and of the head; TP's collectives and the pipeline's boundary tensors carry ``T/c`` tokens;
-* KV exchange (``c > 1``; `kv_exchange_time`): in forward an all-gather of K and one of V over the ``cp`` group
-  (and of the tokens' positions, for the whole sequence's mask), in backward a reduce-scatter of their gradients
-  (gloo, on a CPU cluster: an all-reduce), and with activation checkpointing the recomputed forward's gathers
-  again: each a ring over ``c`` ranks of ``2 b s (a/tp) d e`` bytes for K and V together -- per query head: the
-  implementation repeats grouped-query attention's key/value heads before gathering -- a rank sending ``(c-1)/c``
-  of it (`kv_exchange_bytes`); over the link the cp group spans (``c`` ranks ``tp`` apart: NVLink while ``c tp``
-  fits in a node; `Cluster.link`). Not overlapped with computation (attention waits for the gathered keys; the
-  implementation's collectives are synchronous): on the critical path (``cp_comm``), and in the pipeline bubble
-  like the rest of a micro-batch's time;
+  work) -- and of the head; plus the attention core's forward once more (its ``4 h s / tp`` FLOPs per local
+  token): the implementation checkpoints the gather and the attention, so backward recomputes it; TP's collectives
+  and the pipeline's boundary tensors carry ``T/c`` tokens;
+* KV exchange (``c > 1``; `kv_exchange_time`), each a ring over ``c`` ranks of ``2 b s (a/tp) d e`` bytes for K and
+  V together -- per query head: the implementation repeats grouped-query attention's key/value heads before
+  gathering -- a rank sending ``(c-1)/c`` of it (`kv_exchange_bytes`): in forward an all-gather of K and one of V
+  over the ``cp`` group; in backward the checkpointed attention's recomputation gathers them again, and the
+  reduce-scatter of their gradients follows (gloo, on a CPU cluster: an all-reduce); with activation
+  checkpointing the layer's recomputed forward gathers them once more (the attention's own checkpoint inside it
+  runs its forward, and its recomputation in backward gathers again): 3 exchanges, 4 with activation
+  checkpointing. Per micro-batch (not per block) the all-gather of the tokens' int64 positions for the mask. Over
+  the link the cp group spans (``c`` ranks ``tp`` apart: NVLink while ``c tp`` fits in a node; `Cluster.link`).
+  Not overlapped with computation (attention waits for the gathered keys; the implementation's collectives are
+  synchronous): on the critical path (``cp_comm``), and in the pipeline bubble like the rest of a micro-batch's
+  time;
 * DP: the gradients are reduced (and ZeRO-sharded) over the ``dp c`` ranks (``tp`` apart), the experts' over
   ``dp c/ep``; the optimizer steps ``1/(dp c)`` under ZeRO.
 
@@ -87,12 +92,12 @@ from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB
 
 from .cluster import Cluster, Link
 from .layout import Layout
-from .memory import (PRECISIONS, block_activations, gathered_kv_bytes, moe_block_count, rank_block_counts,
-                     rank_expert_params, rank_layers, rank_params, routed_tokens)
+from .memory import (PRECISIONS, block_activations, context_transient_bytes, gathered_kv_bytes, moe_block_count,
+                     rank_block_counts, rank_expert_params, rank_layers, rank_params, routed_tokens)
 from .model import ModelSpec
 
 __all__ = ["TimeEstimate", "all_to_all_bytes", "all_to_all_time", "bubble_fraction", "estimate_time",
-           "kv_exchange_bytes", "kv_exchange_time", "ring_time", "ring_volume"]
+           "kv_exchange_bytes", "kv_exchange_time", "kv_exchanges", "mask_gather_time", "ring_time", "ring_volume"]
 
 
 def ring_volume(n: int, nbytes: float, op: str = "all_reduce") -> float:
@@ -134,50 +139,86 @@ def _exchange_bytes(model: ModelSpec, layout: Layout, tokens: float, element: fl
     return routed * model.top_k * model.hidden * element * (ep - 1) / ep
 
 
+def kv_exchanges(layout: Layout) -> int:
+    """Key/value exchanges per block and micro-batch under context parallelism (each an all-gather, or the
+    reduce-scatter of the gradients, of K and of V): 3, 4 with activation checkpointing; 0 at ``cp = 1``.
+
+    The implementation runs the gather and the attention under ``torch.utils.checkpoint`` (non-reentrant): (1) the
+    forward gathers; (2) backward, reaching the attention's nodes, recomputes the attention from its saved inputs,
+    gathering again; (3) the reduce-scatter of the gradients. With activation checkpointing (non-reentrant too,
+    around the whole layer) backward first recomputes the layer: its forward calls the attention's checkpoint
+    again, and a non-reentrant checkpoint always runs its function (only storing nothing), so it gathers (4). That
+    recomputation restores only the layer checkpoint's saved tensors: the attention's nodes in the graph backward
+    runs belong to the attention's checkpoint of the original forward, whose recomputation is still (2). Counted on
+    CPU (2 layers, gloo): per layer and micro-batch the attention runs 2 times (3 with the layer checkpointed), with
+    2 all-gathers (K, V) in forward and 2 all-gathers + 2 gradient reductions in backward (4 + 2 checkpointed).
+    """
+    if layout.cp == 1:
+        return 0
+    return 4 if layout.activation_checkpointing else 3
+
+
 def kv_exchange_bytes(model: ModelSpec, layout: Layout, *, precision: str = "bf16-mixed",
                       bytes_per_element: float | None = None, pipeline_rank: int | None = None) -> float:
     """Bytes one rank sends in the context-parallel key/value exchanges of one optimizer step:
 
         X * L * m * (cp - 1)/cp * 2 b s (a/tp) d e
 
-    ``X = 2`` exchanges per block and micro-batch (the forward's all-gather of K and V, the backward's
-    reduce-scatter of their gradients; 3 with activation checkpointing, whose recomputed forward gathers again),
-    ``L`` the blocks of the rank's pipeline stages (``pipeline_rank``; default the rank with the most), ``m`` the
-    micro-batches, ``2 b s (a/tp) d e`` the gathered K and V of a micro-batch (`gathered_kv_bytes`: ``b``
-    sequences of ``s`` tokens, the rank's ``a/tp`` query heads of ``d`` -- grouped-query attention's key/value heads
-    are repeated before the gather -- ``e`` bytes per element: ``bytes_per_element``, else the activation size of
-    ``precision``) of which a rank sends ``(cp - 1)/cp`` in a ring. 0 for ``cp = 1``. Not counted: the tokens'
-    positions gathered for the mask (``8 b s (cp - 1)/cp`` bytes per forward), and on gloo the backward's
-    all-reduce in place of the reduce-scatter (twice the volume; `estimate_time` counts both)."""
+    ``X = 3`` exchanges per block and micro-batch (`kv_exchanges`: the forward's all-gather of K and V, the
+    backward's gather again for the checkpointed attention's recomputation and reduce-scatter of their gradients;
+    4 with activation checkpointing, whose recomputed layer gathers once more), ``L`` the blocks of the rank's
+    pipeline stages (``pipeline_rank``; default the rank with the most), ``m`` the micro-batches, ``2 b s (a/tp) d e``
+    the gathered K and V of a micro-batch (`gathered_kv_bytes`: ``b`` sequences of ``s`` tokens, the rank's ``a/tp``
+    query heads of ``d`` -- grouped-query attention's key/value heads are repeated before the gather -- ``e`` bytes
+    per element: ``bytes_per_element``, else the activation size of ``precision``) of which a rank sends ``(cp -
+    1)/cp`` in a ring. 0 for ``cp = 1``. Not counted: the tokens' positions gathered for the mask (``8 b s (cp -
+    1)/cp`` bytes per micro-batch), and on gloo the backward's all-reduce in place of the reduce-scatter (twice the
+    volume; `estimate_time` counts both)."""
     layout.check_model(model)
     if layout.cp == 1:
         return 0.0
     element = bytes_per_element if bytes_per_element is not None else PRECISIONS[precision][3]
     blocks = [sum(1 for i in layers if 0 < i <= model.n_layer) for layers in _pipeline_ranks(model, layout)]
     count = max(blocks) if pipeline_rank is None else blocks[pipeline_rank]
-    exchanges = 3 if layout.activation_checkpointing else 2
     volume = ring_volume(layout.cp, gathered_kv_bytes(model, layout.micro_batch, element, layout.tp, layout.cp),
                          "all_gather")
-    return exchanges * count * layout.micro_batches * volume
+    return kv_exchanges(layout) * count * layout.micro_batches * volume
 
 
 def kv_exchange_time(model: ModelSpec, layout: Layout, cluster: Cluster) -> float:
-    """Seconds of one block's context-parallel exchanges for one micro-batch, all on the critical path: in forward
-    the all-gather of the tokens' positions (int64, for the whole sequence's mask) and of K and of V, in backward
-    the reduce-scatter of their gradients (two; on a CPU cluster gloo's all-reduce in its place), and with
-    activation checkpointing the recomputed forward's three gathers again; each a ring over the ``cp`` ranks (``tp``
-    apart: `Cluster.link`). 0 for ``cp = 1``. Not overlapped with computation (attention waits for the keys)."""
+    """Seconds of one block's context-parallel key/value exchanges for one micro-batch, all on the critical path:
+    the all-gathers of K and of V in forward, again in backward (the checkpointed attention's recomputation), and
+    once more with activation checkpointing (the layer's recomputation), and the reduce-scatter of their gradients
+    (two; on a CPU cluster gloo's all-reduce in its place) (`kv_exchanges`); each a ring over the ``cp`` ranks
+    (``tp`` apart: `Cluster.link`). 0 for ``cp = 1``. Not overlapped with computation (attention waits for the
+    keys). The positions' gather, once per micro-batch, is `mask_gather_time`."""
     cp = layout.cp
     if cp == 1:
         return 0.0
-    b = layout.micro_batch
-    kv = gathered_kv_bytes(model, b, PRECISIONS[cluster.precision][3], layout.tp, cp)
+    kv = gathered_kv_bytes(model, layout.micro_batch, PRECISIONS[cluster.precision][3], layout.tp, cp)
     link = cluster.link(cp, layout.tp)
-    forwards = 2 if layout.activation_checkpointing else 1
-    positions = ring_time(cp, 8 * b * model.seq_len, link, "all_gather")
-    gather = ring_time(cp, kv, link, "all_gather", messages=2) + positions
+    gathers = kv_exchanges(layout) - 1
     backward_op = "all_reduce" if cluster.compute_units else "reduce_scatter"  # gloo: no reduce-scatter of its own
-    return forwards * gather + ring_time(cp, kv, link, backward_op, messages=2)
+    return gathers * ring_time(cp, kv, link, "all_gather", messages=2) + ring_time(cp, kv, link, backward_op, 2)
+
+
+def mask_gather_time(model: ModelSpec, layout: Layout, cluster: Cluster) -> float:
+    """Seconds of the all-gather of a micro-batch's token positions (int64) over the ``cp`` ranks, from which each
+    rank makes the micro-batch's mask once, before its first layer; 0 for ``cp = 1``."""
+    if layout.cp == 1:
+        return 0.0
+    return ring_time(layout.cp, 8 * layout.micro_batch * model.seq_len, cluster.link(layout.cp, layout.tp),
+                     "all_gather")
+
+
+def context_attention_traffic(model: ModelSpec, b: int, precision: str, tp: int = 1, cp: int = 1) -> float:
+    """Bytes of one block's context-parallel attention that are not the block's kept activations, for its
+    element-wise traffic: the gathered K and V and SDPA's float mask (`KORTHIKANTI`: its scores), the
+    `context_transient_bytes` without the gradients of K and V; 0 for ``cp = 1``."""
+    if cp == 1:
+        return 0.0
+    return context_transient_bytes(model, b, precision, tp, cp) - gathered_kv_bytes(
+        model, b, PRECISIONS[precision][3], tp, cp)
 
 
 def all_to_all_bytes(model: ModelSpec, layout: Layout, tokens_per_rank: float | None = None, *,
@@ -253,12 +294,21 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     recompute = lay.activation_checkpointing
     passes = 4 if recompute else 3  # forward, backward = 2 forwards, recomputed forward
     dense_act, moe_act = block_activations(model, lay, prec)
+    # Under CP the attention core's forward runs once more (the checkpointed gather and attention, recomputed in
+    # backward: its 4 h s FLOPs per local token again), and the element-wise traffic includes the gathered K/V and
+    # SDPA's float mask (KORTHIKANTI: its own scores), which the block no longer keeps.
+    core_recompute = tokens * 4 * h * s / t if cp > 1 else 0.0
+    cp_traffic = context_attention_traffic(model, b, prec, t, cp)
 
     block_flops = passes * tokens * (2 * model.block_matmul_weights() + 4 * h * s) / t
-    block_compute = block_flops / flops + passes * cluster.layer_overhead + 3 * dense_act / cluster.memory_bandwidth
+    if cp > 1:
+        block_flops += core_recompute
+    bandwidth = cluster.memory_bandwidth
+    block_compute = block_flops / flops + passes * cluster.layer_overhead + 3 * (dense_act + cp_traffic) / bandwidth
     tp_link = cluster.link(t, 1)
     block_tp = (6 if recompute else 4) * ring_time(t, tokens * h * e, tp_link)
     block_cp = kv_exchange_time(model, lay, cluster)  # per block, dense or MoE
+    mask_cp = mask_gather_time(model, lay, cluster)  # per micro-batch: the positions, for its mask
     head_compute = 6 * tokens * h * model.vocab / t / flops + 3 * cluster.layer_overhead
     if lay.loss_parallel:  # vocab-parallel cross entropy: all-reduces of a max, a sum and the target logit
         head_tp = 3 * ring_time(t, tokens * 4, tp_link)
@@ -273,7 +323,9 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
         split = model.attention_weights() + model.mlp_weights(model.shared_ffn)
         expert = model.experts * h + model.top_k * model.mlp_weights(model.expert_ffn)
         moe_flops = passes * (tokens * (2 * split + 4 * h * s) / t + routed * 2 * expert)
-        moe_compute = moe_flops / flops + passes * cluster.layer_overhead + 3 * moe_act / cluster.memory_bandwidth
+        if cp > 1:
+            moe_flops += core_recompute
+        moe_compute = moe_flops / flops + passes * cluster.layer_overhead + 3 * (moe_act + cp_traffic) / bandwidth
         moe_tp = moe_units / 2 * block_tp
         ep_link = cluster.link(ep, t)
         exchanges = 6 if recompute else 4
@@ -289,7 +341,8 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     def rank_times(rank: int) -> tuple[float, float, float, float]:
         (dense, moe), head = counts[rank], head_index in ranks[rank]
         return (dense * block_compute + moe * moe_compute + (head_compute if head else 0.0),
-                dense * block_tp + moe * moe_tp + (head_tp if head else 0.0), moe * moe_ep, (dense + moe) * block_cp)
+                dense * block_tp + moe * moe_tp + (head_tp if head else 0.0), moe * moe_ep,
+                (dense + moe) * block_cp + (mask_cp if dense + moe else 0.0))
 
     times = [rank_times(rank) for rank in range(lay.pp)]
     compute_mb, tp_mb, ep_mb, cp_mb = max(times, key=sum)
@@ -345,8 +398,9 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     # (vocab-parallel loss) or 1, the embedding's 1. EP: per MoE block and micro-batch the split sizes' exchange
     # and 2 all-to-alls per forward, 2 in backward. PP: a send and a receive per stage and micro-batch. DP: one
     # per bucket (ZeRO 1-2: and a gather), ZeRO-3 three per unit (gather in forward and in backward,
-    # reduce-scatter), per micro-batch without a pipeline. CP: per block and micro-batch the all-gathers of the
-    # positions, K and V in forward (again when recomputed) and the reduce-scatters of K's and V's gradients.
+    # reduce-scatter), per micro-batch without a pipeline. CP: per block and micro-batch the all-gathers of K and
+    # of V in forward, again in backward (twice with the layer recomputed: `kv_exchanges`) and the reduce-scatters
+    # of their gradients; per micro-batch the positions' all-gather.
     if t > 1:
         per_block = (10 if lay.sequence_parallel else 4) + (4 if lay.sequence_parallel else 2) * recompute
         per_moe = per_block * moe_units / 2
@@ -354,7 +408,7 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     else:
         tp_colls = 0
     ep_colls = m * max(k for _, k in counts) * (5 + 3 * recompute) if ep > 1 else 0
-    cp_colls = m * max(d + k for d, k in counts) * (5 + 3 * recompute) if cp > 1 else 0
+    cp_colls = m * (max(d + k for d, k in counts) * 2 * kv_exchanges(lay) + 1) if cp > 1 else 0
     pp_colls = m * 2 * per_rank if lay.pp > 1 else 0
     dp_messages = sum(k for *_, k in groups)
     if lay.zero_stage == 3:
