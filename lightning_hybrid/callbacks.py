@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.model_summary.model_summary import NOT_APPLICAB
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
+from lightning_hybrid.batch import TokenBatch
 from lightning_hybrid.devices import local_tensor
 from lightning_hybrid.strategy import HybridStrategy
 from lightning_hybrid.tensor_parallel.layers import tp_shard_specs, unsplit_shape
@@ -48,6 +49,8 @@ __all__ = [
 def _first_tensor(batch: Any) -> Tensor:
     if isinstance(batch, Tensor):
         return batch
+    if isinstance(batch, TokenBatch):  # context parallelism's share of a batch
+        return batch.input_ids
     values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
     for value in values:
         try:

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.bias import causal_lower_right
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
@@ -83,8 +84,8 @@ class ContextParallel:
     reference GPT and of a transformers decoder takes them), and activation checkpointing, applied after, recomputes
     through the same wrapper. ``calls`` counts the attentions caught (a module whose layers make none does not
     reach its attention through SDPA: refused by the strategy after the first step). ``recompute_attention``:
-    backward gathers the keys and values again and recomputes the attention rather than keeping them (off inside
-    selectively recomputed layers, whose policy decides).
+    backward gathers the keys and values again and recomputes the attention rather than keeping them (off where
+    activation checkpointing recomputes the layers: their recomputation, or a selective policy, decides).
     """
 
     def __init__(self, group: dist.ProcessGroup, recompute_attention: bool = True) -> None:
@@ -94,7 +95,7 @@ class ContextParallel:
         self.verified = False  # the strategy found attention caught after the first step
         self._positions: Optional[Tensor] = None
         self._checked: set[tuple] = set()
-        self._masks: dict[int, tuple[Tensor, Tensor]] = {}  # id(positions) -> (positions, mask), this batch's
+        self._masks: dict[int, tuple[Tensor, Optional[Tensor]]] = {}  # id(positions) -> (positions, mask)
 
     def wrap(self, layer: nn.Module) -> None:
         forward = layer.forward
@@ -142,20 +143,41 @@ class ContextParallel:
             value = value.repeat_interleave(heads // value.size(-3), dim=-3)
         mask = self.mask(positions, query.device)
         # Checkpointed: backward gathers the keys and values again rather than keeping the whole sequence's (and
-        # SDPA's scores of the rank's queries against them) for every layer until its backward. (Not inside a
-        # selectively recomputed layer: its policy decides what is kept, replaying the ops in their order.)
+        # what SDPA saves of the rank's queries against them) for every layer until its backward. (Not inside a
+        # checkpointed layer: its recomputation, or a selective policy replaying the ops in order, decides.)
         if not self.recompute_attention:
             return self._attend(query, key, value, mask, dropout_p, scale)
         return checkpoint(self._attend, query, key, value, mask, dropout_p, scale, use_reentrant=False)
 
-    def _attend(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor, dropout_p: float,
+    def _attend(self, query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], dropout_p: float,
                 scale: Optional[float]) -> Tensor:
         keys = gather_sequence(key, self.group)
         values = gather_sequence(value, self.group)
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+        if mask is not None:
+            return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=dropout_p,
+                                                  scale=scale)
+        # Plain causal attention (no documents in the batch): no mask made. In the sequence's order, each of the
+        # rank's two chunks attends every key up to its own last token -- causal aligned to the lower right, which
+        # SDPA's kernels take without a mask tensor.
+        length = keys.size(-2)
+        order = torch.cat([zigzag_indices(length, self.size, r, keys.device) for r in range(self.size)])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(length, device=order.device)
+        keys, values = keys.index_select(-2, inverse), values.index_select(-2, inverse)
+        chunk = length // (2 * self.size)
+        outputs = []
+        for part, index in zip(query.split(chunk, dim=-2), (self.rank, 2 * self.size - 1 - self.rank)):
+            end = (index + 1) * chunk
+            with _disable_current_modes():  # a tensor subclass, which a dispatch mode (a memory tracker) refuses
+                causal = causal_lower_right(chunk, end)
+            outputs.append(F.scaled_dot_product_attention(
+                part, keys[..., :end, :], values[..., :end, :], attn_mask=causal, dropout_p=dropout_p, scale=scale,
+            ))
+        return torch.cat(outputs, dim=-2)
 
-    def mask(self, positions: Tensor, device: torch.device) -> Tensor:
-        """``(B, 1, T / cp, T)``: which keys (in gathered order) each of this rank's queries may attend to. Made once
+    def mask(self, positions: Tensor, device: torch.device) -> Optional[Tensor]:
+        """``(B, 1, T / cp, T)``: which keys (in gathered order) each of this rank's queries may attend to, or
+        ``None`` where that is plain causal attention (every row one document from position 0). Made once
         per (micro-)batch, before its first layer (`_prepare_mask`, outside any checkpointed region: a selective
         recomputation replays the layer's ops in their order, so a layer must run the same ops in its forward and
         its recomputation), and looked up by the layers."""
@@ -166,7 +188,7 @@ class ContextParallel:
         return entry[1]
 
     def new_batch(self) -> None:
-        """A batch starts: the masks of the last are dropped."""
+        """A batch starts, or the last one's backward is done: its masks are dropped."""
         self._masks.clear()
 
     def _prepare_mask(self, layer: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -174,7 +196,7 @@ class ContextParallel:
         if isinstance(positions, Tensor) and not positions.is_meta:
             self.mask(positions, positions.device)
 
-    def _make_mask(self, positions: Tensor, device: torch.device) -> Tensor:
+    def _make_mask(self, positions: Tensor, device: torch.device) -> Optional[Tensor]:
         local = positions.size(-1)
         length = local * self.size
         with torch.no_grad():
@@ -184,6 +206,8 @@ class ContextParallel:
             order = torch.cat([zigzag_indices(length, self.size, r, device) for r in range(self.size)])
             whole = torch.empty_like(gathered)
             whole[:, order] = gathered  # the positions in the sequence's order
+            if bool((whole == torch.arange(length, device=device)).all()):
+                return None  # plain causal attention
             docs = document_ids(whole)[:, order]  # each key's document, in gathered order
             mine = order[self.rank * local:(self.rank + 1) * local]
             causal = order.unsqueeze(0) <= mine.unsqueeze(1)  # (T / cp, T)

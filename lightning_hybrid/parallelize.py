@@ -263,8 +263,9 @@ def split_context(
     that recomputation runs through it too) attends over the CP group. Collective (it creates the CP groups)."""
     if options.cp == 1:
         return None
-    selective = options.activation_checkpointing and options.recompute is not None
-    context = ContextParallel(build_context_mesh(mesh, options.cp)["cp"].get_group(), not selective)
+    # A layer checkpointed as a whole (or selectively) recomputes its attention already.
+    context = ContextParallel(build_context_mesh(mesh, options.cp)["cp"].get_group(),
+                              not options.activation_checkpointing)
     for name in layers:
         context.wrap(module.get_submodule(name))
     return context

@@ -361,6 +361,9 @@ class HybridStrategy(MeshStrategy):
 
     def post_backward(self, closure_loss: Tensor) -> None:
         assert self._sync is not None
+        context = self._parallelized.context if self._parallelized is not None else None
+        if context is not None:  # the batch's attention masks: no longer needed
+            context.new_batch()
         self._sync.reduce()
 
     @contextmanager
