@@ -1,7 +1,14 @@
 """Activation memory per transformer layer under TP, sequence parallelism and selective recompute, beside
-Korthikanti et al. (2022); logits memory per rank with and without the vocab-parallel loss; step times.
+Korthikanti et al. (2022); logits memory per rank with and without the vocab-parallel loss; step times. And
+activation memory per rank against sequence length under context parallelism (cp 1, 2, 4).
 
     python benchmarks/bench_activations.py [--seq 256 --batch 2 --hidden 256 --heads 8 --vocab 8192 --tps 1 2 4]
+                                           [--cp-seqs 512 1024 2048 --cps 1 2 4 --cp-layers 4 --cp-hidden 128]
+                                           [--cp-check 16x256] [--only tp|cp]
+
+``--only`` runs one part; the report keeps the other part as its last run wrote it (under that run's command).
+
+TP part:
 
 The model is the one the formulas describe (GPT-2 layout, Korthikanti et al. section 4): pre-norm blocks of
 LayerNorm -> separate q/k/v -> eager attention (QK^T, softmax, dropout, x V) -> o -> dropout -> residual,
@@ -23,16 +30,34 @@ step time             = forward + backward of the 4-layer model, the median of -
                         so that load on the shared machine falls on all alike; ratio against plain TP at the
                         same tp (tp ranks on 2 cores: oversubscribed at tp 4)
 
-The table is printed and written to benchmarks/ACTIVATIONS.md.
+CP part: the reference GPT (`GPTLightningModule`, dropout 0, fp32) fitted a few steps with a real
+``Trainer(accelerator="cpu", devices=cp, strategy=HybridStrategy(dp=1, cp=cp))`` per cp on `run_distributed`
+ranks, one sequence of T tokens per step (`ByteCorpusDataModule(block_size=T)`):
+
+activation peak per rank = the highest, during a step (steps 2..: step 1 also makes the optimizer's state), of the
+                        live tensor bytes beyond the rank's state (parameters, buffers, gradients, optimizer
+                        state): `PeakMemoryMonitor`'s tracker, kinds and step window; the highest rank
+/ cp=1's, × cp          = that peak against cp=1's at the same T, and times cp (goal: within 1.10 of 1)
+parts                   = the tensors alive at that peak, by shape and where they were made (the CP attention's
+                        `_make_mask` and `_attend` are wrapped to say so): the bool mask (B, 1, T/cp, T) kept for
+                        a batch with documents (none for plain causal batches), float masks made inside an SDPA
+                        call, the whole sequence's keys and values (gathered, reordered, and their gradients),
+                        and per-token (the rest: T/cp rows per rank)
+--cp-check              = a deeper, wider model at the longest T, cp first and last: the same measurement
+
+Both tables are printed and written to benchmarks/ACTIVATIONS.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
+import re
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -43,9 +68,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from lightning_hybrid.activation_checkpointing import apply_activation_checkpointing, recompute_selection  # noqa: E402
-from lightning_hybrid.memory import LiveTensorTracker  # noqa: E402
+from lightning_hybrid.memory import LiveTensorTracker, PeakMemoryMonitor, _storages  # noqa: E402
 from lightning_hybrid.tensor_parallel import apply_tp, resolve_tp_plan  # noqa: E402
 from lightning_hybrid.tensor_parallel.comm import sum_grads_over_tp_  # noqa: E402
 from lightning_hybrid.testing import run_distributed  # noqa: E402
@@ -201,6 +227,264 @@ def _worker(args) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------------------------- context parallelism
+STATE_KINDS = ("parameters", "buffers", "gradients", "optimizer_state", "other")
+CP_PARTS = ("per-token", "bool mask", "float mask", "whole-sequence K/V")
+PHASES = {"activations": "forward", "temporary": "backward", "optimizer_step": "optimizer step"}
+
+
+class _ActivationTracker(LiveTensorTracker):
+    """`LiveTensorTracker` that also keeps the peak of the bytes beyond the rank's state (`STATE_KINDS`): what a
+    step allocates and holds (forward activations, backward temporaries), with a description of every tensor
+    alive at that peak (shape, dtype, op, `_REGION`) and the phase it came in (the tracker's kind then)."""
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__(device_type)
+        self._describe: tuple = ()
+        self.meta: dict[int, tuple] = {}  # storage address -> (shape, dtype, op, region) of the tensor that made it
+        self.act_peak = 0
+        self.act_live: list[tuple[tuple, int]] = []  # ((shape, dtype, op, region), bytes) at act_peak
+        self.act_phase = ""
+
+    def _follow(self, storage, kind: str) -> None:
+        if storage._cdata not in self._live:
+            self.meta[storage._cdata] = self._describe
+        super()._follow(storage, kind)
+
+    def _activation_bytes(self) -> int:
+        return self.total - sum(self.totals[k] for k in STATE_KINDS)
+
+    def _update_peak(self) -> None:
+        super()._update_peak()
+        act = self._activation_bytes()
+        if act > self.act_peak:
+            self.act_peak, self.act_phase = act, self.kind
+            live = self._live.copy()  # one C-level copy: a finalizer (gc) may release a storage while we read
+            self.act_live = [(self.meta.get(key, ()), entry[0]) for key, entry in live.items()
+                             if entry[1] not in STATE_KINDS]
+
+    def reset_peak(self) -> None:
+        super().reset_peak()
+        self.act_peak, self.act_live, self.act_phase = self._activation_bytes(), [], self.kind
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._describe = (tuple(t.shape), t.dtype, func.__name__, _REGION[0])
+                for storage in _storages(t):
+                    self._follow(storage, self.kind) if storage._cdata not in self._live else self._resized(storage)
+        return out
+
+
+class _ActivationMonitor(PeakMemoryMonitor):
+    """`PeakMemoryMonitor` run with `_ActivationTracker`; ``steps``: the activation peak of each measured step,
+    with what was alive then (every tensor named by shape and dtype) and the phase (activations: forward,
+    temporary: backward, optimizer_step)."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__(steps)
+        self.activation_steps: list[dict] = []
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage == "fit" and self._tracker is None:
+            self._tracker = _ActivationTracker(trainer.strategy.root_device.type)
+            self._enter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        active = self._active
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if active:
+            tracker = self._tracker
+            self.activation_steps.append({"peak": tracker.act_peak, "phase": tracker.act_phase,
+                                          "live": list(tracker.act_live)})
+            tracker.meta = {key: tracker.meta[key] for key in tracker._live.copy() if key in tracker.meta}
+
+
+_REGION: list = [None]  # where in the CP attention the ops run: "mask", "attention" or None (`_mark_regions`)
+
+
+def _mark_regions() -> None:
+    """Name the ops of the CP attention for the tracker: `ContextParallel._make_mask` ("mask"), and its
+    `_attend` (the all-gather of keys and values and SDPA, forward and recomputation) and the gather's backward
+    ("attention"). Wrappers in this process only; the computation is unchanged."""
+    from lightning_hybrid import context_parallel as cpm
+
+    if getattr(cpm, "_bench_regions", False):
+        return
+    cpm._bench_regions = True
+
+    def region(name, fn):
+        def wrapped(*args, **kwargs):
+            saved, _REGION[0] = _REGION[0], name
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _REGION[0] = saved
+        return wrapped
+
+    cpm.ContextParallel._make_mask = region("mask", cpm.ContextParallel._make_mask)
+    cpm.ContextParallel._attend = region("attention", cpm.ContextParallel._attend)
+    cpm._GatherSequence.backward = staticmethod(region("attention", cpm._GatherSequence.backward))
+
+
+def _part(meta: tuple, seq: int, local: int, cp: int) -> str:
+    """Which part of the activations a tensor alive at the peak is (``meta``: its shape, dtype, the op that made
+    it and `_REGION`). Under ``cp > 1``: what `ContextParallel._make_mask` made is the bool mask ``(B, 1, T / cp,
+    T)``; inside the attention, a ``(T / cp, T)`` float tensor is SDPA's fp32 copy of the mask (``where`` inside
+    ``scaled_dot_product_attention``), and a ``(..., T, D)`` tensor or an all-gather's piece (``empty_like``) the
+    whole sequence's keys and values; a ``(..., T, D)`` tensor outside it, their gradients (backward). The rest
+    is per token (the rank's ``T / cp`` rows: layers' saved tensors, the attention's output, logits, loss)."""
+    if not meta or cp == 1:
+        return "per-token"
+    shape, dtype, op, where = meta
+    if where == "mask":
+        return "bool mask" if dtype == torch.bool else "per-token"
+    whole = len(shape) >= 3 and shape[-2] == seq
+    if where == "attention":
+        if dtype == torch.bool:
+            return "bool mask"  # made for one call (a causal block materialised for SDPA)
+        if op.startswith("where"):
+            return "float mask"
+        if whole or op.startswith("empty_like"):
+            return "whole-sequence K/V"
+        return "per-token"
+    return "whole-sequence K/V" if whole else "per-token"
+
+
+def _cp_worker(cfg: dict) -> list[dict]:
+    """One rank: for each sequence length, a fit of the reference GPT under ``HybridStrategy(dp=1, cp=cp)``;
+    returns per length the highest activation peak of steps 2.. (step 1 also makes the optimizer's state) and
+    its parts."""
+    import lightning as L
+
+    from lightning_hybrid import HybridStrategy
+    from lightning_hybrid.data import ByteCorpusDataModule
+    from lightning_hybrid.models import GPTConfig, GPTLightningModule
+
+    warnings.filterwarnings("ignore")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_hybrid"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    _mark_regions()
+    cp, out = cfg["cp"], []
+    for seq in cfg["seqs"]:
+        L.seed_everything(0, verbose=False)
+        config = GPTConfig(vocab_size=256, block_size=seq, n_layer=cfg["layers"], n_head=cfg["heads"],
+                           n_embd=cfg["hidden"], dropout=0.0)
+        module = GPTLightningModule(config=config, lr=1e-3)
+        data = ByteCorpusDataModule(block_size=seq, batch_size=cfg["batch"],
+                                    max_bytes=(25 + 2 * (cfg["steps"] + 2) * cfg["batch"]) * (seq + 1))  # 5% held out
+        monitor = _ActivationMonitor(cfg["steps"])
+        start = time.perf_counter()
+        trainer = L.Trainer(accelerator="cpu", devices=cp, strategy=HybridStrategy(dp=1, cp=cp),
+                            max_steps=cfg["steps"], limit_val_batches=0, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor])
+        trainer.fit(module, data)
+        measured = monitor.activation_steps[1:]  # step 1 also allocates the optimizer's state
+        top = max(measured, key=lambda s: s["peak"])
+        parts = dict.fromkeys(CP_PARTS, 0)
+        tensors: dict[tuple, list] = {}
+        for meta, nbytes in top["live"]:
+            part = _part(meta, seq, seq // cp, cp)
+            parts[part] += nbytes
+            if part != "per-token":
+                shape, dtype, op, _ = meta
+                entry = tensors.setdefault((part, shape, str(dtype).replace("torch.", ""), op), [0, 0])
+                entry[0], entry[1] = entry[0] + 1, entry[1] + nbytes
+        out.append({"seq": seq, "peak": top["peak"], "step_peaks": [s["peak"] for s in measured],
+                    "phase": top["phase"], "parts": parts, "tensors": tensors,
+                    "state": {k: monitor.peak.after_step.get(k, 0) for k in STATE_KINDS},
+                    "fit_s": time.perf_counter() - start})
+    return out
+
+
+def _cp_peaks(args, layers: int, hidden: int, seqs: list[int], cps: list[int]) -> dict[tuple[int, int], dict]:
+    """``(cp, T) ->`` the result of the rank with the highest activation peak (``"ranks"``: every rank's peak)."""
+    cfg = {"seqs": seqs, "layers": layers, "hidden": hidden, "heads": args.cp_heads, "batch": args.cp_batch,
+           "steps": args.cp_steps}
+    out = {}
+    for cp in cps:
+        start = time.perf_counter()
+        ranks = run_distributed(_cp_worker, cp, {**cfg, "cp": cp})
+        print(f"{layers}x{hidden}, cp={cp}: {time.perf_counter() - start:.0f} s", flush=True)
+        for i, seq in enumerate(seqs):
+            top = max((rank[i] for rank in ranks), key=lambda r: r["peak"])
+            out[(cp, seq)] = {**top, "ranks": [rank[i]["peak"] for rank in ranks]}
+    return out
+
+
+def run_cp(args) -> str:
+    """The CP part: per sequence length and cp, each rank's activation peak; the section of the report."""
+    mib = 2**20
+    models = [(args.cp_layers, args.cp_hidden, args.cp_seqs, args.cps)]
+    if args.cp_check:
+        layers, hidden = (int(v) for v in args.cp_check.lower().split("x"))
+        models.append((layers, hidden, [max(args.cp_seqs)], [args.cps[0], args.cps[-1]]))
+    rows = ["| model (layers x width) | T | cp | activation peak per rank, MiB | / cp=1's | × cp | peak in |"
+            " per-token part, MiB | per-token × cp / cp=1's | bool mask, MiB | float mask, MiB |"
+            " whole-sequence K/V, MiB |",
+            "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+    detail, worst, state = [], {}, None
+    for layers, hidden, seqs, cps in models:
+        peaks = _cp_peaks(args, layers, hidden, seqs, cps)
+        model = f"{layers} x {hidden}"
+        state = state or peaks[(cps[0], seqs[0])]["state"]
+        for seq in seqs:
+            base = peaks[(cps[0], seq)]
+            for cp in cps:
+                r, parts = peaks[(cp, seq)], peaks[(cp, seq)]["parts"]
+                ratio = r["peak"] / base["peak"]
+                if cp > 1:
+                    worst[model] = max(worst.get(model, 0.0), ratio * cp)
+                rows.append(f"| {model} | {seq} | {cp} | {r['peak'] / mib:.2f} | {ratio:.3f} | {ratio * cp:.3f} |"
+                            f" {PHASES.get(r['phase'], r['phase'])} | {parts['per-token'] / mib:.2f} |"
+                            f" {parts['per-token'] * cp / base['parts']['per-token']:.3f} |"
+                            f" {parts['bool mask'] / mib:.2f} | {parts['float mask'] / mib:.2f} |"
+                            f" {parts['whole-sequence K/V'] / mib:.2f} |")
+                if min(r["ranks"]) != max(r["ranks"]):
+                    detail.append(f"- {model}, T={seq}, cp={cp}: the ranks' peaks are {min(r['ranks']) / mib:.3f} to"
+                                  f" {max(r['ranks']) / mib:.3f} MiB (the table: the highest)")
+                for (part, shape, dtype, op), (count, nbytes) in sorted(r["tensors"].items()):
+                    detail.append(f"- {model}, T={seq}, cp={cp}: {part}: {count} x {dtype} {tuple(shape)} (made by"
+                                  f" `{op}`), {nbytes / mib:.2f} MiB")
+    lines = [
+        CP_TITLE,
+        "",
+        f"Reference GPT (`GPTLightningModule`, layers x width as below, n_head={args.cp_heads}, GELU MLP, V=256,"
+        f" dropout 0, fp32), {args.cp_batch} sequence(s) of T tokens per step, fitted {args.cp_steps} steps with"
+        " `Trainer(accelerator=\"cpu\", devices=cp, strategy=HybridStrategy(dp=1, cp=cp))` on"
+        " `ByteCorpusDataModule(block_size=T)` (gloo ranks, `run_distributed`). Activation peak = the highest live"
+        " tensor bytes beyond the rank's state (parameters, buffers, gradients, optimizer state:"
+        " `PeakMemoryMonitor`'s tracker and kinds) during a step, steps 2.. (step 1 also makes the optimizer's"
+        " state), the highest rank; peak in = the phase it was reached in. Its parts, from each tensor alive at"
+        " that moment (its shape and where it was made): the bool mask `(B, 1, T/cp, T)` the strategy keeps for"
+        " a batch with documents or padding (these plain batches have none: each of the rank's two chunks"
+        " attends causally, aligned to the lower right); float masks made inside an SDPA call (`where`: on CPU"
+        " torch materialises a chunk's lower-right causal block, which CUDA's fused kernels take without a"
+        " tensor; with documents, SDPA's fp32 copy of the bool mask); the whole sequence's keys and values (the"
+        " all-gather's pieces, the copies in the sequence's order, their gradients in backward); per-token:"
+        " everything else (the rank's T/cp rows of the layers' saved tensors, logits, loss). The goal: × cp"
+        " within 1.10. The second model (`--cp-check`) is the same measurement on a deeper, wider model at the"
+        " longest T.",
+        "",
+        f"State per rank, not counted ({models[0][0]} x {models[0][1]}, cp={args.cps[0]}, T={args.cp_seqs[0]}): "
+        + ", ".join(f"{k} {v / mib:.2f} MiB" for k, v in state.items() if v),
+        "",
+        *rows,
+        "",
+        "Highest × cp: " + "; ".join(f"{model}: {value:.4f} ({'within' if value <= 1.10 else 'above'} 1.10)"
+                                     for model, value in worst.items()) + ".",
+        "",
+        "What does not scale with T/cp, at each peak:",
+        "",
+        *detail,
+        "",
+    ]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
 def formula(config: str, s: int, b: int, h: int, a: int, t: int) -> float:
     sp, recompute = CONFIGS[config]
     linear = s * b * h * (72 / t if sp else 24 + 48 / t)
@@ -208,16 +492,13 @@ def formula(config: str, s: int, b: int, h: int, a: int, t: int) -> float:
     return linear + core
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--tps", type=int, nargs="+", default=[1, 2, 4])
-    args = parser.parse_args()
+ACTIVATIONS = REPO_ROOT / "benchmarks" / "ACTIVATIONS.md"
+TP_TITLE = "## Tensor parallelism, sequence parallelism, selective recompute: per layer, beside Korthikanti et al."
+CP_TITLE = "## Context parallelism: activation memory per rank against sequence length"
+
+
+def run_tp(args) -> str:
+    """The TP part: per tp, activations per layer against the formulas, logits per rank, step times."""
     s, b, h, a = args.seq, args.batch, args.hidden, args.heads
     mib = 2**20
     rows = ["| tp | configuration | activations per layer, MiB | formula, MiB | measured / formula | step time vs TP |",
@@ -239,12 +520,62 @@ def main() -> None:
         print("\n".join(rows[-len(result) + 2:]), flush=True)
     header = (f"s={s}, b={b}, h={h}, a={a}, V={args.vocab}, fp32, dropout {DROPOUT}; step time vs TP = TP's step time /"
               " this one's (> 1 faster)")
-    text = "\n".join([header, "", *rows, "", *logits_rows, ""])
+    text = "\n".join([TP_TITLE, "", header, "", *rows, "", *logits_rows, ""])
     print(text)
+    return text
+
+
+def _kept_section(title: str) -> str:
+    """The section ``title`` of the report as the last run wrote it (a run of one part keeps the other), under a
+    line naming the command and date that wrote it. The report before it had sections: its body is the TP part."""
+    text = ACTIVATIONS.read_text() if ACTIVATIONS.exists() else ""
+    written = re.search(r"^Written by (`[^`]*`) on ([0-9-]+ [0-9:]+)", text, re.M)
+    chunks = re.split(r"(?m)^(?=## )", text)
+    found = [c for c in chunks[1:] if c.startswith(title)]
+    if found:
+        body = found[0].split("\n", 1)[1]
+    elif len(chunks) == 1 and written and title == TP_TITLE:
+        body = "\n" + text[written.end():].split("\n", 1)[1].strip() + "\n"
+    else:
+        return f"{title}\n\nNot run yet: run the script without --only.\n"
+    if written and not body.lstrip().startswith("Kept from"):
+        body = (f"\nKept from the run of {written.group(1)} on {written.group(2)} (not rerun by the command above).\n"
+                + body)
+    return f"{title}\n{body.rstrip()}\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=("tp", "cp"), default=None,
+                        help="run one part (the report keeps the other part from its last run)")
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--tps", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4], help="CP part: cp sizes (the first: base)")
+    parser.add_argument("--cp-seqs", type=int, nargs="+", default=[512, 1024, 2048], help="CP part: lengths T")
+    parser.add_argument("--cp-layers", type=int, default=4)
+    parser.add_argument("--cp-hidden", type=int, default=128)
+    parser.add_argument("--cp-heads", type=int, default=4)
+    parser.add_argument("--cp-batch", type=int, default=1)
+    parser.add_argument("--cp-steps", type=int, default=3, help="CP part: steps per fit (the first not measured)")
+    parser.add_argument("--cp-check", default="16x256",
+                        help="CP part: a second model, LAYERSxWIDTH, at the longest T and the first and last cp"
+                             " ('' to skip)")
+    args = parser.parse_args()
+    if args.cp_steps < 2:
+        parser.error("--cp-steps must be at least 2: the first step is not measured")
+    start = time.perf_counter()
+    tp_text = run_tp(args) if args.only in (None, "tp") else _kept_section(TP_TITLE)
+    cp_text = run_cp(args) if args.only in (None, "cp") else _kept_section(CP_TITLE)
     from benchmarks.report import header
 
     title = header("Activation memory (benchmarks/bench_activations.py)")
-    (REPO_ROOT / "benchmarks" / "ACTIVATIONS.md").write_text(title + text)
+    ACTIVATIONS.write_text(title + tp_text + "\n" + cp_text)
+    print(f"written to {ACTIVATIONS.relative_to(REPO_ROOT)} ({time.perf_counter() - start:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import re
 import signal
 import socket
 import sys
+import atexit
 import threading
 import time
 import traceback
@@ -299,6 +300,7 @@ class MeshStrategy(ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
+        _destroy_process_group_at_exit()
         self._record_process()
         self._reported.clear()
         self._device_mesh = self._dims.build_mesh(self.root_device.type)
@@ -418,6 +420,25 @@ _LIBRARY_DIRS = tuple(
 )
 #: The peer's address as the backend writes it: gloo ``[127.0.0.1]:30408``, NCCL ``10.0.0.2<33759>``.
 _PEER_ADDRESS = re.compile(r"(\[[0-9A-Za-z.:%-]+\]:\d+)|([0-9A-Za-z.:%-]+<\d+>)")
+
+
+def _destroy_process_group_at_exit() -> None:
+    """At interpreter exit, before the interpreter finalises, destroy the default process group if the script left
+    it: gloo's worker threads then end while Python still runs, rather than meeting a finalising interpreter (the
+    "terminate called without an active exception" abort of a plain script, pytorch issue 190489). Registered
+    once per process; teardown cannot do it (a later ``trainer.validate`` reuses the group)."""
+    if getattr(_destroy_process_group_at_exit, "registered", False):
+        return
+
+    def destroy() -> None:
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # exiting anyway: nothing to report to
+                pass
+
+    atexit.register(destroy)
+    _destroy_process_group_at_exit.registered = True  # type: ignore[attr-defined]
 
 
 def _store() -> Optional[Any]:
