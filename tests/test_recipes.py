@@ -235,6 +235,15 @@ def test_recipe_single_run_tp2(tmp_path):
     assert losses["step"] == [1, 2, 3] and losses["train_loss"] == pytest.approx(logged, rel=1e-6), (losses, logged)
 
 
+def test_recipe_run_with_context_parallelism(tmp_path):
+    """``parallel=dp_cp`` with ``parallel.dp=1``: each sequence split over the 2 ranks; the run's metrics name cp."""
+    run_dir = tmp_path / "run"
+    res = _run(["parallel=dp_cp", "parallel.dp=1", *TINY, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    m = _check_metrics(run_dir / "metrics.json", "dp1xtp1xcp2", 2)
+    assert m["cp"] == 2 and m["dp"] == 1
+
+
 USER_MODEL = ["model=custom", "model._target_=tests.user_model.TinyLM", "model.width=32",
               "data=custom", "data._target_=tests.user_model.CountingTokens", "data.batch_size=4",
               "trainer.max_steps=3", "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false"]

@@ -99,6 +99,7 @@ class CausalLM(LanguageModel):
                 self.hf_config, attn_implementation=self.hparams.attn_implementation, dtype=torch.float32
             )
         model.config.use_cache = False
+        self._check_context_parallel_attention(model)
         self._aux = RouterAuxLoss.of(model)
         if self._aux is not None and self._pipeline_size() > 1:
             self._check_pipelined_aux_loss(model)
@@ -281,9 +282,12 @@ class CausalLM(LanguageModel):
         model's own masks (`check_document_masks`)."""
         if self.model is None:
             raise RuntimeError("call configure_model() before using the model")
-        self._check_sliding_window(idx.size(1) * self._context_parallel_size())
+        cp = self._context_parallel_size()
+        self._check_sliding_window(idx.size(1) * cp)
         position_ids = self._positions(idx, position_ids, attention_mask)
-        if position_ids is not None and self._calls is not None and not self._calls.documents_checked:
+        # Under context parallelism the attention's mask is the strategy's, made for the whole sequence from the
+        # positions (`lightning_hybrid.context_parallel`): the model's own masks are replaced, not relied on.
+        if position_ids is not None and self._calls is not None and not self._calls.documents_checked and cp == 1:
             check_document_masks(self._structure, idx.device)
             self._calls.documents_checked = True
         positions = {} if position_ids is None else {"position_ids": position_ids}
@@ -291,6 +295,23 @@ class CausalLM(LanguageModel):
         if self._aux is not None and self.training and torch.is_grad_enabled():
             self._router_logits = output.router_logits  # for `auxiliary_loss`, right after this forward
         return output.logits
+
+    def _check_context_parallel_attention(self, model: nn.Module) -> None:
+        """``ValueError`` under context parallelism for a model whose attention does not run through
+        ``torch.nn.functional.scaled_dot_product_attention`` (transformers' ``sdpa`` implementation), the call the
+        strategy splits over the sequence."""
+        if self._context_parallel_size() == 1:
+            return
+        implementation = getattr(model.config, "_attn_implementation", None)
+        if implementation == "sdpa":
+            return
+        remedy = ("set attn_implementation='sdpa'" if getattr(model, "_supports_sdpa", False)
+                  else f"{type(model).__name__} has no SDPA attention in transformers: train it with cp=1")
+        raise ValueError(
+            f"cp={self._context_parallel_size()}: {type(model).__name__} runs its attention as {implementation!r},"
+            " but context parallelism splits torch.nn.functional.scaled_dot_product_attention over the sequence"
+            f" (transformers' 'sdpa'): {remedy}."
+        )
 
     def _check_sliding_window(self, length: int) -> None:
         """Under context parallelism the attention mask is rebuilt for the whole sequence as the causal document
