@@ -94,6 +94,7 @@ class ContextParallel:
         self.calls = 0
         self.verified = False  # the strategy found attention caught after the first step
         self._positions: Optional[Tensor] = None
+        self._batch_positions: Optional[Tensor] = None  # the batch's, for layers that receive none
         self._checked: set[tuple] = set()
         self._masks: dict[int, tuple[Tensor, Optional[Tensor]]] = {}  # id(positions) -> (positions, mask)
 
@@ -124,12 +125,12 @@ class ContextParallel:
         """``F.scaled_dot_product_attention`` of this rank's queries against the keys and values of the whole
         sequence, under the mask of the whole sequence."""
         self._check_mask(attn_mask, is_causal, query)
-        positions = self._positions
-        if positions is None:
-            raise RuntimeError(
-                "Under context parallelism every layer must receive the positions of its tokens (position_ids=...):"
-                " a CP rank's tokens are not contiguous. The strategy gives them with the batch; call the layers"
-                " with them."
+        positions = self._positions if self._positions is not None else self._batch_positions
+        if positions is None or positions.size(0) != query.size(0):
+            raise ValueError(
+                "Under context parallelism the attention needs the positions of its tokens (a CP rank's tokens are not"
+                " contiguous): the layers receive none (position_ids=...), and the batch's do not fit these queries"
+                f" ({query.size(0)} rows; a pipeline's micro-batch): train this model with cp=1 or pp=1."
             )
         local = query.size(-2)
         if key.size(-2) != local or positions.size(-1) != local:
@@ -187,12 +188,15 @@ class ContextParallel:
             self._masks[id(positions)] = entry
         return entry[1]
 
-    def new_batch(self) -> None:
-        """A batch starts, or the last one's backward is done: its masks are dropped."""
+    def new_batch(self, positions: Optional[Tensor] = None) -> None:
+        """A batch starts (``positions``: its tokens' positions, for layers that receive none, as GPT-BigCode's
+        blocks), or the last one's backward is done: its masks are dropped."""
         self._masks.clear()
+        self._batch_positions = positions
 
     def _prepare_mask(self, layer: nn.Module, args: tuple, kwargs: dict) -> None:
         positions = kwargs.get("position_ids")
+        positions = self._batch_positions if positions is None else positions
         if isinstance(positions, Tensor) and not positions.is_meta:
             self.mask(positions, positions.device)
 

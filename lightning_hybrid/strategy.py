@@ -192,11 +192,12 @@ class HybridStrategy(MeshStrategy):
                 f"predict under cp={context.size} is not supported: each rank would return its share of the"
                 " sequences' logits, in the split's order; predict with cp=1."
             ))
-        context.new_batch()
         try:
-            return split_batch(batch, context.size, context.rank)
+            share = split_batch(batch, context.size, context.rank)
         except (ValueError, TypeError) as e:
             raise_from_rank_zero(BatchError(f"cp={context.size}: {e}"))
+        context.new_batch(share.position_ids)
+        return share
 
     def _check_attention_reached(self) -> None:
         """After the first training step under ``cp > 1``: ``ValueError`` on every rank where no layer's attention
