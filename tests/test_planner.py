@@ -395,7 +395,7 @@ def _strategy_takes_cp() -> bool:
     return "cp" in inspect.signature(HybridStrategy).parameters
 
 
-def test_cp_halves_activations_per_rank_plus_the_masks_and_one_layers_attention():
+def test_cp_halves_activations_per_rank_plus_one_layers_attention_and_the_masks_of_documents():
     from lightning_hybrid.planner.memory import (codebase_coefficients, context_mask_bytes, context_masks,
                                                  context_transient_bytes, gathered_kv_bytes)
 
@@ -404,64 +404,84 @@ def test_cp_halves_activations_per_rank_plus_the_masks_and_one_layers_attention(
     block = block_activation_bytes(codebase_coefficients(m, e), s, 1, h, 32)  # one block at cp=1
     sdpa_out = s * e * h  # SDPA's output (e h per token): the checkpointed attention's, which nothing keeps
     head = s * (h * e + 4 * 4 * 32000)  # the head's input and 4 fp32 logit-sized tensors per token
-    # The attention is checkpointed: a held block keeps only its 1/2 (its own q, k, v as the checkpoint's inputs),
-    # not the gathered K/V. Once per rank: the boolean mask of the micro-batch, (s/2) x s bytes; once, for the
-    # layer being computed: the gathered K and V of all s tokens, their gradients, and SDPA's float mask.
+    # Plain causal batches (the default): no mask. The attention is checkpointed: a held block keeps only its 1/2
+    # (its own q, k, v as the checkpoint's inputs), not the gathered K/V. Once, for the layer being computed: the
+    # gathered K and V of all s tokens and their reordered copy (forward), or the copy, its gradients and the first
+    # chunk's key/value gradients (backward, up to half of them): 5/2 of the gathered K and V.
     kv = 2 * 1 * s * 32 * 128 * e
     mask = 1 * (s // 2) * s
-    transient = 2 * kv + mask * e
+    transient = 2.5 * kv
+    assert gathered_kv_bytes(m, 1, e, cp=2) == kv and context_transient_bytes(m, 1, "bf16-mixed", cp=2) == transient
     one, two = (estimate_memory(m, Layout(1, 1, 1, 0, 1, 1, cp=cp), "bf16-mixed") for cp in (1, 2))
     assert one.activations == pytest.approx(L * block + head)
-    assert two.activations == pytest.approx(L * (block - sdpa_out) / 2 + mask + max(head / 2, transient))
+    assert two.activations == pytest.approx(L * (block - sdpa_out) / 2 + max(head / 2, transient))
     assert head / 2 > transient  # here the head's loss is the larger transient
-    assert two.activations == pytest.approx(one.activations / 2 - L * sdpa_out / 2 + mask)
+    assert two.activations == pytest.approx(one.activations / 2 - L * sdpa_out / 2)
     assert (two.params, two.grads, two.optimizer) == (one.params, one.grads, one.optimizer)  # no ZeRO: whole
-    # Checkpointed: each block's input halves; beside them the head, or the recomputed block with the attention's
-    # transient.
+    # Batches with documents (packed, left padding): the boolean (s/2) x s mask of the micro-batch, kept until the
+    # batch's backward is done; the layer being computed holds the gathered K and V, their gradients and SDPA's float
+    # copy of the mask. Nothing changes at cp=1.
+    docs = estimate_memory(m, Layout(1, 1, 1, 0, 1, 1, cp=2), "bf16-mixed", documents=True)
+    doc_transient = 2 * kv + mask * e
+    assert context_transient_bytes(m, 1, "bf16-mixed", cp=2, documents=True) == doc_transient
+    assert docs.activations == pytest.approx(L * (block - sdpa_out) / 2 + mask + max(head / 2, doc_transient))
+    assert estimate_memory(m, Layout(1, 1, 1, 0, 1, 1), "bf16-mixed", documents=True) == one
+    # Checkpointed: each block's input halves; beside them the head, or the recomputed block (its 1/2, SDPA's output
+    # too: the attention is not checkpointed of its own) with the attention's transient (which holds SDPA's saved
+    # inputs, the reordered K/V slices).
     one, two = (estimate_memory(m, Layout(1, 1, 1, 0, 1, 1, activation_checkpointing=True, cp=cp), "bf16-mixed")
                 for cp in (1, 2))
     kept = s * h * e
     assert one.activations == pytest.approx(L * kept + max(head, block))
-    assert two.activations == pytest.approx(L * kept / 2 + mask + max(head / 2, (block - sdpa_out) / 2 + transient))
+    assert two.activations == pytest.approx(L * kept / 2 + max(head / 2, block / 2 + transient))
+    docs = estimate_memory(m, Layout(1, 1, 1, 0, 1, 1, activation_checkpointing=True, cp=2), "bf16-mixed",
+                           documents=True)
+    assert docs.activations == pytest.approx(L * kept / 2 + mask + max(head / 2, block / 2 + doc_transient))
     # A small vocabulary: the attention's transient is the larger, taken once (not per block).
     small = ModelSpec("small-vocab", n_layer=4, hidden=512, heads=8, kv_heads=8, ffn=2048, vocab=256, seq_len=16384)
     lay = Layout(1, 1, 1, 0, 2, 1, cp=2)
     small_block = block_activation_bytes(codebase_coefficients(small, e), 16384, 2, 512, 8)
-    small_transient = 2 * (2 * 2 * 16384 * 512 * e) + 2 * 8192 * 16384 * e
+    small_transient = 2.5 * (2 * 2 * 16384 * 512 * e)
     small_head = 2 * 8192 * (512 * e + 4 * 4 * 256)
     assert small_transient > small_head
     assert context_transient_bytes(small, 2, "bf16-mixed", cp=2) == small_transient
     assert estimate_memory(small, lay, "bf16-mixed").activations == pytest.approx(
-        4 * (small_block - 2 * 16384 * e * 512) / 2 + 2 * 8192 * 16384 + small_transient)
-    # Under PP every micro-batch of the batch has its mask on every pipeline rank, kept until the batch ends.
+        4 * (small_block - 2 * 16384 * e * 512) / 2 + small_transient)
+    # With documents, under PP every micro-batch of the batch has its mask on every pipeline rank, kept until the
+    # schedule's backward is done; without PP one (each accumulated micro-batch is a batch). Plain batches: none.
     piped = Layout(1, 1, 2, 0, 1, 8, activation_checkpointing=True, cp=2)
-    assert context_masks(piped) == 8 and context_masks(dataclasses.replace(piped, pp=1)) == 1
-    assert context_masks(dataclasses.replace(piped, cp=1)) == 0
-    # 1F1B holds pp - rank micro-batches in flight whatever m: 8 micro-batches rather than 4 add 4 masks (none at cp=1).
-    for cp, masks in ((2, 4 * mask), (1, 0)):
-        eight, four = (estimate_memory(m, dataclasses.replace(piped, micro_batches=k, cp=cp), "bf16-mixed")
-                       for k in (8, 4))
+    assert context_masks(piped, documents=True) == 8 and context_masks(dataclasses.replace(piped, pp=1), True) == 1
+    assert context_masks(dataclasses.replace(piped, cp=1), documents=True) == 0 and context_masks(piped) == 0
+    # 1F1B holds pp - rank micro-batches in flight whatever m: 8 micro-batches rather than 4 add 4 masks (none at cp=1
+    # or without documents).
+    for cp, documents, masks in ((2, True, 4 * mask), (2, False, 0), (1, True, 0)):
+        eight, four = (estimate_memory(m, dataclasses.replace(piped, micro_batches=k, cp=cp), "bf16-mixed",
+                                       documents=documents) for k in (8, 4))
         assert eight.activations - four.activations == pytest.approx(masks) and eight.rank == four.rank
     # Under TP the gathered K/V are the rank's heads/tp heads; the masks are whole on every TP rank.
     tp2 = estimate_memory(m, Layout(1, 2, 1, 0, 1, 1, cp=2), "bf16-mixed").activations
     tp2_cp1 = estimate_memory(m, Layout(1, 2, 1, 0, 1, 1), "bf16-mixed").activations
-    assert tp2 == pytest.approx(tp2_cp1 / 2 - L * sdpa_out / 2 / 2 + mask)
-    assert context_transient_bytes(m, 1, "bf16-mixed", tp=2, cp=2) == 2 * kv / 2 + mask * e
+    assert tp2 == pytest.approx(tp2_cp1 / 2 - L * sdpa_out / 2 / 2)
+    assert context_transient_bytes(m, 1, "bf16-mixed", tp=2, cp=2) == 2.5 * kv / 2
+    assert context_transient_bytes(m, 1, "bf16-mixed", tp=2, cp=2, documents=True) == 2 * kv / 2 + mask * e
     # Grouped-query attention: K and V gathered per query head (the implementation repeats them first).
     gqa = model_spec("llama3-70b", seq_len=8192)  # 64 heads, 8 kv heads of 128
-    assert gathered_kv_bytes(gqa, 2, 2, tp=8, cp=4) == 2 * 2 * 8192 * (64 // 8) * 128 * 2
+    gqa_kv = 2 * 2 * 8192 * (64 // 8) * 128 * 2
+    assert gathered_kv_bytes(gqa, 2, 2, tp=8, cp=4) == gqa_kv
     assert context_mask_bytes(gqa, 2, 1, cp=4) == 2 * 2048 * 8192
-    assert context_transient_bytes(gqa, 2, "bf16-mixed", tp=8, cp=4) == pytest.approx(
-        2 * (2 * 2 * 8192 * 8 * 128 * 2) + 2 * 2048 * 8192 * 2)
-    # Korthikanti's block (megatron): its s x s scores term is recomputed (not held) and is the one layer's
-    # transient instead of the float mask: 5 b (a/tp) (s/cp) s bytes.
-    assert context_transient_bytes(gqa, 2, "megatron", tp=8, cp=4) == pytest.approx(
-        2 * gathered_kv_bytes(gqa, 2, 2, 8, 4) + 5 * 2 * (64 / 8) * 2048 * 8192)
+    assert context_transient_bytes(gqa, 2, "bf16-mixed", tp=8, cp=4) == pytest.approx(2.5 * gqa_kv)
+    assert context_transient_bytes(gqa, 2, "bf16-mixed", tp=8, cp=4, documents=True) == pytest.approx(
+        2 * gqa_kv + 2 * 2048 * 8192 * 2)
+    # Korthikanti's block (megatron): its s x s scores term is not held (recomputed) and is the one layer's
+    # transient, in place of the float mask: 5 b (a/tp) (s/cp) s bytes.
+    scores = 5 * 2 * (64 / 8) * 2048 * 8192
+    assert context_transient_bytes(gqa, 2, "megatron", tp=8, cp=4) == pytest.approx(2.5 * gqa_kv + scores)
+    assert context_transient_bytes(gqa, 2, "megatron", tp=8, cp=4, documents=True) == pytest.approx(
+        2 * gqa_kv + scores)
     assert context_transient_bytes(gqa, 2, "bf16-mixed", tp=8, cp=1) == 0
     meg = estimate_memory(m, Layout(1, 1, 1, 0, 1, 1, cp=2), "megatron").activations
     korthikanti_held = block_activation_bytes(dataclasses.replace(KORTHIKANTI, scores=0), s, 1, h, 32, cp=2)
-    assert meg == pytest.approx(L * korthikanti_held + mask + max(head / 2, context_transient_bytes(
-        m, 1, "megatron", cp=2)))
+    assert meg == pytest.approx(L * korthikanti_held + max(head / 2, context_transient_bytes(m, 1, "megatron", cp=2)))
     # Korthikanti's s x s scores become (s/cp) x s per rank: the whole block's bytes / cp.
     s2, b, h2, a = 2048, 1, 12288, 96
     assert block_activation_bytes(KORTHIKANTI, s2, b, h2, a, tp=8, cp=4) == pytest.approx(
@@ -492,12 +512,12 @@ def test_kv_exchange_time_and_bytes_by_hand():
     assert t.cp_comm == pytest.approx(3 * (2 * (ring + ring + ring) + positions))  # micro-batches x (blocks x 3 + 1)
     assert t.total > t.compute + t.cp_comm
     assert kv_exchange_bytes(m, lay, precision="32-true") == 3 * 2 * 3 * 3 / 4 * kv
-    # Activation checkpointing: the layer's recomputation runs the attention's checkpoint again, which gathers, and
-    # its own recomputation in backward gathers once more: 4 exchanges.
+    # Activation checkpointing: the attention is not checkpointed of its own; the layer's recomputation gathers
+    # again instead of the attention's: 3 exchanges too.
     checkpointed = dataclasses.replace(lay, activation_checkpointing=True)
-    assert kv_exchanges(checkpointed) == 4
-    assert estimate_time(m, checkpointed, cluster).cp_comm == pytest.approx(3 * (2 * 4 * ring + positions))
-    assert kv_exchange_bytes(m, checkpointed, precision="32-true") == 4 * 2 * 3 * 3 / 4 * kv
+    assert kv_exchanges(checkpointed) == 3
+    assert estimate_time(m, checkpointed, cluster).cp_comm == pytest.approx(3 * (2 * 3 * ring + positions))
+    assert kv_exchange_bytes(m, checkpointed, precision="32-true") == 3 * 2 * 3 * 3 / 4 * kv
     # cp8 x tp2 = 16 ranks: the cp group spans two nodes, so the exchange runs at the inter-node link.
     wide = Layout(1, 2, 1, 0, 2, 3, cp=8)
     ring = 2 * 7 * inter.latency + 7 / 8 * kv / inter.bandwidth
@@ -512,22 +532,26 @@ def test_kv_exchange_time_and_bytes_by_hand():
     plain = Layout(1, 2, 1, 0, 2, 3)
     assert estimate_time(m, plain, cluster).cp_comm == kv_exchange_bytes(m, plain) == kv_exchanges(plain) == 0
     # Compute per rank: 1/cp of the FLOPs (s/cp queries against all s keys), plus the attention core's forward once
-    # more (the checkpointed attention recomputed: 4 h s FLOPs per local token, over tp); element-wise traffic left
-    # out here.
+    # more (the checkpointed attention recomputed: 4 h s FLOPs per local token, over tp); with activation
+    # checkpointing the recomputed layer's forward (counted already) includes it. Element-wise traffic left out here.
     flat = dataclasses.replace(cluster, memory_bandwidth=float("inf"))
     base = estimate_time(m, plain, flat).compute
     core = 3 * 2 * (2 * 4096 // 4) * 4 * 64 * 4096 / 2 / flat.achievable_flops("32-true")  # m x blocks x ...
     assert estimate_time(m, lay, flat).compute == pytest.approx(base / 4 + core)
-    core_ac = estimate_time(m, dataclasses.replace(checkpointed, cp=1), flat).compute / 4 + core
-    assert estimate_time(m, checkpointed, flat).compute == pytest.approx(core_ac)
+    assert estimate_time(m, checkpointed, flat).compute == pytest.approx(
+        estimate_time(m, dataclasses.replace(checkpointed, cp=1), flat).compute / 4)
+    # Element-wise traffic, read and written: the gathered K/V and their reordered copy; with documents the gathered
+    # K/V and SDPA's float mask instead of the copy (3 passes over the bytes, per block and micro-batch).
+    mask_f = 2 * (4096 // 4) * 4096 * 4
+    traffic = estimate_time(m, lay, cluster, documents=True).compute - estimate_time(m, lay, cluster).compute
+    assert traffic == pytest.approx(3 * 2 * 3 * (mask_f - kv) / cluster.memory_bandwidth)
     # Collectives counted for collective_overhead (dp1 x cp4, no TP: one DP bucket besides): per micro-batch 2
-    # blocks x 2 (K, V) x 3 exchanges (4 checkpointed) and the positions' gather.
+    # blocks x 2 (K, V) x 3 exchanges (checkpointed too) and the positions' gather.
     solo = Layout(1, 1, 1, 0, 2, 3, cp=4)
-    for layout, collectives in ((solo, 3 * (2 * 2 * 3 + 1) + 1),
-                                (dataclasses.replace(solo, activation_checkpointing=True), 3 * (2 * 2 * 4 + 1) + 1)):
+    for layout in (solo, dataclasses.replace(solo, activation_checkpointing=True)):
         slow = dataclasses.replace(cluster, collective_overhead=1.0)
         assert estimate_time(m, layout, slow).total - estimate_time(m, layout, cluster).total == pytest.approx(
-            collectives)
+            3 * (2 * 2 * 3 + 1) + 1)
     # Gradients reduced over dp*cp: dp1 x cp2 steps and reduces as dp2 does (here under PP: nothing overlapped).
     a = estimate_time(m, Layout(1, 1, 2, 1, 1, 4, cp=2), cluster)
     b = estimate_time(m, Layout(2, 1, 2, 1, 1, 4), cluster)
@@ -576,8 +600,7 @@ def test_the_search_picks_cp_for_long_sequences_and_only_cp_fits_the_longest():
     assert all(c.layout.devices == 8 and QWEN2_7B.seq_len % (2 * c.layout.cp) == 0 for c in result.ranked)
     cp_best = next(c for c in result.ranked if c.layout.cp > 1)
     assert cp_best.time.cp_comm > 0 and cp_best.time.as_dict()["cp_comm"] == cp_best.time.cp_comm
-    # 96k tokens: tp stops at 4 (4 kv heads), and without cp no layout's activations fit; with cp2 some do. (At
-    # 128k none does: the boolean (s/2) x s mask, 8 GiB, is kept for the whole step, beside the head's loss.)
+    # 96k tokens: tp stops at 4 (4 kv heads), and without cp no layout's activations fit; with cp2 some do.
     result = plan(QWEN2_7B.with_seq_len(98304), cluster, devices=8, global_batch=8)
     assert result.ranked and all(c.layout.cp > 1 for c in result.ranked)
     assert any(c.layout.cp == 1 for c in result.too_big)
@@ -587,7 +610,12 @@ def test_the_search_picks_cp_for_long_sequences_and_only_cp_fits_the_longest():
     kwargs = best.strategy_kwargs(_StrategyWithCP)
     assert kwargs["cp"] == best.cp > 1 and kwargs["dp"] * kwargs["tp"] * kwargs["pp"] * kwargs["cp"] == 8
     assert plan(QWEN2_7B.with_seq_len(98304), cluster, 8, 8, context_parallel=False).ranked == []
-    assert plan(QWEN2_7B.with_seq_len(131072), cluster, 8, 8).ranked == []
+    # 128k tokens: plain causal batches fit under cp2 with checkpointing; batches with documents do not (the boolean
+    # (s/2) x s mask, 8 GiB, is kept until the step's backward is done, beside the head's loss).
+    longest = QWEN2_7B.with_seq_len(131072)
+    fits = plan(longest, cluster, 8, 8).ranked
+    assert fits and all(c.layout.cp == 2 and c.layout.activation_checkpointing for c in fits)
+    assert plan(longest, cluster, 8, 8, documents=True).ranked == []
     if _strategy_takes_cp():  # the strategy's own checks pass
         for c in result.ranked:
             HybridStrategy(**c.layout.strategy_kwargs())

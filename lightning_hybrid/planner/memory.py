@@ -40,37 +40,56 @@ under TP (the experts are replicated over TP), ``1/tp`` of them with sequence pa
 
 Context parallelism (`Layout.cp` = ``c``; `lightning_hybrid.context_parallel`): each rank holds ``s/c`` tokens of
 every sequence (the zigzag split: chunks ``r`` and ``2c-1-r`` of ``2c``). Everything outside attention is local
-to them, and attention computes ``s/c`` queries against all ``s`` keys. The implementation checkpoints the gather
-of the keys and values and the attention (``torch.utils.checkpoint`` around them, in every layer it wraps), so:
+to them, and attention computes ``s/c`` queries against all ``s`` keys: each layer all-gathers the keys and values
+(``G`` = `gathered_kv_bytes`, ``2 b s (a/tp) d e``: per query head -- the implementation repeats grouped-query
+attention's key/value heads before gathering -- ``a/tp`` heads of ``d`` under TP). What a batch's attention needs
+depends on its documents (``documents``, default False):
 
-* per held block (each micro-batch in flight; with activation checkpointing only the recomputed block's) the
-  block's activations above are ``1/c`` -- its ``s/c`` tokens; the gathered keys and values and SDPA's saved tensors
-  are not kept, only the checkpoint's inputs (the block's own q, k, v and their GQA repeats, which the block keeps
-  anyway) -- less SDPA's output (``e h`` per local token, `context_unsaved_split`: the checkpoint's output, which
-  the output projection does not keep; its contiguous copy it does). `KORTHIKANTI`'s block (``megatron``) drops its
-  scores term (``5 a s/h``), as under Korthikanti's selective recomputation: the attention core is recomputed;
-* once per rank, the boolean masks of the whole sequence for the rank's queries (`context_mask_bytes` with 1 byte
-  per element, ``b (s/c) s`` each), made once per micro-batch before its first layer and kept until the batch
-  ends: all ``m`` micro-batches of the batch under PP (every pipeline rank makes each), one without (gradient
-  accumulation starts a batch per micro-batch);
-* once, for the layer being computed (forward, or the backward that gathers and recomputes its attention), its
-  attention's transient (`context_transient_bytes`): the gathered K and V (`gathered_kv_bytes`, ``2 b s (a/tp) d
-  e``: per query head -- the implementation repeats grouped-query attention's key/value heads before gathering --
-  ``a/tp`` heads of ``d`` under TP), their gradients before the reduce-scatter (as many bytes), and SDPA's float
-  copy of the mask (``b (s/c) s`` elements of ``e`` bytes, one for all heads, whole on every TP rank); for
-  `KORTHIKANTI` instead of the mask its own scores of the one layer (``5 b (a/tp) (s/c) s`` bytes). SDPA's fused
-  kernels (CPU flash attention, CUDA's memory-efficient and cuDNN kernels, which take a mask) keep no ``(s/c) x
-  s`` scores: measured on CPU, its forward and backward allocate the float mask, the output and the gradients,
-  nothing of the scores' size. This transient is counted in the larger-of with the head's (`estimate_memory`): the
-  head's loss and a block's backward are not alive at once.
+* plain causal batches (pretraining: every row one document from position 0; the default): no mask. The gathered
+  K and V are reordered into the sequence's order (``index_select``: a copy) and SDPA runs once per local chunk of
+  ``s/(2c)`` queries against the keys up to that chunk's end, causal to the lower right (the fused kernels take it
+  without a mask tensor);
+* batches with documents (packed, left padding; ``documents=True``): a boolean ``(b, 1, s/c, s)`` mask of the
+  whole sequence for the rank's queries, made once per micro-batch before its first layer and dropped once the
+  batch's backward is done (`context_mask_bytes` with 1 byte per element, ``b (s/c) s``): all ``m`` micro-batches of
+  the batch under PP (the schedule runs every backward before it ends), one without (gradient accumulation ends a
+  batch per micro-batch) (`context_masks`), all of them alive at the peak; SDPA attends over the gathered keys with
+  it, converting it to a float mask (``b (s/c) s`` elements of ``e`` bytes, one for all heads, whole on every TP
+  rank).
+
+Without activation checkpointing the implementation checkpoints each layer's gather and attention
+(``torch.utils.checkpoint`` around them; backward gathers again and recomputes the attention); with it (full or
+selective) it does not: the layer's own recomputation regathers and recomputes. So:
+
+* per held block (each micro-batch in flight) the block's activations above are ``1/c`` -- its ``s/c`` tokens. Without
+  activation checkpointing the gathered keys and values and SDPA's saved tensors are not kept, only the
+  checkpoint's inputs (the block's own q, k, v and their GQA repeats, which the block keeps anyway) -- less SDPA's
+  output (``e h`` per local token, `context_unsaved_split`: the checkpoint's output, which the output projection
+  does not keep; its contiguous copy it does); `KORTHIKANTI`'s block (``megatron``) drops its scores term
+  (``5 a s/h``), as under Korthikanti's selective recomputation: the attention core is recomputed. With activation
+  checkpointing a held block is its checkpoint's input, ``1/c`` as at ``c = 1``, and the block being recomputed
+  keeps its whole activations ``/c`` (SDPA's output too; `KORTHIKANTI`'s scores are in the transient) and SDPA's
+  saved inputs -- the reordered K/V slices of the two chunk calls, views of one copy, or the gathered K/V under a
+  mask -- which are the transient's;
+* once, for the layer being computed (its forward, or its backward after its attention's or its own
+  recomputation), its attention's transient (`context_transient_bytes`). Plain: in forward the gathered K and V
+  and their reordered copy, ``2G``; in backward the reordered copy (SDPA's saved inputs, until the rank's first
+  chunk's backward) and its gradients, ``2G``, beside the gradients SDPA returns for the first chunk's keys and
+  values (``(r + 1)/(2c)`` of ``G`` on rank ``r``: up to ``G/2``) -- ``5G/2``. Documents: the gathered K and V and
+  their gradients before the reduce-scatter, ``2G``, and SDPA's float mask. `KORTHIKANTI`'s block adds instead of
+  the float mask its own scores of the one layer (``5 b (a/tp) (s/c) s`` bytes). SDPA's fused kernels (CUDA's
+  flash and memory-efficient kernels; with a mask on CPU its flash kernel, on CUDA the memory-efficient and cuDNN
+  ones) keep no ``(s/c) x s`` scores. This transient is counted in the larger-of with the head's
+  (`estimate_memory`): the head's loss and a block's backward are not alive at once.
 
 The head, a checkpointed block's input and the pipeline's boundary tensors are ``1/c`` too. Model states: the
 ``cp`` ranks of a replica hold the same parameters and reduce their gradients together with the ``dp`` ranks, so
 ZeRO shards over ``dp c`` ranks (each ``P/dp`` above is ``P/(dp c)``; the experts' group is ``dp c/ep`` ranks).
 Not counted: the model's own mask of the rank's tokens (``b (s/c)^2`` bytes, made and dropped in each layer), and
-the copy of the K/V gradients NCCL's reduce-scatter is handed (one of K or V at a time). Under selective recompute
-(`HybridStrategy(recompute=...)`, not a `Layout` choice) the implementation does not checkpoint the attention (the
-layer's policy decides): not modelled here.
+the copy of the K/V gradients NCCL's reduce-scatter is handed (one of K or V at a time). On CPU, SDPA has no kernel
+for causal attention aligned to the lower right with fewer queries than keys: it materializes each plain chunk
+call's mask, ``s/(2c) x end`` booleans, and keeps their float copy for backward (``(2c + 1) (s/(2c))^2 e`` bytes
+for the layer being computed on ranks ``r > 0``, ``2c (s/(2c))^2 e`` on rank 0; CUDA's kernels do not).
 """
 
 from __future__ import annotations
@@ -86,12 +105,12 @@ from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB, MAX_IN_FLIGHT
 from .layout import Layout
 from .model import ModelSpec
 
-__all__ = ["ActivationCoefficients", "KORTHIKANTI", "MemoryEstimate", "PRECISIONS", "block_activation_bytes",
-           "block_activations", "codebase_coefficients", "context_mask_bytes", "context_masks",
-           "context_transient_bytes", "context_unsaved_split", "estimate_memory", "expert_activation_bytes",
-           "gathered_kv_bytes", "in_flight", "largest_block_params", "moe_block_count", "moe_coefficients",
-           "rank_block_counts", "rank_expert_params", "rank_layers", "rank_params", "routed_tokens",
-           "zero_model_states"]
+__all__ = ["ActivationCoefficients", "DOCUMENT_KV_COPIES", "KORTHIKANTI", "MemoryEstimate", "PLAIN_KV_COPIES",
+           "PRECISIONS", "block_activation_bytes", "block_activations", "codebase_coefficients", "context_mask_bytes",
+           "context_masks", "context_transient_bytes", "context_unsaved_split", "estimate_memory",
+           "expert_activation_bytes", "gathered_kv_bytes", "in_flight", "largest_block_params", "moe_block_count",
+           "moe_coefficients", "rank_block_counts", "rank_expert_params", "rank_layers", "rank_params",
+           "routed_tokens", "zero_model_states"]
 
 #: bytes per element: (parameters, gradients, optimizer state, activations). Adam keeps 2 moments.
 #: ``32-true``: fp32 everything; ``bf16-mixed``: Lightning autocast, fp32 weights and gradients, bf16
@@ -123,8 +142,8 @@ def _mlp_split(model: ModelSpec, element: float, width: int) -> float:
 
 
 def context_unsaved_split(element: float) -> float:
-    """The part of `codebase_coefficients`' ``split`` that a context-parallel block does not keep: SDPA's output
-    (``e``; under CP the output of the checkpointed attention, recomputed in backward)."""
+    """The part of `codebase_coefficients`' ``split`` that a context-parallel block does not keep without activation
+    checkpointing: SDPA's output (``e``; the output of the checkpointed attention, recomputed in backward)."""
     return float(element)
 
 
@@ -183,37 +202,50 @@ def gathered_kv_bytes(model: ModelSpec, b: int, element: float, tp: int = 1, cp:
 
 def context_mask_bytes(model: ModelSpec, b: int, element: float, cp: int = 1) -> float:
     """Bytes of the whole-sequence mask of the rank's queries under context parallelism for a micro-batch of ``b``
-    sequences: ``b (s/cp) s`` elements (the rank's queries against every key; one for all heads) of ``element``
-    bytes -- 1 for the boolean mask the implementation makes once per micro-batch, ``e`` for SDPA's float copy of it
-    in the layer being computed; 0 without context parallelism (a plain causal attention takes no mask)."""
+    sequences with documents: ``b (s/cp) s`` elements (the rank's queries against every key; one for all heads) of
+    ``element`` bytes -- 1 for the boolean mask the implementation makes once per micro-batch, ``e`` for SDPA's float
+    copy of it in the layer being computed; 0 without context parallelism (the model's own mask)."""
     if cp == 1:
         return 0.0
     return b * (model.seq_len // cp) * model.seq_len * element
 
 
-def context_masks(layout: Layout) -> int:
-    """How many boolean masks (`context_mask_bytes`) a rank keeps at its peak: one per micro-batch of the batch, kept
-    until the batch ends -- all ``m`` under PP, 1 without (each micro-batch is a batch of its own); 0 at ``cp = 1``."""
-    if layout.cp == 1:
+def context_masks(layout: Layout, documents: bool = False) -> int:
+    """How many boolean masks (`context_mask_bytes`) a rank keeps at its peak: 0 for plain causal batches (no
+    mask); with ``documents`` one per micro-batch of the batch, dropped once the batch's backward is done -- all
+    ``m`` under PP (the schedule runs every micro-batch's backward first), 1 without (each accumulated micro-batch
+    is a batch of its own); 0 at ``cp = 1``."""
+    if layout.cp == 1 or not documents:
         return 0
     return layout.micro_batches if layout.pp > 1 else 1
 
 
-def context_transient_bytes(model: ModelSpec, b: int, precision: str, tp: int = 1, cp: int = 1) -> float:
+#: The gathered keys and values a plain causal batch's attention holds at its peak, in units of
+#: `gathered_kv_bytes`: forward the gathered and their reordered copy (2); backward the reordered copy (SDPA's saved
+#: inputs) and its gradients (2) beside the gradients SDPA returns for the rank's first chunk's keys (up to 1/2).
+PLAIN_KV_COPIES = 2.5
+#: The same with documents: the gathered K and V (SDPA's saved inputs) and their gradients.
+DOCUMENT_KV_COPIES = 2.0
+
+
+def context_transient_bytes(model: ModelSpec, b: int, precision: str, tp: int = 1, cp: int = 1,
+                            documents: bool = False) -> float:
     """The transient of the attention of the layer being computed under context parallelism (its forward, or its
-    backward, which gathers the keys and values again and recomputes the attention): the gathered K and V
-    (`gathered_kv_bytes`) and their gradients before the reduce-scatter (as many), and SDPA's float copy of the mask
-    (`context_mask_bytes` with ``e``-byte elements), or for `KORTHIKANTI`'s block (``megatron``) its own scores of
-    the one layer instead (``5 b (a/tp) (s/cp) s`` bytes). 0 without context parallelism."""
+    backward after the attention's or the layer's recomputation): for plain causal batches ``5/2`` of the gathered
+    K and V (`gathered_kv_bytes`; `PLAIN_KV_COPIES`: in forward the gathered and their reordered copy, in backward
+    the reordered copy, its gradients and the first chunk's key/value gradients, up to half of them); with
+    ``documents`` the gathered K and V and their gradients before the reduce-scatter (`DOCUMENT_KV_COPIES`) and
+    SDPA's float copy of the mask (`context_mask_bytes` with ``e``-byte elements). `KORTHIKANTI`'s block
+    (``megatron``) adds instead of the float mask its own scores of the one layer (``5 b (a/tp) (s/cp) s`` bytes).
+    0 without context parallelism."""
     if cp == 1:
         return 0.0
     e = PRECISIONS[precision][3]
+    kv = (DOCUMENT_KV_COPIES if documents else PLAIN_KV_COPIES) * gathered_kv_bytes(model, b, e, tp, cp)
     if precision == "megatron":
-        local = block_activation_bytes(ActivationCoefficients(0.0, 0.0, KORTHIKANTI.scores), model.seq_len, b,
-                                       model.hidden, model.heads, tp, cp=cp)
-    else:
-        local = context_mask_bytes(model, b, e, cp)
-    return 2 * gathered_kv_bytes(model, b, e, tp, cp) + local
+        return kv + block_activation_bytes(ActivationCoefficients(0.0, 0.0, KORTHIKANTI.scores), model.seq_len, b,
+                                           model.hidden, model.heads, tp, cp=cp)
+    return kv + (context_mask_bytes(model, b, e, cp) if documents else 0.0)
 
 
 def zero_model_states(psi: float, dp: int, stage: int, precision: str = "megatron") -> float:
@@ -315,16 +347,17 @@ def rank_expert_params(model: ModelSpec, layers: tuple[int, ...], ep: int = 1) -
 def block_activations(model: ModelSpec, layout: Layout, precision: str) -> tuple[float, float]:
     """Bytes one dense block and one MoE block keep for backward for one micro-batch on a device (the MoE block's
     experts included; 0 when the model has none); under context parallelism the rank's ``1/cp`` of them, without
-    what the checkpointed attention does not keep (SDPA's output, `context_unsaved_split`; `KORTHIKANTI`'s scores):
-    its transient is `context_transient_bytes`."""
+    what the attention's transient counts (`context_transient_bytes`): `KORTHIKANTI`'s scores, and without
+    activation checkpointing SDPA's output (`context_unsaved_split`: the checkpointed attention's, not kept). With
+    activation checkpointing this is the block being recomputed, which keeps SDPA's output."""
     e = PRECISIONS[precision][3]
     coeffs = KORTHIKANTI if precision == "megatron" else codebase_coefficients(model, e)
     s, b, h, t, sp = model.seq_len, layout.micro_batch, model.hidden, layout.tp, layout.sequence_parallel
     cp = layout.cp
-    if cp > 1:  # the attention is checkpointed: SDPA keeps nothing (Korthikanti: the scores are recomputed)
-        if precision == "megatron":
+    if cp > 1:
+        if precision == "megatron":  # Korthikanti: the scores of the layer being computed are the transient's
             coeffs = dataclasses.replace(coeffs, scores=0.0)
-        else:
+        elif not layout.activation_checkpointing:  # the attention is checkpointed: SDPA's output not kept
             coeffs = dataclasses.replace(coeffs, split=coeffs.split - context_unsaved_split(e))
     dense = block_activation_bytes(coeffs, s, b, h, model.heads, t, sp, cp)
     if not model.experts:
@@ -354,8 +387,11 @@ class MemoryEstimate:
 
 
 def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation_scale: float = 1.0,
-                    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> MemoryEstimate:
-    """The predicted peak of the first and the last pipeline rank (the fullest is returned)."""
+                    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, *, documents: bool = False) -> MemoryEstimate:
+    """The predicted peak of the first and the last pipeline rank (the fullest is returned). ``documents``: the
+    batches hold documents (packed, left padding), whose attention under context parallelism takes a mask
+    (`context_masks`, `context_transient_bytes`); default plain causal batches (pretraining). No effect at
+    ``cp = 1``."""
     pb, gb, ob, e = PRECISIONS[precision]
     lay = layout
     lay.check_model(model)
@@ -365,8 +401,8 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
     counts = rank_block_counts(model, lay.pp, per_rank, spec.style)
     s, b, h, t, ep, cp = model.seq_len, lay.micro_batch, model.hidden, lay.tp, lay.ep, lay.cp
     dense_act, moe_act = block_activations(model, lay, precision)
-    transient = context_transient_bytes(model, b, precision, t, cp)  # the layer being computed's attention
-    masks = context_masks(lay) * context_mask_bytes(model, b, 1, cp)  # boolean, per micro-batch of the batch
+    transient = context_transient_bytes(model, b, precision, t, cp, documents)  # the layer being computed's attention
+    masks = context_masks(lay, documents) * context_mask_bytes(model, b, 1, cp)  # boolean, per micro-batch
     kept = s * b * h * e / (t if lay.sequence_parallel else 1) / cp  # a checkpointed block's input
     block_p = largest_block_params(model, t, ep)  # an FSDP2 unit
     whole_window = lay.pp > 1 or lay.accumulation > 1  # gradients not reduced before the window ends

@@ -193,30 +193,34 @@ def _schedules(model, dims, cp, b, m, pipeline_layers, sequence_parallel, schedu
                         yield Layout(dp, tp, pp, zero, b, m, name, v, ac, sp, ep=ep, cp=cp)
 
 
-def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: int) -> Candidate:
-    """Predictions for one layout: memory always, time when it fits."""
-    memory = estimate_memory(model, layout, cluster.precision, cluster.activation_scale)
+def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: int,
+             documents: bool = False) -> Candidate:
+    """Predictions for one layout: memory always, time when it fits (``documents``: `plan`'s)."""
+    memory = estimate_memory(model, layout, cluster.precision, cluster.activation_scale, documents=documents)
     usable = USABLE_MEMORY * cluster.memory
     if memory.total > usable:
         reason = (f"needs {memory.total / GIB:.2f} GiB on pipeline rank {memory.rank} > {usable / GIB:.2f} GiB usable"
                   f" (params {memory.params / GIB:.1f}, grads {memory.grads / GIB:.1f}, optimizer"
                   f" {memory.optimizer / GIB:.1f}, activations {memory.activations / GIB:.1f})")
         return Candidate(layout, memory, None, 0.0, 0.0, reason)
-    time = estimate_time(model, layout, cluster)
+    time = estimate_time(model, layout, cluster, documents=documents)
     tokens = global_batch * model.seq_len
     tokens_per_s = tokens / time.total
     mfu = model.flops_per_token() * tokens_per_s / (layout.devices * cluster.peak_flops(cluster.precision))
     return Candidate(layout, memory, time, tokens_per_s, mfu)
 
 
-def plan(model: ModelSpec, cluster: Cluster, devices: int, global_batch: int, **search: object) -> Plan:
+def plan(model: ModelSpec, cluster: Cluster, devices: int, global_batch: int, *, documents: bool = False,
+         **search: object) -> Plan:
     """All layouts of ``model`` on ``devices`` of ``cluster`` for ``global_batch`` sequences per optimizer step,
-    ranked. ``search``: `enumerate_layouts`'s options (``sequence_parallel``, ``schedules``, ...)."""
+    ranked. ``documents``: the batches hold documents (packed, left padding), whose context-parallel attention takes
+    a mask (`estimate_memory`); default plain causal batches. ``search``: `enumerate_layouts`'s options
+    (``sequence_parallel``, ``schedules``, ...)."""
     if devices < 1 or global_batch < 1:
         raise ValueError(f"devices={devices}, global_batch={global_batch}: both must be positive integers.")
     result = Plan(model, cluster, devices, global_batch)
     for layout in enumerate_layouts(model, cluster, devices, global_batch, invalid=result.invalid, **search):
-        candidate = evaluate(model, layout, cluster, global_batch)
+        candidate = evaluate(model, layout, cluster, global_batch, documents)
         (result.ranked if candidate.fits else result.too_big).append(candidate)
     result.ranked.sort(key=lambda c: (c.time.total, c.memory.total))
     result.too_big.sort(key=lambda c: c.memory.total)

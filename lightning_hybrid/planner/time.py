@@ -54,17 +54,19 @@ Context parallelism (`Layout.cp` = ``c``; `lightning_hybrid.context_parallel`), 
 
 * compute: ``1/c`` of the block's -- its ``T/c`` tokens through the matrices, and attention's ``T/c`` queries
   against all ``T`` keys (``4 h s`` FLOPs per query: ``1/c`` as well; the zigzag split balances the causal mask's
-  work) -- and of the head; plus the attention core's forward once more (its ``4 h s / tp`` FLOPs per local
-  token): the implementation checkpoints the gather and the attention, so backward recomputes it; TP's collectives
-  and the pipeline's boundary tensors carry ``T/c`` tokens;
+  work) -- and of the head; without activation checkpointing plus the attention core's forward once more (its
+  ``4 h s / tp`` FLOPs per local token): the implementation checkpoints the gather and the attention, so backward
+  recomputes it (with activation checkpointing the recomputed layer's forward, counted already, includes it); TP's
+  collectives and the pipeline's boundary tensors carry ``T/c`` tokens; the element-wise traffic includes the
+  gathered K/V and their reordered copy (plain causal batches) or the gathered K/V and SDPA's float mask
+  (``documents``) (`context_attention_traffic`);
 * KV exchange (``c > 1``; `kv_exchange_time`), each a ring over ``c`` ranks of ``2 b s (a/tp) d e`` bytes for K and
   V together -- per query head: the implementation repeats grouped-query attention's key/value heads before
   gathering -- a rank sending ``(c-1)/c`` of it (`kv_exchange_bytes`): in forward an all-gather of K and one of V
-  over the ``cp`` group; in backward the checkpointed attention's recomputation gathers them again, and the
-  reduce-scatter of their gradients follows (gloo, on a CPU cluster: an all-reduce); with activation
-  checkpointing the layer's recomputed forward gathers them once more (the attention's own checkpoint inside it
-  runs its forward, and its recomputation in backward gathers again): 3 exchanges, 4 with activation
-  checkpointing. Per micro-batch (not per block) the all-gather of the tokens' int64 positions for the mask. Over
+  over the ``cp`` group; in backward they are gathered again (by the checkpointed attention's recomputation, or
+  with activation checkpointing by the layer's), and the reduce-scatter of their gradients follows (gloo, on a CPU
+  cluster: an all-reduce): 3 exchanges (`kv_exchanges`). Per micro-batch (not per block) the all-gather of the
+  tokens' int64 positions, from which each rank finds whether the batch has documents and makes their mask. Over
   the link the cp group spans (``c`` ranks ``tp`` apart: NVLink while ``c tp`` fits in a node; `Cluster.link`).
   Not overlapped with computation (attention waits for the gathered keys; the implementation's collectives are
   synchronous): on the critical path (``cp_comm``), and in the pipeline bubble like the rest of a micro-batch's
@@ -92,8 +94,8 @@ from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB
 
 from .cluster import Cluster, Link
 from .layout import Layout
-from .memory import (PRECISIONS, block_activations, context_transient_bytes, gathered_kv_bytes, moe_block_count,
-                     rank_block_counts, rank_expert_params, rank_layers, rank_params, routed_tokens)
+from .memory import (PLAIN_KV_COPIES, PRECISIONS, block_activations, context_transient_bytes, gathered_kv_bytes,
+                     moe_block_count, rank_block_counts, rank_expert_params, rank_layers, rank_params, routed_tokens)
 from .model import ModelSpec
 
 __all__ = ["TimeEstimate", "all_to_all_bytes", "all_to_all_time", "bubble_fraction", "estimate_time",
@@ -141,21 +143,20 @@ def _exchange_bytes(model: ModelSpec, layout: Layout, tokens: float, element: fl
 
 def kv_exchanges(layout: Layout) -> int:
     """Key/value exchanges per block and micro-batch under context parallelism (each an all-gather, or the
-    reduce-scatter of the gradients, of K and of V): 3, 4 with activation checkpointing; 0 at ``cp = 1``.
+    reduce-scatter of the gradients, of K and of V): 3, with or without activation checkpointing; 0 at ``cp = 1``.
 
-    The implementation runs the gather and the attention under ``torch.utils.checkpoint`` (non-reentrant): (1) the
-    forward gathers; (2) backward, reaching the attention's nodes, recomputes the attention from its saved inputs,
-    gathering again; (3) the reduce-scatter of the gradients. With activation checkpointing (non-reentrant too,
-    around the whole layer) backward first recomputes the layer: its forward calls the attention's checkpoint
-    again, and a non-reentrant checkpoint always runs its function (only storing nothing), so it gathers (4). That
-    recomputation restores only the layer checkpoint's saved tensors: the attention's nodes in the graph backward
-    runs belong to the attention's checkpoint of the original forward, whose recomputation is still (2). Counted on
-    CPU (2 layers, gloo): per layer and micro-batch the attention runs 2 times (3 with the layer checkpointed), with
-    2 all-gathers (K, V) in forward and 2 all-gathers + 2 gradient reductions in backward (4 + 2 checkpointed).
+    Without activation checkpointing the implementation runs the gather and the attention under
+    ``torch.utils.checkpoint`` (non-reentrant): (1) the forward gathers; (2) backward, reaching the attention's
+    nodes, recomputes the attention from its saved inputs, gathering again; (3) the reduce-scatter of the
+    gradients. With activation checkpointing (full or selective) the attention is not checkpointed of its own
+    (``ContextParallel(recompute_attention=False)``): (1) the layer's forward gathers (keeping nothing); (2)
+    backward recomputes the layer, whose forward gathers again and keeps what SDPA saves for the layer's backward;
+    (3) the reduce-scatter. Counted on CPU (one layer's attention, 2 ranks emulated in one process, with and without
+    the layer checkpointed): 4 all-gathers (K and V, twice) and 2 gradient reductions per layer and micro-batch.
     """
     if layout.cp == 1:
         return 0
-    return 4 if layout.activation_checkpointing else 3
+    return 3
 
 
 def kv_exchange_bytes(model: ModelSpec, layout: Layout, *, precision: str = "bf16-mixed",
@@ -165,8 +166,8 @@ def kv_exchange_bytes(model: ModelSpec, layout: Layout, *, precision: str = "bf1
         X * L * m * (cp - 1)/cp * 2 b s (a/tp) d e
 
     ``X = 3`` exchanges per block and micro-batch (`kv_exchanges`: the forward's all-gather of K and V, the
-    backward's gather again for the checkpointed attention's recomputation and reduce-scatter of their gradients;
-    4 with activation checkpointing, whose recomputed layer gathers once more), ``L`` the blocks of the rank's
+    backward's gather again -- the checkpointed attention's recomputation, or with activation checkpointing the
+    layer's -- and the reduce-scatter of their gradients), ``L`` the blocks of the rank's
     pipeline stages (``pipeline_rank``; default the rank with the most), ``m`` the micro-batches, ``2 b s (a/tp) d e``
     the gathered K and V of a micro-batch (`gathered_kv_bytes`: ``b`` sequences of ``s`` tokens, the rank's ``a/tp``
     query heads of ``d`` -- grouped-query attention's key/value heads are repeated before the gather -- ``e`` bytes
@@ -187,9 +188,9 @@ def kv_exchange_bytes(model: ModelSpec, layout: Layout, *, precision: str = "bf1
 
 def kv_exchange_time(model: ModelSpec, layout: Layout, cluster: Cluster) -> float:
     """Seconds of one block's context-parallel key/value exchanges for one micro-batch, all on the critical path:
-    the all-gathers of K and of V in forward, again in backward (the checkpointed attention's recomputation), and
-    once more with activation checkpointing (the layer's recomputation), and the reduce-scatter of their gradients
-    (two; on a CPU cluster gloo's all-reduce in its place) (`kv_exchanges`); each a ring over the ``cp`` ranks
+    the all-gathers of K and of V in forward, again in backward (the checkpointed attention's recomputation, or with
+    activation checkpointing the layer's), and the reduce-scatter of their gradients (two; on a CPU cluster gloo's
+    all-reduce in its place) (`kv_exchanges`); each a ring over the ``cp`` ranks
     (``tp`` apart: `Cluster.link`). 0 for ``cp = 1``. Not overlapped with computation (attention waits for the
     keys). The positions' gather, once per micro-batch, is `mask_gather_time`."""
     cp = layout.cp
@@ -204,21 +205,27 @@ def kv_exchange_time(model: ModelSpec, layout: Layout, cluster: Cluster) -> floa
 
 def mask_gather_time(model: ModelSpec, layout: Layout, cluster: Cluster) -> float:
     """Seconds of the all-gather of a micro-batch's token positions (int64) over the ``cp`` ranks, from which each
-    rank makes the micro-batch's mask once, before its first layer; 0 for ``cp = 1``."""
+    rank finds, once before its first layer, whether the micro-batch is plain causal or makes its documents' mask;
+    0 for ``cp = 1``."""
     if layout.cp == 1:
         return 0.0
     return ring_time(layout.cp, 8 * layout.micro_batch * model.seq_len, cluster.link(layout.cp, layout.tp),
                      "all_gather")
 
 
-def context_attention_traffic(model: ModelSpec, b: int, precision: str, tp: int = 1, cp: int = 1) -> float:
+def context_attention_traffic(model: ModelSpec, b: int, precision: str, tp: int = 1, cp: int = 1,
+                              documents: bool = False) -> float:
     """Bytes of one block's context-parallel attention that are not the block's kept activations, for its
-    element-wise traffic: the gathered K and V and SDPA's float mask (`KORTHIKANTI`: its scores), the
-    `context_transient_bytes` without the gradients of K and V; 0 for ``cp = 1``."""
+    element-wise traffic: the gathered K and V and their reordered copy (plain causal batches), or with
+    ``documents`` the gathered K and V and SDPA's float mask; `KORTHIKANTI`'s block its scores in the float mask's
+    place. 0 for ``cp = 1``."""
     if cp == 1:
         return 0.0
-    return context_transient_bytes(model, b, precision, tp, cp) - gathered_kv_bytes(
-        model, b, PRECISIONS[precision][3], tp, cp)
+    kv = gathered_kv_bytes(model, b, PRECISIONS[precision][3], tp, cp)
+    if documents:  # the transient without the gradients of K and V
+        return context_transient_bytes(model, b, precision, tp, cp, True) - kv
+    scores = context_transient_bytes(model, b, precision, tp, cp) - PLAIN_KV_COPIES * kv  # KORTHIKANTI's, else 0
+    return 2 * kv + scores
 
 
 def all_to_all_bytes(model: ModelSpec, layout: Layout, tokens_per_rank: float | None = None, *,
@@ -284,7 +291,9 @@ class TimeEstimate:
 
 
 def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
-                  bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> TimeEstimate:
+                  bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, *, documents: bool = False) -> TimeEstimate:
+    """The predicted step time of ``layout`` (see the module docstring). ``documents``: the batches hold documents,
+    whose context-parallel attention takes a mask (`context_attention_traffic`); default plain causal batches."""
     lay, prec = layout, cluster.precision
     lay.check_model(model)
     pb, gb, ob, e = PRECISIONS[prec]
@@ -294,11 +303,12 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     recompute = lay.activation_checkpointing
     passes = 4 if recompute else 3  # forward, backward = 2 forwards, recomputed forward
     dense_act, moe_act = block_activations(model, lay, prec)
-    # Under CP the attention core's forward runs once more (the checkpointed gather and attention, recomputed in
-    # backward: its 4 h s FLOPs per local token again), and the element-wise traffic includes the gathered K/V and
-    # SDPA's float mask (KORTHIKANTI: its own scores), which the block no longer keeps.
-    core_recompute = tokens * 4 * h * s / t if cp > 1 else 0.0
-    cp_traffic = context_attention_traffic(model, b, prec, t, cp)
+    # Under CP without activation checkpointing the attention core's forward runs once more (the checkpointed gather
+    # and attention, recomputed in backward: its 4 h s FLOPs per local token again; with it the recomputed layer's
+    # forward, counted in the passes, includes it), and the element-wise traffic includes the gathered K/V and their
+    # reordered copy (documents: SDPA's float mask; KORTHIKANTI: its own scores), which the block does not keep.
+    core_recompute = tokens * 4 * h * s / t if cp > 1 and not recompute else 0.0
+    cp_traffic = context_attention_traffic(model, b, prec, t, cp, documents)
 
     block_flops = passes * tokens * (2 * model.block_matmul_weights() + 4 * h * s) / t
     if cp > 1:
@@ -399,8 +409,8 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     # and 2 all-to-alls per forward, 2 in backward. PP: a send and a receive per stage and micro-batch. DP: one
     # per bucket (ZeRO 1-2: and a gather), ZeRO-3 three per unit (gather in forward and in backward,
     # reduce-scatter), per micro-batch without a pipeline. CP: per block and micro-batch the all-gathers of K and
-    # of V in forward, again in backward (twice with the layer recomputed: `kv_exchanges`) and the reduce-scatters
-    # of their gradients; per micro-batch the positions' all-gather.
+    # of V in forward, again in backward (`kv_exchanges`) and the reduce-scatters of their gradients; per
+    # micro-batch the positions' all-gather.
     if t > 1:
         per_block = (10 if lay.sequence_parallel else 4) + (4 if lay.sequence_parallel else 2) * recompute
         per_moe = per_block * moe_units / 2
