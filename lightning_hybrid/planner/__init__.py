@@ -14,10 +14,11 @@ exchange's volume); ``python -m lightning_hybrid.planner calibrate`` measures th
 from .cluster import CLUSTER_PRESETS, Cluster, Link, calibrate, cpu_cluster, load_cluster
 from .layout import Layout
 from .memory import MemoryEstimate, estimate_memory
-from .model import MODEL_PRESETS, ModelSpec, model_spec
+from .model import MODEL_PRESETS, ModelSpec, hf_config, hf_notes, hf_parameter_count, model_spec
 from .search import Candidate, Plan, evaluate, plan
 from .time import TimeEstimate, all_to_all_bytes, estimate_time, kv_exchange_bytes
 
 __all__ = ["CLUSTER_PRESETS", "Candidate", "Cluster", "Layout", "Link", "MODEL_PRESETS", "MemoryEstimate",
            "ModelSpec", "Plan", "TimeEstimate", "all_to_all_bytes", "calibrate", "cpu_cluster", "estimate_memory",
-           "estimate_time", "evaluate", "kv_exchange_bytes", "load_cluster", "model_spec", "plan"]
+           "estimate_time", "evaluate", "hf_config", "hf_notes", "hf_parameter_count", "kv_exchange_bytes",
+           "load_cluster", "model_spec", "plan"]

@@ -6,6 +6,9 @@
     python -m lightning_hybrid.planner --model n_layer=4,n_embd=256,n_head=8,experts=8,top_k=2,expert_ffn=512 \
         --cluster cpu --devices 4 --global-batch 8 --seq-len 128
     python -m lightning_hybrid.planner --model llama2-7b --seq-len 131072 --cluster h100 --devices 8 --global-batch 8
+    python -m lightning_hybrid.planner --hf-config llama --override hidden_size=4096,num_hidden_layers=32 \
+        --cluster h100 --devices 64 --global-batch 512 --seq-len 4096 --layout "dp8xtp8 zero1 ac"
+    python -m lightning_hybrid.planner --hf-config /models/my-model --cluster h100 --devices 8 --global-batch 64
     python -m lightning_hybrid.planner calibrate [--out PATH]
 
 ``--model``: a preset (`MODEL_PRESETS`; a preset followed by `ModelSpec` field overrides,
@@ -17,18 +20,32 @@ not at all; ``--documents``: batches with documents, packed or left-padded, whos
 mask). Prints the ranked layouts (best first) with their memory and time breakdowns (``cp``: the key/value
 exchange's time), then the closest layouts that do not fit and why, and how many sizes each validity rule turned
 away. Exit code 2 on a bad argument.
+
+``--hf-config``: any ``transformers`` config instead of ``--model`` -- a local folder (its ``config.json``), a
+``config.json`` or a model type (``llama``: transformers' defaults), with ``--override k=v,k=v`` given to the
+config's constructor (`lightning_hybrid.planner.model.hf_config`; no download). The header then says how the
+parameter count derived from the config compares with ``AutoModelForCausalLM.from_config``'s on the meta device,
+and what the planner does not model of it (`hf_notes`). ``--layout``: one layout, written as the table writes
+them (``dp8xtp8``, ``dp4xtp8xpp2 zero1 mb1x16 1f1b ac sp``, ``tp8 pp2 cp2 ep4``; ``dp`` defaults to what the
+other sizes leave of ``--devices``, the micro-batches to ``mb1`` and the rest of a replica's batch): its memory per
+device by kind, whether it fits the device (`USABLE_MEMORY` of it) and by how much, and its step time when it
+fits; the exit code is then 0 if it fits, else 1 (without ``--layout``: 0 if any layout fits).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
-from typing import Optional
+from typing import Any, Optional
 
-from .cluster import DEFAULT_CALIBRATION, calibrate, load_cluster
-from .model import model_spec
-from .search import GIB, Candidate, Plan, plan
+from lightning_hybrid.pipeline.executor import SCHEDULES, resolve_schedule
+
+from .cluster import DEFAULT_CALIBRATION, USABLE_MEMORY, Cluster, calibrate, load_cluster
+from .layout import Layout
+from .model import ModelSpec, hf_config, hf_notes, hf_parameter_count, model_spec
+from .search import GIB, Candidate, Plan, evaluate, plan, tp_divides
 
 
 def _row(rank: int, c: Candidate) -> str:
@@ -64,6 +81,119 @@ def format_plan(result: Plan, top: int = 10) -> str:
     return "\n".join(lines)
 
 
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``--override`` values, ``k=v`` or ``k=v,k2=v2`` each: values read as JSON (``4096``, ``true``, ``null``,
+    ``[0,1]``), else kept as strings (``silu``)."""
+    overrides: dict[str, Any] = {}
+    for item in items:
+        for pair in re.split(r",(?=\s*[A-Za-z_][\w.]*\s*=)", item):
+            key, sep, value = pair.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"--override {item!r}: give k=v pairs (hidden_size=4096,num_hidden_layers=32).")
+            try:
+                overrides[key.strip()] = json.loads(value)
+            except json.JSONDecodeError:
+                overrides[key.strip()] = value.strip()
+    return overrides
+
+
+_DIMS = re.compile(r"^(dp|tp|pp|cp|ep)(\d+)$")
+
+
+def parse_layout(text: str, model: ModelSpec, devices: int, global_batch: int) -> Layout:
+    """A `Layout` from the table's own notation (`Layout.label`): ``dp4xtp8xpp2 cp2 ep2 zero1 mb2x4 1f1b/v2 ac sp``
+    (spaces or commas between parts; ``sel``: selective recompute). What is left out: ``tp``, ``pp``, ``cp``,
+    ``ep`` 1, ``dp`` what they leave of ``devices``, ZeRO 0, micro-batches of 1 sequence (``mbB`` sets the size;
+    ``mbBxM`` both: ``dp B M`` must be the global batch), schedule ``1f1b``. Raises ``ValueError`` for a layout
+    the strategy would refuse (sizes that do not multiply to ``devices``, ``tp`` not dividing the heads, ``ep`` the
+    experts, ...)."""
+    sizes: dict[str, int] = {}
+    zero, b, m, schedule, v, ac, sp, sel = 0, 1, 0, "1f1b", 0, False, False, False
+    for part in re.split(r"[\s,]+", text.strip()):
+        pieces = part.split("x") if all(_DIMS.match(x) for x in part.split("x")) else [part]
+        for piece in pieces:
+            dim, mb = _DIMS.match(piece), re.fullmatch(r"mb(\d+)(?:x(\d+))?", piece)
+            sched = re.fullmatch(r"([a-z0-9_]+)(?:/v(\d+))?", piece)
+            if dim:
+                sizes[dim.group(1)] = int(dim.group(2))
+            elif re.fullmatch(r"zero[0-3]", piece):
+                zero = int(piece[4])
+            elif mb:
+                b, m = int(mb.group(1)), int(mb.group(2) or 0)
+            elif piece in ("ac", "sp", "sel"):
+                ac, sp, sel = ac or piece == "ac", sp or piece == "sp", sel or piece == "sel"
+            elif sched and sched.group(1) in SCHEDULES:
+                schedule, v = sched.group(1), int(sched.group(2) or 0)
+            else:
+                raise ValueError(f"--layout {text!r}: {piece!r} is not a part of a layout (dpN, tpN, ppN, cpN, epN,"
+                                 f" zero0-3, mbB or mbBxM, a schedule {sorted(SCHEDULES)} with /vN, ac, sel, sp).")
+    tp, pp, cp, ep = (sizes.get(k, 1) for k in ("tp", "pp", "cp", "ep"))
+    if min(tp, pp, cp, ep, b) < 1:
+        raise ValueError(f"--layout {text!r}: every size must be positive.")
+    dp = sizes.get("dp", devices // (tp * pp * cp))
+    if dp < 1 or dp * tp * pp * cp != devices:
+        raise ValueError(f"--layout {text!r}: dp {dp} x tp {tp} x pp {pp} x cp {cp} is not the {devices} devices.")
+    if global_batch % (dp * b):
+        raise ValueError(f"--layout {text!r}: the global batch {global_batch} does not split into dp={dp} replicas"
+                         f" of micro-batches of {b}.")
+    m = m or global_batch // (dp * b)
+    if dp * b * m != global_batch:
+        raise ValueError(f"--layout {text!r}: dp {dp} x mb{b}x{m} = {dp * b * m} sequences, not the global batch"
+                         f" {global_batch}.")
+    if not tp_divides(model, tp):
+        raise ValueError(f"--layout {text!r}: tp={tp} must divide the heads ({model.heads}), key/value heads"
+                         f" ({model.kv_heads}), MLP ({model.ffn}), vocabulary ({model.vocab}) and shared experts"
+                         f" ({model.shared_ffn}) of {model.name}.")
+    if sp and tp == 1:
+        raise ValueError(f"--layout {text!r}: sequence parallelism (sp) needs tp > 1.")
+    v = v or (2 if schedule == "zero_bubble" else 1)
+    if pp > 1:
+        resolve_schedule(schedule, pp, m, v)
+    selective = {"recompute": "attention"} if sel else {}  # selective recompute of the attention core
+    layout = Layout(dp, tp, pp, zero, b, m, schedule, v, ac, sp, ep=ep, cp=cp, **selective)
+    layout.check_model(model)
+    return layout
+
+
+def format_layout(c: Candidate, cluster: Cluster) -> str:
+    """One layout's memory per device by kind, whether it fits and by how much, and its predicted step."""
+    m, usable = c.memory, USABLE_MEMORY * cluster.memory
+    lines = [f"layout {c.layout.label()}: peak {m.total / GIB:.2f} GiB per device (pipeline rank {m.rank}) of"
+             f" {cluster.memory / GIB:.2f} GiB on {cluster.name} ({usable / GIB:.2f} GiB usable, {USABLE_MEMORY:.0%})"]
+    for label, value in (("parameters", m.params), ("gradients", m.grads), ("optimizer state", m.optimizer),
+                         ("activations", m.activations), ("buffers", m.buffers)):
+        lines.append(f"  {label:<16} {value / GIB:9.2f} GiB  {value / m.total if m.total else 0:6.1%}")
+    if c.fits:
+        t = c.time
+        lines.append(f"fits: {(usable - m.total) / GIB:.2f} GiB to spare of the usable {usable / GIB:.2f} GiB"
+                     f" ({(usable - m.total) / usable:.1%}); predicted step {t.total:.4g} s, {c.tokens_per_s:.4g}"
+                     f" tokens/s, MFU {c.mfu:.3f}")
+    else:
+        lines.append(f"does not fit: {(m.total - usable) / GIB:.2f} GiB over the usable {usable / GIB:.2f} GiB"
+                     f" ({(m.total - usable) / usable:.1%} over)")
+    return "\n".join(lines)
+
+
+def describe_hf(config: Any, spec: ModelSpec) -> str:
+    """The header of ``--hf-config``: the parameter count derived from the config against transformers' own (the
+    model built on the meta device), and what is not modelled."""
+    real = hf_parameter_count(config)
+    if real == spec.params:
+        check = f"{spec.params:,} parameters, the same as AutoModelForCausalLM.from_config's on the meta device"
+    else:
+        check = (f"{spec.params:,} parameters described, AutoModelForCausalLM.from_config has {real:,}"
+                 f" ({spec.params - real:+,}: parts of {spec.name} the planner does not describe; memory and time"
+                 " are estimated for the description)")
+    extras = [f"head_dim {spec.head_dim}" if spec.head_size else "", "tied embeddings" if spec.tied_embeddings else "",
+              "gated MLP" if spec.gated_mlp else "plain MLP", "biases" if spec.bias else
+              ("q/k/v biases" if spec.qkv_bias else ""), "MLA attention" if spec.attention_matrices else "",
+              f"{spec.n_layer - spec.moe_layers} dense first layers" if spec.is_moe and spec.moe_layers < spec.n_layer
+              else ""]
+    lines = [f"config {spec.name}: {check}; {', '.join(e for e in extras if e)}"]
+    lines += [f"not modelled: {note}" for note in hf_notes(config, spec)]
+    return "\n".join(lines)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["calibrate"]:
@@ -75,8 +205,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"wrote {args.out}")
         return 0
     p = argparse.ArgumentParser(prog="python -m lightning_hybrid.planner", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="preset, config.json (or folder), or GPTConfig fields a=1,b=2"
-                   " (MoE: experts=8,top_k=2,expert_ffn=..,moe_layers=..,shared_ffn=..)")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", help="preset, config.json (or folder), or GPTConfig fields a=1,b=2"
+                       " (MoE: experts=8,top_k=2,expert_ffn=..,moe_layers=..,shared_ffn=..)")
+    which.add_argument("--hf-config", help="a transformers config: a local folder, a config.json, or a model type"
+                       " (llama, qwen2, mixtral, deepseek_v3, ...: transformers' defaults)")
+    p.add_argument("--override", action="append", default=[], metavar="K=V[,K=V]",
+                   help="--hf-config fields (hidden_size=4096,num_hidden_layers=32); repeatable")
+    p.add_argument("--layout", default=None, help="one layout to check, as the table writes them: 'dp8xtp8',"
+                   " 'dp4xtp8xpp2 zero1 mb1x16 ac sp' (its memory by kind, whether it fits, the margin)")
     p.add_argument("--cluster", default="cpu", help="a100, h100, cpu, or a cluster JSON (default: cpu)")
     p.add_argument("--devices", type=int, required=True)
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
@@ -89,13 +226,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--json", default=None, help="write every candidate to this file")
     args = p.parse_args(argv)
     try:
-        result = plan(model_spec(args.model, args.seq_len), load_cluster(args.cluster), args.devices, args.global_batch,
+        if args.override and not args.hf_config:
+            raise ValueError("--override takes --hf-config (--model takes its overrides after a comma).")
+        if args.hf_config:
+            config = hf_config(args.hf_config, parse_overrides(args.override))
+            model = ModelSpec.from_hf(config, args.seq_len)
+            header = describe_hf(config, model)
+        else:
+            model, header = model_spec(args.model, args.seq_len), ""
+        cluster = load_cluster(args.cluster)
+        layout = parse_layout(args.layout, model, args.devices, args.global_batch) if args.layout else None
+        result = plan(model, cluster, args.devices, args.global_batch,
                       sequence_parallel=not args.no_sequence_parallel,
                       context_parallel=not args.no_context_parallel, documents=args.documents)
-    except ValueError as err:
+        chosen = evaluate(model, layout, cluster, args.global_batch, args.documents) if layout else None
+    except (ValueError, TypeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if header:
+        print(header)
     print(format_plan(result, args.top))
+    if chosen is not None:
+        print("\n" + format_layout(chosen, cluster))
     if args.json:
         payload = {"model": result.model.__dict__, "cluster": result.cluster.name, "devices": result.devices,
                    "global_batch": result.global_batch, "ranked": [c.as_dict() for c in result.ranked],
@@ -103,6 +255,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)
         print(f"wrote {args.json}")
+    if chosen is not None:
+        return 0 if chosen.fits else 1
     return 0 if result.ranked else 1
 
 

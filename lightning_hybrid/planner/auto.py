@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .cluster import Cluster, cpu_cluster, load_cluster
 from .layout import Layout
-from .model import ModelSpec, model_spec
+from .model import ModelSpec, hf_config
 from .memory import estimate_memory
 from .search import Plan, plan
 from .time import estimate_time
@@ -67,17 +67,21 @@ def _model(cfg: DictConfig, module: Any = None) -> ModelSpec:
         names = {f.name for f in fields(GPTConfig)}
         return ModelSpec.from_gpt({k: v for k, v in node.items() if k in names}, seq_len, name="gpt")
     if target.endswith("CausalLM"):
-        if os.path.isdir(str(node.model)):
-            return model_spec(str(node.model), seq_len)
-        from transformers import AutoConfig
-
-        return ModelSpec.from_hf(AutoConfig.for_model(str(node.model), **dict(node.get("config") or {})), seq_len)
+        return ModelSpec.from_hf(_hf_config(cfg), seq_len)
     if module is None:
         from hydra.utils import instantiate
 
         module = instantiate(node, _convert_="all")
         getattr(module, "configure_model", lambda: None)()
     return ModelSpec.from_module(module, seq_len)
+
+
+def _hf_config(cfg: DictConfig) -> Any:
+    """A `CausalLM` recipe's ``transformers`` config, read as the module reads it: ``model.model`` a local folder
+    (the finetune recipe's; its ``config.json``) or a model type, with the ``model.config`` overrides."""
+    node = cfg.model
+    overrides = OmegaConf.to_container(node.config, resolve=True) if node.get("config") is not None else {}
+    return hf_config(str(node.model), overrides)
 
 
 def _cluster(cfg: DictConfig) -> Cluster:
@@ -113,17 +117,9 @@ def _adds_router_loss(cfg: DictConfig) -> bool:
     """Whether the recipe's model is a `CausalLM` whose config adds its routers' load-balancing loss
     (``output_router_logits``): a loss of the whole batch, which a pipeline computes under GPipe only, without
     sequence parallelism (docs/moe.md); the planner searches those layouts."""
-    node, target = cfg.model, str(cfg.model.get("_target_", ""))
-    if not target.endswith("CausalLM"):
+    if not str(cfg.model.get("_target_", "")).endswith("CausalLM"):
         return False
-    from transformers import AutoConfig
-
-    overrides = dict(node.get("config") or {})
-    if os.path.isdir(str(node.model)):
-        config = AutoConfig.from_pretrained(str(node.model), **overrides)
-    else:
-        config = AutoConfig.for_model(str(node.model), **overrides)
-    return bool(getattr(config, "output_router_logits", False))
+    return bool(getattr(_hf_config(cfg), "output_router_logits", False))
 
 
 def choose_layout(cfg: DictConfig) -> tuple[DictConfig, str]:

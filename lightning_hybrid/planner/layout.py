@@ -6,7 +6,11 @@ import inspect
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["Layout"]
+__all__ = ["Layout", "RECOMPUTE_MODES"]
+
+#: What a layer recomputes in backward: nothing, the whole layer (activation checkpointing), or the attention core
+#: only (selective recompute).
+RECOMPUTE_MODES = ("none", "full", "attention")
 
 
 @dataclass(frozen=True)
@@ -20,7 +24,11 @@ class Layout:
     ``cp``: context parallelism, every sequence split over ``cp`` ranks (mesh ``(pp, dp, cp, tp)``: ``devices = pp dp
     cp tp``; the ``cp`` ranks of a replica see the same samples, gradients are reduced and ZeRO-sharded over ``dp cp``
     ranks, and the expert-parallel ranks are carved out of those, so ``ep`` divides ``dp cp``; the sequence length
-    must divide by ``2 cp``, the zigzag split's chunks: `check_model`)."""
+    must divide by ``2 cp``, the zigzag split's chunks: `check_model`); ``recompute``: what a checkpointed layer
+    recomputes, the strategy's option of the same name -- ``"full"`` (the whole layer, when
+    ``activation_checkpointing``) or ``"attention"`` (selective recompute, Korthikanti et al. 2022: every layer keeps
+    its activations but the attention core's, which backward recomputes; ``activation_checkpointing`` is then
+    False, as the strategy checkpoints every layer selectively). `recompute_mode` names the three choices."""
 
     dp: int
     tp: int
@@ -35,8 +43,14 @@ class Layout:
     loss_parallel: bool = True
     ep: int = 1
     cp: int = 1
+    recompute: str = "full"
 
     def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE_MODES[1:]:
+            raise ValueError(f"recompute={self.recompute!r} is invalid: use 'full' or 'attention'.")
+        if self.recompute == "attention" and self.activation_checkpointing:
+            raise ValueError("recompute='attention' is selective recompute of every layer: it takes"
+                             " activation_checkpointing=False (True with 'full' recomputes whole layers).")
         if not isinstance(self.cp, int) or isinstance(self.cp, bool) or self.cp < 1:
             raise ValueError(f"cp={self.cp!r} is invalid: it must be a positive integer (1: no context parallelism).")
         if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1 or self.dp * self.cp % self.ep:
@@ -56,6 +70,13 @@ class Layout:
         if self.cp > 1 and model.seq_len % (2 * self.cp):
             raise ValueError(f"cp={self.cp}: the sequence length {model.seq_len} of {model.name} does not divide by"
                              f" 2*cp = {2 * self.cp} (the load-balanced split's chunks).")
+
+    @property
+    def recompute_mode(self) -> str:
+        """``"none"``, ``"full"`` (activation checkpointing) or ``"attention"`` (selective recompute)."""
+        if self.recompute == "attention":
+            return "attention"
+        return "full" if self.activation_checkpointing else "none"
 
     @property
     def edp(self) -> int:
@@ -78,7 +99,8 @@ class Layout:
         return self.micro_batches if self.pp == 1 else 1
 
     def label(self) -> str:
-        """``dp4xtp2xpp2 cp2 ep2 zero1 mb2x4 1f1b ac sp`` (only what differs from the defaults)."""
+        """``dp4xtp2xpp2 cp2 ep2 zero1 mb2x4 1f1b ac sp`` (only what differs from the defaults; ``sel``: selective
+        recompute)."""
         parts = [f"dp{self.dp}xtp{self.tp}" + (f"xpp{self.pp}" if self.pp > 1 else "")]
         parts += [f"cp{self.cp}"] if self.cp > 1 else []
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
@@ -87,6 +109,7 @@ class Layout:
         if self.pp > 1:
             parts.append(self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         parts += ["ac"] if self.activation_checkpointing else []
+        parts += ["sel"] if self.recompute == "attention" else []
         parts += ["sp"] if self.sequence_parallel else []
         return " ".join(parts)
 
@@ -110,6 +133,10 @@ class Layout:
             if "cp" not in accepted:
                 raise ValueError(f"cp={self.cp}: {strategy_cls.__name__} takes no cp (context parallelism).")
             kwargs["cp"] = self.cp
+        if self.recompute != "full":
+            if "recompute" not in accepted:
+                raise ValueError(f"recompute={self.recompute!r}: {strategy_cls.__name__} takes no recompute.")
+            kwargs["recompute"] = self.recompute
         if "loss_parallel" in accepted:
             kwargs["loss_parallel"] = self.loss_parallel
         return kwargs

@@ -22,6 +22,10 @@ The paper's fp16 Megatron block with dropout and unfused attention has ``rep, sp
 no dropout by default, ``scaled_dot_product_attention`` keeping no ``s x s`` scores): ``rep = 4e`` (the
 two LayerNorms' inputs and outputs) and ``split = e (3 + 2 a_kv/a + 2 [a_kv < a] + 2F/h (4F/h SwiGLU))``
 (q, k, v and their GQA repeats, the attention output and its contiguous copy, the MLP's hidden tensors).
+``megatron-flash``: Korthikanti's block with flash attention (`KORTHIKANTI_FLASH`: no scores term; the kernels
+keep ``O(s)`` per head). Selective recompute (``recompute="attention"``, `selective_coefficients`): Korthikanti's
+block without its scores (``sbh (10 + 24/t)``, the paper's Table 2), this codebase's without SDPA's output, its
+contiguous copy and GQA's repeated K/V (``split - e (2 + 2 [a_kv < a])``), every block kept so.
 A checkpointed block keeps its input, ``e h`` per token (``/tp`` with sequence parallelism), and recomputes
 one block at a time (not while the head's loss is alive: the larger of the two counts). The head keeps
 ``HEAD_ELEMENTS`` fp32 logit-sized tensors per token (logits, log-softmax, their gradients), ``V/tp`` wide with
@@ -105,8 +109,9 @@ from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB, MAX_IN_FLIGHT
 from .layout import Layout
 from .model import ModelSpec
 
-__all__ = ["ActivationCoefficients", "DOCUMENT_KV_COPIES", "KORTHIKANTI", "MemoryEstimate", "PLAIN_KV_COPIES",
-           "PRECISIONS", "block_activation_bytes", "block_activations", "codebase_coefficients", "context_mask_bytes",
+__all__ = ["ActivationCoefficients", "DOCUMENT_KV_COPIES", "KORTHIKANTI", "KORTHIKANTI_FLASH", "MEGATRON_PRECISIONS",
+           "MemoryEstimate", "PLAIN_KV_COPIES", "PRECISIONS", "block_activation_bytes", "block_coefficients",
+           "selective_coefficients", "block_activations", "codebase_coefficients", "context_mask_bytes",
            "context_masks", "context_transient_bytes", "context_unsaved_split", "estimate_memory",
            "expert_activation_bytes", "gathered_kv_bytes", "in_flight", "largest_block_params", "moe_block_count",
            "moe_coefficients", "rank_block_counts", "rank_expert_params", "rank_layers", "rank_params",
@@ -114,8 +119,14 @@ __all__ = ["ActivationCoefficients", "DOCUMENT_KV_COPIES", "KORTHIKANTI", "Memor
 
 #: bytes per element: (parameters, gradients, optimizer state, activations). Adam keeps 2 moments.
 #: ``32-true``: fp32 everything; ``bf16-mixed``: Lightning autocast, fp32 weights and gradients, bf16
-#: activations; ``megatron``: fp16/bf16 weights and gradients, fp32 master weights + moments (ZeRO's K = 12).
-PRECISIONS = {"32-true": (4, 4, 8, 4), "bf16-mixed": (4, 4, 8, 2), "megatron": (2, 2, 12, 2)}
+#: activations; ``megatron``: fp16/bf16 weights and gradients, fp32 master weights + moments (ZeRO's K = 12),
+#: Korthikanti's block with its unfused attention (the ``s x s`` scores kept: the 2021/2022 Megatron runs);
+#: ``megatron-flash``: the same states, the block as the kernels users run since 2023 (flash / SDPA attention:
+#: no ``s x s`` tensor, only ``O(s)`` per head -- the softmax's logsumexp, negligible beside ``h``).
+PRECISIONS = {"32-true": (4, 4, 8, 4), "bf16-mixed": (4, 4, 8, 2), "megatron": (2, 2, 12, 2),
+              "megatron-flash": (2, 2, 12, 2)}
+#: Precisions whose block is `KORTHIKANTI`'s (``megatron-flash``: without its scores term).
+MEGATRON_PRECISIONS = ("megatron", "megatron-flash")
 #: fp32 logit-sized tensors per token the LM head keeps at its peak (logits, log-softmax, their gradients).
 HEAD_ELEMENTS = 4
 
@@ -134,6 +145,33 @@ class ActivationCoefficients:
 
 #: The paper's MLP: GELU's input and output, 2 bytes each of ``4h`` (``16 sbh`` of the 24).
 KORTHIKANTI = ActivationCoefficients(rep=10, split=24, scores=5, mlp=16)
+#: Korthikanti's block with flash attention: the kernel keeps Q, K, V (counted) and its output (the output
+#: projection's input, counted) and the logsumexp, ``O(s)`` per head; no scores, no softmax, no dropout mask.
+KORTHIKANTI_FLASH = dataclasses.replace(KORTHIKANTI, scores=0.0)
+
+
+def block_coefficients(model: ModelSpec, precision: str) -> ActivationCoefficients:
+    """The block's coefficients at ``precision``: `KORTHIKANTI` (``megatron``), `KORTHIKANTI_FLASH`
+    (``megatron-flash``), else this codebase's (`codebase_coefficients`)."""
+    if precision == "megatron":
+        return KORTHIKANTI
+    if precision == "megatron-flash":
+        return KORTHIKANTI_FLASH
+    return codebase_coefficients(model, PRECISIONS[precision][3])
+
+
+def selective_coefficients(c: ActivationCoefficients, model: ModelSpec, precision: str) -> ActivationCoefficients:
+    """A block's coefficients under selective recompute (``recompute="attention"``: the attention core recomputed in
+    backward). Korthikanti's block drops its scores term (the paper's Table 2: ``sbh (10 + 24/t)``); with flash
+    attention there are none to drop (the kernel's output is the output projection's kept input). This codebase's
+    block (`lightning_hybrid.activation_checkpointing`: the fused SDPA kernel is recomputed, and copies always are)
+    drops SDPA's output and its contiguous copy, and under grouped-query attention the repeated K/V (copies):
+    ``split - e (2 + 2 [a_kv < a])``."""
+    if precision in MEGATRON_PRECISIONS:
+        return dataclasses.replace(c, scores=0.0)
+    e = PRECISIONS[precision][3]
+    dropped = e * (2 + (2 if model.kv_heads < model.heads else 0))
+    return dataclasses.replace(c, split=max(0.0, c.split - dropped))
 
 
 def _mlp_split(model: ModelSpec, element: float, width: int) -> float:
@@ -242,7 +280,7 @@ def context_transient_bytes(model: ModelSpec, b: int, precision: str, tp: int = 
         return 0.0
     e = PRECISIONS[precision][3]
     kv = (DOCUMENT_KV_COPIES if documents else PLAIN_KV_COPIES) * gathered_kv_bytes(model, b, e, tp, cp)
-    if precision == "megatron":
+    if precision == "megatron":  # (megatron-flash: no scores)
         return kv + block_activation_bytes(ActivationCoefficients(0.0, 0.0, KORTHIKANTI.scores), model.seq_len, b,
                                            model.hidden, model.heads, tp, cp=cp)
     return kv + (context_mask_bytes(model, b, e, cp) if documents else 0.0)
@@ -351,11 +389,13 @@ def block_activations(model: ModelSpec, layout: Layout, precision: str) -> tuple
     activation checkpointing SDPA's output (`context_unsaved_split`: the checkpointed attention's, not kept). With
     activation checkpointing this is the block being recomputed, which keeps SDPA's output."""
     e = PRECISIONS[precision][3]
-    coeffs = KORTHIKANTI if precision == "megatron" else codebase_coefficients(model, e)
+    coeffs = block_coefficients(model, precision)
     s, b, h, t, sp = model.seq_len, layout.micro_batch, model.hidden, layout.tp, layout.sequence_parallel
     cp = layout.cp
-    if cp > 1:
-        if precision == "megatron":  # Korthikanti: the scores of the layer being computed are the transient's
+    if layout.recompute_mode == "attention":  # selective recompute: the attention core's activations not kept
+        coeffs = selective_coefficients(coeffs, model, precision)
+    elif cp > 1:
+        if precision in MEGATRON_PRECISIONS:  # Korthikanti: the scores of the layer being computed are the transient's
             coeffs = dataclasses.replace(coeffs, scores=0.0)
         elif not layout.activation_checkpointing:  # the attention is checkpointed: SDPA's output not kept
             coeffs = dataclasses.replace(coeffs, split=coeffs.split - context_unsaved_split(e))

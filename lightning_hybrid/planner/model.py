@@ -26,7 +26,8 @@ from typing import Any, Optional
 
 from torch import nn
 
-__all__ = ["MODEL_PRESETS", "MOE_FIELDS", "ModelSpec", "model_spec"]
+__all__ = ["BIAS_FAMILIES", "FOUR_NORM_FAMILIES", "LEARNED_POSITIONS", "MODEL_PRESETS", "MOE_FIELDS", "ModelSpec",
+           "PLAIN_MLP_FAMILIES", "QK_NORMS", "hf_config", "hf_notes", "hf_parameter_count", "model_spec"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,15 @@ class ModelSpec:
     ``expert_ffn`` the width of one expert's MLP (0: ``ffn``), ``moe_layers`` how many blocks are MoE -- the
     last ones (0: all), ``shared_ffn`` the total width of the shared experts every token visits (0: none).
     Experts and shared experts are gated when ``gated_mlp``; with ``bias`` they (and the router) have biases.
+
+    What Hugging Face families add (`from_hf`; all 0/False for the reference GPT): ``head_size`` the width of a
+    head when it is not ``h / a`` (Gemma's 256, Qwen3's ``head_dim``; 0: ``h / a``); ``qkv_bias``: q, k, v have
+    biases in a model without others (Qwen2); ``extra_norms``: norm weights per block beside its two norms (Qwen3's
+    and OLMoE's q/k norms, Gemma-2's extra two, the low-rank norms of DeepSeek's attention); ``attention_matrices``:
+    one block's attention weights when they are not q, k, v, o of ``head_size`` (DeepSeek's multi-head latent
+    attention, MLA: its low-rank projections; 0: q, k, v, o); ``shared_expert_gate``: Qwen2-MoE's ``h x 1``
+    gate of the shared experts in each MoE block; ``positions``: rows of the learned position table (GPT-2's
+    ``n_positions``; 0: ``seq_len``).
     """
 
     name: str
@@ -62,16 +72,23 @@ class ModelSpec:
     expert_ffn: int = 0
     moe_layers: int = 0
     shared_ffn: int = 0
+    head_size: int = 0
+    qkv_bias: bool = False
+    extra_norms: int = 0
+    attention_matrices: int = 0
+    shared_expert_gate: bool = False
+    positions: int = 0
 
     def __post_init__(self) -> None:
         for field in ("n_layer", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len"):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ModelSpec.{field}={value!r} is invalid: it must be a positive integer.")
-        if self.hidden % self.heads or self.heads % self.kv_heads:
+        if (not self.head_size and self.hidden % self.heads) or self.heads % self.kv_heads:
             raise ValueError(f"hidden={self.hidden}, heads={self.heads}, kv_heads={self.kv_heads}: heads must divide"
-                             " hidden and kv_heads must divide heads.")
-        for field in ("experts", "top_k", "expert_ffn", "moe_layers", "shared_ffn"):
+                             " hidden (unless head_size is given) and kv_heads must divide heads.")
+        for field in ("experts", "top_k", "expert_ffn", "moe_layers", "shared_ffn", "head_size", "extra_norms",
+                      "attention_matrices", "positions"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"ModelSpec.{field}={value!r} is invalid: it must be a non-negative integer.")
@@ -92,7 +109,8 @@ class ModelSpec:
     # ------------------------------------------------------------------------------------------- counts
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        """The width of a head: ``head_size``, else ``h / a``."""
+        return self.head_size or self.hidden // self.heads
 
     @property
     def is_moe(self) -> bool:
@@ -104,7 +122,9 @@ class ModelSpec:
         return self.experts > 0 and self.n_layer - self.moe_layers < index <= self.n_layer
 
     def attention_weights(self) -> int:
-        """q, o (``h x a*d``), k, v (``h x a_kv*d``)."""
+        """q, o (``h x a*d``), k, v (``h x a_kv*d``); ``attention_matrices`` when given (MLA)."""
+        if self.attention_matrices:
+            return self.attention_matrices
         h, d = self.hidden, self.head_dim
         return 2 * h * self.heads * d + 2 * h * self.kv_heads * d
 
@@ -116,9 +136,13 @@ class ModelSpec:
         """An MLP's biases when ``bias``: up (and gate) ``width``, down ``h``."""
         return ((2 if self.gated_mlp else 1) * width + self.hidden) if self.bias and width else 0
 
+    def router_weights(self) -> int:
+        """One MoE layer's router matrix: ``E x h`` (``(E + 1) x h`` with Qwen2-MoE's ``shared_expert_gate``)."""
+        return (self.experts + (1 if self.shared_expert_gate else 0)) * self.hidden
+
     def router_params(self) -> int:
-        """One MoE layer's router: ``E x h`` (and ``E`` biases when ``bias``)."""
-        return self.experts * self.hidden + (self.experts if self.bias else 0)
+        """One MoE layer's router: `router_weights` (and ``E`` biases when ``bias``)."""
+        return self.router_weights() + (self.experts if self.bias else 0)
 
     def expert_params(self) -> int:
         """One expert: an MLP of width ``expert_ffn`` (weights, and biases when ``bias``)."""
@@ -134,7 +158,7 @@ class ModelSpec:
         if not (moe and self.experts):
             return self.attention_weights() + self.mlp_weights(self.ffn)
         return (self.attention_weights() + self.experts * self.mlp_weights(self.expert_ffn)
-                + self.mlp_weights(self.shared_ffn) + self.experts * self.hidden)
+                + self.mlp_weights(self.shared_ffn) + self.router_weights())
 
     def block_active_weights(self, moe: bool = False) -> int:
         """The matrix weights one token multiplies by in a block: all of a dense block's; in a MoE block attention,
@@ -142,21 +166,23 @@ class ModelSpec:
         if not (moe and self.experts):
             return self.block_matmul_weights()
         return (self.attention_weights() + self.top_k * self.mlp_weights(self.expert_ffn)
-                + self.mlp_weights(self.shared_ffn) + self.experts * self.hidden)
+                + self.mlp_weights(self.shared_ffn) + self.router_weights())
 
     def block_params(self, moe: bool = False) -> int:
         """One block: its matrices, their biases and two norms (weight, and bias when ``bias``); a MoE block
         (``moe``): attention, every expert, the shared experts and the router."""
-        norms = 2 * self.hidden * (2 if self.bias else 1)
-        attention_biases = ((self.heads + 2 * self.kv_heads) * self.head_dim + self.hidden) if self.bias else 0
+        norms = 2 * self.hidden * (2 if self.bias else 1) + self.extra_norms
+        qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
+        attention_biases = (qkv + self.hidden) if self.bias else (qkv if self.qkv_bias else 0)
         if not (moe and self.experts):
             return self.block_matmul_weights() + attention_biases + self.mlp_biases(self.ffn) + norms
         return (self.attention_weights() + attention_biases + norms + self.block_expert_params()
                 + self.mlp_weights(self.shared_ffn) + self.mlp_biases(self.shared_ffn) + self.router_params())
 
     def embedding_params(self) -> int:
-        """The token embedding (and a learned position table)."""
-        return self.vocab * self.hidden + (self.seq_len * self.hidden if self.learned_positions else 0)
+        """The token embedding (and a learned position table of ``positions``, else ``seq_len``, rows)."""
+        rows = self.positions or self.seq_len
+        return self.vocab * self.hidden + (rows * self.hidden if self.learned_positions else 0)
 
     def pipeline_layer_params(self) -> list[int]:
         """Parameters of ``embed, block_1 .. block_L, head`` (a tied head counted in the embedding)."""
@@ -199,8 +225,16 @@ class ModelSpec:
 
     @classmethod
     def from_hf(cls, config: Any, seq_len: Optional[int] = None) -> "ModelSpec":
-        """From a ``transformers.PretrainedConfig`` (Llama, Mistral, Qwen2, GPT-2, GPT-NeoX, ... names read
-        through ``attribute_map``); ``seq_len`` defaults to ``max_position_embeddings`` (``n_positions``)."""
+        """From a ``transformers.PretrainedConfig`` (no download; names read through ``attribute_map``): layers,
+        width, query and key/value heads (GQA), ``head_dim`` when it is not ``h / a`` (Gemma, Qwen3), the MLP
+        (gated -- SwiGLU, GeGLU -- unless the family's MLP is plain, `PLAIN_MLP_FAMILIES`), biases (everywhere for
+        `BIAS_FAMILIES`; q, k, v only: Qwen2's, ``attention_bias``, ``qkv_bias``), tied embeddings, learned positions
+        (GPT-2's ``n_positions`` table), q/k norms, DeepSeek's multi-head latent attention (its low-rank
+        projections and norms: ``attention_matrices``, ``extra_norms``; heads of ``qk_nope_head_dim +
+        qk_rope_head_dim``) and the experts (`_hf_experts`). ``seq_len`` defaults to ``max_position_embeddings``
+        (``n_positions``). What it does not model: `hf_notes`; the parameter count it derives equals
+        ``AutoModelForCausalLM.from_config(config)``'s for the families tests/test_planner_hf.py builds
+        (`hf_parameter_count` checks any other)."""
         def first(*names: str, default: Any = None) -> Any:
             for n in names:
                 value = getattr(config, n, None)
@@ -210,23 +244,45 @@ class ModelSpec:
                 raise ValueError(f"{type(config).__name__} has none of {list(names)}: cannot describe the model.")
             return default
 
+        family = str(getattr(config, "model_type", None) or type(config).__name__)
         hidden = int(first("hidden_size", "n_embd", "d_model"))
         heads = int(first("num_attention_heads", "n_head"))
-        act = str(first("hidden_act", "activation_function", default="gelu"))
-        gated = (act in ("silu", "swiglu")
-                 or getattr(config, "model_type", "") in ("llama", "mistral", "qwen2", "qwen3", "gemma"))
+        kv_heads = int(first("num_key_value_heads", "num_kv_heads", default=heads))
         n_layer = int(first("num_hidden_layers", "n_layer"))
+        head_size = int(first("head_dim", default=0) or 0)
+        full_bias = family in BIAS_FAMILIES or bool(getattr(config, "use_bias", False))
+        attention_bias = bool(getattr(config, "attention_bias", False) or getattr(config, "qkv_bias", False)
+                              or family in ("qwen2", "qwen2_vl", "qwen2_5_vl"))
+        extra: dict[str, Any] = {}
+        if getattr(config, "kv_lora_rank", None):  # DeepSeek-V2/V3 multi-head latent attention
+            q_rank, kv_rank = getattr(config, "q_lora_rank", None), int(config.kv_lora_rank)
+            nope, rope, v = int(config.qk_nope_head_dim), int(config.qk_rope_head_dim), int(config.v_head_dim)
+            q = hidden * int(q_rank) + int(q_rank) * heads * (nope + rope) if q_rank else hidden * heads * (nope + rope)
+            extra["attention_matrices"] = (q + hidden * (kv_rank + rope) + kv_rank * heads * (nope + v)
+                                           + heads * v * hidden)
+            extra["extra_norms"] = kv_rank + (int(q_rank) if q_rank else 0)
+            kv_heads, head_size = heads, nope + rope
+        elif family in QK_NORMS:
+            d = head_size or hidden // heads
+            extra["extra_norms"] = 2 * d if QK_NORMS[family] == "head" else (heads + kv_heads) * d
+        if family in FOUR_NORM_FAMILIES:
+            extra["extra_norms"] = extra.get("extra_norms", 0) + 2 * hidden
+        if head_size == hidden // heads and hidden % heads == 0:
+            head_size = 0
+        learned = family in LEARNED_POSITIONS
+        if learned:
+            extra["positions"] = int(first(LEARNED_POSITIONS[family]))
+        moe = _hf_experts(config, n_layer)
+        if moe and family == "qwen2_moe" and moe.get("shared_ffn"):
+            extra["shared_expert_gate"] = True
         return cls(
-            name=str(getattr(config, "model_type", None) or type(config).__name__),
-            n_layer=n_layer, hidden=hidden, heads=heads,
-            kv_heads=int(first("num_key_value_heads", default=heads)),
+            name=family, n_layer=n_layer, hidden=hidden, heads=heads, kv_heads=kv_heads,
             ffn=int(first("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden)),
             vocab=int(first("vocab_size")),
             seq_len=int(seq_len or first("max_position_embeddings", "n_positions", default=2048)),
-            gated_mlp=gated, bias=bool(getattr(config, "attention_bias", getattr(config, "use_bias", not gated))),
-            learned_positions=getattr(config, "model_type", "") in ("gpt2", "opt", "gpt_bigcode"),
-            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            **_hf_experts(config, n_layer),
+            gated_mlp=family not in PLAIN_MLP_FAMILIES, bias=full_bias,
+            learned_positions=learned, tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            head_size=head_size, qkv_bias=attention_bias and not full_bias, **moe, **extra,
         )
 
     @classmethod
@@ -285,6 +341,79 @@ def _hf_experts(config: Any, n_layer: int) -> dict[str, int]:
             "shared_ffn": shared}
 
 
+#: Families whose MLP is two matrices (up, down) with a plain activation; every other family's is gated (three:
+#: gate, up, down -- SwiGLU, GeGLU), as Llama's.
+PLAIN_MLP_FAMILIES = frozenset({"gpt2", "gpt_neox", "gptj", "gpt_neo", "gpt_bigcode", "opt", "bloom", "falcon", "phi",
+                                "starcoder2", "codegen", "mpt", "biogpt", "xglm"})
+#: Families with biases on every Linear and LayerNorm (GPT-2 style).
+BIAS_FAMILIES = frozenset({"gpt2", "gpt_neox", "gpt_bigcode", "opt", "bloom", "phi", "starcoder2"})
+#: Families with a learned position table, and the config field of its rows.
+LEARNED_POSITIONS = {"gpt2": "n_positions", "gpt_bigcode": "n_positions"}
+#: Families with q/k norms: one of ``head_dim`` each (``"head"``), or over all heads (``"all"``: ``a d``, ``a_kv d``).
+QK_NORMS = {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "olmoe": "all", "olmo2": "all"}
+#: Families with four norms per block (pre and post attention and MLP) instead of two.
+FOUR_NORM_FAMILIES = frozenset({"gemma2", "gemma3_text"})
+
+
+def hf_config(source: Any, overrides: Optional[dict[str, Any]] = None) -> Any:
+    """A ``transformers`` config without a download: ``source`` a local folder (its ``config.json``), a
+    ``config.json`` file, a model type (``"llama"``: transformers' own defaults) or a ``PretrainedConfig``;
+    ``overrides`` given to the config's constructor, so that what it derives follows them (Llama's ``head_dim``
+    from ``hidden_size``), a field the class does not know refused -- as `lightning_hybrid.hf.CausalLM` reads its
+    ``model`` and ``config``."""
+    from transformers import PretrainedConfig
+
+    from lightning_hybrid.hf.config import _resolve_config
+
+    if isinstance(source, PretrainedConfig):
+        source = {"model_type": source.model_type, **source.to_dict()}
+    elif not isinstance(source, dict):
+        path = Path(str(source))
+        if path.is_file():
+            source = str(path.parent) if path.name == "config.json" else json.loads(path.read_text())
+        else:
+            source = str(source)
+    return _resolve_config(source, dict(overrides or {}))
+
+
+def hf_parameter_count(config: Any) -> int:
+    """The parameters of ``AutoModelForCausalLM.from_config(config)``, built on the meta device (no memory, no
+    download; DeepSeek-V3's 671B in about a second), shared tensors once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def hf_notes(config: Any, spec: ModelSpec) -> list[str]:
+    """What the planner does not model of ``config`` (described as ``spec``), one line each: sliding-window
+    attention (costed as full causal attention), MLA's attention shapes (activations and attention FLOPs as ``a``
+    heads of ``qk_nope_head_dim + qk_rope_head_dim``), heads whose width is not ``h / a`` (activation coefficients
+    per unit of ``h``), a learned position table shorter than ``seq_len``."""
+    notes = []
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) is not False and int(window) < spec.seq_len:
+        layer_types = list(getattr(config, "layer_types", None) or [])
+        sliding = sum(1 for t in layer_types if "sliding" in str(t)) if layer_types else spec.n_layer
+        if sliding:
+            notes.append(f"sliding-window attention ({int(window)} tokens, {sliding} of {spec.n_layer} layers) is"
+                         " costed as full causal attention: its savings in attention FLOPs and memory at long"
+                         " sequences are not modelled (an upper bound).")
+    if getattr(config, "kv_lora_rank", None):
+        notes.append(f"multi-head latent attention (MLA): parameters exact; activations, attention FLOPs and the"
+                     f" context-parallel K/V exchange modelled as {spec.heads} heads of {spec.head_dim}"
+                     " (qk_nope_head_dim + qk_rope_head_dim), not MLA's compressed latents (an approximation).")
+    elif spec.head_size and spec.heads * spec.head_size != spec.hidden:
+        notes.append(f"heads of {spec.head_size}: {spec.heads} x {spec.head_size} = {spec.heads * spec.head_size}"
+                     f" != hidden {spec.hidden}; parameters, FLOPs of the projections and the K/V exchange use it,"
+                     " the block's activation coefficients are per unit of hidden (an approximation).")
+    if spec.learned_positions and spec.positions and spec.seq_len > spec.positions:
+        notes.append(f"seq_len {spec.seq_len} > the learned position table's {spec.positions} rows: the model"
+                     " cannot run at this length as it is.")
+    return notes
+
 #: Published models (sequence length 2048, vocabulary 51,200 for the GPT rows as in Narayanan et al. 2021,
 #: Table 1), Mixtral (Jiang et al. 2024; trained at 32k, planned here at 4096), and the recipe's own
 #: ``model=tiny`` / ``model=small`` (configs/model/*.yaml) with ``small-moe`` its 8-expert top-2 sibling.
@@ -335,11 +464,7 @@ def model_spec(text: str, seq_len: Optional[int] = None) -> ModelSpec:
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
-        from transformers import AutoConfig
-
-        fields = json.loads(path.read_text())
-        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-        return ModelSpec.from_hf(config, seq_len)
+        return ModelSpec.from_hf(hf_config(path), seq_len)
     if "=" in text:
         fields = {}
         for item in text.split(","):

@@ -7,7 +7,8 @@ keeps at least `MIN_CP_TOKENS` tokens of a sequence; those that do not are count
 rest (it must divide the global batch), ZeRO stage (1-3 only with ``dp cp > 1``: ZeRO shards over the ``dp cp``
 ranks), the micro-batch size (a divisor of a replica's batch; the count is then a pipeline's micro-batches or,
 without PP, gradient accumulation), the schedule and its virtual stages (checked by the strategy's own
-`resolve_schedule`), activation checkpointing, sequence parallelism (``tp > 1``), and for a mixture-of-experts
+`resolve_schedule`), recomputation (none, full or selective: `RECOMPUTE_CHOICES`), sequence parallelism
+(``tp > 1``), and for a mixture-of-experts
 model expert parallelism ``ep`` (`ep_choices`: the divisors of ``dp cp`` that divide the number of experts, 1
 included; with every ZeRO stage, `EP_ZERO_STAGES`). Each candidate gets `estimate_memory`; those that fit the
 device (`USABLE_MEMORY` of it) get `estimate_time` and are ranked by step time (then memory).
@@ -31,7 +32,8 @@ from .memory import MemoryEstimate, estimate_memory
 from .model import ModelSpec
 from .time import TimeEstimate, estimate_time
 
-__all__ = ["Candidate", "EP_ZERO_STAGES", "MIN_CP_TOKENS", "Plan", "cp_choices", "enumerate_layouts", "ep_choices",
+__all__ = ["Candidate", "EP_ZERO_STAGES", "MIN_CP_TOKENS", "Plan", "RECOMPUTE_CHOICES",
+           "cp_choices", "enumerate_layouts", "ep_choices",
            "evaluate", "plan", "tp_divides"]
 
 GIB = 2**30
@@ -39,6 +41,9 @@ GIB = 2**30
 #: their own dp/ep group; 3: the experts ``fully_shard``-ed over that group, `lightning_hybrid.zero.apply_fsdp_experts`;
 #: tests/test_moe.py).
 EP_ZERO_STAGES = (0, 1, 2, 3)
+#: Recompute modes searched, as ``(activation_checkpointing, recompute)``: none, full (the whole layer) and
+#: selective (``recompute="attention"``: the attention core only; `Layout.recompute_mode`).
+RECOMPUTE_CHOICES = ((False, "full"), (True, "full"), (False, "attention"))
 #: The fewest tokens of a sequence the search leaves a context-parallel rank (``seq_len / cp``): context parallelism
 #: is for sequences too long for one device's activations. Below this the time model, which takes every GEMM at the
 #: same efficiency and every attention tile as large, would credit splitting a short sequence as a finer
@@ -188,9 +193,9 @@ def _schedules(model, dims, cp, b, m, pipeline_layers, sequence_parallel, schedu
             for zero in ((0, 1, 2, 3) if dp * cp > 1 else (0,)):
                 if ep > 1 and zero not in EP_ZERO_STAGES:
                     continue
-                for ac in (False, True):
+                for ac, recompute in RECOMPUTE_CHOICES:
                     for sp in ((False, True) if tp > 1 and sequence_parallel else (False,)):
-                        yield Layout(dp, tp, pp, zero, b, m, name, v, ac, sp, ep=ep, cp=cp)
+                        yield Layout(dp, tp, pp, zero, b, m, name, v, ac, sp, ep=ep, cp=cp, recompute=recompute)
 
 
 def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: int,

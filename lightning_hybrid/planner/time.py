@@ -2,18 +2,24 @@
 
 Collectives (ring algorithms, Patarasuk & Yuan 2009; NCCL's bus bandwidth): over ``n`` ranks a ring
 all-reduce of ``B`` bytes sends ``2 (n-1)/n B`` per rank in ``2 (n-1)`` steps; reduce-scatter and all-gather
-``(n-1)/n B`` in ``n-1`` steps (`ring_time`). The link is the slowest hop of the group (`Cluster.link`).
+``(n-1)/n B`` in ``n-1`` steps (`ring_time`). The link is the slowest hop of the group (`Cluster.link`); a DP/FSDP
+ring over whole nodes sees the node's NICs together (`Cluster.ring_link`: ``k x`` one NIC's bandwidth with ``k`` of
+the group's ranks per node, at most NVLink's; one NIC when the group has one rank per node).
 
 Per micro-batch of ``b`` sequences (``T = b s`` tokens) and per block on one device:
 
 * compute: forward ``2 W / tp`` FLOPs per token for the block's ``W`` matrix weights plus ``4 h s / tp`` for
   attention (the `ModelSpec.flops_per_token` count), backward twice that, a checkpointed block's forward
-  again (so x4/3); at the cluster's achievable matmul FLOP/s, plus ``layer_overhead`` per pass, plus
+  again (so x4/3), under selective recompute (``recompute="attention"``) the attention core's ``4 h s / tp`` once
+  more; at the cluster's achievable matmul FLOP/s, the weight GEMMs slower by their shapes (`matmul_time_factor`:
+  ``E K / (K + K0)`` for a reduction ``K`` per device), plus ``layer_overhead`` per pass, plus
   element-wise work: the block's activations written in forward, read and written in backward
   (3 x activation bytes / memory bandwidth);
 * TP: two all-reduces of ``T h e`` bytes in forward and two in backward (Shoeybi et al. 2019; with sequence
   parallelism an all-gather + reduce-scatter pair each, the same volume; Korthikanti et al. 2022), two more
-  when the block is recomputed; not overlapped with compute (as in this codebase's TP layers);
+  when the block is recomputed (none for selective recompute: the attention core has no TP collective); not
+  overlapped with compute in this codebase's TP layers; for a runtime that overlaps them with the GEMMs
+  (`Cluster.tp_comm_overlap`, Megatron-Core) only the latency and what exceeds the block's GEMM time show;
 * PP: each stage boundary sends the activations forward and their gradients back (``T h e`` bytes, point to
   point), on the critical path.
 
@@ -28,11 +34,21 @@ figure; a conservative bound for ZB-V).
 
 DP (this codebase's buckets, `lightning_hybrid.zero`): stage 0 all-reduces the gradients, stages 1-2
 reduce-scatter them and all-gather the updated parameters, stage 3 all-gathers the parameters in forward and
-backward and reduce-scatters the gradients (ZeRO: 2 Psi vs 3 Psi of traffic). Gradient reduction overlaps the
-last backward when there is no pipeline (buckets launch during backward; under PP they are reduced after the
-schedule); the parameter all-gather of stages 1-2 follows the step; stage 3's gathers are prefetched under
-compute, so only what exceeds it shows. The optimizer step reads and writes its states once (memory bound),
-or takes the measured time per parameter (CPU).
+backward and reduce-scatters the gradients (ZeRO: 2 Psi vs 3 Psi of traffic). Each overlap is modelled once, only
+where the schedule allows it, as ``max(0, communication - its compute window)``, plus what cannot overlap:
+
+* stages 0-2: gradients are reduced once per optimizer step, the buckets launching during the backward that ends
+  the accumulation window: ``max(R/u, R - B)`` (``R`` the reduction, ``u`` buckets, ``B`` the last micro-batch's
+  backward with its recomputation: the last bucket is reduced after it); under PP this codebase reduces after the
+  schedule (``R``), a runtime reducing during the stage's last backward (`Cluster.grad_reduce_overlap_pp`,
+  Megatron-Core) as without PP; stages 1-2's all-gather of the updated parameters follows the step (exposed);
+* stage 3 (FSDP2, ``u`` units, ``G`` one pass of gathers): per micro-batch ``G/u + max(0, G - F)`` in forward (each
+  unit prefetched under the previous one's forward ``F``, the first exposed), ``max(0, G - B)`` in backward, and in
+  the window's last micro-batch ``max(0, G + R - B) + R/u`` (the reduce-scatters in the same window as the
+  gathers; the last unit's after it). Under PP a stage is gathered once and reduced after the schedule.
+
+Every term keeps its collectives' latency, so no layout's DP communication is 0 at scale. The optimizer step reads
+and writes its states once (memory bound), or takes the measured time per parameter (CPU).
 
 Mixture of experts (`ModelSpec.experts`; `lightning_hybrid.expert_parallel`), per MoE block and micro-batch:
 
@@ -86,6 +102,7 @@ the training loop) runs ``ranks / cores`` times slower.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -94,11 +111,13 @@ from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB
 
 from .cluster import Cluster, Link
 from .layout import Layout
-from .memory import (PLAIN_KV_COPIES, PRECISIONS, block_activations, context_transient_bytes, gathered_kv_bytes,
-                     moe_block_count, rank_block_counts, rank_expert_params, rank_layers, rank_params, routed_tokens)
+from .memory import (PLAIN_KV_COPIES, PRECISIONS, ActivationCoefficients, block_activation_bytes, block_activations,
+                     block_coefficients, context_transient_bytes, gathered_kv_bytes, moe_block_count,
+                     rank_block_counts, rank_expert_params, rank_layers, rank_params, routed_tokens)
 from .model import ModelSpec
 
 __all__ = ["TimeEstimate", "all_to_all_bytes", "all_to_all_time", "bubble_fraction", "estimate_time",
+           "matmul_time_factor",
            "kv_exchange_bytes", "kv_exchange_time", "kv_exchanges", "mask_gather_time", "ring_time", "ring_volume"]
 
 
@@ -197,6 +216,8 @@ def kv_exchange_time(model: ModelSpec, layout: Layout, cluster: Cluster) -> floa
     if cp == 1:
         return 0.0
     kv = gathered_kv_bytes(model, layout.micro_batch, PRECISIONS[cluster.precision][3], layout.tp, cp)
+    if cluster.cp_gathers_kv_heads:  # the runtime gathers grouped-query attention's own K/V heads, not their repeats
+        kv *= model.kv_heads / model.heads
     link = cluster.link(cp, layout.tp)
     gathers = kv_exchanges(layout) - 1
     backward_op = "all_reduce" if cluster.compute_units else "reduce_scatter"  # gloo: no reduce-scatter of its own
@@ -258,6 +279,26 @@ def all_to_all_bytes(model: ModelSpec, layout: Layout, tokens_per_rank: float | 
     return exchanges * moe_layers * _exchange_bytes(model, layout, tokens, element)
 
 
+def matmul_time_factor(model: ModelSpec, tp: int = 1, k0: float = 0.0) -> float:
+    """How much longer a block's weight GEMMs take than at the cluster's ``matmul_efficiency``, by their shapes.
+
+    A GEMM ``(M x K) @ (K x N)`` runs at ``E K / (K + K0)`` of the peak: each output tile pays, besides its
+    ``K``-deep reduction at ``E`` of the peak, a fixed cost (loading its first operands, the epilogue writing it,
+    the last wave's tail) worth a reduction ``K0`` deep -- so GEMMs with a short reduction are slow whatever ``M``
+    and ``N``. Per device under TP the reduction is ``h`` for the column-parallel matrices (q/k/v, the MLP's up and
+    gate) and ``a d / tp`` and ``F / tp`` for the row-parallel ones (o, down). The factor is the weights' mean of
+    ``1 + K0 / K`` (1 for ``k0 = 0``: one efficiency for every shape, as on the CPU cluster). `estimate_time` applies
+    it to the blocks' weight GEMMs (a MoE block's experts too) and ``1 + K0/h`` to the LM head; attention's core
+    (flash / SDPA kernels, whose reduction is the head or the sequence) stays at ``E``."""
+    if k0 <= 0:
+        return 1.0
+    h, F, o = model.hidden, model.ffn, model.heads * model.head_dim * model.hidden
+    parts = [(model.attention_weights() - o, h), (o, model.heads * model.head_dim / tp),
+             (model.mlp_weights(F) - h * F, h), (h * F, F / tp)]
+    weights = sum(w for w, _ in parts)
+    return sum(w * (1 + k0 / k) for w, k in parts) / weights if weights else 1.0
+
+
 def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> float:
     """Idle time over ideal time: ``(pp-1)/m`` (GPipe, 1F1B), ``(pp-1)/(v m)`` (interleaved),
     ``(pp-1)/(3 m)`` (zero-bubble)."""
@@ -300,26 +341,42 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     flops = cluster.achievable_flops(prec)
     s, h, t, b, ep, cp = model.seq_len, model.hidden, lay.tp, lay.micro_batch, lay.ep, lay.cp
     tokens = b * s // cp  # the rank's tokens of a micro-batch (all of them without context parallelism)
-    recompute = lay.activation_checkpointing
+    mode = lay.recompute_mode
+    recompute = mode == "full"  # the whole layer recomputed (activation checkpointing)
     passes = 4 if recompute else 3  # forward, backward = 2 forwards, recomputed forward
     dense_act, moe_act = block_activations(model, lay, prec)
-    # Under CP without activation checkpointing the attention core's forward runs once more (the checkpointed gather
-    # and attention, recomputed in backward: its 4 h s FLOPs per local token again; with it the recomputed layer's
-    # forward, counted in the passes, includes it), and the element-wise traffic includes the gathered K/V and their
-    # reordered copy (documents: SDPA's float mask; KORTHIKANTI: its own scores), which the block does not keep.
-    core_recompute = tokens * 4 * h * s / t if cp > 1 and not recompute else 0.0
+    # The attention core's forward runs once more (its 4 h s FLOPs per local token again) under selective recompute,
+    # and under CP without activation checkpointing (the checkpointed gather and attention, recomputed in backward);
+    # with full recomputation the recomputed layer's forward, counted in the passes, includes it. Under CP the
+    # element-wise traffic includes the gathered K/V and their reordered copy (documents: SDPA's float mask;
+    # KORTHIKANTI: its own scores), which the block does not keep.
+    core_recompute = tokens * 4 * h * s / t if mode == "attention" or (cp > 1 and mode == "none") else 0.0
     cp_traffic = context_attention_traffic(model, b, prec, t, cp, documents)
 
-    block_flops = passes * tokens * (2 * model.block_matmul_weights() + 4 * h * s) / t
-    if cp > 1:
-        block_flops += core_recompute
+    block_flops = passes * tokens * (2 * model.block_matmul_weights() + 4 * h * s) / t + core_recompute
+    shape = matmul_time_factor(model, t, cluster.matmul_k0)  # the weight GEMMs' time at their shapes
+    block_matmul = (block_flops + (shape - 1) * passes * tokens * 2 * model.block_matmul_weights() / t) / flops
     bandwidth = cluster.memory_bandwidth
-    block_compute = block_flops / flops + passes * cluster.layer_overhead + 3 * (dense_act + cp_traffic) / bandwidth
+    if mode == "attention":
+        # Element-wise traffic is the work's, not what is kept: the block's whole activations (the attention core's
+        # too, though not kept), and the recomputed core's (Korthikanti's scores, softmax and dropout) once more.
+        whole, whole_moe = block_activations(model, dataclasses.replace(lay, recompute="full"), prec)
+        core = block_activation_bytes(ActivationCoefficients(0.0, 0.0, block_coefficients(model, prec).scores), s,
+                                      b, h, model.heads, t, cp=cp)
+        dense_act, moe_act = whole + core / 3, whole_moe + core / 3
+    block_compute = block_matmul + passes * cluster.layer_overhead + 3 * (dense_act + cp_traffic) / bandwidth
     tp_link = cluster.link(t, 1)
-    block_tp = (6 if recompute else 4) * ring_time(t, tokens * h * e, tp_link)
+    tp_count = 6 if recompute else 4  # all-reduces (or AG + RS pairs) per block: forward, backward, recomputation
+    block_tp = tp_count * ring_time(t, tokens * h * e, tp_link)
+    if cluster.tp_comm_overlap and t > 1 and not cluster.compute_units:
+        # The runtime pipelines TP's collectives with the block's GEMMs (Megatron-Core's --tp-comm-overlap): what
+        # exceeds the block's matmul time shows, and each collective's latency (its first chunk) always does.
+        latency = tp_count * 2 * (t - 1) * tp_link.latency
+        block_tp = latency + max(0.0, block_tp - latency - block_matmul)
     block_cp = kv_exchange_time(model, lay, cluster)  # per block, dense or MoE
     mask_cp = mask_gather_time(model, lay, cluster)  # per micro-batch: the positions, for its mask
-    head_compute = 6 * tokens * h * model.vocab / t / flops + 3 * cluster.layer_overhead
+    head_compute = (6 * tokens * h * model.vocab / t / flops * (1 + cluster.matmul_k0 / h)
+                    + 3 * cluster.layer_overhead)
     if lay.loss_parallel:  # vocab-parallel cross entropy: all-reduces of a max, a sum and the target logit
         head_tp = 3 * ring_time(t, tokens * 4, tp_link)
     else:  # the logits gathered
@@ -332,10 +389,9 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
         routed = routed_tokens(tokens, t, lay.sequence_parallel)
         split = model.attention_weights() + model.mlp_weights(model.shared_ffn)
         expert = model.experts * h + model.top_k * model.mlp_weights(model.expert_ffn)
-        moe_flops = passes * (tokens * (2 * split + 4 * h * s) / t + routed * 2 * expert)
-        if cp > 1:
-            moe_flops += core_recompute
-        moe_compute = moe_flops / flops + passes * cluster.layer_overhead + 3 * (moe_act + cp_traffic) / bandwidth
+        moe_flops = passes * (tokens * (2 * split + 4 * h * s) / t + routed * 2 * expert) + core_recompute
+        moe_compute = (moe_flops * shape / flops + passes * cluster.layer_overhead
+                       + 3 * (moe_act + cp_traffic) / bandwidth)
         moe_tp = moe_units / 2 * block_tp
         ep_link = cluster.link(ep, t)
         exchanges = 6 if recompute else 4
@@ -377,8 +433,8 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
             return 0
         return units if lay.zero_stage == 3 else max(1, math.ceil(params * gb / (bucket_cap_mb * 2**20)))
 
-    groups = [(n, P - P_x, cluster.link(n, t), messages(P - P_x, dense_units + moe_units_dp + 1)),
-              (edp, P_x, cluster.link(edp, ep * t), messages(P_x, moe_units_dp))]
+    groups = [(n, P - P_x, cluster.ring_link(n, t), messages(P - P_x, dense_units + moe_units_dp + 1)),
+              (edp, P_x, cluster.ring_link(edp, ep * t), messages(P_x, moe_units_dp))]
     groups = [g for g in groups if g[0] > 1 and g[3] > 0]
     if lay.zero_stage == 0:
         reduce = sum(ring_time(size, p * gb, link, messages=k) for size, p, link, k in groups)
@@ -386,15 +442,32 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     else:
         reduce = sum(ring_time(size, p * gb, link, "reduce_scatter", k) for size, p, link, k in groups)
         gather = sum(ring_time(size, p * pb, link, "all_gather", k) for size, p, link, k in groups)
-    # On a CPU the transfers are the cores' own work: nothing overlaps computation.
-    overlap = 0.0 if lay.pp > 1 or cluster.compute_units else compute_mb * 2 / passes  # the last backward
-    if lay.zero_stage == 3 and lay.pp > 1:  # a stage gathered once, reduced after the schedule
+    units = max(1, max((k for *_, k in groups), default=1))  # buckets (stages 0-2) or FSDP2 units (stage 3)
+    # Each overlap once, only where the schedule allows it; what a compute window cannot hide shows, and so does
+    # the one message that cannot start before the window ends (or must end before it starts): never 0 at scale.
+    # F, B: a micro-batch's forward and backward (with the recomputation) on the fullest pipeline rank.
+    forward = compute_mb / passes
+    backward = compute_mb - forward
+    if cluster.compute_units:  # on a CPU the transfers are the cores' own work: nothing overlaps computation
+        dp_comm = reduce + (gather if lay.zero_stage != 3 else (1 if lay.pp > 1 else 2 * m) * gather)
+    elif lay.zero_stage == 3 and lay.pp > 1:  # a stage gathered once, reduced after the schedule
         dp_comm = reduce + gather
-    elif lay.zero_stage == 3:  # gathered per block in forward and backward, prefetched under compute
-        hidden = 0.0 if cluster.compute_units else compute_mb
-        dp_comm = max(0.0, reduce - overlap) + max(0.0, m * (2 * gather - hidden))
+    elif lay.zero_stage == 3:
+        # FSDP2, per micro-batch: forward gathers unit by unit, each prefetched under the previous unit's forward
+        # (the first shows: G/u); backward gathers again under the previous unit's backward, and in the window's
+        # last micro-batch (gradients are reduced once per step) the reduce-scatters run in the same window, the
+        # last unit's after it (R/u).
+        dp_comm = (m * (gather / units + max(0.0, gather - forward)) + (m - 1) * max(0.0, gather - backward)
+                   + max(0.0, gather + reduce - backward) + reduce / units)
     else:
-        dp_comm = max(0.0, reduce - overlap) + gather
+        # Buckets launch during the backward that ends the accumulation window (nothing is reduced before it): the
+        # last micro-batch's backward hides them, the last bucket's shows; under PP (this codebase reduces after
+        # the schedule) only a runtime that reduces during the stage's last backward overlaps them. Stages 1-2
+        # all-gather the updated parameters after the optimizer step.
+        if lay.pp == 1 or cluster.grad_reduce_overlap_pp:
+            dp_comm = max(reduce / units, reduce - backward) + gather
+        else:
+            dp_comm = reduce + gather
     per_param = cluster.optimizer_time_per_param or 2 * (pb + gb + ob) / cluster.memory_bandwidth
     # ZeRO 1-3 step a 1/dp slice (the experts' 1/(dp/ep)); dp cp under CP
     optimizer = (per_param * (P - P_x) / (n if lay.zero_stage else 1)
