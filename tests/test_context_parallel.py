@@ -96,7 +96,7 @@ def test_context_parallel_layouts_match_one_device_on_4_ranks():
         "cp2xtp2-sp-gpt": (dict(dp=1, cp=2, tp=2, sequence_parallel=True), gpt(), {}),
         "cp2xpp2-recompute-packed-gpt": (dict(dp=1, cp=2, pp=2, micro_batches=2, recompute="attention"), gpt(),
                                          {"data": "packed"}),
-        "dp2xcp2-zero1-packed-llama": (dict(dp=2, cp=2, zero_stage=1), partial(_hf, "llama"), {"data": "packed"},
+        "dp2xcp2-zero3-packed-llama": (dict(dp=2, cp=2, zero_stage=3), partial(_hf, "llama"), {"data": "packed"},
                                        HF_TOLERANCES),
         "cp2xtp2-sp-padded-qwen2": (dict(dp=1, cp=2, tp=2, sequence_parallel=True), partial(_hf, "qwen2"),
                                     {"data": "padded"}, HF_TOLERANCES),
