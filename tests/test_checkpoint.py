@@ -50,6 +50,35 @@ def _fit(
     return {"losses": recorder.losses, "val_loss": None if val is None else val.item(), **_rank_state(trainer, module)}
 
 
+def fit_and_resume(
+    ckpt: str, saved: dict, others: dict[str, dict], make_module, world: int = 4, steps: int = 8,
+) -> dict:
+    """On each rank: ``steps`` steps under the ``saved`` layout straight through (``"full"``), the first half saved to
+    ``ckpt``, then resumed from it to ``steps`` under ``saved`` (``"same"``) and under each layout of ``others``."""
+    full = _fit(world, saved, steps, make_module=make_module)
+    _fit(world, saved, steps // 2, ckpt_out=ckpt, make_module=make_module)
+    layouts = {"same": saved, **others}
+    return {"full": full, **{name: _fit(world, layout, steps, ckpt_in=ckpt, make_module=make_module)
+                             for name, layout in layouts.items()}}
+
+
+def assert_resumed_exactly(by_rank: list[dict], others, steps: int = 8) -> None:
+    """What `fit_and_resume` gave every rank: resumed under the saved layout, bit for bit the uninterrupted run's
+    losses, parameters, gradients and optimizer state; under each of ``others``, its losses within 1e-6 and its
+    whole model within 1e-5."""
+    half = steps // 2
+    for rank, runs in enumerate(by_rank):
+        full = runs["full"]
+        assert runs["same"]["losses"] == full["losses"][half:], rank
+        for what in ("params", "grads", "optimizer"):
+            for key, value in full[what].items():
+                assert torch.equal(runs["same"][what][key], value), (rank, what, key)
+        for name in others:
+            torch.testing.assert_close(torch.tensor(runs[name]["losses"]), torch.tensor(full["losses"][half:]),
+                                       rtol=1e-6, atol=0, msg=f"{name} rank {rank}")
+            torch.testing.assert_close(runs[name]["whole"], full["whole"], rtol=0, atol=1e-5, msg=f"{name} rank {rank}")
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return (t._local_tensor if hasattr(t, "_local_tensor") else t).detach().clone()
 

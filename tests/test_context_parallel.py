@@ -109,34 +109,23 @@ def test_context_parallel_layouts_match_one_device_on_4_ranks():
     }, steps=4, tolerances=(RTOL, 5e-6))
 
 
-def _checkpoints(ckpt: str) -> dict:
-    from tests.test_checkpoint import _fit
+_CP_LAYOUTS = {"cp1-dp4-zero3": dict(dp=4, zero_stage=3), "cp4-dp1": dict(dp=1, cp=4)}
 
-    saved = dict(dp=2, cp=2, zero_stage=1)
-    make = gpt()
-    full = _fit(4, saved, 8, make_module=make)
-    _fit(4, saved, 4, ckpt_out=ckpt, make_module=make)
-    layouts = {"same": saved, "cp1-dp4-zero3": dict(dp=4, zero_stage=3), "cp4-dp1": dict(dp=1, cp=4)}
-    return {"full": full, **{name: _fit(4, layout, 8, ckpt_in=ckpt, make_module=make)
-                             for name, layout in layouts.items()}}
+
+def _checkpoints(ckpt: str) -> dict:
+    from tests.test_checkpoint import fit_and_resume
+
+    return fit_and_resume(ckpt, dict(dp=2, cp=2, zero_stage=1), _CP_LAYOUTS, gpt())
 
 
 def test_checkpoints_resume_exactly_under_another_cp_on_4_ranks(tmp_path):
     from lightning_hybrid.checkpoint import read_meta
+    from tests.test_checkpoint import assert_resumed_exactly
 
     ckpt = str(tmp_path / "step4.ckpt")
     by_rank = run_distributed(_checkpoints, 4, ckpt)
     assert read_meta(ckpt)["lightning_hybrid"]["layout"] == {"dp": 2, "tp": 1, "pp": 1, "zero_stage": 1, "cp": 2}
-    for rank, runs in enumerate(by_rank):
-        full = runs["full"]
-        assert runs["same"]["losses"] == full["losses"][4:], rank
-        for what in ("params", "grads", "optimizer"):
-            for key, value in full[what].items():
-                assert torch.equal(runs["same"][what][key], value), (rank, what, key)
-        for name in ("cp1-dp4-zero3", "cp4-dp1"):
-            torch.testing.assert_close(torch.tensor(runs[name]["losses"]), torch.tensor(full["losses"][4:]),
-                                       rtol=1e-6, atol=0, msg=f"{name} rank {rank}")
-            torch.testing.assert_close(runs[name]["whole"], full["whole"], rtol=0, atol=1e-5, msg=f"{name} rank {rank}")
+    assert_resumed_exactly(by_rank, _CP_LAYOUTS)
 
 
 # ---------------------------------------------------------------------------------------------- refusals

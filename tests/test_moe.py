@@ -189,37 +189,25 @@ def test_load_balancing_loss_and_expert_parallel_layouts_match_one_device_on_4_r
             assert per_run[name]["expert_params"] * ep == whole, (name, per_run[name]["expert_params"], whole)
 
 
-def _checkpoints(ckpt: str) -> dict:
-    from tests.test_checkpoint import _fit
+_EP_LAYOUTS = {"ep4-zero3": dict(dp=4, ep=4, zero_stage=3), "ep1-dp2xtp2": dict(dp=2, tp=2)}
 
-    make = partial(_lm, "mixtral")
-    saved = dict(dp=4, ep=2, zero_stage=1)
-    full = _fit(4, saved, 8, make_module=make)
-    _fit(4, saved, 4, ckpt_out=ckpt, make_module=make)
-    layouts = {"same": saved, "ep4-zero3": dict(dp=4, ep=4, zero_stage=3), "ep1-dp2xtp2": dict(dp=2, tp=2)}
-    return {"full": full, **{name: _fit(4, layout, 8, ckpt_in=ckpt, make_module=make)
-                             for name, layout in layouts.items()}}
+
+def _checkpoints(ckpt: str) -> dict:
+    from tests.test_checkpoint import fit_and_resume
+
+    return fit_and_resume(ckpt, dict(dp=4, ep=2, zero_stage=1), _EP_LAYOUTS, partial(_lm, "mixtral"))
 
 
 def test_expert_parallel_checkpoints_resume_exactly_under_other_ep_on_4_ranks(tmp_path):
+    from lightning_hybrid.checkpoint import consolidated_state_dict, read_meta
+    from tests.test_checkpoint import assert_resumed_exactly
+
     ckpt = str(tmp_path / "step4.ckpt")
     by_rank = run_distributed(_checkpoints, 4, ckpt)
-    from lightning_hybrid.checkpoint import consolidated_state_dict, read_meta
-
     assert read_meta(ckpt)["lightning_hybrid"]["layout"]["ep"] == 2
     whole = consolidated_state_dict(ckpt)  # the experts saved whole: (num_experts, ...)
     assert whole["model.model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
-    for rank, runs in enumerate(by_rank):
-        full = runs["full"]
-        assert runs["same"]["losses"] == full["losses"][4:], rank
-        for what in ("params", "grads", "optimizer"):
-            for key, value in full[what].items():
-                assert torch.equal(runs["same"][what][key], value), (rank, what, key)
-        for name in ("ep4-zero3", "ep1-dp2xtp2"):
-            torch.testing.assert_close(torch.tensor(runs[name]["losses"]), torch.tensor(full["losses"][4:]),
-                                       rtol=1e-6, atol=0, msg=f"{name} rank {rank}")
-            torch.testing.assert_close(runs[name]["whole"], full["whole"], rtol=0, atol=1e-5, msg=f"{name} rank {rank}")
-
+    assert_resumed_exactly(by_rank, _EP_LAYOUTS)
 
 
 class _ReadsRecorded(CausalLM):
