@@ -114,7 +114,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, d
     experts = expert_parameter_names(module)
     tp_sharded = frozenset(tp_sharded_parameter_names(module)) - experts
     remote = tuple(layout.remote_prefixes) if layout is not None else ()
-    context = split_context(module, mesh, options, _held_here(checkpoint_targets(module, True, pp > 1), remote))
+    context = split_context(module, mesh, options, remote) if options.cp > 1 else None
     apply_activation_checkpointing(module, _held_here(checkpointed, remote), options.recompute)
     if options.compile is not None:
         apply_compile(module, _held_here(checkpoint_targets(module, True, pp > 1), remote), dict(options.compile))
@@ -257,12 +257,15 @@ def apply_zero3(
 
 
 def split_context(
-    module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, layers: list[str],
-) -> Optional[ContextParallel]:
-    """Context parallelism (``cp > 1``): each named layer (those activation checkpointing takes, wrapped first so
-    that recomputation runs through it too) attends over the CP group. Collective (it creates the CP groups)."""
-    if options.cp == 1:
-        return None
+    module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, remote: tuple[str, ...],
+) -> ContextParallel:
+    """Context parallelism (``cp > 1``): each of this rank's layers (those activation checkpointing takes, wrapped
+    first so that recomputation runs through it too) attends over the CP group. Collective (it creates the CP
+    groups)."""
+    try:
+        layers = _held_here(checkpoint_targets(module, True, mesh["pp"].size() > 1), remote)
+    except ValueError as e:  # no layer found: the message says where the layers must be
+        raise ValueError(f"cp={options.cp}: context parallelism wraps the layers. {e}") from e
     # A layer checkpointed as a whole (or selectively) recomputes its attention already.
     context = ContextParallel(build_context_mesh(mesh, options.cp)["cp"].get_group(),
                               not options.activation_checkpointing)

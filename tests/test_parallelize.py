@@ -73,6 +73,29 @@ def _step(options: ParallelOptions, on_meta: bool) -> dict:
             "tp_sharded": len(result.tp_sharded), "fsdp_roots": len(result.fsdp_roots)}
 
 
+class _LayersHeldDirectly(torch.nn.Module):
+    """A module as a user writes one: its layers held as attributes, no ``nn.ModuleList``, no ``pipeline_layers``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.block = torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 32))
+        self.head = torch.nn.Linear(32, 64)
+
+
+def _layers_held_directly() -> str:
+    """Such a module parallelises under DP with ZeRO-3 (nothing asks for its layers); under cp > 1, which wraps the
+    layers, it is refused with the reason."""
+    parallelize(_LayersHeldDirectly(), ParallelDims.resolve(4, 1, 1, 4).build_mesh("cpu"),
+                ParallelOptions.create(dp=4, zero_stage=3), torch.device("cpu"))
+    try:
+        parallelize(_LayersHeldDirectly(), ParallelDims.resolve(2, 1, 1, 4, cp=2).build_mesh("cpu"),
+                    ParallelOptions.create(dp=2, cp=2), torch.device("cpu"))
+    except ValueError as e:
+        return str(e)
+    return "not refused"
+
+
 def _layouts() -> dict[str, dict]:
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -81,12 +104,15 @@ def _layouts() -> dict[str, dict]:
         "pp2 tp2 built per rank": (ParallelOptions.create(tp=2, pp=2, micro_batches=2), True),
         "pp2 dp2 zero3 1f1b": (ParallelOptions.create(dp=2, pp=2, zero_stage=3, micro_batches=2), True),
     }
-    return {name: _step(options, on_meta) for name, (options, on_meta) in cases.items()}
+    results = {name: _step(options, on_meta) for name, (options, on_meta) in cases.items()}
+    return {**results, "layers held directly": _layers_held_directly()}
 
 
 def test_parallelize_and_gradient_sync_reproduce_one_device_without_a_trainer():
     reference = _reference()
     for rank, results in enumerate(run_distributed(_layouts, 4)):
+        refused = results.pop("layers held directly")
+        assert refused.startswith("cp=2: context parallelism wraps the layers.") and "nn.ModuleList" in refused, refused
         for name, got in results.items():
             where = f"{name}, rank {rank}"
             assert abs(got["loss"] - reference["loss"]) <= 1e-6 * abs(reference["loss"]), where
