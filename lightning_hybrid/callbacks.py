@@ -100,7 +100,7 @@ class ReplicaThroughputMonitor(ThroughputMonitor):
         sampler = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
         replicas = int(sampler.get("num_replicas", trainer.world_size))
         ranks_per_replica = trainer.world_size // replicas
-        cp = int(getattr(getattr(trainer.strategy, "_dims", None), "cp", 1) or 1)
+        cp = int(getattr(trainer.strategy, "context_parallel_size", 1))
         if cp > 1:  # each rank holds 1/cp of every sequence: a replica's batch has cp times its tokens
             self.length_fn = lambda batch: batch_tokens(batch) * cp
         for throughput in self._throughputs.values():  # built by Lightning with world_size = all ranks

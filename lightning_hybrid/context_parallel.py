@@ -161,7 +161,7 @@ class ContextParallel:
         # rank's two chunks attends every key up to its own last token -- causal aligned to the lower right, which
         # SDPA's kernels take without a mask tensor.
         length = keys.size(-2)
-        order = torch.cat([zigzag_indices(length, self.size, r, keys.device) for r in range(self.size)])
+        order = self._gathered_order(length, keys.device)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(length, device=order.device)
         keys, values = keys.index_select(-2, inverse), values.index_select(-2, inverse)
@@ -207,7 +207,7 @@ class ContextParallel:
             pieces = [torch.empty_like(positions) for _ in range(self.size)]
             dist.all_gather(pieces, positions.contiguous(), group=self.group)
             gathered = torch.cat(pieces, dim=-1)  # (B, T): rank 0's tokens, rank 1's, ...
-            order = torch.cat([zigzag_indices(length, self.size, r, device) for r in range(self.size)])
+            order = self._gathered_order(length, device)
             whole = torch.empty_like(gathered)
             whole[:, order] = gathered  # the positions in the sequence's order
             if bool((whole == torch.arange(length, device=device)).all()):
@@ -217,6 +217,10 @@ class ContextParallel:
             causal = order.unsqueeze(0) <= mine.unsqueeze(1)  # (T / cp, T)
             same = docs[:, self.rank * local:(self.rank + 1) * local].unsqueeze(-1) == docs.unsqueeze(-2)
             return (same & causal).unsqueeze(1)
+
+    def _gathered_order(self, length: int, device: torch.device) -> Tensor:
+        """The place in the sequence of each token of the gathered keys (rank 0's tokens, rank 1's, ...)."""
+        return torch.cat([zigzag_indices(length, self.size, r, device) for r in range(self.size)])
 
     def _check_mask(self, attn_mask: Optional[Tensor], is_causal: bool, query: Tensor) -> None:
         """Refuse, when first seen, an attention whose own mask is not the causal document mask this replaces."""

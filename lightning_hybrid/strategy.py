@@ -150,6 +150,12 @@ class HybridStrategy(MeshStrategy):
         return self.options.ep
 
     @property
+    def context_parallel_size(self) -> int:
+        """``cp``: each rank's batch holds ``1 / cp`` of every sequence (FLOPs and token counts of a batch are the
+        whole sequences')."""
+        return self.options.cp
+
+    @property
     def tensor_parallel_report(self) -> Optional[TPResult]:
         """What TP split and how (after setup; ``None`` under ``tp=1``)."""
         return self._parallelized.tp_report if self._parallelized is not None else None

@@ -139,8 +139,7 @@ class LanguageModel(L.LightningModule):
             self.flops_per_batch = per_token * x.numel() * cp
 
     def _context_parallel_size(self) -> int:
-        dims = getattr(getattr(self._trainer, "strategy", None), "_dims", None)
-        return int(getattr(dims, "cp", 1) or 1)
+        return int(getattr(getattr(self._trainer, "strategy", None), "context_parallel_size", 1))
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         tokens = TokenBatch.from_batch(batch)
