@@ -101,6 +101,15 @@ class TokenBatch:
             positions = None  # one document per row from position 0, padding after it: plain causal attention
         return cls(ids, labels, positions, real)
 
+    def __iter__(self):
+        # Context parallelism hands modules their share of a batch as a TokenBatch: unpacking it as an (x, y) pair
+        # would lose the positions of the rank's tokens, which are not 0..T-1.
+        raise TypeError(
+            "this batch is a lightning_hybrid.batch.TokenBatch (context parallelism's share of a batch: its tokens"
+            " are not contiguous), not an (x, y) pair: read it with TokenBatch.from_batch(batch) and give the model"
+            " its position_ids (tokens.model_inputs()), as lightning_hybrid's LanguageModel does."
+        )
+
     def model_inputs(self) -> dict[str, Tensor]:
         """The keyword inputs of the model besides the token ids: ``{"position_ids": ...}`` for a padded or packed
         batch, nothing otherwise."""
