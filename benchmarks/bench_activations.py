@@ -305,9 +305,10 @@ _REGION: list = [None]  # where in the CP attention the ops run: "mask", "attent
 
 
 def _mark_regions() -> None:
-    """Name the ops of the CP attention for the tracker: `ContextParallel._make_mask` ("mask"), and its
-    `_attend` (the all-gather of keys and values and SDPA, forward and recomputation) and the gather's backward
-    ("attention"). Wrappers in this process only; the computation is unchanged."""
+    """Name the ops of the CP attention for the tracker: `ContextParallel._find_documents` ("mask": the
+    batch's documents, found once per batch), and its `_attend` (the all-gather of keys and values, each call's
+    mask and SDPA, forward and recomputation) and the gather's backward ("attention"). Wrappers in this process
+    only; the computation is unchanged."""
     from lightning_hybrid import context_parallel as cpm
 
     if getattr(cpm, "_bench_regions", False):
@@ -323,33 +324,51 @@ def _mark_regions() -> None:
                 _REGION[0] = saved
         return wrapped
 
-    cpm.ContextParallel._make_mask = region("mask", cpm.ContextParallel._make_mask)
+    cpm.ContextParallel._find_documents = region("mask", cpm.ContextParallel._find_documents)
     cpm.ContextParallel._attend = region("attention", cpm.ContextParallel._attend)
-    cpm._GatherSequence.backward = staticmethod(region("attention", cpm._GatherSequence.backward))
+    cpm._GatherPrefixes.backward = staticmethod(region("attention", cpm._GatherPrefixes.backward))
 
 
 def _part(meta: tuple, seq: int, local: int, cp: int) -> str:
     """Which part of the activations a tensor alive at the peak is (``meta``: its shape, dtype, the op that made
-    it and `_REGION`). Under ``cp > 1``: what `ContextParallel._make_mask` made is the bool mask ``(B, 1, T / cp,
-    T)``; inside the attention, a ``(T / cp, T)`` float tensor is SDPA's fp32 copy of the mask (``where`` inside
-    ``scaled_dot_product_attention``), and a ``(..., T, D)`` tensor or an all-gather's piece (``empty_like``) the
-    whole sequence's keys and values; a ``(..., T, D)`` tensor outside it, their gradients (backward). The rest
-    is per token (the rank's ``T / cp`` rows: layers' saved tensors, the attention's output, logits, loss)."""
+    it and `_REGION`). Under ``cp > 1``, inside the attention (`_attend`, the gather's backward): a bool tensor is
+    one SDPA call's mask (a chunk's queries against the keys up to its last token: documents), a float one made
+    by ``where`` inside ``scaled_dot_product_attention`` SDPA's copy of a mask (on CPU also of the lower-right
+    causal block of a plain batch), an all-gather's piece (``empty_like``), a tensor with more tokens than the
+    rank holds or the gradients' buffer (``new_zeros``, one part per rank) the whole sequence's keys and values;
+    outside it, a tensor with more tokens than the rank holds is their gradients (SDPA's backward: a prefix of the
+    sequence). The rest is per token (the rank's ``T / cp`` rows: layers' saved tensors, the attention's output,
+    logits, loss; the batch's documents, ``(B, T)`` integers)."""
     if not meta or cp == 1:
         return "per-token"
     shape, dtype, op, where = meta
-    if where == "mask":
-        return "bool mask" if dtype == torch.bool else "per-token"
-    whole = len(shape) >= 3 and shape[-2] == seq
+    beyond = len(shape) >= 3 and shape[-2] > local  # more tokens than the rank's own
     if where == "attention":
         if dtype == torch.bool:
-            return "bool mask"  # made for one call (a causal block materialised for SDPA)
+            return "bool mask"
         if op.startswith("where"):
             return "float mask"
-        if whole or op.startswith("empty_like"):
+        if beyond or op.startswith(("empty_like", "new_zeros")):
             return "whole-sequence K/V"
         return "per-token"
-    return "whole-sequence K/V" if whole else "per-token"
+    return "whole-sequence K/V" if beyond else "per-token"
+
+
+def _packed(batch: tuple, fractions: tuple[float, ...] = (0.15, 0.45, 0.7)) -> dict:
+    """An ``(x, y)`` byte batch as packed documents: every row split where ``fractions`` of its length fall (four
+    documents of unequal lengths), positions restarting at 0 in each, the label of each document's last token
+    ignored (it would be the next document's first)."""
+    from lightning_hybrid.batch import IGNORE_INDEX
+
+    x, y = batch
+    length = x.size(1)
+    positions = torch.arange(length, device=x.device)
+    labels = y.clone()
+    for start in (int(f * length) for f in fractions):
+        positions = torch.where(torch.arange(length, device=x.device) >= start,
+                                torch.arange(length, device=x.device) - start, positions)
+        labels[:, start - 1] = IGNORE_INDEX
+    return {"input_ids": x, "labels": labels, "position_ids": positions.expand_as(x)}
 
 
 def _cp_worker(cfg: dict) -> list[dict]:
@@ -362,17 +381,22 @@ def _cp_worker(cfg: dict) -> list[dict]:
     from lightning_hybrid.data import ByteCorpusDataModule
     from lightning_hybrid.models import GPTConfig, GPTLightningModule
 
+    class PackedCorpus(ByteCorpusDataModule):
+        def on_before_batch_transfer(self, batch, dataloader_idx):
+            return _packed(batch)
+
     warnings.filterwarnings("ignore")
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_hybrid"):
         logging.getLogger(name).setLevel(logging.ERROR)
     _mark_regions()
     cp, out = cfg["cp"], []
-    for seq in cfg["seqs"]:
+    for kind, seq in [(kind, seq) for kind in cfg["data"] for seq in cfg["seqs"]]:
         L.seed_everything(0, verbose=False)
         config = GPTConfig(vocab_size=256, block_size=seq, n_layer=cfg["layers"], n_head=cfg["heads"],
                            n_embd=cfg["hidden"], dropout=0.0)
         module = GPTLightningModule(config=config, lr=1e-3)
-        data = ByteCorpusDataModule(block_size=seq, batch_size=cfg["batch"],
+        corpus = PackedCorpus if kind == "packed" else ByteCorpusDataModule
+        data = corpus(block_size=seq, batch_size=cfg["batch"],
                                     max_bytes=(25 + 2 * (cfg["steps"] + 2) * cfg["batch"]) * (seq + 1))  # 5% held out
         monitor = _ActivationMonitor(cfg["steps"])
         start = time.perf_counter()
@@ -391,25 +415,26 @@ def _cp_worker(cfg: dict) -> list[dict]:
                 shape, dtype, op, _ = meta
                 entry = tensors.setdefault((part, shape, str(dtype).replace("torch.", ""), op), [0, 0])
                 entry[0], entry[1] = entry[0] + 1, entry[1] + nbytes
-        out.append({"seq": seq, "peak": top["peak"], "step_peaks": [s["peak"] for s in measured],
+        out.append({"data": kind, "seq": seq, "peak": top["peak"], "step_peaks": [s["peak"] for s in measured],
                     "phase": top["phase"], "parts": parts, "tensors": tensors,
                     "state": {k: monitor.peak.after_step.get(k, 0) for k in STATE_KINDS},
                     "fit_s": time.perf_counter() - start})
     return out
 
 
-def _cp_peaks(args, layers: int, hidden: int, seqs: list[int], cps: list[int]) -> dict[tuple[int, int], dict]:
-    """``(cp, T) ->`` the result of the rank with the highest activation peak (``"ranks"``: every rank's peak)."""
+def _cp_peaks(args, layers: int, hidden: int, seqs: list[int], cps: list[int]) -> dict[tuple[int, str, int], dict]:
+    """``(cp, batches, T) ->`` the result of the rank with the highest activation peak (``"ranks"``: every rank's
+    peak)."""
     cfg = {"seqs": seqs, "layers": layers, "hidden": hidden, "heads": args.cp_heads, "batch": args.cp_batch,
-           "steps": args.cp_steps}
+           "steps": args.cp_steps, "data": args.cp_data}
     out = {}
     for cp in cps:
         start = time.perf_counter()
         ranks = run_distributed(_cp_worker, cp, {**cfg, "cp": cp})
         print(f"{layers}x{hidden}, cp={cp}: {time.perf_counter() - start:.0f} s", flush=True)
-        for i, seq in enumerate(seqs):
+        for i, first in enumerate(ranks[0]):
             top = max((rank[i] for rank in ranks), key=lambda r: r["peak"])
-            out[(cp, seq)] = {**top, "ranks": [rank[i]["peak"] for rank in ranks]}
+            out[(cp, first["data"], first["seq"])] = {**top, "ranks": [rank[i]["peak"] for rank in ranks]}
     return out
 
 
@@ -420,32 +445,37 @@ def run_cp(args) -> str:
     if args.cp_check:
         layers, hidden = (int(v) for v in args.cp_check.lower().split("x"))
         models.append((layers, hidden, [max(args.cp_seqs)], [args.cps[0], args.cps[-1]]))
-    rows = ["| model (layers x width) | T | cp | activation peak per rank, MiB | / cp=1's | × cp | peak in |"
+    rows = ["| model (layers x width) | batches | T | cp | activation peak per rank, MiB | / cp=1's | × cp | peak in |"
             " per-token part, MiB | per-token × cp / cp=1's | bool mask, MiB | float mask, MiB |"
             " whole-sequence K/V, MiB |",
-            "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
-    detail, worst, state = [], {}, None
+            "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+    detail, worst, worst_fused, state = [], {}, {}, None
     for layers, hidden, seqs, cps in models:
         peaks = _cp_peaks(args, layers, hidden, seqs, cps)
         model = f"{layers} x {hidden}"
-        state = state or peaks[(cps[0], seqs[0])]["state"]
-        for seq in seqs:
-            base = peaks[(cps[0], seq)]
+        state = state or peaks[(cps[0], args.cp_data[0], seqs[0])]["state"]
+        for kind, seq in [(kind, seq) for kind in args.cp_data for seq in seqs]:
+            base = peaks[(cps[0], kind, seq)]
             for cp in cps:
-                r, parts = peaks[(cp, seq)], peaks[(cp, seq)]["parts"]
+                r, parts = peaks[(cp, kind, seq)], peaks[(cp, kind, seq)]["parts"]
                 ratio = r["peak"] / base["peak"]
                 if cp > 1:
-                    worst[model] = max(worst.get(model, 0.0), ratio * cp)
-                rows.append(f"| {model} | {seq} | {cp} | {r['peak'] / mib:.2f} | {ratio:.3f} | {ratio * cp:.3f} |"
+                    worst[(model, kind)] = max(worst.get((model, kind), 0.0), ratio * cp)
+                if cp > 1 and kind == "plain":  # without the block CPU materialises and CUDA's kernels do not
+                    fused = (r["peak"] - parts["float mask"]) * cp / base["peak"]
+                    worst_fused[model] = max(worst_fused.get(model, 0.0), fused)
+                rows.append(f"| {model} | {kind} | {seq} | {cp} | {r['peak'] / mib:.2f} | {ratio:.3f} |"
+                            f" {ratio * cp:.3f} |"
                             f" {PHASES.get(r['phase'], r['phase'])} | {parts['per-token'] / mib:.2f} |"
                             f" {parts['per-token'] * cp / base['parts']['per-token']:.3f} |"
                             f" {parts['bool mask'] / mib:.2f} | {parts['float mask'] / mib:.2f} |"
                             f" {parts['whole-sequence K/V'] / mib:.2f} |")
+                where = f"- {model}, {kind}, T={seq}, cp={cp}:"
                 if max(r["ranks"]) - min(r["ranks"]) >= 0.005 * mib:
-                    detail.append(f"- {model}, T={seq}, cp={cp}: the ranks' peaks are {min(r['ranks']) / mib:.3f} to"
+                    detail.append(f"{where} the ranks' peaks are {min(r['ranks']) / mib:.3f} to"
                                   f" {max(r['ranks']) / mib:.3f} MiB (the table: the highest)")
                 for (part, shape, dtype, op), (count, nbytes) in sorted(r["tensors"].items()):
-                    detail.append(f"- {model}, T={seq}, cp={cp}: {part}: {count} x {dtype} {tuple(shape)} (made by"
+                    detail.append(f"{where} {part}: {count} x {dtype} {tuple(shape)} (made by"
                                   f" `{op}`), {nbytes / mib:.2f} MiB")
     lines = [
         CP_TITLE,
@@ -453,17 +483,19 @@ def run_cp(args) -> str:
         f"Reference GPT (`GPTLightningModule`, layers x width as below, n_head={args.cp_heads}, GELU MLP, V=256,"
         f" dropout 0, fp32), {args.cp_batch} sequence(s) of T tokens per step, fitted {args.cp_steps} steps with"
         " `Trainer(accelerator=\"cpu\", devices=cp, strategy=HybridStrategy(dp=1, cp=cp))` on"
-        " `ByteCorpusDataModule(block_size=T)` (gloo ranks, `run_distributed`). Activation peak = the highest live"
+        " `ByteCorpusDataModule(block_size=T)` (gloo ranks, `run_distributed`); batches: plain (one document per"
+        " row, causal) or packed (each row four documents of 15%, 30%, 25% and 30% of T, positions restarting at"
+        " 0). Activation peak = the highest live"
         " tensor bytes beyond the rank's state (parameters, buffers, gradients, optimizer state:"
         " `PeakMemoryMonitor`'s tracker and kinds) during a step, steps 2.. (step 1 also makes the optimizer's"
         " state), the highest rank; peak in = the phase it was reached in. Its parts, from each tensor alive at"
-        " that moment (its shape and where it was made): the bool mask `(B, 1, T/cp, T)` the strategy keeps for"
-        " a batch with documents or padding (these plain batches have none: each of the rank's two chunks"
-        " attends causally, aligned to the lower right); float masks made inside an SDPA call (`where`: on CPU"
-        " torch materialises a chunk's lower-right causal block, which CUDA's fused kernels take without a"
-        " tensor; with documents, SDPA's fp32 copy of the bool mask); the whole sequence's keys and values (the"
-        " all-gather's pieces, the copies in the sequence's order, their gradients in backward); per-token:"
-        " everything else (the rank's T/cp rows of the layers' saved tensors, logits, loss). The goal: × cp"
+        " that moment (its shape and where it was made): each of the rank's two chunks attends the keys up to its"
+        " last token, one SDPA call each -- plain batches causally aligned to the lower right (no mask tensor on"
+        " CUDA; on CPU torch materialises that block as a float mask, `where`), packed batches under the bool"
+        " mask `(B, 1, T/(2 cp), end)` of that block made for the call, and SDPA's fp32 copy of it; the whole"
+        " sequence's keys and values (the all-gather's pieces, their copy in the sequence's order, the gradients"
+        " of the prefixes SDPA attended and their one buffer for the reduction); per-token: everything else (the"
+        " rank's T/cp rows of the layers' saved tensors, logits, loss). The goal: × cp"
         " within 1.10. The second model (`--cp-check`) is the same measurement on a deeper, wider model at the"
         " longest T.",
         "",
@@ -472,8 +504,14 @@ def run_cp(args) -> str:
         "",
         *rows,
         "",
-        "Highest × cp: " + "; ".join(f"{model}: {value:.4f} ({'within' if value <= 1.10 else 'above'} 1.10)"
-                                     for model, value in worst.items()) + ".",
+        "Highest × cp: " + "; ".join(f"{model}, {kind} batches: {value:.4f}"
+                                     f" ({'within' if value <= 1.10 else 'above'} 1.10)"
+                                     for (model, kind), value in worst.items()) + ".",
+        "",
+        "Plain batches without the lower-right causal block that torch materialises on CPU (the float mask of"
+        " those rows; on CUDA `torch.nn.attention.bias.CausalBias` hands it to the flash or memory-efficient"
+        " kernel as a mask type, no tensor -- not measured here, no GPU): highest × cp "
+        + "; ".join(f"{model}: {value:.4f}" for model, value in worst_fused.items()) + ".",
         "",
         "What does not scale with T/cp, at each peak:",
         "",
@@ -562,6 +600,8 @@ def main() -> None:
     parser.add_argument("--cp-heads", type=int, default=4)
     parser.add_argument("--cp-batch", type=int, default=1)
     parser.add_argument("--cp-steps", type=int, default=3, help="CP part: steps per fit (the first not measured)")
+    parser.add_argument("--cp-data", nargs="+", choices=("plain", "packed"), default=["plain", "packed"],
+                        help="CP part: batches of one document per row (plain causal) and/or packed documents")
     parser.add_argument("--cp-check", default="16x256",
                         help="CP part: a second model, LAYERSxWIDTH, at the longest T and the first and last cp"
                              " ('' to skip)")

@@ -12,19 +12,21 @@ receives): a rank's tokens are not contiguous.
 **Attention** is the one place where tokens meet. Inside every layer the strategy wraps (`ContextParallel`), a
 `torch.overrides.TorchFunctionMode` catches ``F.scaled_dot_product_attention`` -- the reference GPT's attention and
 transformers' SDPA attention call it -- all-gathers the keys and values over the CP group (backward: the sum of
-their gradients, back to the rank that holds them), and attends the rank's queries to every key with the mask of
-the whole sequence: causal by the tokens' places in the sequence and within each document (documents restart
-where the positions do not continue by +1, `lightning_hybrid.batch.document_ids`) -- the mask one device uses,
-cut to this rank's queries. The model's own mask (built for the rank's tokens alone) is replaced, so it must be
-that mask: a float mask carrying anything but 0 / -inf (ALiBi), or an attention that is neither causal nor masked,
-is refused when first seen.
+their gradients, back to the rank that holds them), puts them in the sequence's order, and attends each of the
+rank's two chunks to the keys up to the chunk's last token under the mask of the whole sequence: causal by the
+tokens' places in the sequence and within each document (documents restart where the positions do not continue by
++1, `lightning_hybrid.batch.document_ids`) -- the block of the mask one device uses that the chunk needs
+(`block_mask`; none for plain causal batches: causal aligned to the lower right). The model's own mask (built
+for the rank's tokens alone) is replaced, so it must be that mask: a float mask carrying anything but 0 / -inf
+(ALiBi), or an attention that is neither causal nor masked, is refused when first seen.
 
 **All-gather, not a ring.** Gathering K and V costs each rank ``(cp - 1) / cp`` of the sequence's keys and values
 per layer (forward, and the same back in backward), the same volume a ring passes, in one collective that NCCL
 runs at full bandwidth, and it leaves SDPA's kernels and any mask untouched (a ring needs the partial results
 merged by their log-sum-exp, per mask block). The gather and the attention are checkpointed, so a layer keeps
-only its own keys and values for backward, which gathers them again; what grows with ``T`` per rank is the
-``(T / cp) x T`` mask (one per micro-batch) and the score block of the layer being computed.
+only its own keys and values for backward, which gathers them again; what grows with ``T`` per rank beyond its
+``T / cp`` tokens is the layer being computed's: the whole sequence's keys and values (and their gradients), and
+with documents one SDPA call's ``(T / 2 cp) x end`` mask.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_hybrid.batch import TokenBatch, document_ids
 
-__all__ = ["ContextParallel", "split_batch", "zigzag_indices"]
+__all__ = ["ContextParallel", "block_mask", "gather_prefixes", "split_batch", "zigzag_indices"]
 
 
 def zigzag_indices(length: int, cp: int, rank: int, device: Optional[torch.device] = None) -> Tensor:
@@ -76,6 +78,16 @@ def split_batch(batch: Any, cp: int, rank: int) -> TokenBatch:
     return TokenBatch(ids[:, places], tokens.labels[:, places], positions[:, places], padding)
 
 
+def block_mask(docs: Tensor, start: int, end: int) -> Tensor:
+    """``(B, 1, end - start, end)``: the causal document mask of the queries at places ``start .. end - 1`` of the
+    sequence against its keys ``0 .. end - 1`` (True: may attend), from ``docs`` ``(B, T)``, the document of every
+    token (`lightning_hybrid.batch.document_ids`) -- rows ``start:end`` and columns ``:end`` of one device's
+    `lightning_hybrid.batch.document_causal_mask`."""
+    places = torch.arange(end, device=docs.device)
+    causal = places.unsqueeze(0) <= places[start:].unsqueeze(1)
+    return ((docs[:, start:end].unsqueeze(-1) == docs[:, :end].unsqueeze(-2)) & causal).unsqueeze(1)
+
+
 class ContextParallel:
     """The attention of the layers of one module over the CP ``group`` (see the module doc).
 
@@ -96,7 +108,7 @@ class ContextParallel:
         self._positions: Optional[Tensor] = None
         self._batch_positions: Optional[Tensor] = None  # the batch's, for layers that receive none
         self._checked: set[tuple] = set()
-        self._masks: dict[int, tuple[Tensor, Optional[Tensor]]] = {}  # id(positions) -> (positions, mask)
+        self._documents: dict[int, tuple[Tensor, Optional[Tensor]]] = {}  # id(positions) -> (positions, docs)
 
     def wrap(self, layer: nn.Module) -> None:
         forward = layer.forward
@@ -106,7 +118,7 @@ class ContextParallel:
                 return forward(*args, **kwargs)
 
         layer.forward = context_parallel_forward
-        layer.register_forward_pre_hook(self._prepare_mask, with_kwargs=True)
+        layer.register_forward_pre_hook(self._prepare_documents, with_kwargs=True)
 
     @contextmanager
     def attending(self, positions: Optional[Tensor]) -> Iterator[None]:
@@ -142,81 +154,75 @@ class ContextParallel:
         if key.size(-3) != heads:
             key = key.repeat_interleave(heads // key.size(-3), dim=-3)
             value = value.repeat_interleave(heads // value.size(-3), dim=-3)
-        mask = self.mask(positions, query.device)
+        docs = self.documents(positions, query.device)
         # Checkpointed: backward gathers the keys and values again rather than keeping the whole sequence's (and
         # what SDPA saves of the rank's queries against them) for every layer until its backward. (Not inside a
         # checkpointed layer: its recomputation, or a selective policy replaying the ops in order, decides.)
         if not self.recompute_attention:
-            return self._attend(query, key, value, mask, dropout_p, scale)
-        return checkpoint(self._attend, query, key, value, mask, dropout_p, scale, use_reentrant=False)
+            return self._attend(query, key, value, docs, dropout_p, scale)
+        return checkpoint(self._attend, query, key, value, docs, dropout_p, scale, use_reentrant=False)
 
-    def _attend(self, query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], dropout_p: float,
+    def _attend(self, query: Tensor, key: Tensor, value: Tensor, docs: Optional[Tensor], dropout_p: float,
                 scale: Optional[float]) -> Tensor:
-        keys = gather_sequence(key, self.group)
-        values = gather_sequence(value, self.group)
-        if mask is not None:
-            return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=dropout_p,
-                                                  scale=scale)
-        # Plain causal attention (no documents in the batch): no mask made. In the sequence's order, each of the
-        # rank's two chunks attends every key up to its own last token -- causal aligned to the lower right, which
-        # SDPA's kernels take without a mask tensor.
-        length = keys.size(-2)
-        order = self._gathered_order(length, keys.device)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(length, device=order.device)
-        keys, values = keys.index_select(-2, inverse), values.index_select(-2, inverse)
-        chunk = length // (2 * self.size)
+        """Each of the rank's two chunks (chunks ``rank`` and ``2 cp - 1 - rank`` of the sequence) attends the
+        keys of the sequence up to its own last token, in the sequence's order: plain causal batches (``docs``
+        None) causal aligned to the lower right, which SDPA's kernels take without a mask tensor; batches with
+        documents under the mask of that block alone -- same document and causal -- made here from ``docs`` (the
+        ``(B, T)`` document of every token), ``B x chunk x end`` booleans for one SDPA call at a time."""
+        chunk = query.size(-2) // 2
+        indices = (self.rank, 2 * self.size - 1 - self.rank)
+        ends = tuple((index + 1) * chunk for index in indices)
+        keys = gather_prefixes(key, self.group, ends)
+        values = gather_prefixes(value, self.group, ends)
         outputs = []
-        for part, index in zip(query.split(chunk, dim=-2), (self.rank, 2 * self.size - 1 - self.rank)):
-            end = (index + 1) * chunk
-            with _disable_current_modes():  # a tensor subclass, which a dispatch mode (a memory tracker) refuses
-                causal = causal_lower_right(chunk, end)
-            outputs.append(F.scaled_dot_product_attention(
-                part, keys[..., :end, :], values[..., :end, :], attn_mask=causal, dropout_p=dropout_p, scale=scale,
-            ))
+        for part, index, k, v in zip(query.split(chunk, dim=-2), indices, keys, values):
+            start, end = index * chunk, (index + 1) * chunk
+            if docs is None:
+                with _disable_current_modes():  # a tensor subclass, which a dispatch mode (a memory tracker) refuses
+                    mask = causal_lower_right(chunk, end)
+            else:
+                mask = block_mask(docs, start, end)
+            outputs.append(F.scaled_dot_product_attention(part, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                          scale=scale))
         return torch.cat(outputs, dim=-2)
 
-    def mask(self, positions: Tensor, device: torch.device) -> Optional[Tensor]:
-        """``(B, 1, T / cp, T)``: which keys (in gathered order) each of this rank's queries may attend to, or
-        ``None`` where that is plain causal attention (every row one document from position 0). Made once
-        per (micro-)batch, before its first layer (`_prepare_mask`, outside any checkpointed region: a selective
-        recomputation replays the layer's ops in their order, so a layer must run the same ops in its forward and
-        its recomputation), and looked up by the layers."""
-        entry = self._masks.get(id(positions))
+    def documents(self, positions: Tensor, device: torch.device) -> Optional[Tensor]:
+        """``(B, T)``: the document of every token of the sequence (in its order), or ``None`` where the batch is
+        plain causal attention (every row one document from position 0). Found once per (micro-)batch, before its
+        first layer (`_prepare_documents`: an all-gather of the positions and a host sync, outside any checkpointed
+        region -- a selective recomputation replays the layer's ops in their order, so a layer must run the same
+        ops in its forward and its recomputation), and looked up by the layers, which make each SDPA call's mask
+        from it."""
+        entry = self._documents.get(id(positions))
         if entry is None or entry[0] is not positions:
-            entry = (positions, self._make_mask(positions, device))
-            self._masks[id(positions)] = entry
+            entry = (positions, self._find_documents(positions, device))
+            self._documents[id(positions)] = entry
         return entry[1]
 
     def new_batch(self, positions: Optional[Tensor] = None) -> None:
         """A batch starts (``positions``: its tokens' positions, for layers that receive none, as GPT-BigCode's
-        blocks), or the last one's backward is done: its masks are dropped."""
-        self._masks.clear()
+        blocks), or the last one's backward is done: its documents are dropped."""
+        self._documents.clear()
         self._batch_positions = positions
 
-    def _prepare_mask(self, layer: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _prepare_documents(self, layer: nn.Module, args: tuple, kwargs: dict) -> None:
         positions = kwargs.get("position_ids")
         positions = self._batch_positions if positions is None else positions
         if isinstance(positions, Tensor) and not positions.is_meta:
-            self.mask(positions, positions.device)
+            self.documents(positions, positions.device)
 
-    def _make_mask(self, positions: Tensor, device: torch.device) -> Optional[Tensor]:
+    def _find_documents(self, positions: Tensor, device: torch.device) -> Optional[Tensor]:
         local = positions.size(-1)
         length = local * self.size
         with torch.no_grad():
             pieces = [torch.empty_like(positions) for _ in range(self.size)]
             dist.all_gather(pieces, positions.contiguous(), group=self.group)
             gathered = torch.cat(pieces, dim=-1)  # (B, T): rank 0's tokens, rank 1's, ...
-            order = self._gathered_order(length, device)
             whole = torch.empty_like(gathered)
-            whole[:, order] = gathered  # the positions in the sequence's order
+            whole[:, self._gathered_order(length, device)] = gathered  # the positions in the sequence's order
             if bool((whole == torch.arange(length, device=device)).all()):
                 return None  # plain causal attention
-            docs = document_ids(whole)[:, order]  # each key's document, in gathered order
-            mine = order[self.rank * local:(self.rank + 1) * local]
-            causal = order.unsqueeze(0) <= mine.unsqueeze(1)  # (T / cp, T)
-            same = docs[:, self.rank * local:(self.rank + 1) * local].unsqueeze(-1) == docs.unsqueeze(-2)
-            return (same & causal).unsqueeze(1)
+            return document_ids(whole)
 
     def _gathered_order(self, length: int, device: torch.device) -> Tensor:
         """The place in the sequence of each token of the gathered keys (rank 0's tokens, rank 1's, ...)."""
@@ -259,28 +265,48 @@ class _AttentionMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def gather_sequence(t: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """``t`` ``(..., T / cp, D)`` of every rank of ``group``, concatenated along the sequence (dim -2) in rank order;
-    backward: each rank gets the sum over the ranks of the gradient of its part."""
-    return _GatherSequence.apply(t, group)
+def gather_prefixes(t: Tensor, group: dist.ProcessGroup, ends: tuple[int, ...]) -> tuple[Tensor, ...]:
+    """``t`` ``(..., T / cp, D)``, a rank's two zigzag chunks (`zigzag_indices`), of every rank of ``group`` put
+    together in the sequence's order, and of that ``(..., T, D)`` the first ``end`` tokens for each of ``ends``.
+    Backward: each rank gets the sum over the ranks of the gradients of its tokens (one buffer of the gathered
+    size, whatever the number of prefixes; no zero-padded gradient per prefix)."""
+    return _GatherPrefixes.apply(t, group, ends)
 
 
-class _GatherSequence(torch.autograd.Function):
+def _sequence_chunks(cp: int) -> list[tuple[int, int]]:
+    """For each chunk of the sequence in its order (``2 cp`` of them): the rank holding it and which of the rank's
+    two chunks it is."""
+    return [(i, 0) if i < cp else (2 * cp - 1 - i, 1) for i in range(2 * cp)]
+
+
+class _GatherPrefixes(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, t: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        pieces = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    def forward(ctx: Any, t: Tensor, group: dist.ProcessGroup, ends: tuple[int, ...]) -> tuple[Tensor, ...]:
+        size = dist.get_world_size(group)
+        ctx.group, ctx.ends, ctx.shape = group, ends, t.shape
+        pieces = [torch.empty_like(t) for _ in range(size)]
         dist.all_gather(pieces, t.contiguous(), group=group)
-        return torch.cat(pieces, dim=-2)
+        chunk = t.size(-2) // 2
+        whole = torch.cat([pieces[rank].narrow(-2, slot * chunk, chunk) for rank, slot in _sequence_chunks(size)],
+                          dim=-2)
+        return tuple(whole.narrow(-2, 0, end) for end in ends)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        grad = grad.contiguous()
-        if dist.get_backend(ctx.group) == "nccl":
-            parts = torch.stack(grad.chunk(size, dim=-2))  # (cp, ..., T / cp, D): one part per rank
-            out = torch.empty_like(parts[0])
-            dist.reduce_scatter_tensor(out, parts, group=ctx.group)
-            return out, None
-        dist.all_reduce(grad, group=ctx.group)  # gloo: no reduce-scatter of its own that keeps memory bounded
-        return grad.chunk(size, dim=-2)[rank].contiguous(), None
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> tuple[Optional[Tensor], None, None]:
+        group = ctx.group
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        reference = next(g for g in grads if g is not None)
+        chunk = ctx.shape[-2] // 2
+        # (cp, ..., T / cp, D): each rank's tokens in its own order, so that rank r's part is buf[r]
+        buf = reference.new_zeros((size, *ctx.shape))
+        for grad, end in zip(grads, ctx.ends):
+            if grad is None:
+                continue
+            for i, (holder, slot) in enumerate(_sequence_chunks(size)[:end // chunk]):
+                buf[holder].narrow(-2, slot * chunk, chunk).add_(grad.narrow(-2, i * chunk, chunk))
+        if dist.get_backend(group) == "nccl":
+            out = reference.new_empty(ctx.shape)
+            dist.reduce_scatter_tensor(out, buf, group=group)
+            return out, None, None
+        dist.all_reduce(buf, group=group)  # gloo: no reduce-scatter of its own that keeps memory bounded
+        return buf[rank].clone(), None, None

@@ -70,22 +70,22 @@ def test_a_split_batch_keeps_the_positions_labels_and_padding_of_the_whole_seque
     assert torch.equal(part.position_ids, torch.tensor([[0, 1, 2, 3]]))
 
 
-def test_the_mask_of_a_rank_is_the_whole_sequences_mask_cut_to_its_queries():
-    """What `ContextParallel.mask` computes (on one process: the gather over CP done by hand) equals the document
-    mask of one device (`document_causal_mask`), rows of the rank's tokens, columns in gathered order."""
+def test_each_chunks_mask_is_the_whole_sequences_mask_cut_to_its_queries_and_keys():
+    """The mask each of a rank's chunks attends under (`block_mask`: its queries against the keys of the sequence
+    up to its last token) equals one device's document mask (`document_causal_mask`) cut to those rows and
+    columns, for every chunk of every rank."""
     from lightning_hybrid.batch import document_ids
+    from lightning_hybrid.context_parallel import block_mask
 
-    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7]])  # three packed documents
-    whole = document_causal_mask(positions)[0, 0]
-    cp, length = 4, 16
-    order = torch.cat([zigzag_indices(length, cp, r) for r in range(cp)])
-    docs = document_ids(positions)[:, order]
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7],
+                              [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 0, 1, 2, 3]])  # documents across chunks
+    whole = document_causal_mask(positions)
+    docs = document_ids(positions)
+    cp, chunk = 4, 2
     for rank in range(cp):
-        mine = zigzag_indices(length, cp, rank)
-        local = 4
-        causal = order.unsqueeze(0) <= mine.unsqueeze(1)
-        same = docs[:, rank * local:(rank + 1) * local].unsqueeze(-1) == docs.unsqueeze(-2)
-        assert torch.equal((same & causal)[0], whole[mine][:, order])
+        for index in (rank, 2 * cp - 1 - rank):
+            start, end = index * chunk, (index + 1) * chunk
+            assert torch.equal(block_mask(docs, start, end), whole[:, :, start:end, :end])
 
 
 # ---------------------------------------------------------------------------------------------- layouts
