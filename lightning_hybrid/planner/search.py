@@ -199,9 +199,10 @@ def _schedules(model, dims, cp, b, m, pipeline_layers, sequence_parallel, schedu
 
 
 def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: int,
-             documents: bool = False) -> Candidate:
-    """Predictions for one layout: memory always, time when it fits (``documents``: `plan`'s)."""
-    memory = estimate_memory(model, layout, cluster.precision, cluster.activation_scale, documents=documents)
+             documents: bool = False, compile: bool = False) -> Candidate:
+    """Predictions for one layout: memory always, time when it fits (``documents``, ``compile``: `plan`'s)."""
+    memory = estimate_memory(model, layout, cluster.precision, cluster.activation_scale, documents=documents,
+                             compile=compile)
     usable = USABLE_MEMORY * cluster.memory
     if memory.total > usable:
         reason = (f"needs {memory.total / GIB:.2f} GiB on pipeline rank {memory.rank} > {usable / GIB:.2f} GiB usable"
@@ -216,16 +217,17 @@ def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: i
 
 
 def plan(model: ModelSpec, cluster: Cluster, devices: int, global_batch: int, *, documents: bool = False,
-         **search: object) -> Plan:
+         compile: bool = False, **search: object) -> Plan:
     """All layouts of ``model`` on ``devices`` of ``cluster`` for ``global_batch`` sequences per optimizer step,
     ranked. ``documents``: the batches hold documents (packed, left padding), whose context-parallel attention takes
-    a mask (`estimate_memory`); default plain causal batches. ``search``: `enumerate_layouts`'s options
-    (``sequence_parallel``, ``schedules``, ...)."""
+    a mask (`estimate_memory`); default plain causal batches. ``compile``: the strategy's ``compile=True``, whose
+    ZeRO-3 units are whole layers (`estimate_memory`; the time model is unchanged). ``search``:
+    `enumerate_layouts`'s options (``sequence_parallel``, ``schedules``, ...)."""
     if devices < 1 or global_batch < 1:
         raise ValueError(f"devices={devices}, global_batch={global_batch}: both must be positive integers.")
     result = Plan(model, cluster, devices, global_batch)
     for layout in enumerate_layouts(model, cluster, devices, global_batch, invalid=result.invalid, **search):
-        candidate = evaluate(model, layout, cluster, global_batch, documents)
+        candidate = evaluate(model, layout, cluster, global_batch, documents, compile)
         (result.ranked if candidate.fits else result.too_big).append(candidate)
     result.ranked.sort(key=lambda c: (c.time.total, c.memory.total))
     result.too_big.sort(key=lambda c: c.memory.total)

@@ -20,8 +20,25 @@ Per micro-batch of ``b`` sequences (``T = b s`` tokens) and per block on one dev
   when the block is recomputed (none for selective recompute: the attention core has no TP collective); not
   overlapped with compute in this codebase's TP layers; for a runtime that overlaps them with the GEMMs
   (`Cluster.tp_comm_overlap`, Megatron-Core) only the latency and what exceeds the block's GEMM time show;
-* PP: each stage boundary sends the activations forward and their gradients back (``T h e`` bytes, point to
-  point), on the critical path.
+* PP (`pipeline_p2p_time`; the runtime: ``torch.distributed.pipelining``, `lightning_hybrid.pipeline.executor`):
+  per micro-batch each stage boundary between two ranks carries one tensor forward, the hidden states, and its
+  gradient back (the side inputs -- positions -- are split on every rank, not sent). Its bytes: ``T h`` elements
+  of the residual stream's dtype, the parameters' (the embedding's output; fp32 under Lightning's autocast, whose
+  residual additions keep it; `PRECISIONS`' ``p``), ``T/c`` tokens under CP, and under sequence parallelism
+  ``1/tp`` of them where the boundary lies between two blocks (the split activations travel; the embedding's output
+  is split at the first block's input and the last block gathers its own), else whole on every TP rank. One
+  message each (latency + bytes / bandwidth) over the link of its two ranks (``dp c tp`` apart per rank of
+  distance, so usually across nodes; `Cluster.link`; interleaved's wrap from the last rank to the first further).
+  The first micro-batch's forward crosses every boundary in turn and the last one's backward crosses them back:
+  exposed, whatever the schedule (``v pp - 1`` boundaries interleaved, ``2 pp - 2`` for ZB-V, whose turn is on one
+  rank). In steady state GPipe and 1F1B wait for each transfer (GPipe posts a receive just before the stage needs
+  it; 1F1B batches a forward send with the backward receive from the same neighbour and waits for both, and a
+  backward send with the next forward receive): per micro-batch a rank pays one message per neighbour (GPipe:
+  the slowest boundary's once per pass). The interleaved and ZB-V schedules (torch's schedule runtime) post their
+  receives as early as the schedule allows and wait for sends only at the end: a rank's messages of a micro-batch
+  (one forward and one backward per stage whose neighbour is on another rank) run under its computation, only
+  what exceeds it shows. A runtime that scatters the boundary tensor over TP and all-gathers it at the receiver
+  (`Cluster.pp_scatter_gather`, Megatron-LM: Narayanan et al. 2021, section 4.1) sends ``1/tp`` of every one.
 
 The head adds ``6 h V / tp`` FLOPs per token and under TP either three all-reduces of one fp32 per token (the
 vocab-parallel cross entropy's max, sum and target logit) or, without ``loss_parallel``, the logits'
@@ -112,12 +129,12 @@ from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB
 from .cluster import Cluster, Link
 from .layout import Layout
 from .memory import (PLAIN_KV_COPIES, PRECISIONS, ActivationCoefficients, block_activation_bytes, block_activations,
-                     block_coefficients, context_transient_bytes, gathered_kv_bytes, moe_block_count,
+                     block_coefficients, context_transient_bytes, gathered_kv_bytes, moe_block_count, pipeline_stages,
                      rank_block_counts, rank_expert_params, rank_layers, rank_params, routed_tokens)
 from .model import ModelSpec
 
 __all__ = ["TimeEstimate", "all_to_all_bytes", "all_to_all_time", "bubble_fraction", "estimate_time",
-           "matmul_time_factor",
+           "matmul_time_factor", "pipeline_boundaries", "pipeline_p2p_time",
            "kv_exchange_bytes", "kv_exchange_time", "kv_exchanges", "mask_gather_time", "ring_time", "ring_volume"]
 
 
@@ -299,6 +316,65 @@ def matmul_time_factor(model: ModelSpec, tp: int = 1, k0: float = 0.0) -> float:
     return sum(w * (1 + k0 / k) for w, k in parts) / weights if weights else 1.0
 
 
+#: Schedules run by torch's schedule runtime, which posts receives early and waits for sends at the end: their
+#: steady-state transfers run under the rank's computation.
+_ASYNC_P2P = ("interleaved_1f1b", "zero_bubble")
+
+
+def pipeline_boundaries(model: ModelSpec, layout: Layout, precision: str = "bf16-mixed", *,
+                        scatter_gather: bool = False) -> list[tuple[int, int, float]]:
+    """The stage boundaries between two pipeline ranks, in stage order, as ``(sending rank, receiving rank, bytes)``
+    of the tensor one crosses per micro-batch forward (its gradient, as large, crosses back): the last layer's
+    output of the sending stage, ``b s / c`` tokens of ``h`` elements of the parameters' size (the residual stream:
+    fp32 under ``bf16-mixed``), ``/tp`` under sequence parallelism where both sides are blocks (the split hidden
+    states; the embedding's output and the last block's are whole), or everywhere with ``scatter_gather``
+    (Megatron's). Stages split as the strategy splits them; consecutive stages on one rank (ZB-V's turn) send
+    nothing. Empty for ``pp = 1``."""
+    if layout.pp == 1:
+        return []
+    stages, owners = pipeline_stages(model, layout.pp, layout.virtual_stages, SCHEDULES[layout.schedule].style)
+    whole = layout.micro_batch * model.seq_len // layout.cp * model.hidden * PRECISIONS[precision][0]
+    out = []
+    for stage in range(len(stages) - 1):
+        if owners[stage] == owners[stage + 1]:
+            continue
+        last = stages[stage][-1]  # the layer whose output crosses: 0 the embedding, 1..L the blocks
+        split = scatter_gather or (layout.sequence_parallel and 0 < last < model.n_layer)
+        out.append((owners[stage], owners[stage + 1], whole / layout.tp if split else whole))
+    return out
+
+
+def pipeline_p2p_time(model: ModelSpec, layout: Layout, cluster: Cluster) -> tuple[float, float]:
+    """Seconds of the pipeline's point-to-point transfers, as ``(ramp, steady)``: ``ramp`` once per step -- the
+    first micro-batch's forward crossing every boundary between ranks in turn and the last one's backward crossing
+    them back (`pipeline_boundaries`) -- and ``steady`` per micro-batch, before any overlap with computation
+    (`estimate_time` takes it for the interleaved and ZB-V schedules): 1F1B the messages of the rank with the most
+    neighbours (each exchange with a neighbour, a send and a receive batched, waited for), GPipe the slowest
+    boundary once per pass (each receive waited for), interleaved and ZB-V a rank's sends of both passes. A message
+    is the link's latency plus its bytes at the link's bandwidth, over the link of its two ranks (``dp c tp`` apart
+    per rank between them: `Cluster.link`); with `Cluster.pp_scatter_gather` plus the receiver's all-gather over
+    TP. (0, 0) for ``pp = 1``."""
+    bounds = pipeline_boundaries(model, layout, cluster.precision, scatter_gather=cluster.pp_scatter_gather)
+    if not bounds:
+        return 0.0, 0.0
+    stride = layout.dp * layout.cp * layout.tp  # ranks between two consecutive pipeline ranks
+
+    def message(src: int, dst: int, nbytes: float) -> float:
+        link = cluster.link(2, abs(src - dst) * stride)
+        gather = (ring_time(layout.tp, nbytes * layout.tp, cluster.link(layout.tp, 1), "all_gather")
+                  if cluster.pp_scatter_gather else 0.0)
+        return link.latency + nbytes / link.bandwidth + gather
+
+    times = [message(*bound) for bound in bounds]
+    ramp = 2 * sum(times)
+    if layout.schedule == "gpipe":
+        return ramp, 2 * max(times)
+    # 1F1B: one exchange per neighbour; interleaved, ZB-V: per boundary a rank touches its forward send (it sends)
+    # or its backward send (it receives) -- ``v`` times 1F1B's boundaries per rank for the interleaved schedule.
+    return ramp, max(sum(x for (src, dst, _), x in zip(bounds, times) if rank in (src, dst))
+                     for rank in range(layout.pp))
+
+
 def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> float:
     """Idle time over ideal time: ``(pp-1)/m`` (GPipe, 1F1B), ``(pp-1)/(v m)`` (interleaved),
     ``(pp-1)/(3 m)`` (zero-bubble)."""
@@ -412,12 +488,12 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
 
     times = [rank_times(rank) for rank in range(lay.pp)]
     compute_mb, tp_mb, ep_mb, cp_mb = max(times, key=sum)
-    pp_link = cluster.link(2, lay.dp * cp * lay.tp)
-    boundary = tokens * h * e / (t if lay.sequence_parallel else 1)
-    pp_mb = 2 * per_rank * (pp_link.latency + boundary / pp_link.bandwidth) if lay.pp > 1 else 0.0
     m = lay.micro_batches
-    t_mb = compute_mb + tp_mb + ep_mb + cp_mb + pp_mb
+    t_mb = compute_mb + tp_mb + ep_mb + cp_mb
     bubble = bubble_fraction(lay.schedule, lay.pp, m, lay.virtual_stages) * m * t_mb
+    ramp, steady = pipeline_p2p_time(model, lay, cluster)
+    pp_mb = steady if cluster.compute_units else max(0.0, steady - compute_mb * (lay.schedule in _ASYNC_P2P))
+    pp_comm = ramp + m * pp_mb
 
     # DP: the fullest rank's parameters over the dp ring (ranks tp apart; dp cp ranks under CP), in gradient buckets
     # of ``bucket_cap_mb`` (stages 0-2) or FSDP2 units, one per block and one for the rest (stage 3). Under EP the
@@ -499,12 +575,12 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     else:
         dp_colls = dp_messages * (2 if lay.zero_stage else 1)
     sync = (tp_colls + ep_colls + cp_colls + pp_colls + dp_colls) * cluster.collective_overhead
-    waits = m * (tp_mb + ep_mb + cp_mb + pp_mb) + dp_comm + sync + cluster.step_overhead
+    waits = m * (tp_mb + ep_mb + cp_mb) + pp_comm + dp_comm + sync + cluster.step_overhead
     critical = own + bubble + waits
     if cluster.compute_units:
         # A node's ranks share its cores, and on a CPU all of a rank's work -- computing, moving the bytes of
         # its collectives, the training loop -- is the cores' work: more ranks than cores run that much slower.
         on_node = min(lay.devices, cluster.devices_per_node)
         critical = max(critical, (own + waits) * max(1.0, on_node / cluster.compute_units))
-    return TimeEstimate(compute=m * compute_mb, tp_comm=m * tp_mb, pp_comm=m * pp_mb, bubble=bubble,
+    return TimeEstimate(compute=m * compute_mb, tp_comm=m * tp_mb, pp_comm=pp_comm, bubble=bubble,
                         dp_comm=dp_comm, optimizer=optimizer, total=critical, ep_comm=m * ep_mb, cp_comm=m * cp_mb)
