@@ -118,7 +118,9 @@ SOURCES = {
         " parameter count equals the table's NumParams); flash attention and FSDP's bf16 parameter gathers modelled"
         " as megatron-flash; SHARD_GRAD_OP (FSDP's ZeRO-2: parameters gathered unit by unit in forward, prefetched,"
         " kept for backward) as stage 3, the nearest the planner expresses (its stage 2 is this codebase's, in 25 MB"
-        " buckets, gathering after the step); DGX H100 links assumed (the table does not state them)",
+        " buckets, gathering after the step); DGX H100 links assumed (the table does not state them); not used to"
+        " calibrate anything: the GEMMs' fixed cost on H100 (K0 1,514) is A100's 800 (chosen on the four sources"
+        " above) times the datasheets' ridge-point ratio 295/156",
         "tokens/s per GPU", "megatron-flash", {}),
 }
 #: Sources whose runs were on H100 nodes (the others on A100).

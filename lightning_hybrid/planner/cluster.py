@@ -6,7 +6,8 @@ level (``intra``: within a node, ``inter``: across nodes) the bandwidth and late
 
 * ``a100``: DGX A100 nodes: 8 x A100-SXM4-80GB, NVSwitch, 8 x 200 Gb/s HDR InfiniBand per node.
   - 312 TFLOP/s dense BF16/FP16, 19.5 TFLOP/s FP32 (A100 datasheet); achievable = x `MATMUL_EFFICIENCY`, and
-    by shape x ``K / (K + MATMUL_K0)`` for a GEMM whose reduction is ``K`` (`MATMUL_K0`).
+    by shape x ``K / (K + K0)`` for a GEMM whose reduction is ``K`` (``K0`` = `MATMUL_K0` on A100, scaled by the
+    GPU's ridge point, FLOP/s over HBM bytes/s, on other GPUs: `matmul_k0`).
     (FP32 matmuls run as TF32 at 156 TFLOP/s only when enabled; the planner uses plain FP32.)
   - 80 GB HBM2e, 2.0 TB/s (datasheet).
   - NVLink 3: 600 GB/s per GPU, both directions together (datasheet) -> 300 GB/s per direction; a ring
@@ -15,8 +16,9 @@ level (``intra``: within a node, ``inter``: across nodes) the bandwidth and late
     gets the node's 8 HCAs together (`Cluster.ring_link`).
   - latencies: ~5 us per NVLink hop, ~10 us per InfiniBand hop (NCCL's small-message all-reduce latency
     orders of magnitude; they matter only for small messages).
-* ``h100``: DGX H100 nodes: 8 x H100-SXM5-80GB; 989 TFLOP/s dense BF16, 67 FP32 (datasheet); 3.35 TB/s HBM3;
-  NVLink 4: 900 GB/s per GPU -> 450 per direction; 8 x 400 Gb/s NDR InfiniBand = 50 GB/s per GPU.
+* ``h100``: DGX H100 nodes: 8 x H100-SXM5-80GB; 989 TFLOP/s dense BF16, 67 FP32 (datasheet); 3.35 TB/s HBM3
+  (ridge 295 FLOP/byte against A100's 156: ``K0`` 1,514); NVLink 4: 900 GB/s per GPU -> 450 per direction;
+  8 x 400 Gb/s NDR InfiniBand = 50 GB/s per GPU.
 * ``cpu``: this machine's processes (gloo), figures from `calibrate` when ``$LIGHTNING_HYBRID_CLUSTER``
   or ``~/.cache/lightning_hybrid/cluster_cpu.json`` holds them, else conservative defaults. CPU ranks share
   ``compute_units`` cores: more ranks than cores run at ``compute_units / ranks`` of their speed each.
@@ -42,17 +44,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
-__all__ = ["CLUSTER_PRESETS", "DEFAULT_CALIBRATION", "Cluster", "Link", "calibrate", "cpu_cluster", "load_cluster"]
+__all__ = ["CLUSTER_PRESETS", "DEFAULT_CALIBRATION", "Cluster", "Link", "calibrate", "cpu_cluster", "load_cluster",
+           "matmul_k0"]
 
 #: Fraction of the datasheet's dense peak that large transformer GEMMs reach (cuBLAS on A100/H100 reaches
 #: ~70-80% on Megatron's shapes; the 0.7 is this model's one free constant at cluster scale, chosen once, before
 #: the comparison with published runs in docs/planner.md).
 MATMUL_EFFICIENCY = 0.7
-#: The reduction depth a GEMM's fixed per-tile cost is worth on the GPU presets (`Cluster.matmul_k0`: a GEMM with
-#: reduction ``K`` per device runs at ``MATMUL_EFFICIENCY K / (K + 800)`` of the peak: 0.74 at K = 2304, 0.91 at
-#: 8192). The second shared constant at cluster scale, chosen once by the mean error over all four published sources
-#: of ``benchmarks/bench_planner.py`` (a grid of 0-1600; every source's error, not one row's).
+#: The reduction depth a GEMM's fixed per-tile cost is worth on A100 (`Cluster.matmul_k0`: a GEMM with reduction
+#: ``K`` per device runs at ``MATMUL_EFFICIENCY K / (K + 800)`` of the peak: 0.74 at K = 2304, 0.91 at 8192). The
+#: second shared constant at cluster scale, chosen once by the mean error over the first four published sources of
+#: ``benchmarks/bench_planner.py`` (a grid of 0-1600; every source's error, not one row's; three of them on A100).
+#: Other GPUs scale it by their ridge point (`matmul_k0`).
 MATMUL_K0 = 800.0
+#: A100's ridge point, FLOP per byte of HBM traffic: 312 TFLOP/s dense BF16 over 2.0 TB/s (datasheet).
+A100_RIDGE = 312 / 2.0
 #: Fraction of a link's datasheet bandwidth a ring collective reaches (NCCL bus bandwidth / link bandwidth).
 LINK_EFFICIENCY = 0.8
 #: Fraction of device memory the planner lets a layout use (allocator fragmentation, CUDA context, workspaces).
@@ -91,9 +97,9 @@ class Cluster:
     `calibrate` notes how many were free of other users' work when it ran, ``cores_free_at_calibration``);
     ``matmul_k0``: the reduction depth a GEMM's fixed per-tile cost is worth (`lightning_hybrid.planner.time.
     matmul_time_factor`: a GEMM with reduction ``K`` runs at ``matmul_efficiency K / (K + K0)``; 0: every shape at
-    ``matmul_efficiency``); ``activation_scale``: measured / predicted activation bytes (``step_overhead`` and
-    ``activation_scale`` are fitted by ``benchmarks/bench_planner.py`` from single-device runs and written into this
-    machine's file).
+    ``matmul_efficiency``; the GPU presets' `matmul_k0`, by their ridge point); ``activation_scale``: measured /
+    predicted activation bytes (``step_overhead`` and ``activation_scale`` are fitted by
+    ``benchmarks/bench_planner.py`` from single-device runs and written into this machine's file).
 
     What the runtime overlaps (``False`` for this codebase, whose TP layers are synchronous and whose pipeline
     reduces the gradients after its schedule): ``tp_comm_overlap``: TP's collectives run under the block's GEMMs
@@ -170,22 +176,40 @@ class Cluster:
         return cls(**data)
 
 
+def matmul_k0(tflops_bf16: float, hbm_tb_s: float) -> float:
+    """The reduction depth a GEMM's fixed per-tile cost is worth on a GPU of ``tflops_bf16`` dense BF16 peak and
+    ``hbm_tb_s`` memory bandwidth: `MATMUL_K0` x its ridge point (FLOP per byte) over A100's (`A100_RIDGE`).
+
+    The fixed cost of an output tile is memory traffic -- its first operand slices loaded before the tensor cores
+    start, its result written by the epilogue -- while its ``K``-deep reduction is tensor-core work; measured in
+    reduction depth, the traffic is worth as much more as the GPU computes faster per byte it moves. H100 computes
+    3.2x A100's FLOP/s with 1.7x its bandwidth (ridge 295 vs 156 FLOP/byte): ``K0`` 1,514 against 800, so a GEMM
+    with a 2,048-deep reduction reaches 0.57 of H100's ``MATMUL_EFFICIENCY`` and 0.72 of A100's."""
+    return MATMUL_K0 * (tflops_bf16 / hbm_tb_s) / A100_RIDGE
+
+
 def _gpu(
     name: str, tflops_bf16: float, tflops_fp32: float, hbm_tb_s: float, nvlink_gb_s: float, ib_gb_s: float,
+    memory: float,
 ) -> Cluster:
     return Cluster(
-        name=name, devices_per_node=8, memory=80 * GB,
+        name=name, devices_per_node=8, memory=memory,
         flops={"bf16": tflops_bf16 * 1e12, "fp32": tflops_fp32 * 1e12}, matmul_efficiency=MATMUL_EFFICIENCY,
-        matmul_k0=MATMUL_K0,
+        matmul_k0=matmul_k0(tflops_bf16, hbm_tb_s),
         memory_bandwidth=hbm_tb_s * 1e12,
         intra=Link(nvlink_gb_s / 2 * GB * LINK_EFFICIENCY, 5e-6),
         inter=Link(ib_gb_s * GB * LINK_EFFICIENCY, 10e-6),
     )
 
 
+#: What CUDA reports of an "80GB" card (``torch.cuda.get_device_properties(0).total_memory``): A100-SXM4-80GB
+#: 81,920 MiB (80 GiB), H100-SXM5-80GB 81,559 MiB -- binary gigabytes, not 80e9 bytes (74.5 GiB).
+A100_80GB_BYTES = 81920 * 2**20
+H100_80GB_BYTES = 81559 * 2**20
+
 CLUSTER_PRESETS: dict[str, Cluster] = {
-    "a100": _gpu("a100", 312, 19.5, 2.0, 600, 25),
-    "h100": _gpu("h100", 989, 67, 3.35, 900, 50),
+    "a100": _gpu("a100", 312, 19.5, 2.0, 600, 25, A100_80GB_BYTES),
+    "h100": _gpu("h100", 989, 67, 3.35, 900, 50, H100_80GB_BYTES),
 }
 
 #: CPU ranks share the machine's RAM; the planner holds each rank to all of it (a loose bound).

@@ -20,21 +20,32 @@ gradients exist beside the accumulated ones (``2 g P``; measured by ``benchmarks
 
 Activations of one block for one micro-batch (Korthikanti et al. 2022, "Reducing activation recomputation",
 section 4): ``s b (rep h / (tp if sequence parallel else 1) + split h / tp + scores a s / tp)`` bytes.
-The paper's fp16 Megatron block with dropout and unfused attention has ``rep, split, scores = 10, 24, 5``
-(`KORTHIKANTI`: ``sbh (34 + 5as/h)`` on one device, ``sbh (10 + 24/t + 5as/(ht))`` under TP, ``sbh/t (34 +
-5as/h)`` with sequence parallelism). This codebase's block (`codebase_coefficients`, element size ``e``,
-no dropout by default, ``scaled_dot_product_attention`` keeping no ``s x s`` scores): ``rep = 4e`` (the
-two LayerNorms' inputs and outputs) and ``split = e (3 + 2 a_kv/a + 2 [a_kv < a] + 2F/h (4F/h SwiGLU))``
-(q, k, v and their GQA repeats, the attention output and its contiguous copy, the MLP's hidden tensors).
-``megatron-flash``: Korthikanti's block with flash attention (`KORTHIKANTI_FLASH`: no scores term; the kernels
-keep ``O(s)`` per head). Selective recompute (``recompute="attention"``, `selective_coefficients`): Korthikanti's
-block without its scores (``sbh (10 + 24/t)``, the paper's Table 2), this codebase's without SDPA's output, its
-contiguous copy and GQA's repeated K/V (``split - e (2 + 2 [a_kv < a])``), every block kept so.
+The paper's fp16 Megatron block (GPT: dropout, unfused attention, GELU MLP of ``4h``) has ``rep, split, scores =
+10, 24, 5`` (`KORTHIKANTI`: ``sbh (34 + 5as/h)`` on one device, ``sbh (10 + 24/t + 5as/(ht))`` under TP, ``sbh/t (34
++ 5as/h)`` with sequence parallelism). ``megatron`` and ``megatron-flash`` count the same tensors for the model's
+shapes (`korthikanti_coefficients`): ``rep = 8`` (the two LayerNorms' inputs, the QKV and first MLP matmuls' inputs)
+``+ 2`` with dropout (its two masks, 1 byte each), ``split = 2 q + 4 kv + 2 q + 2 n F/h`` (Q; K and V at the key/value
+heads' width -- grouped-query attention keeps ``a_kv`` heads, ``kv = a_kv d/h``; the output projection's input; the
+MLP's ``n`` ffn-wide tensors: 2 for GELU, 3 for SwiGLU -- Megatron's fused ``bias_swiglu`` keeps its ``2F`` input and
+the second matmul's ``F`` input), ``scores`` 5 (the softmax's output, its dropout mask and output; 2 without
+dropout). Megatron-LM's ``report_theoretical_memory`` (megatron/training/theoretical_memory_usage.py) has ``sbh (18 +
+4F/h)``, this count for GELU at any ``F``. ``megatron`` is the paper's (unfused attention, dropout: the 2021/2022
+runs); ``megatron-flash`` the runs since 2023 (Llama 3, MPT): flash attention (no scores term; the kernels keep
+``O(s)`` per head) and dropout 0 (no masks: PyTorch's dropout returns its input at ``p = 0``). This codebase's
+block (`codebase_coefficients`, element size ``e``, no dropout by default, ``scaled_dot_product_attention`` keeping
+no ``s x s`` scores): ``rep = 4e`` (the two LayerNorms' inputs and outputs) and ``split = e (3 + 2 a_kv/a + 2
+[a_kv < a] + 2F/h (4F/h SwiGLU))`` (q, k, v and their GQA repeats, the attention output and its contiguous copy, the
+MLP's hidden tensors: eager SwiGLU keeps ``w1 x``, its SiLU, ``w3 x`` and their product). Selective recompute
+(``recompute="attention"``, `selective_coefficients`): Korthikanti's block without its scores (``sbh (10 + 24/t)``,
+the paper's Table 2), this codebase's without SDPA's output, its contiguous copy and GQA's repeated K/V (``split - e
+(2 + 2 [a_kv < a])``), every block kept so.
 A checkpointed block keeps its input, ``e h`` per token (``/tp`` with sequence parallelism), and recomputes
 one block at a time (not while the head's loss is alive: the larger of the two counts). The head keeps
 ``HEAD_ELEMENTS`` fp32 logit-sized tensors per token (logits, log-softmax, their gradients), ``V/tp`` wide with
 ``loss_parallel`` (the vocab-parallel cross entropy), else ``V`` (gathered). A schedule keeps several micro-batches
-in flight (`in_flight`). Under PP a rank also holds a boundary's send and receive tensors, ``s b h p`` bytes each
+in flight (`in_flight`), of each of a rank's local stages as many as the schedule's order leaves it at the peak
+(`held_micro_batches`: interleaved 1F1B's local stages need not be equal -- the embedding and the head take a
+block's place). Under PP a rank also holds a boundary's send and receive tensors, ``s b h p`` bytes each
 (the residual stream is in the parameters' dtype: fp32 under ``bf16-mixed``).
 
 Mixture of experts (`ModelSpec.experts`, `Layout.ep`): a MoE block's experts are split over ``ep`` ranks (``E/ep``
@@ -54,17 +65,18 @@ to them, and attention computes ``s/c`` queries against all ``s`` keys: each lay
 attention's key/value heads before gathering -- ``a/tp`` heads of ``d`` under TP). What a batch's attention needs
 depends on its documents (``documents``, default False):
 
-* plain causal batches (pretraining: every row one document from position 0; the default): no mask. The gathered
-  K and V are reordered into the sequence's order (``index_select``: a copy) and SDPA runs once per local chunk of
-  ``s/(2c)`` queries against the keys up to that chunk's end, causal to the lower right (the fused kernels take it
-  without a mask tensor);
-* batches with documents (packed, left padding; ``documents=True``): a boolean ``(b, 1, s/c, s)`` mask of the
-  whole sequence for the rank's queries, made once per micro-batch before its first layer and dropped once the
-  batch's backward is done (`context_mask_bytes` with 1 byte per element, ``b (s/c) s``): all ``m`` micro-batches of
-  the batch under PP (the schedule runs every backward before it ends), one without (gradient accumulation ends a
-  batch per micro-batch) (`context_masks`), all of them alive at the peak; SDPA attends over the gathered keys with
-  it, converting it to a float mask (``b (s/c) s`` elements of ``e`` bytes, one for all heads, whole on every TP
-  rank).
+The gathered K and V are put in the sequence's order as they arrive (one copy of the pieces) and SDPA runs once
+per local chunk of ``s/(2c)`` queries against the keys up to that chunk's end (``end`` = ``s`` for rank 0's second
+chunk):
+
+* plain causal batches (pretraining: every row one document from position 0; the default): no mask -- causal to
+  the lower right, which the fused kernels take without a mask tensor;
+* batches with documents (packed, left padding; ``documents=True``): each call's mask is made in the call, the
+  boolean block ``(b, 1, s/(2c), end)`` and SDPA's float copy of it (``e`` bytes per element, one for all heads,
+  whole on every TP rank): at most ``b (s/2c) s (1 + e)`` bytes (`context_mask_bytes`), transient; what a
+  micro-batch keeps from its first layer until its backward is done is its tokens' documents, ``b s`` int64
+  (`context_documents_bytes`): all ``m`` micro-batches of the batch under PP (the schedule runs every backward
+  before it ends), one without (`context_masks`).
 
 Without activation checkpointing the implementation checkpoints each layer's gather and attention
 (``torch.utils.checkpoint`` around them; backward gathers again and recomputes the attention); with it (full or
@@ -81,11 +93,11 @@ selective) it does not: the layer's own recomputation regathers and recomputes. 
   saved inputs -- the reordered K/V slices of the two chunk calls, views of one copy, or the gathered K/V under a
   mask -- which are the transient's;
 * once, for the layer being computed (its forward, or its backward after its attention's or its own
-  recomputation), its attention's transient (`context_transient_bytes`). Plain: in forward the gathered K and V
-  and their reordered copy, ``2G``; in backward the reordered copy (SDPA's saved inputs, until the rank's first
-  chunk's backward) and its gradients, ``2G``, beside the gradients SDPA returns for the first chunk's keys and
-  values (``(r + 1)/(2c)`` of ``G`` on rank ``r``: up to ``G/2``) -- ``5G/2``. Documents: the gathered K and V and
-  their gradients before the reduce-scatter, ``2G``, and SDPA's float mask. `KORTHIKANTI`'s block adds instead of
+  recomputation), its attention's transient (`context_transient_bytes`): in forward the gathered pieces and their
+  copy in the sequence's order, ``2G``; in backward that copy (SDPA's saved inputs) and the gradients SDPA returns
+  for the longest prefix, ``2G`` (measured: benchmarks/ACTIVATIONS.md's "whole-sequence K/V" at the peak), the
+  prefixes' gradients then summed into one buffer of ``G`` for the reduction; with documents plus the largest
+  call's mask and its float copy (`context_mask_bytes`). `KORTHIKANTI`'s block adds instead of
   the float mask its own scores of the one layer (``5 b (a/tp) (s/c) s`` bytes). SDPA's fused kernels (CUDA's
   flash and memory-efficient kernels; with a mask on CPU its flash kernel, on CUDA the memory-efficient and cuDNN
   ones) keep no ``(s/c) x s`` scores. This transient is counted in the larger-of with the head's
@@ -114,23 +126,25 @@ from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB, MAX_IN_FLIGHT
 from .layout import Layout
 from .model import ModelSpec
 
-__all__ = ["ActivationCoefficients", "DOCUMENT_KV_COPIES", "KORTHIKANTI", "KORTHIKANTI_FLASH", "MEGATRON_PRECISIONS",
+__all__ = ["ActivationCoefficients", "CODEBASE_GATED_TENSORS", "DOCUMENT_KV_COPIES", "KORTHIKANTI",
+           "MEGATRON_GATED_TENSORS", "MEGATRON_PRECISIONS",
            "MemoryEstimate", "PLAIN_KV_COPIES", "PRECISIONS", "block_activation_bytes", "block_coefficients",
-           "selective_coefficients", "block_activations", "codebase_coefficients", "context_mask_bytes",
-           "context_masks", "context_transient_bytes", "context_unsaved_split", "estimate_memory",
-           "expert_activation_bytes", "fsdp_unit_params", "gathered_kv_bytes", "in_flight", "largest_block_params",
+           "selective_coefficients", "block_activations", "codebase_coefficients", "context_documents_bytes",
+           "context_mask_bytes", "context_masks", "context_transient_bytes", "context_unsaved_split", "estimate_memory",
+           "expert_activation_bytes", "fsdp_unit_params", "gathered_kv_bytes", "held_micro_batches", "in_flight",
+           "korthikanti_coefficients", "largest_block_params", "mlp_tensors",
            "moe_block_count", "moe_coefficients", "pipeline_stages", "rank_block_counts", "rank_expert_params",
-           "rank_layers", "rank_params", "routed_tokens", "zero_model_states"]
+           "rank_chunk_blocks", "rank_layers", "rank_params", "routed_tokens", "zero_model_states"]
 
 #: bytes per element: (parameters, gradients, optimizer state, activations). Adam keeps 2 moments.
 #: ``32-true``: fp32 everything; ``bf16-mixed``: Lightning autocast, fp32 weights and gradients, bf16
 #: activations; ``megatron``: fp16/bf16 weights and gradients, fp32 master weights + moments (ZeRO's K = 12),
-#: Korthikanti's block with its unfused attention (the ``s x s`` scores kept: the 2021/2022 Megatron runs);
-#: ``megatron-flash``: the same states, the block as the kernels users run since 2023 (flash / SDPA attention:
-#: no ``s x s`` tensor, only ``O(s)`` per head -- the softmax's logsumexp, negligible beside ``h``).
+#: Korthikanti's block with its unfused attention and dropout (the ``s x s`` scores kept: the 2021/2022 Megatron
+#: runs); ``megatron-flash``: the same states, the block as the runs since 2023 train it (flash / SDPA attention:
+#: no ``s x s`` tensor, only ``O(s)`` per head -- the softmax's logsumexp, negligible beside ``h``; dropout 0).
 PRECISIONS = {"32-true": (4, 4, 8, 4), "bf16-mixed": (4, 4, 8, 2), "megatron": (2, 2, 12, 2),
               "megatron-flash": (2, 2, 12, 2)}
-#: Precisions whose block is `KORTHIKANTI`'s (``megatron-flash``: without its scores term).
+#: Precisions whose block is Korthikanti's count (`korthikanti_coefficients`; ``megatron-flash``: no scores or dropout).
 MEGATRON_PRECISIONS = ("megatron", "megatron-flash")
 #: fp32 logit-sized tensors per token the LM head keeps at its peak (logits, log-softmax, their gradients).
 HEAD_ELEMENTS = 4
@@ -148,20 +162,39 @@ class ActivationCoefficients:
     mlp: float = 0.0
 
 
-#: The paper's MLP: GELU's input and output, 2 bytes each of ``4h`` (``16 sbh`` of the 24).
+#: The paper's block (section 4.1, fp16, GPT: dropout, GELU MLP of ``4h``, one K/V head per query head): ``rep`` the
+#: two LayerNorms' inputs (4), the inputs of the QKV and first MLP matmuls (2 + 2), the attention's and the MLP's
+#: dropout masks (1 + 1); ``split`` Q, K, V (6), the output projection's input (2), GELU's input and output (2 x 8
+#: of ``4h``: ``mlp`` 16); ``scores`` the softmax's output (2), its dropout mask (1) and output (2) per score.
 KORTHIKANTI = ActivationCoefficients(rep=10, split=24, scores=5, mlp=16)
-#: Korthikanti's block with flash attention: the kernel keeps Q, K, V (counted) and its output (the output
-#: projection's input, counted) and the logsumexp, ``O(s)`` per head; no scores, no softmax, no dropout mask.
-KORTHIKANTI_FLASH = dataclasses.replace(KORTHIKANTI, scores=0.0)
+
+
+def korthikanti_coefficients(model: ModelSpec, scores: bool = True, dropout: bool = True) -> ActivationCoefficients:
+    """`KORTHIKANTI`'s per-tensor count (2-byte activations) for ``model``'s shapes: Q ``2 q`` and K, V ``2 kv`` each
+    (``q``, ``kv``: their widths over ``h``, ``a d/h`` and ``a_kv d/h`` -- grouped-query attention keeps K and V at
+    ``a_kv`` heads, flash attention takes them so); the MLP's input, ``2 F/h`` per ffn-wide tensor it keeps: 2 for
+    GELU (its input and output), 3 for SwiGLU (Megatron's fused ``bias_swiglu`` keeps the first matmul's ``2F`` output
+    and the second's ``F`` input); ``dropout``: the two dropout masks (1 byte each; no mask at ``p = 0``: PyTorch's
+    dropout returns its input); ``scores``: the unfused attention's ``5 a s/h`` (``2`` without dropout: the softmax's
+    output alone). The GPT of the paper (dropout, ``F = 4h``, ``a_kv = a``) gives `KORTHIKANTI`; Megatron-LM's
+    ``report_theoretical_memory`` (megatron/training/theoretical_memory_usage.py) uses ``sbh (18 + 4F/h)``, the same
+    count for GELU at any ``F`` (its TODO: not for ``a d != h``; nor gating nor GQA)."""
+    width = model.heads * model.head_dim / model.hidden
+    kv = model.kv_heads * model.head_dim / model.hidden
+    mlp = _mlp_split(model, 2, model.ffn, MEGATRON_GATED_TENSORS)
+    return ActivationCoefficients(rep=8 + (2 if dropout else 0), split=2 * width + 4 * kv + 2 * width + mlp,
+                                  scores=(5 if dropout else 2) if scores else 0.0, mlp=mlp)
 
 
 def block_coefficients(model: ModelSpec, precision: str) -> ActivationCoefficients:
-    """The block's coefficients at ``precision``: `KORTHIKANTI` (``megatron``), `KORTHIKANTI_FLASH`
-    (``megatron-flash``), else this codebase's (`codebase_coefficients`)."""
+    """The block's coefficients at ``precision``: ``megatron`` Korthikanti's (`korthikanti_coefficients`: unfused
+    attention, dropout masks -- the 2021/2022 Megatron runs), ``megatron-flash`` the same count with flash attention
+    and no dropout (the runs since 2023 it stands for, Llama 3 and MPT, train with dropout 0), else this codebase's
+    (`codebase_coefficients`)."""
     if precision == "megatron":
-        return KORTHIKANTI
+        return korthikanti_coefficients(model)
     if precision == "megatron-flash":
-        return KORTHIKANTI_FLASH
+        return korthikanti_coefficients(model, scores=False, dropout=False)
     return codebase_coefficients(model, PRECISIONS[precision][3])
 
 
@@ -179,9 +212,22 @@ def selective_coefficients(c: ActivationCoefficients, model: ModelSpec, precisio
     return dataclasses.replace(c, split=max(0.0, c.split - dropped))
 
 
-def _mlp_split(model: ModelSpec, element: float, width: int) -> float:
-    """An MLP's hidden tensors per token, in units of ``h`` bytes: 2 (4 gated) of ``width`` elements."""
-    return element * (4 if model.gated_mlp else 2) * width / model.hidden
+#: ffn-wide tensors a gated MLP keeps: Megatron's fused SwiGLU 3 (the first matmul's ``2F`` output, the second's ``F``
+#: input), this codebase's 4 (``silu(w1 x) * w3 x`` in eager PyTorch: ``w1 x``, its SiLU, ``w3 x``, the product);
+#: a GELU MLP keeps 2 either way (GELU's input and output).
+MEGATRON_GATED_TENSORS, CODEBASE_GATED_TENSORS = 3, 4
+
+
+def mlp_tensors(model: ModelSpec, precision: str) -> int:
+    """ffn-wide tensors an MLP (or expert) keeps per token at ``precision`` (`MEGATRON_GATED_TENSORS`)."""
+    if not model.gated_mlp:
+        return 2
+    return MEGATRON_GATED_TENSORS if precision in MEGATRON_PRECISIONS else CODEBASE_GATED_TENSORS
+
+
+def _mlp_split(model: ModelSpec, element: float, width: int, tensors: int) -> float:
+    """An MLP's hidden tensors per token, in units of ``h`` bytes: ``tensors`` of ``width`` elements (2 not gated)."""
+    return element * (tensors if model.gated_mlp else 2) * width / model.hidden
 
 
 def context_unsaved_split(element: float) -> float:
@@ -194,14 +240,16 @@ def codebase_coefficients(model: ModelSpec, element: int) -> ActivationCoefficie
     """This codebase's block (see the module docstring) with ``element``-byte activations."""
     gqa = model.kv_heads < model.heads
     attention = 3 + 2 * model.kv_heads / model.heads + (2 if gqa else 0)
-    mlp = _mlp_split(model, element, model.ffn)
+    mlp = _mlp_split(model, element, model.ffn, CODEBASE_GATED_TENSORS)
     return ActivationCoefficients(rep=4 * element, split=element * attention + mlp, scores=0, mlp=mlp)
 
 
-def moe_coefficients(c: ActivationCoefficients, model: ModelSpec, element: float) -> ActivationCoefficients:
+def moe_coefficients(c: ActivationCoefficients, model: ModelSpec, element: float,
+                     tensors: int = CODEBASE_GATED_TENSORS) -> ActivationCoefficients:
     """A MoE block's activations outside its experts: ``c`` with the dense MLP's part of ``split`` replaced by the
-    shared experts' (split over TP like it); the experts' own are `expert_activation_bytes`."""
-    shared = _mlp_split(model, element, model.shared_ffn)
+    shared experts' (split over TP like it; ``tensors``: `mlp_tensors`); the experts' own are
+    `expert_activation_bytes`."""
+    shared = _mlp_split(model, element, model.shared_ffn, tensors)
     return ActivationCoefficients(rep=c.rep, split=max(0.0, c.split - c.mlp) + shared, scores=c.scores, mlp=shared)
 
 
@@ -212,15 +260,15 @@ def routed_tokens(tokens: float, tp: int, sequence_parallel: bool) -> float:
 
 
 def expert_activation_bytes(model: ModelSpec, tokens: float, element: float, tp: int = 1,
-                            sequence_parallel: bool = False) -> float:
+                            sequence_parallel: bool = False, tensors: int = CODEBASE_GATED_TENSORS) -> float:
     """Bytes one MoE block's experts and router keep for backward on one rank for a micro-batch of ``tokens``
     (its replica's): per pair computed (``k`` per routed token under uniform routing) the expert's input and
-    output rows and hidden tensors, ``e (2h + 4F_e)`` (``2F_e`` not gated); per routed token the router's logits
-    (``e``) and probabilities (fp32), ``(e + 4) E``."""
+    output rows and hidden tensors, ``e (2h + n F_e)`` (``n = tensors`` gated, `mlp_tensors`; 2 not gated); per
+    routed token the router's logits (``e``) and probabilities (fp32), ``(e + 4) E``."""
     if not model.experts:
         return 0.0
     routed = routed_tokens(tokens, tp, sequence_parallel)
-    per_pair = element * (2 * model.hidden + (4 if model.gated_mlp else 2) * model.expert_ffn)
+    per_pair = element * (2 * model.hidden + (tensors if model.gated_mlp else 2) * model.expert_ffn)
     return routed * (model.top_k * per_pair + (element + 4) * model.experts)
 
 
@@ -244,41 +292,47 @@ def gathered_kv_bytes(model: ModelSpec, b: int, element: float, tp: int = 1, cp:
 
 
 def context_mask_bytes(model: ModelSpec, b: int, element: float, cp: int = 1) -> float:
-    """Bytes of the whole-sequence mask of the rank's queries under context parallelism for a micro-batch of ``b``
-    sequences with documents: ``b (s/cp) s`` elements (the rank's queries against every key; one for all heads) of
-    ``element`` bytes -- 1 for the boolean mask the implementation makes once per micro-batch, ``e`` for SDPA's float
-    copy of it in the layer being computed; 0 without context parallelism (the model's own mask)."""
+    """Bytes of the largest mask one context-parallel SDPA call takes for a micro-batch of ``b`` sequences with
+    documents: rank 0's second chunk's ``s/(2cp)`` queries against all ``s`` keys, ``b (s/2cp) s`` elements (one for
+    all heads) of ``element`` bytes -- 1 for the boolean block the call makes, ``e`` for SDPA's float copy of it;
+    0 without context parallelism (the model's own mask)."""
     if cp == 1:
         return 0.0
-    return b * (model.seq_len // cp) * model.seq_len * element
+    return b * (model.seq_len // (2 * cp)) * model.seq_len * element
+
+
+def context_documents_bytes(model: ModelSpec, b: int) -> float:
+    """Bytes a micro-batch with documents keeps under context parallelism until its backward is done: the document
+    of every token of its sequences, ``b s`` int64 (the calls make their masks from it)."""
+    return 8.0 * b * model.seq_len
 
 
 def context_masks(layout: Layout, documents: bool = False) -> int:
-    """How many boolean masks (`context_mask_bytes`) a rank keeps at its peak: 0 for plain causal batches (no
-    mask); with ``documents`` one per micro-batch of the batch, dropped once the batch's backward is done -- all
-    ``m`` under PP (the schedule runs every micro-batch's backward first), 1 without (each accumulated micro-batch
-    is a batch of its own); 0 at ``cp = 1``."""
+    """How many micro-batches' documents (`context_documents_bytes`) a rank keeps at its peak: 0 for plain causal
+    batches; with ``documents`` each micro-batch's until the batch's backward is done -- all ``m`` under PP (the
+    schedule runs every micro-batch's backward first), 1 without (each accumulated micro-batch is a batch of its
+    own); 0 at ``cp = 1``."""
     if layout.cp == 1 or not documents:
         return 0
     return layout.micro_batches if layout.pp > 1 else 1
 
 
-#: The gathered keys and values a plain causal batch's attention holds at its peak, in units of
-#: `gathered_kv_bytes`: forward the gathered and their reordered copy (2); backward the reordered copy (SDPA's saved
-#: inputs) and its gradients (2) beside the gradients SDPA returns for the rank's first chunk's keys (up to 1/2).
-PLAIN_KV_COPIES = 2.5
-#: The same with documents: the gathered K and V (SDPA's saved inputs) and their gradients.
+#: The whole sequence's keys and values the attention of the layer being computed holds at its peak, in units of
+#: `gathered_kv_bytes`: in forward the all-gather's pieces and their copy in the sequence's order (2); in backward
+#: that copy (SDPA's saved inputs) and the gradients SDPA returns for the longest prefix (2; measured at the peak,
+#: benchmarks/ACTIVATIONS.md), the buffer summing the prefixes' gradients coming after the copy is released.
+PLAIN_KV_COPIES = 2.0
+#: The same with documents (the masks are counted apart: `context_mask_bytes`).
 DOCUMENT_KV_COPIES = 2.0
 
 
 def context_transient_bytes(model: ModelSpec, b: int, precision: str, tp: int = 1, cp: int = 1,
                             documents: bool = False) -> float:
     """The transient of the attention of the layer being computed under context parallelism (its forward, or its
-    backward after the attention's or the layer's recomputation): for plain causal batches ``5/2`` of the gathered
-    K and V (`gathered_kv_bytes`; `PLAIN_KV_COPIES`: in forward the gathered and their reordered copy, in backward
-    the reordered copy, its gradients and the first chunk's key/value gradients, up to half of them); with
-    ``documents`` the gathered K and V and their gradients before the reduce-scatter (`DOCUMENT_KV_COPIES`) and
-    SDPA's float copy of the mask (`context_mask_bytes` with ``e``-byte elements). `KORTHIKANTI`'s block
+    backward after the attention's or the layer's recomputation): twice the gathered K and V (`gathered_kv_bytes`;
+    `PLAIN_KV_COPIES`: the pieces and their copy in the sequence's order in forward, that copy and the longest
+    prefix's gradients in backward); with ``documents`` also the largest call's boolean mask and SDPA's float copy
+    of it (`context_mask_bytes`, ``1 + e`` bytes per element). `KORTHIKANTI`'s block
     (``megatron``) adds instead of the float mask its own scores of the one layer (``5 b (a/tp) (s/cp) s`` bytes).
     0 without context parallelism."""
     if cp == 1:
@@ -288,7 +342,7 @@ def context_transient_bytes(model: ModelSpec, b: int, precision: str, tp: int = 
     if precision == "megatron":  # (megatron-flash: no scores)
         return kv + block_activation_bytes(ActivationCoefficients(0.0, 0.0, KORTHIKANTI.scores), model.seq_len, b,
                                            model.hidden, model.heads, tp, cp=cp)
-    return kv + (context_mask_bytes(model, b, e, cp) if documents else 0.0)
+    return kv + (context_mask_bytes(model, b, 1 + e, cp) if documents else 0.0)
 
 
 def zero_model_states(psi: float, dp: int, stage: int, precision: str = "megatron") -> float:
@@ -299,21 +353,48 @@ def zero_model_states(psi: float, dp: int, stage: int, precision: str = "megatro
 
 
 def in_flight(schedule: str, pp: int, m: int, v: int, rank: int) -> float:
-    """Micro-batches whose activations pipeline ``rank`` holds at its peak, in units of all its layers.
+    """Micro-batches whose activations pipeline ``rank`` holds at its peak, in units of all its layers (equal local
+    stages; `held_micro_batches` weighs unequal ones).
 
-    GPipe: all ``m``. 1F1B: ``min(pp - rank, m)`` (Narayanan et al. 2021). Interleaved 1F1B: rank 0 holds
-    ``pp + (pp - 1)/v`` (Korthikanti et al. 2022, section 4.2.3), the last rank ``1 + (v - 1) pp / v``
-    (its warm-up of ``(v-1) pp`` chunk micro-batches). ZB-V: ``pp`` on every rank (Qi et al. 2024: the V shape
-    balances 1F1B's peak across ranks)."""
+    GPipe: all ``m``. 1F1B: ``min(pp - rank, m)`` (Narayanan et al. 2021). Interleaved 1F1B: its warm-up forwards
+    and the first steady one, ``(v-1) pp + 2 (pp-1-rank) + 1`` local-stage micro-batches (at most ``m v``: all
+    forwards first), ``1/v`` of the rank's layers each -- rank 0 ``pp + (pp-1)/v`` (Korthikanti et al. 2022,
+    section 4.2.3). ZB-V: ``pp`` on every rank (Qi et al. 2024: the V shape balances 1F1B's peak across ranks)."""
     if pp == 1:
         return 1.0
     if schedule == "gpipe":
         return float(m)
     if schedule == "interleaved_1f1b":
-        return pp + (pp - 1) / v if rank == 0 else 1 + (v - 1) * pp / v
+        return min(m * v, (v - 1) * pp + 2 * (pp - 1 - rank) + 1) / v
     if schedule == "zero_bubble":
         return float(pp)
     return float(min(pp - rank, m))
+
+
+def held_micro_batches(schedule: str, pp: int, m: int, v: int, rank: int, chunks: tuple[float, ...]) -> float:
+    """The peak over the schedule of ``sum_c n_c chunks[c]``: ``n_c`` the micro-batches whose activations the rank's
+    ``c``-th local stage holds, ``chunks[c]`` what one micro-batch of it holds (its blocks' activations: local stages
+    need not be equal -- the embedding's and the head's take a block's place). Interleaved 1F1B replays the
+    schedule's order (Megatron-LM's ``forward_backward_pipelining_with_interleaving``, which
+    ``torch.distributed.pipelining.ScheduleInterleaved1F1B`` follows): ``(v-1) pp + 2 (pp-1-rank)`` warm-up forwards,
+    then one forward and one backward at a time; forward ``k`` runs local stage ``(k // pp) % v``, backward ``k``
+    stage ``v - 1 - (k // pp) % v``. With equal stages rank 0's peak is `in_flight`'s ``pp + (pp-1)/v`` stages' worth
+    (Korthikanti et al. 2022, section 4.2.3), the last rank's ``1/v`` of a micro-batch above its warm-up's. Other
+    schedules: `in_flight` of the whole rank."""
+    if pp == 1 or schedule != "interleaved_1f1b" or v == 1:
+        return in_flight(schedule, pp, m, v, rank) * sum(chunks)
+    total = m * v
+    held, forward, peak = [0] * v, 0, 0.0
+    for _ in range(min(total, (v - 1) * pp + 2 * (pp - 1 - rank))):
+        held[(forward // pp) % v] += 1
+        forward += 1
+    for backward in range(total):
+        if forward < total:
+            held[(forward // pp) % v] += 1
+            forward += 1
+        peak = max(peak, sum(n * c for n, c in zip(held, chunks)))
+        held[v - 1 - (backward // pp) % v] -= 1
+    return peak
 
 
 @functools.lru_cache(maxsize=None)
@@ -384,6 +465,22 @@ def rank_block_counts(model: ModelSpec, pp: int, stages_per_rank: int, style: st
 
 
 @functools.lru_cache(maxsize=None)
+def rank_chunk_blocks(model: ModelSpec, pp: int, stages_per_rank: int,
+                      style: str) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """``(dense blocks, MoE blocks)`` of each local stage of each pipeline rank, in the order the rank runs them."""
+    stages, ranks = pipeline_stages(model, pp, stages_per_rank, style)
+    out = []
+    for rank in range(pp):
+        chunks = []
+        for stage, r in zip(stages, ranks):
+            if r == rank:
+                moe = moe_block_count(model, stage)
+                chunks.append((sum(1 for i in stage if 0 < i <= model.n_layer) - moe, moe))
+        out.append(tuple(chunks))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=None)
 def largest_block_params(model: ModelSpec, tp: int, ep: int) -> float:
     """The parameters on a device of the largest block (dense or MoE): an FSDP2 unit under ``torch.compile``."""
     return max(rank_params(model, (i,), tp, ep) for i in {1, model.n_layer}) if model.n_layer else 0.0
@@ -428,8 +525,9 @@ def block_activations(model: ModelSpec, layout: Layout, precision: str) -> tuple
     dense = block_activation_bytes(coeffs, s, b, h, model.heads, t, sp, cp)
     if not model.experts:
         return dense, 0.0
-    moe = block_activation_bytes(moe_coefficients(coeffs, model, e), s, b, h, model.heads, t, sp, cp)
-    return dense, moe + expert_activation_bytes(model, s * b // cp, e, t, sp)
+    n = mlp_tensors(model, precision)
+    moe = block_activation_bytes(moe_coefficients(coeffs, model, e, n), s, b, h, model.heads, t, sp, cp)
+    return dense, moe + expert_activation_bytes(model, s * b // cp, e, t, sp, n)
 
 
 @dataclass(frozen=True)
@@ -467,10 +565,11 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
     per_rank = lay.virtual_stages if lay.pp > 1 else 1
     ranks = rank_layers(model, lay.pp, per_rank, spec.style)
     counts = rank_block_counts(model, lay.pp, per_rank, spec.style)
+    chunks = rank_chunk_blocks(model, lay.pp, per_rank, spec.style)
     s, b, h, t, ep, cp = model.seq_len, lay.micro_batch, model.hidden, lay.tp, lay.ep, lay.cp
     dense_act, moe_act = block_activations(model, lay, precision)
     transient = context_transient_bytes(model, b, precision, t, cp, documents)  # the layer being computed's attention
-    masks = context_masks(lay, documents) * context_mask_bytes(model, b, 1, cp)  # boolean, per micro-batch
+    masks = context_masks(lay, documents) * context_documents_bytes(model, b)  # each micro-batch's documents
     kept = s * b * h * e / (t if lay.sequence_parallel else 1) / cp  # a checkpointed block's input
     unit_p = fsdp_unit_params(model, t, ep, compile)  # the largest FSDP2 unit
     whole_window = lay.pp > 1 or lay.accumulation > 1  # gradients not reduced before the window ends
@@ -498,11 +597,9 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
             else:
                 grads = gb * (P + (slices if lay.zero_stage == 2 and sharded else 0))
         optimizer = ob * (P - experts) / dp + ob * experts / edp
-        f = in_flight(lay.schedule, lay.pp, lay.micro_batches, lay.virtual_stages, rank)
-        if lay.activation_checkpointing:
-            held = (dense_blocks + moe_blocks) * f * kept
-        else:
-            held = dense_blocks * f * dense_act + moe_blocks * f * moe_act
+        per_chunk = tuple((d + x) * kept if lay.activation_checkpointing else d * dense_act + x * moe_act
+                          for d, x in chunks[rank])
+        held = held_micro_batches(lay.schedule, lay.pp, lay.micro_batches, lay.virtual_stages, rank, per_chunk)
         largest = max(dense_act if dense_blocks or not moe_blocks else 0.0, moe_act if moe_blocks else 0.0)
         head = 0.0
         if model.n_layer + 1 in layers:

@@ -12,7 +12,9 @@ Per micro-batch of ``b`` sequences (``T = b s`` tokens) and per block on one dev
   attention (the `ModelSpec.flops_per_token` count), backward twice that, a checkpointed block's forward
   again (so x4/3), under selective recompute (``recompute="attention"``) the attention core's ``4 h s / tp`` once
   more; at the cluster's achievable matmul FLOP/s, the weight GEMMs slower by their shapes (`matmul_time_factor`:
-  ``E K / (K + K0)`` for a reduction ``K`` per device), plus ``layer_overhead`` per pass, plus
+  ``E K / (K + K0)`` for a reduction ``K`` per device; ``K0`` the depth an output tile's fixed memory traffic is
+  worth, in proportion to the GPU's ridge point: 800 on A100, 1,514 on H100, `lightning_hybrid.planner.cluster.
+  matmul_k0`), plus ``layer_overhead`` per pass, plus
   element-wise work: the block's activations written in forward, read and written in backward
   (3 x activation bytes / memory bandwidth);
 * TP: two all-reduces of ``T h e`` bytes in forward and two in backward (Shoeybi et al. 2019; with sequence
@@ -91,8 +93,8 @@ Context parallelism (`Layout.cp` = ``c``; `lightning_hybrid.context_parallel`), 
   ``4 h s / tp`` FLOPs per local token): the implementation checkpoints the gather and the attention, so backward
   recomputes it (with activation checkpointing the recomputed layer's forward, counted already, includes it); TP's
   collectives and the pipeline's boundary tensors carry ``T/c`` tokens; the element-wise traffic includes the
-  gathered K/V and their reordered copy (plain causal batches) or the gathered K/V and SDPA's float mask
-  (``documents``) (`context_attention_traffic`);
+  gathered K/V and their copy in the sequence's order, and with ``documents`` the calls' masks and SDPA's float
+  copies (`context_attention_traffic`);
 * KV exchange (``c > 1``; `kv_exchange_time`), each a ring over ``c`` ranks of ``2 b s (a/tp) d e`` bytes for K and
   V together -- per query head: the implementation repeats grouped-query attention's key/value heads before
   gathering -- a rank sending ``(c-1)/c`` of it (`kv_exchange_bytes`): in forward an all-gather of K and one of V
@@ -129,8 +131,9 @@ from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB
 from .cluster import Cluster, Link
 from .layout import Layout
 from .memory import (PLAIN_KV_COPIES, PRECISIONS, ActivationCoefficients, block_activation_bytes, block_activations,
-                     block_coefficients, context_transient_bytes, gathered_kv_bytes, moe_block_count, pipeline_stages,
-                     rank_block_counts, rank_expert_params, rank_layers, rank_params, routed_tokens)
+                     block_coefficients, context_mask_bytes, context_transient_bytes, gathered_kv_bytes,
+                     moe_block_count, pipeline_stages, rank_block_counts, rank_expert_params, rank_layers, rank_params,
+                     routed_tokens)
 from .model import ModelSpec
 
 __all__ = ["TimeEstimate", "all_to_all_bytes", "all_to_all_time", "bubble_fraction", "estimate_time",
@@ -254,16 +257,16 @@ def mask_gather_time(model: ModelSpec, layout: Layout, cluster: Cluster) -> floa
 def context_attention_traffic(model: ModelSpec, b: int, precision: str, tp: int = 1, cp: int = 1,
                               documents: bool = False) -> float:
     """Bytes of one block's context-parallel attention that are not the block's kept activations, for its
-    element-wise traffic: the gathered K and V and their reordered copy (plain causal batches), or with
-    ``documents`` the gathered K and V and SDPA's float mask; `KORTHIKANTI`'s block its scores in the float mask's
-    place. 0 for ``cp = 1``."""
+    element-wise traffic: the gathered K and V and their copy in the sequence's order, with ``documents`` the
+    calls' masks and SDPA's float copies (both chunks': ``(2c + 1)/(2c)`` of the largest one's, at most 1.5);
+    `KORTHIKANTI`'s block its scores. 0 for ``cp = 1``."""
     if cp == 1:
         return 0.0
-    kv = gathered_kv_bytes(model, b, PRECISIONS[precision][3], tp, cp)
-    if documents:  # the transient without the gradients of K and V
-        return context_transient_bytes(model, b, precision, tp, cp, True) - kv
+    e = PRECISIONS[precision][3]
+    kv = gathered_kv_bytes(model, b, e, tp, cp)
+    masks = 1.5 * context_mask_bytes(model, b, 1 + e, cp) if documents else 0.0
     scores = context_transient_bytes(model, b, precision, tp, cp) - PLAIN_KV_COPIES * kv  # KORTHIKANTI's, else 0
-    return 2 * kv + scores
+    return 2 * kv + masks + scores
 
 
 def all_to_all_bytes(model: ModelSpec, layout: Layout, tokens_per_rank: float | None = None, *,
