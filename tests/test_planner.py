@@ -662,7 +662,15 @@ def test_cp_halves_activations_per_rank_plus_one_layers_attention_and_the_masks_
     assert context_transient_bytes(m, 1, "bf16-mixed", cp=2, documents=True) == doc_transient
     assert docs.activations == pytest.approx(L * (block - sdpa_out) / 2 + documents_kept
                                              + max(head / 2, doc_transient))
-    assert estimate_memory(m, Layout(1, 1, 1, 0, 1, 1), "bf16-mixed", documents=True) == one
+    # At cp=1 each block keeps SDPA's float copy of the model's (b, 1, s, s) mask for backward: s^2 e per layer
+    # (measured: benchmarks/ACTIVATIONS.md, the reference GPT 4 x 128 at T=2048, fp32: packed 136.30 MiB against
+    # plain 72.30, 4 layers x 16 MiB).
+    docs_one = estimate_memory(m, Layout(1, 1, 1, 0, 1, 1), "bf16-mixed", documents=True)
+    assert docs_one.activations == pytest.approx(one.activations + L * s * s * e)
+    gpt = ModelSpec("gpt-4x128", n_layer=4, hidden=128, heads=4, kv_heads=4, ffn=512, vocab=256, seq_len=2048)
+    plain_gpt, packed_gpt = (estimate_memory(gpt, Layout(1, 1, 1, 0, 1, 1), "32-true", documents=d) for d in (0, 1))
+    measured = (136.30 - 72.30) * 2**20
+    assert packed_gpt.activations - plain_gpt.activations == 4 * 2048 * 2048 * 4 == pytest.approx(measured)
     # Checkpointed: each block's input halves; beside them the head, or the recomputed block (its 1/2, SDPA's output
     # too: the attention is not checkpointed of its own) with the attention's transient (which holds SDPA's saved
     # inputs, the reordered K/V slices).

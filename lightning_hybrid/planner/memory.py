@@ -58,6 +58,11 @@ sends) -- the expert's input and output rows and its hidden tensors, ``e (2h + 4
 routed token the router's logits and fp32 probabilities ``(e + 4) E``. A rank routes all of its replica's tokens
 under TP (the experts are replicated over TP), ``1/tp`` of them with sequence parallelism.
 
+Batches with documents (packed, left padding; ``documents=True``) without context parallelism: each layer's SDPA
+converts the model's boolean ``(b, 1, s, s)`` document mask to the queries' dtype and its kernel keeps that copy
+for backward, ``b s^2 e`` bytes per held block (one for all heads, whole on every TP rank; `document_mask_bytes`),
+the recomputed block's only under activation checkpointing.
+
 Context parallelism (`Layout.cp` = ``c``; `lightning_hybrid.context_parallel`): each rank holds ``s/c`` tokens of
 every sequence (the zigzag split: chunks ``r`` and ``2c-1-r`` of ``2c``). Everything outside attention is local
 to them, and attention computes ``s/c`` queries against all ``s`` keys: each layer all-gathers the keys and values
@@ -126,15 +131,15 @@ from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB, MAX_IN_FLIGHT
 from .layout import Layout
 from .model import ModelSpec
 
-__all__ = ["ActivationCoefficients", "CODEBASE_GATED_TENSORS", "DOCUMENT_KV_COPIES", "KORTHIKANTI",
-           "MEGATRON_GATED_TENSORS", "MEGATRON_PRECISIONS",
-           "MemoryEstimate", "PLAIN_KV_COPIES", "PRECISIONS", "block_activation_bytes", "block_coefficients",
-           "selective_coefficients", "block_activations", "codebase_coefficients", "context_documents_bytes",
-           "context_mask_bytes", "context_masks", "context_transient_bytes", "context_unsaved_split", "estimate_memory",
-           "expert_activation_bytes", "fsdp_unit_params", "gathered_kv_bytes", "held_micro_batches", "in_flight",
-           "korthikanti_coefficients", "largest_block_params", "mlp_tensors",
-           "moe_block_count", "moe_coefficients", "pipeline_stages", "rank_block_counts", "rank_expert_params",
-           "rank_chunk_blocks", "rank_layers", "rank_params", "routed_tokens", "zero_model_states"]
+__all__ = ["CODEBASE_GATED_TENSORS", "DOCUMENT_KV_COPIES", "KORTHIKANTI", "MEGATRON_GATED_TENSORS",
+           "MEGATRON_PRECISIONS", "PLAIN_KV_COPIES", "PRECISIONS", "ActivationCoefficients", "MemoryEstimate",
+           "block_activation_bytes", "block_activations", "block_coefficients", "codebase_coefficients",
+           "context_documents_bytes", "context_mask_bytes", "context_masks", "context_transient_bytes",
+           "context_unsaved_split", "document_mask_bytes", "estimate_memory", "expert_activation_bytes",
+           "fsdp_unit_params", "gathered_kv_bytes", "held_micro_batches", "in_flight", "korthikanti_coefficients",
+           "largest_block_params", "mlp_tensors", "moe_block_count", "moe_coefficients", "pipeline_stages",
+           "rank_block_counts", "rank_chunk_blocks", "rank_expert_params", "rank_layers", "rank_params",
+           "routed_tokens", "selective_coefficients", "zero_model_states"]
 
 #: bytes per element: (parameters, gradients, optimizer state, activations). Adam keeps 2 moments.
 #: ``32-true``: fp32 everything; ``bf16-mixed``: Lightning autocast, fp32 weights and gradients, bf16
@@ -299,6 +304,16 @@ def context_mask_bytes(model: ModelSpec, b: int, element: float, cp: int = 1) ->
     if cp == 1:
         return 0.0
     return b * (model.seq_len // (2 * cp)) * model.seq_len * element
+
+
+def document_mask_bytes(model: ModelSpec, b: int, element: float) -> float:
+    """Bytes a block keeps for backward of a micro-batch of ``b`` sequences with documents without context
+    parallelism: SDPA's float copy of the model's boolean ``(b, 1, s, s)`` document mask (one for all heads, whole on
+    every TP rank, ``element`` bytes: the queries' dtype), which each layer's SDPA makes and its kernel saves for
+    backward -- measured: benchmarks/ACTIVATIONS.md, packed against plain batches at cp=1, 16 MiB more per layer at
+    s = 2048 in fp32. The boolean mask itself (transformers builds it once per forward, the reference GPT per
+    layer, unsaved) is not counted."""
+    return b * model.seq_len * model.seq_len * element
 
 
 def context_documents_bytes(model: ModelSpec, b: int) -> float:
@@ -555,9 +570,9 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
                     compile: bool = False) -> MemoryEstimate:
     """The predicted peak of the first and the last pipeline rank (the fullest is returned). ``documents``: the
     batches hold documents (packed, left padding), whose attention under context parallelism takes a mask
-    (`context_masks`, `context_transient_bytes`); default plain causal batches (pretraining). No effect at
-    ``cp = 1``. ``compile``: the strategy's ``compile=True``, whose ZeRO-3 units are whole layers
-    (`fsdp_unit_params`)."""
+    (`context_masks`, `context_transient_bytes`), and without it keeps SDPA's float copy of the model's mask per
+    block (`document_mask_bytes`); default plain causal batches (pretraining). ``compile``: the strategy's
+    ``compile=True``, whose ZeRO-3 units are whole layers (`fsdp_unit_params`)."""
     pb, gb, ob, e = PRECISIONS[precision]
     lay = layout
     lay.check_model(model)
@@ -570,6 +585,7 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
     dense_act, moe_act = block_activations(model, lay, precision)
     transient = context_transient_bytes(model, b, precision, t, cp, documents)  # the layer being computed's attention
     masks = context_masks(lay, documents) * context_documents_bytes(model, b)  # each micro-batch's documents
+    own_mask = document_mask_bytes(model, b, e) if documents and cp == 1 else 0.0  # per block: SDPA's float mask
     kept = s * b * h * e / (t if lay.sequence_parallel else 1) / cp  # a checkpointed block's input
     unit_p = fsdp_unit_params(model, t, ep, compile)  # the largest FSDP2 unit
     whole_window = lay.pp > 1 or lay.accumulation > 1  # gradients not reduced before the window ends
@@ -597,7 +613,8 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
             else:
                 grads = gb * (P + (slices if lay.zero_stage == 2 and sharded else 0))
         optimizer = ob * (P - experts) / dp + ob * experts / edp
-        per_chunk = tuple((d + x) * kept if lay.activation_checkpointing else d * dense_act + x * moe_act
+        per_chunk = tuple((d + x) * kept if lay.activation_checkpointing
+                          else d * (dense_act + own_mask) + x * (moe_act + own_mask)
                           for d, x in chunks[rank])
         held = held_micro_batches(lay.schedule, lay.pp, lay.micro_batches, lay.virtual_stages, rank, per_chunk)
         largest = max(dense_act if dense_blocks or not moe_blocks else 0.0, moe_act if moe_blocks else 0.0)
@@ -608,7 +625,7 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
             head = head_f * s * b * (h * e + HEAD_ELEMENTS * 4 * vocab) / cp
         # The head's loss and a block's backward (a recomputed block's activations, the attention's transient under
         # CP) are not alive at once.
-        act = held + masks + max(head, (largest if lay.activation_checkpointing else 0.0) + transient)
+        act = held + masks + max(head, (largest + own_mask if lay.activation_checkpointing else 0.0) + transient)
         # the stage boundary's send and receive tensors: the residual stream, in the parameters' dtype
         buffers = 2 * s * b * h * pb / cp if lay.pp > 1 else 0.0
         est = MemoryEstimate(params, grads, optimizer, act * activation_scale, buffers, rank)
