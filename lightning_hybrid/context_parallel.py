@@ -109,26 +109,31 @@ class ContextParallel:
         self._batch_positions: Optional[Tensor] = None  # the batch's, for layers that receive none
         self._checked: set[tuple] = set()
         self._documents: dict[int, tuple[Tensor, Optional[Tensor]]] = {}  # id(positions) -> (positions, docs)
+        self._layer: Optional[int] = None  # the index of the layer running (`wrap`'s order)
+        self._layers = 0
+        self._kv_groups: dict[tuple, int] = {}  # (layer, query heads) -> query heads per key/value head gathered
 
     def wrap(self, layer: nn.Module) -> None:
         forward = layer.forward
+        index, self._layers = self._layers, self._layers + 1
 
         def context_parallel_forward(*args: Any, **kwargs: Any) -> Any:
-            with self.attending(kwargs.get("position_ids")):
+            with self.attending(kwargs.get("position_ids"), index):
                 return forward(*args, **kwargs)
 
         layer.forward = context_parallel_forward
         layer.register_forward_pre_hook(self._prepare_documents, with_kwargs=True)
 
     @contextmanager
-    def attending(self, positions: Optional[Tensor]) -> Iterator[None]:
+    def attending(self, positions: Optional[Tensor], layer: Optional[int] = None) -> Iterator[None]:
         """While a layer runs: its tokens' positions, and SDPA caught."""
-        saved, self._positions = self._positions, positions
+        saved = self._positions, self._layer
+        self._positions, self._layer = positions, layer
         try:
             with _AttentionMode(self):
                 yield
         finally:
-            self._positions = saved
+            self._positions, self._layer = saved
 
     # ------------------------------------------------------------------ attention
     def attention(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
@@ -148,12 +153,19 @@ class ContextParallel:
         if key.size(-2) != local or positions.size(-1) != local:
             raise RuntimeError(f"context parallelism: the attention's keys ({key.size(-2)}) and positions"
                                f" ({positions.size(-1)}) do not cover the rank's {local} queries")
-        # A model may hand SDPA its key/value heads once (grouped-query attention, enable_gqa) on one rank and
-        # repeated per query head on another (transformers decides by the rank's own mask): gathered per query head.
+        # Grouped-query attention: a model may hand SDPA its key/value heads once (enable_gqa) on one rank and
+        # repeated per query head on another (transformers decides by the rank's own mask). Every rank gathers one
+        # head per group -- the heads repeat after the gather -- with the group size all ranks found at the layer's
+        # first attention (`_kv_group`): 1 (gathered per query head) where any rank cannot tell its groups.
         heads = query.size(-3)
-        if key.size(-3) != heads:
-            key = key.repeat_interleave(heads // key.size(-3), dim=-3)
-            value = value.repeat_interleave(heads // value.size(-3), dim=-3)
+        group = self._kv_group(key, value, heads)
+        kv_heads = heads // group
+        if key.size(-3) > kv_heads:  # repeated per query head by the model: one of each group's copies
+            step = key.size(-3) // kv_heads
+            key, value = key[..., ::step, :, :], value[..., ::step, :, :]
+        elif key.size(-3) < kv_heads:
+            key = key.repeat_interleave(kv_heads // key.size(-3), dim=-3)
+            value = value.repeat_interleave(kv_heads // value.size(-3), dim=-3)
         docs = self.documents(positions, query.device)
         # Checkpointed: backward gathers the keys and values again rather than keeping the whole sequence's (and
         # what SDPA saves of the rank's queries against them) for every layer until its backward. (Not inside a
@@ -161,6 +173,33 @@ class ContextParallel:
         if not self.recompute_attention:
             return self._attend(query, key, value, docs, dropout_p, scale)
         return checkpoint(self._attend, query, key, value, docs, dropout_p, scale, use_reentrant=False)
+
+    def _kv_group(self, key: Tensor, value: Tensor, heads: int) -> int:
+        """How many query heads share a key/value head in this layer, as every CP rank agrees (decided at the layer's
+        first attention: an all-reduce of each rank's finding, the smallest). A rank handed fewer key heads than
+        query heads knows it from the shapes; one handed them repeated per query head finds the largest group
+        whose copies are equal (transformers' ``repeat_kv``: each key/value head's copies side by side). Outside
+        the dispatch modes: a selectively recomputed layer must run the same ops in its recomputation."""
+        index = (self._layer, heads)
+        group = self._kv_groups.get(index)
+        if group is not None:
+            return group
+        with _disable_current_modes(), torch.no_grad():
+            found = 1
+            if key.size(-3) < heads:
+                found = heads // key.size(-3)
+            else:
+                for size in sorted((d for d in range(2, heads + 1) if heads % d == 0), reverse=True):
+                    if all(torch.equal(t, t[..., ::size, :, :].repeat_interleave(size, dim=-3)) for t in (key, value)):
+                        found = size
+                        break
+            agreed = torch.tensor([found], dtype=torch.int64, device=key.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
+            group = int(agreed.item())
+        if heads % group:
+            group = 1
+        self._kv_groups[index] = group
+        return group
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor, docs: Optional[Tensor], dropout_p: float,
                 scale: Optional[float]) -> Tensor:
@@ -172,8 +211,9 @@ class ContextParallel:
         chunk = query.size(-2) // 2
         indices = (self.rank, 2 * self.size - 1 - self.rank)
         ends = tuple((index + 1) * chunk for index in indices)
-        keys = gather_prefixes(key, self.group, ends)
-        values = gather_prefixes(value, self.group, ends)
+        repeats = query.size(-3) // key.size(-3)  # the key/value heads repeat per query head after the gather
+        keys = gather_prefixes(key, self.group, ends, repeats)
+        values = gather_prefixes(value, self.group, ends, repeats)
         outputs = []
         for part, index, k, v in zip(query.split(chunk, dim=-2), indices, keys, values):
             start, end = index * chunk, (index + 1) * chunk
@@ -265,12 +305,15 @@ class _AttentionMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def gather_prefixes(t: Tensor, group: dist.ProcessGroup, ends: tuple[int, ...]) -> tuple[Tensor, ...]:
-    """``t`` ``(..., T / cp, D)``, a rank's two zigzag chunks (`zigzag_indices`), of every rank of ``group`` put
-    together in the sequence's order, and of that ``(..., T, D)`` the first ``end`` tokens for each of ``ends``.
-    Backward: each rank gets the sum over the ranks of the gradients of its tokens (one buffer of the gathered
-    size, whatever the number of prefixes; no zero-padded gradient per prefix)."""
-    return _GatherPrefixes.apply(t, group, ends)
+def gather_prefixes(t: Tensor, group: dist.ProcessGroup, ends: tuple[int, ...],
+                    repeats: int = 1) -> tuple[Tensor, ...]:
+    """``t`` ``(..., heads, T / cp, D)``, a rank's two zigzag chunks (`zigzag_indices`), of every rank of ``group``
+    put together in the sequence's order, each head repeated ``repeats`` times side by side (grouped-query
+    attention's key/value heads, gathered once, for every query head), and of that ``(..., heads * repeats, T, D)``
+    the first ``end`` tokens for each of ``ends``. Backward: each rank gets the sum over the ranks (and a head's
+    copies) of the gradients of its tokens (one buffer of the gathered size, whatever the number of prefixes; no
+    zero-padded gradient per prefix)."""
+    return _GatherPrefixes.apply(t, group, ends, repeats)
 
 
 def _sequence_chunks(cp: int) -> list[tuple[int, int]]:
@@ -281,18 +324,22 @@ def _sequence_chunks(cp: int) -> list[tuple[int, int]]:
 
 class _GatherPrefixes(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, t: Tensor, group: dist.ProcessGroup, ends: tuple[int, ...]) -> tuple[Tensor, ...]:
+    def forward(ctx: Any, t: Tensor, group: dist.ProcessGroup, ends: tuple[int, ...],
+                repeats: int) -> tuple[Tensor, ...]:
         size = dist.get_world_size(group)
-        ctx.group, ctx.ends, ctx.shape = group, ends, t.shape
+        ctx.group, ctx.ends, ctx.shape, ctx.repeats = group, ends, t.shape, repeats
         pieces = [torch.empty_like(t) for _ in range(size)]
         dist.all_gather(pieces, t.contiguous(), group=group)
         chunk = t.size(-2) // 2
         whole = torch.cat([pieces[rank].narrow(-2, slot * chunk, chunk) for rank, slot in _sequence_chunks(size)],
                           dim=-2)
+        del pieces
+        if repeats > 1:
+            whole = whole.repeat_interleave(repeats, dim=-3)
         return tuple(whole.narrow(-2, 0, end) for end in ends)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Optional[Tensor]) -> tuple[Optional[Tensor], None, None]:
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> tuple[Optional[Tensor], None, None, None]:
         group = ctx.group
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         reference = next(g for g in grads if g is not None)
@@ -302,11 +349,13 @@ class _GatherPrefixes(torch.autograd.Function):
         for grad, end in zip(grads, ctx.ends):
             if grad is None:
                 continue
+            if ctx.repeats > 1:  # a head's copies: their gradients summed
+                grad = grad.unflatten(-3, (-1, ctx.repeats)).sum(-3)
             for i, (holder, slot) in enumerate(_sequence_chunks(size)[:end // chunk]):
                 buf[holder].narrow(-2, slot * chunk, chunk).add_(grad.narrow(-2, i * chunk, chunk))
         if dist.get_backend(group) == "nccl":
             out = reference.new_empty(ctx.shape)
             dist.reduce_scatter_tensor(out, buf, group=group)
-            return out, None, None
+            return out, None, None, None
         dist.all_reduce(buf, group=group)  # gloo: no reduce-scatter of its own that keeps memory bounded
-        return buf[rank].clone(), None, None
+        return buf[rank].clone(), None, None, None

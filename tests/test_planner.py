@@ -745,8 +745,9 @@ def test_kv_exchange_time_and_bytes_by_hand():
     intra, inter = Link(1e9, 1e-6), Link(1e8, 1e-5)
     cluster = dataclasses.replace(load_cluster("a100"), precision="32-true", intra=intra, inter=inter)
     lay = Layout(1, 2, 1, 0, 2, 3, cp=4)  # cp4 x tp2 = 8 ranks of one node; 2 x 4096-token sequences, 3 micro-batches
-    # K and V of b=2 sequences for the rank's heads/tp = 2 query heads of 16 (GQA's kv heads repeated), fp32.
-    kv = 2 * 2 * 4096 * (4 // 2) * 16 * 4
+    # K and V of b=2 sequences for the rank's heads/tp = 2 query heads of 16, fp32 (what a rank holds: GQA's kv heads
+    # repeated after the gather); the exchanges carry the kv heads, kv_heads/heads = 1/2 of it.
+    kv = 2 * 2 * 4096 * (4 // 2) * 16 * 4 / 2
     # Per block and micro-batch: an all-gather of K and of V in forward; in backward the checkpointed attention's
     # recomputation gathers them again, then a reduce-scatter of each gradient; each a ring of cp - 1 steps sending
     # (cp - 1)/cp of the bytes; not overlapped. Per micro-batch the int64 positions' all-gather, for its mask.
@@ -757,6 +758,7 @@ def test_kv_exchange_time_and_bytes_by_hand():
     assert t.cp_comm == pytest.approx(3 * (2 * (ring + ring + ring) + positions))  # micro-batches x (blocks x 3 + 1)
     assert t.total > t.compute + t.cp_comm
     assert kv_exchange_bytes(m, lay, precision="32-true") == 3 * 2 * 3 * 3 / 4 * kv
+    assert kv_exchange_bytes(m, lay, precision="32-true", gathers_kv_heads=False) == 3 * 2 * 3 * 3 / 4 * kv * 2
     # Activation checkpointing: the attention is not checkpointed of its own; the layer's recomputation gathers
     # again instead of the attention's: 3 exchanges too.
     checkpointed = dataclasses.replace(lay, activation_checkpointing=True)
@@ -785,11 +787,12 @@ def test_kv_exchange_time_and_bytes_by_hand():
     assert estimate_time(m, lay, flat).compute == pytest.approx(base / 4 + core)
     assert estimate_time(m, checkpointed, flat).compute == pytest.approx(
         estimate_time(m, dataclasses.replace(checkpointed, cp=1), flat).compute / 4)
-    # Element-wise traffic, read and written: the gathered K/V and their reordered copy; with documents the gathered
-    # K/V and SDPA's float mask instead of the copy (3 passes over the bytes, per block and micro-batch).
-    mask_f = 2 * (4096 // 4) * 4096 * 4
+    # Element-wise traffic, read and written (3 passes over the bytes, per block and micro-batch): the gathered K/V
+    # and their copy in the sequence's order; with documents also both chunks' boolean masks and SDPA's fp32 copies
+    # (1.5 times the largest call's: rank 0's second chunk, s/(2 cp) queries against all s keys).
+    masks = 1.5 * 2 * (4096 // 8) * 4096 * (1 + 4)
     traffic = estimate_time(m, lay, cluster, documents=True).compute - estimate_time(m, lay, cluster).compute
-    assert traffic == pytest.approx(3 * 2 * 3 * (mask_f - kv) / cluster.memory_bandwidth)
+    assert traffic == pytest.approx(3 * 2 * 3 * masks / cluster.memory_bandwidth)
     # Collectives counted for collective_overhead (dp1 x cp4, no TP: one DP bucket besides): per micro-batch 2
     # blocks x 2 (K, V) x 3 exchanges (checkpointed too) and the positions' gather.
     solo = Layout(1, 1, 1, 0, 2, 3, cp=4)

@@ -105,8 +105,9 @@ class Cluster:
     reduces the gradients after its schedule): ``tp_comm_overlap``: TP's collectives run under the block's GEMMs
     (Megatron-Core's ``--tp-comm-overlap``, Transformer Engine's userbuffers); ``grad_reduce_overlap_pp``: under PP
     each stage's gradient buckets are reduced during its last micro-batch's backward (Megatron-Core's
-    ``--overlap-grad-reduce``); ``cp_gathers_kv_heads``: context parallelism all-gathers grouped-query attention's
-    ``a_kv`` key/value heads (Llama 3's CP; this codebase repeats them to ``a`` heads first);
+    ``--overlap-grad-reduce``); ``cp_gathers_kv_heads`` (``True``): context parallelism all-gathers grouped-query
+    attention's ``a_kv`` key/value heads and repeats them after (this codebase, Llama 3's CP); ``False`` for a
+    runtime that repeats them to ``a`` heads first;
     ``pp_scatter_gather``: each TP rank sends ``1/tp`` of a pipeline boundary's tensor and the receiver all-gathers
     it over TP (Megatron-LM's scatter/gather, Narayanan et al. 2021, section 4.1; this codebase sends it whole
     without sequence parallelism). Set for published runs of those runtimes (`benchmarks/bench_planner.py`).
@@ -130,7 +131,7 @@ class Cluster:
     notes: dict = field(default_factory=dict)
     tp_comm_overlap: bool = False
     grad_reduce_overlap_pp: bool = False
-    cp_gathers_kv_heads: bool = False
+    cp_gathers_kv_heads: bool = True
     pp_scatter_gather: bool = False
     matmul_k0: float = 0.0
 

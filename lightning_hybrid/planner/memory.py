@@ -66,8 +66,9 @@ the recomputed block's only under activation checkpointing.
 Context parallelism (`Layout.cp` = ``c``; `lightning_hybrid.context_parallel`): each rank holds ``s/c`` tokens of
 every sequence (the zigzag split: chunks ``r`` and ``2c-1-r`` of ``2c``). Everything outside attention is local
 to them, and attention computes ``s/c`` queries against all ``s`` keys: each layer all-gathers the keys and values
-(``G`` = `gathered_kv_bytes`, ``2 b s (a/tp) d e``: per query head -- the implementation repeats grouped-query
-attention's key/value heads before gathering -- ``a/tp`` heads of ``d`` under TP). What a batch's attention needs
+(``G`` = `gathered_kv_bytes`, ``2 b s (a/tp) d e``: per query head -- the implementation gathers grouped-query
+attention's key/value heads once and repeats them per query head after the gather -- ``a/tp`` heads of ``d``
+under TP). What a batch's attention needs
 depends on its documents (``documents``, default False):
 
 The gathered K and V are put in the sequence's order as they arrive (one copy of the pieces) and SDPA runs once
@@ -289,7 +290,8 @@ def block_activation_bytes(c: ActivationCoefficients, s: int, b: int, h: int, a:
 def gathered_kv_bytes(model: ModelSpec, b: int, element: float, tp: int = 1, cp: int = 1) -> float:
     """Bytes of one block's keys and values all-gathered over ``cp`` ranks for a micro-batch of ``b`` sequences:
     ``2 b s (a/tp) d e`` (K and V of every token for the rank's ``a/tp`` query heads of ``d``: the implementation
-    repeats grouped-query attention's key/value heads before gathering, `lightning_hybrid.context_parallel`); 0
+    gathers grouped-query attention's key/value heads once and repeats them per query head after the gather,
+    `lightning_hybrid.context_parallel`; the exchange carries ``a_kv/a`` of it, `time.kv_exchange_bytes`); 0
     without context parallelism (the block's own keys and values are in its coefficients)."""
     if cp == 1:
         return 0.0

@@ -95,9 +95,10 @@ Context parallelism (`Layout.cp` = ``c``; `lightning_hybrid.context_parallel`), 
   collectives and the pipeline's boundary tensors carry ``T/c`` tokens; the element-wise traffic includes the
   gathered K/V and their copy in the sequence's order, and with ``documents`` the calls' masks and SDPA's float
   copies (`context_attention_traffic`);
-* KV exchange (``c > 1``; `kv_exchange_time`), each a ring over ``c`` ranks of ``2 b s (a/tp) d e`` bytes for K and
-  V together -- per query head: the implementation repeats grouped-query attention's key/value heads before
-  gathering -- a rank sending ``(c-1)/c`` of it (`kv_exchange_bytes`): in forward an all-gather of K and one of V
+* KV exchange (``c > 1``; `kv_exchange_time`), each a ring over ``c`` ranks of ``2 b s (a_kv/tp) d e`` bytes for K
+  and V together -- grouped-query attention's key/value heads, which the implementation repeats per query head
+  after the gather (`Cluster.cp_gathers_kv_heads`; ``a/tp`` heads for a runtime repeating them first) -- a rank
+  sending ``(c-1)/c`` of it (`kv_exchange_bytes`): in forward an all-gather of K and one of V
   over the ``cp`` group; in backward they are gathered again (by the checkpointed attention's recomputation, or
   with activation checkpointing by the layer's), and the reduce-scatter of their gradients follows (gloo, on a CPU
   cluster: an all-reduce): 3 exchanges (`kv_exchanges`). Per micro-batch (not per block) the all-gather of the
@@ -199,19 +200,21 @@ def kv_exchanges(layout: Layout) -> int:
 
 
 def kv_exchange_bytes(model: ModelSpec, layout: Layout, *, precision: str = "bf16-mixed",
-                      bytes_per_element: float | None = None, pipeline_rank: int | None = None) -> float:
+                      bytes_per_element: float | None = None, pipeline_rank: int | None = None,
+                      gathers_kv_heads: bool = True) -> float:
     """Bytes one rank sends in the context-parallel key/value exchanges of one optimizer step:
 
-        X * L * m * (cp - 1)/cp * 2 b s (a/tp) d e
+        X * L * m * (cp - 1)/cp * 2 b s (a_kv/tp) d e
 
     ``X = 3`` exchanges per block and micro-batch (`kv_exchanges`: the forward's all-gather of K and V, the
     backward's gather again -- the checkpointed attention's recomputation, or with activation checkpointing the
     layer's -- and the reduce-scatter of their gradients), ``L`` the blocks of the rank's
-    pipeline stages (``pipeline_rank``; default the rank with the most), ``m`` the micro-batches, ``2 b s (a/tp) d e``
-    the gathered K and V of a micro-batch (`gathered_kv_bytes`: ``b`` sequences of ``s`` tokens, the rank's ``a/tp``
-    query heads of ``d`` -- grouped-query attention's key/value heads are repeated before the gather -- ``e`` bytes
-    per element: ``bytes_per_element``, else the activation size of ``precision``) of which a rank sends ``(cp -
-    1)/cp`` in a ring. 0 for ``cp = 1``. Not counted: the tokens' positions gathered for the mask (``8 b s (cp -
+    pipeline stages (``pipeline_rank``; default the rank with the most), ``m`` the micro-batches, ``2 b s (a_kv/tp) d
+    e`` the gathered K and V of a micro-batch (`gathered_kv_bytes` of the rank's ``a/tp`` query heads times ``a_kv /
+    a``: grouped-query attention's key/value heads are gathered once and repeated after; ``gathers_kv_heads=False``
+    for a runtime repeating them first; ``b`` sequences of ``s`` tokens, heads of ``d``, ``e`` bytes per element:
+    ``bytes_per_element``, else the activation size of ``precision``) of which a rank sends ``(cp - 1)/cp`` in a
+    ring. 0 for ``cp = 1``. Not counted: the tokens' positions gathered for the mask (``8 b s (cp -
     1)/cp`` bytes per micro-batch), and on gloo the backward's all-reduce in place of the reduce-scatter (twice the
     volume; `estimate_time` counts both)."""
     layout.check_model(model)
@@ -220,8 +223,8 @@ def kv_exchange_bytes(model: ModelSpec, layout: Layout, *, precision: str = "bf1
     element = bytes_per_element if bytes_per_element is not None else PRECISIONS[precision][3]
     blocks = [sum(1 for i in layers if 0 < i <= model.n_layer) for layers in _pipeline_ranks(model, layout)]
     count = max(blocks) if pipeline_rank is None else blocks[pipeline_rank]
-    volume = ring_volume(layout.cp, gathered_kv_bytes(model, layout.micro_batch, element, layout.tp, layout.cp),
-                         "all_gather")
+    kv = gathered_kv_bytes(model, layout.micro_batch, element, layout.tp, layout.cp)
+    volume = ring_volume(layout.cp, kv * (model.kv_heads / model.heads if gathers_kv_heads else 1.0), "all_gather")
     return kv_exchanges(layout) * count * layout.micro_batches * volume
 
 
@@ -236,7 +239,7 @@ def kv_exchange_time(model: ModelSpec, layout: Layout, cluster: Cluster) -> floa
     if cp == 1:
         return 0.0
     kv = gathered_kv_bytes(model, layout.micro_batch, PRECISIONS[cluster.precision][3], layout.tp, cp)
-    if cluster.cp_gathers_kv_heads:  # the runtime gathers grouped-query attention's own K/V heads, not their repeats
+    if cluster.cp_gathers_kv_heads:  # grouped-query attention's own K/V heads gathered, repeated after
         kv *= model.kv_heads / model.heads
     link = cluster.link(cp, layout.tp)
     gathers = kv_exchanges(layout) - 1
