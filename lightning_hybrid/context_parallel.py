@@ -46,7 +46,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_hybrid.batch import TokenBatch, document_ids
 
-__all__ = ["ContextParallel", "block_mask", "gather_prefixes", "split_batch", "zigzag_indices"]
+__all__ = ["ContextParallel", "block_mask", "gather_prefixes", "kv_group_of", "split_batch", "zigzag_indices"]
 
 
 def zigzag_indices(length: int, cp: int, rank: int, device: Optional[torch.device] = None) -> Tensor:
@@ -100,8 +100,10 @@ class ContextParallel:
     activation checkpointing recomputes the layers: their recomputation, or a selective policy, decides).
     """
 
-    def __init__(self, group: dist.ProcessGroup, recompute_attention: bool = True) -> None:
+    def __init__(self, group: dist.ProcessGroup, recompute_attention: bool = True,
+                 kv_group: Optional[int] = None) -> None:
         self.group, self.recompute_attention = group, recompute_attention
+        self.kv_group = kv_group  # the model's query heads per key/value head, where its config says (`kv_group_of`)
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.calls = 0
         self.verified = False  # the strategy found attention caught after the first step
@@ -175,29 +177,33 @@ class ContextParallel:
         return checkpoint(self._attend, query, key, value, docs, dropout_p, scale, use_reentrant=False)
 
     def _kv_group(self, key: Tensor, value: Tensor, heads: int) -> int:
-        """How many query heads share a key/value head in this layer, as every CP rank agrees (decided at the layer's
-        first attention: an all-reduce of each rank's finding, the smallest). A rank handed fewer key heads than
-        query heads knows it from the shapes; one handed them repeated per query head finds the largest group
-        whose copies are equal (transformers' ``repeat_kv``: each key/value head's copies side by side). Outside
-        the dispatch modes: a selectively recomputed layer must run the same ops in its recomputation."""
+        """How many query heads share a key/value head in this layer, as every CP rank agrees, decided at the layer's
+        first attention: the group a rank handed fewer key heads than query heads sees in the shapes, or else the
+        model's config says (``kv_group``) -- the largest over the ranks (an all-reduce) -- confirmed by every rank:
+        its key heads that many fewer, or handed them repeated per query head, its copies equal side by side, as
+        transformers' ``repeat_kv`` and the reference GPT make them (an all-reduce of the verdicts). 1 (gathered per
+        query head) where neither shapes nor config tell the groups, or a rank does not confirm them: nothing is
+        inferred from equal copies alone (a constant key would look grouped). Outside the dispatch modes: a
+        selectively recomputed layer must run the same ops in its recomputation."""
         index = (self._layer, heads)
         group = self._kv_groups.get(index)
         if group is not None:
             return group
         with _disable_current_modes(), torch.no_grad():
-            found = 1
-            if key.size(-3) < heads:
-                found = heads // key.size(-3)
-            else:
-                for size in sorted((d for d in range(2, heads + 1) if heads % d == 0), reverse=True):
-                    if all(torch.equal(t, t[..., ::size, :, :].repeat_interleave(size, dim=-3)) for t in (key, value)):
-                        found = size
-                        break
-            agreed = torch.tensor([found], dtype=torch.int64, device=key.device)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
+            hint = self.kv_group if self.kv_group and heads % self.kv_group == 0 else 0
+            seen = heads // key.size(-3) if key.size(-3) < heads else hint
+            agreed = torch.tensor([seen], dtype=torch.int64, device=key.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
             group = int(agreed.item())
-        if heads % group:
-            group = 1
+            if group > 1:
+                confirmed = heads % group == 0 and (
+                    key.size(-3) == heads // group
+                    or key.size(-3) == heads and all(
+                        torch.equal(t, t[..., ::group, :, :].repeat_interleave(group, dim=-3)) for t in (key, value)))
+                verdict = torch.tensor([int(confirmed)], dtype=torch.int64, device=key.device)
+                dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=self.group)
+                group = group if verdict.item() else 1
+        group = max(group, 1)
         self._kv_groups[index] = group
         return group
 
@@ -290,6 +296,19 @@ class ContextParallel:
                     " the whole sequence: train this model with cp=1."
                 )
         self._checked.add(key)
+
+
+def kv_group_of(module: nn.Module) -> Optional[int]:
+    """Query heads per key/value head as the module's config says: ``n_head / n_kv_head`` (the reference GPT's
+    `GPTConfig`), ``num_attention_heads / num_key_value_heads`` (a transformers config: the module's ``config`` or
+    ``hf_config``, as `lightning_hybrid.hf.CausalLM`'s, or its ``model``'s); None where none says."""
+    model = getattr(module, "model", None)
+    for config in (getattr(module, "config", None), getattr(module, "hf_config", None), getattr(model, "config", None)):
+        for heads_name, kv_name in (("n_head", "n_kv_head"), ("num_attention_heads", "num_key_value_heads")):
+            heads, kv = getattr(config, heads_name, None), getattr(config, kv_name, None)
+            if isinstance(heads, int) and isinstance(kv, int) and 0 < kv <= heads and heads % kv == 0:
+                return heads // kv
+    return None
 
 
 class _AttentionMode(TorchFunctionMode):

@@ -32,7 +32,7 @@ from lightning_hybrid.activation_checkpointing import apply_activation_checkpoin
 from lightning_hybrid.compile import apply_compile
 from lightning_hybrid.devices import module_device
 from lightning_hybrid.expert_parallel import apply_ep, check_experts, expert_parameter_names, iter_expert_modules
-from lightning_hybrid.context_parallel import ContextParallel
+from lightning_hybrid.context_parallel import ContextParallel, kv_group_of
 from lightning_hybrid.mesh import build_context_mesh, build_expert_mesh
 from lightning_hybrid.options import ParallelOptions
 from lightning_hybrid.pipeline import PipelineExecutor, check_protocol, stage_module
@@ -268,7 +268,7 @@ def split_context(
         raise ValueError(f"cp={options.cp}: context parallelism wraps the layers. {e}") from e
     # A layer checkpointed as a whole (or selectively) recomputes its attention already.
     context = ContextParallel(build_context_mesh(mesh, options.cp)["cp"].get_group(),
-                              not options.activation_checkpointing)
+                              not options.activation_checkpointing, kv_group_of(module))
     for name in layers:
         context.wrap(module.get_submodule(name))
     return context

@@ -88,6 +88,19 @@ def test_each_chunks_mask_is_the_whole_sequences_mask_cut_to_its_queries_and_key
             assert torch.equal(block_mask(docs, start, end), whole[:, :, start:end, :end])
 
 
+def test_the_key_value_groups_are_read_from_the_modules_config():
+    """`kv_group_of`: query heads per key/value head from the reference GPT's config or a transformers config (the
+    module's or its ``model``'s); None where no config says (GPT-NeoX has no key/value heads of its own: the ranks
+    then go by the shapes only)."""
+    from lightning_hybrid.context_parallel import kv_group_of
+    from lightning_hybrid.models import GPTConfig, GPTLightningModule
+
+    gqa = GPTLightningModule(config=GPTConfig(vocab_size=256, block_size=16, n_layer=1, n_head=4, n_kv_head=2,
+                                              n_embd=32))
+    assert kv_group_of(gqa) == 2 and kv_group_of(_hf("llama")) == 2 and kv_group_of(_hf("gpt_neox")) is None
+    assert kv_group_of(torch.nn.Linear(2, 2)) is None
+
+
 # ---------------------------------------------------------------------------------------------- layouts
 def test_context_parallel_layouts_match_one_device_on_4_ranks():
     """cp4, dp2 x cp2 with ZeRO-3, cp2 x tp2 with SP, cp2 x pp2 with selective recompute: the reference GPT and
