@@ -929,3 +929,17 @@ def test_command_line_and_parallel_auto_name_cp(capsys, monkeypatch):
     assert _recipe_layout(run, world)[0].cp == 2 and _recipe_layout(run, world)[0].dp == 2
     run.parallel.cp = 2
     assert _recipe_layout(run, {"dp": 4, "tp": 2, "pp": 1})[0].dp == 2  # world without cp: dp over tp*pp
+
+
+def test_parallel_auto_plans_for_documents_when_the_data_packs_or_pads_rows():
+    """`parallel=auto` tells the planner the batches hold documents (their masks in memory) for a data config that
+    packs or pads rows (`SFTDataModule`'s ``pack``), or as ``planner.documents`` says."""
+    from omegaconf import OmegaConf
+
+    from lightning_hybrid.planner.auto import _documents
+
+    sft = OmegaConf.create({"data": {"pack": True, "batch_size": 2}, "planner": {"documents": None}})
+    corpus = OmegaConf.create({"data": {"block_size": 64, "batch_size": 2}, "planner": {"documents": None}})
+    assert _documents(sft) and not _documents(corpus)
+    assert not _documents(OmegaConf.merge(sft, {"planner": {"documents": False}}))
+    assert _documents(OmegaConf.merge(corpus, {"planner": {"documents": True}}))

@@ -16,7 +16,7 @@
 mixture-of-experts fields ``experts=,top_k=,expert_ffn=,moe_layers=,shared_ffn=`` (`MOE_FIELDS`); ``--cluster``:
 ``a100``, ``h100``, ``cpu`` (this machine: its calibration file, else defaults) or a cluster JSON. Context
 parallelism (``cp``) is searched for sequences of at least ``2 x MIN_CP_TOKENS`` tokens (``--no-context-parallel``:
-not at all; ``--documents``: batches with documents, packed or left-padded, whose attention under cp takes a mask;
+not at all; ``--documents``: batches with documents, packed or left-padded, whose attention takes a mask;
 ``--compile``: the strategy's ``compile=True``, whose ZeRO-3 units are whole layers). Prints the ranked layouts
 (best first) with their memory and time breakdowns (``cp``: the key/value exchange's time), then the closest layouts
 that do not fit and why, and how many sizes each validity rule turned away. Exit code 2 on a bad argument.
@@ -220,8 +220,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--seq-len", type=int, default=None, help="default: the model's")
     p.add_argument("--no-sequence-parallel", action="store_true", help="leave sequence parallelism out")
     p.add_argument("--no-context-parallel", action="store_true", help="leave context parallelism (cp) out")
-    p.add_argument("--documents", action="store_true", help="batches hold documents (packed, left padding): under"
-                   " cp their attention takes a mask (default: plain causal batches)")
+    p.add_argument("--documents", action="store_true", help="batches hold documents (packed, left padding): their"
+                   " attention takes a mask, kept per layer without cp, one call's block under cp (default: plain"
+                   " causal batches)")
     p.add_argument("--compile", action="store_true", help="the strategy's compile=True: ZeRO-3 gathers whole"
                    " layers (default: a layer's parts, one at a time)")
     p.add_argument("--top", type=int, default=10, help="rows of the table")

@@ -36,11 +36,14 @@ __all__ = ["AutoLayoutConfig", "choose_layout", "predicted_metrics", "this_machi
 class AutoLayoutConfig:
     """``planner`` node of a recipe (set by ``parallel=auto``): ``cluster`` a preset or cluster JSON (null:
     `this_machine`); ``global_batch`` sequences per optimizer step (null: ``data.batch_size x
-    trainer.accumulate_grad_batches``); ``show``: how many ranked layouts the log lists."""
+    trainer.accumulate_grad_batches``); ``show``: how many ranked layouts the log lists; ``documents``: the
+    batches hold documents (packed, padded), whose attention takes a mask (null: when the data config packs or
+    pads rows, `lightning_hybrid.sft.SFTDataModule`'s ``pack``)."""
 
     cluster: Optional[str] = None
     global_batch: Optional[int] = None
     show: int = 5
+    documents: Optional[bool] = None
 
 
 def this_machine(accelerator: str) -> Cluster:
@@ -82,6 +85,14 @@ def _hf_config(cfg: DictConfig) -> Any:
     node = cfg.model
     overrides = OmegaConf.to_container(node.config, resolve=True) if node.get("config") is not None else {}
     return hf_config(str(node.model), overrides)
+
+
+def _documents(cfg: DictConfig) -> bool:
+    """Whether the recipe's batches hold documents (`AutoLayoutConfig.documents`; null: a data config that packs or
+    pads rows -- one with ``pack``, as `lightning_hybrid.sft.SFTDataModule`'s)."""
+    planner = cfg.get("planner") or {}
+    documents = planner.get("documents") if hasattr(planner, "get") else None
+    return bool(documents) if documents is not None else "pack" in cfg.data
 
 
 def _cluster(cfg: DictConfig) -> Cluster:
@@ -134,7 +145,7 @@ def choose_layout(cfg: DictConfig) -> tuple[DictConfig, str]:
     accepted = inspect.signature(HybridStrategy).parameters
     result = plan(_model(cfg), _cluster(cfg), _devices(cfg), global_batch,
                   sequence_parallel="sequence_parallel" in accepted, context_parallel="cp" in accepted,
-                  whole_batch_loss=_adds_router_loss(cfg))
+                  whole_batch_loss=_adds_router_loss(cfg), documents=_documents(cfg))
     best = result.best.layout
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     OmegaConf.set_struct(out, True)
@@ -175,8 +186,9 @@ def predicted_metrics(cfg: DictConfig, world: dict[str, int], module: Any = None
         layout, global_batch = _recipe_layout(cfg, world)
     except (ValueError, KeyError, TypeError):
         return {}
+    documents = _documents(cfg)
     memory = estimate_memory(model, layout, cluster.precision, cluster.activation_scale,
-                             float(cfg.parallel.bucket_cap_mb))
-    step = estimate_time(model, layout, cluster, float(cfg.parallel.bucket_cap_mb)).total
+                             float(cfg.parallel.bucket_cap_mb), documents=documents)
+    step = estimate_time(model, layout, cluster, float(cfg.parallel.bucket_cap_mb), documents=documents).total
     return {"predicted_peak_mib": round(memory.total / 2**20, 3), "predicted_step_s": step,
             "predicted_tokens_per_s": global_batch * model.seq_len / step, "predicted_cluster": cluster.name}

@@ -219,8 +219,9 @@ def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: i
 def plan(model: ModelSpec, cluster: Cluster, devices: int, global_batch: int, *, documents: bool = False,
          compile: bool = False, **search: object) -> Plan:
     """All layouts of ``model`` on ``devices`` of ``cluster`` for ``global_batch`` sequences per optimizer step,
-    ranked. ``documents``: the batches hold documents (packed, left padding), whose context-parallel attention takes
-    a mask (`estimate_memory`); default plain causal batches. ``compile``: the strategy's ``compile=True``, whose
+    ranked. ``documents``: the batches hold documents (packed, left padding), whose attention takes a mask -- SDPA's
+    float copy of the model's kept per layer without cp, one call's block under cp (`estimate_memory`); default
+    plain causal batches. ``compile``: the strategy's ``compile=True``, whose
     ZeRO-3 units are whole layers (`estimate_memory`; the time model is unchanged). ``search``:
     `enumerate_layouts`'s options (``sequence_parallel``, ``schedules``, ...)."""
     if devices < 1 or global_batch < 1:
