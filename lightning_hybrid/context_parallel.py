@@ -258,21 +258,13 @@ class ContextParallel:
             self.documents(positions, positions.device)
 
     def _find_documents(self, positions: Tensor, device: torch.device) -> Optional[Tensor]:
-        local = positions.size(-1)
-        length = local * self.size
         with torch.no_grad():
             pieces = [torch.empty_like(positions) for _ in range(self.size)]
             dist.all_gather(pieces, positions.contiguous(), group=self.group)
-            gathered = torch.cat(pieces, dim=-1)  # (B, T): rank 0's tokens, rank 1's, ...
-            whole = torch.empty_like(gathered)
-            whole[:, self._gathered_order(length, device)] = gathered  # the positions in the sequence's order
-            if bool((whole == torch.arange(length, device=device)).all()):
+            whole = _in_sequence_order(pieces, dim=-1)  # (B, T): the positions in the sequence's order
+            if bool((whole == torch.arange(whole.size(-1), device=device)).all()):
                 return None  # plain causal attention
             return document_ids(whole)
-
-    def _gathered_order(self, length: int, device: torch.device) -> Tensor:
-        """The place in the sequence of each token of the gathered keys (rank 0's tokens, rank 1's, ...)."""
-        return torch.cat([zigzag_indices(length, self.size, r, device) for r in range(self.size)])
 
     def _check_mask(self, attn_mask: Optional[Tensor], is_causal: bool, query: Tensor) -> None:
         """Refuse, when first seen, an attention whose own mask is not the causal document mask this replaces."""
@@ -341,6 +333,14 @@ def _sequence_chunks(cp: int) -> list[tuple[int, int]]:
     return [(i, 0) if i < cp else (2 * cp - 1 - i, 1) for i in range(2 * cp)]
 
 
+def _in_sequence_order(pieces: list[Tensor], dim: int) -> Tensor:
+    """Every rank's two zigzag chunks (``pieces``, the ranks' tokens in rank order along ``dim``) put together in
+    the sequence's order."""
+    chunk = pieces[0].size(dim) // 2
+    return torch.cat([pieces[rank].narrow(dim, slot * chunk, chunk) for rank, slot in _sequence_chunks(len(pieces))],
+                     dim=dim)
+
+
 class _GatherPrefixes(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, t: Tensor, group: dist.ProcessGroup, ends: tuple[int, ...],
@@ -349,9 +349,7 @@ class _GatherPrefixes(torch.autograd.Function):
         ctx.group, ctx.ends, ctx.shape, ctx.repeats = group, ends, t.shape, repeats
         pieces = [torch.empty_like(t) for _ in range(size)]
         dist.all_gather(pieces, t.contiguous(), group=group)
-        chunk = t.size(-2) // 2
-        whole = torch.cat([pieces[rank].narrow(-2, slot * chunk, chunk) for rank, slot in _sequence_chunks(size)],
-                          dim=-2)
+        whole = _in_sequence_order(pieces, dim=-2)
         del pieces
         if repeats > 1:
             whole = whole.repeat_interleave(repeats, dim=-3)

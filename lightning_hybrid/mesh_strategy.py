@@ -13,6 +13,7 @@ what Lightning's own collectives mean on it. It knows nothing of the model; `Hyb
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -20,7 +21,6 @@ import re
 import signal
 import socket
 import sys
-import atexit
 import threading
 import time
 import traceback

@@ -35,7 +35,7 @@ from lightning_hybrid.activation_checkpointing import Recompute
 from lightning_hybrid.checkpoint import full_state_dict, load_sharded, save_sharded
 from lightning_hybrid.checkpoint import remove as remove_checkpoint_path
 from lightning_hybrid.compile import Compile
-from lightning_hybrid.context_parallel import split_batch
+from lightning_hybrid.context_parallel import ContextParallel, split_batch
 from lightning_hybrid.grad_sync import GradientSync
 from lightning_hybrid.mesh_strategy import MeshStrategy
 from lightning_hybrid.options import ParallelOptions
@@ -185,11 +185,16 @@ class HybridStrategy(MeshStrategy):
             raise_from_rank_zero(BatchError(error))
 
     # ------------------------------------------------------------------ context parallelism
+    @property
+    def _context(self) -> Optional[ContextParallel]:
+        """The attention over the CP group (after setup, under ``cp > 1``), else None."""
+        return self._parallelized.context if self._parallelized is not None else None
+
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         """The batch on the device; under ``cp > 1`` this CP rank's share of its sequences
         (`lightning_hybrid.context_parallel.split_batch`), as a `TokenBatch` with the tokens' positions."""
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        context = self._parallelized.context if self._parallelized is not None else None
+        context = self._context
         if context is None:
             return batch
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -208,7 +213,7 @@ class HybridStrategy(MeshStrategy):
     def _check_attention_reached(self) -> None:
         """After the first training step under ``cp > 1``: ``ValueError`` on every rank where no layer's attention
         went through ``F.scaled_dot_product_attention`` (an eager or flash attention cannot be split)."""
-        context = self._parallelized.context if self._parallelized is not None else None
+        context = self._context
         if context is None or context.verified:
             return
         calls = torch.tensor([context.calls], device=self.root_device)
@@ -368,8 +373,8 @@ class HybridStrategy(MeshStrategy):
 
     def post_backward(self, closure_loss: Tensor) -> None:
         assert self._sync is not None
-        context = self._parallelized.context if self._parallelized is not None else None
-        if context is not None:  # the batch's attention masks: no longer needed
+        context = self._context
+        if context is not None:  # the batch's documents: no longer needed
             context.new_batch()
         self._sync.reduce()
 

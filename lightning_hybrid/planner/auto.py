@@ -90,8 +90,7 @@ def _hf_config(cfg: DictConfig) -> Any:
 def _documents(cfg: DictConfig) -> bool:
     """Whether the recipe's batches hold documents (`AutoLayoutConfig.documents`; null: a data config that packs or
     pads rows -- one with ``pack``, as `lightning_hybrid.sft.SFTDataModule`'s)."""
-    planner = cfg.get("planner") or {}
-    documents = planner.get("documents") if hasattr(planner, "get") else None
+    documents = cfg.planner.get("documents") if cfg.get("planner") is not None else None
     return bool(documents) if documents is not None else "pack" in cfg.data
 
 
