@@ -101,9 +101,11 @@ class TokenBatch:
             positions = None  # one document per row from position 0, padding after it: plain causal attention
         return cls(ids, labels, positions, real)
 
-    def __iter__(self):
+    def __getitem__(self, index: Any) -> Any:
         # Context parallelism hands modules their share of a batch as a TokenBatch: unpacking it as an (x, y) pair
-        # would lose the positions of the rank's tokens, which are not 0..T-1.
+        # (which Python does through __getitem__ here) would lose the positions of the rank's tokens, which are not
+        # 0..T-1. No __iter__: Lightning then reads the batch's size from the dataclass's fields (`self.log`), where
+        # an iterable batch would be iterated.
         raise TypeError(
             "this batch is a lightning_hybrid.batch.TokenBatch (context parallelism's share of a batch: its tokens"
             " are not contiguous), not an (x, y) pair: read it with TokenBatch.from_batch(batch) and give the model"

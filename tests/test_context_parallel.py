@@ -64,6 +64,10 @@ def test_a_split_batch_keeps_the_positions_labels_and_padding_of_the_whole_seque
     assert pair.padding is None and torch.equal(pair.labels, (ids + 1)[:, zigzag_indices(8, 2, 1)])
     with pytest.raises(TypeError, match="read it with TokenBatch.from_batch"):  # a module unpacking (x, y)
         x, y = pair
+    # ... while Lightning finds its batch size (`self.log` without batch_size reads the batch: a user module's does).
+    from lightning.pytorch.utilities.data import extract_batch_size
+
+    assert extract_batch_size(pair) == 2
     # Packed documents whose positions on a rank happen to count 0, 1, ...: they still travel (the mask needs them).
     packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])  # rank 0 holds places 0, 1, 6, 7: positions 0, 1, 2, 3
     part = split_batch({"input_ids": ids[:1], "position_ids": packed}, 2, 0)
