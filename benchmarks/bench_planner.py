@@ -55,6 +55,9 @@ from lightning_hybrid.memory import PeakMemoryMonitor  # noqa: E402
 from lightning_hybrid.models import GPTConfig, GPTLightningModule  # noqa: E402
 from lightning_hybrid.planner import Cluster, Layout, ModelSpec, calibrate, estimate_memory, estimate_time, evaluate  # noqa: E402
 from lightning_hybrid.planner import load_cluster, model_spec, plan  # noqa: E402
+from lightning_hybrid.planner.cluster import FA2_ON_HOPPER  # noqa: E402
+from lightning_hybrid.planner.memory import PRECISIONS, largest_block_params  # noqa: E402
+from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB  # noqa: E402
 from lightning_hybrid.sweep import spearman  # noqa: E402
 from lightning_hybrid.testing import run_distributed  # noqa: E402
 
@@ -98,7 +101,8 @@ SOURCES = {
         " GPUs TP8 CP1 PP16 DP64 seq 8,192 430 TFLOP/s; 16,384 GPUs DP128 400; 16,384 GPUs CP16 DP8 seq 131,072"
         " 380; BF16 MFU 43/41/38%) -- as reproduced from Balaji, SC'24 (glennklockwood.com/garden/llama-3.1);"
         " flash attention, TP communication overlapped, FSDP without resharding after forward (modelled as ZeRO-1:"
-        " the same traffic), gradients reduced during the last backward, CP all-gathering the 8 K/V heads;"
+        " the same traffic), gradients reduced during the last backward a layer (FSDP unit) at a time, CP"
+        " all-gathering the 8 K/V heads;"
         " interleaved 1F1B with v = 2 and no recomputation assumed (not published)",
         "TFLOP/s per GPU, the planner's FLOP count (6 per weight + 12 L h s per token)", "megatron-flash",
         {"tp_comm_overlap": True, "grad_reduce_overlap_pp": True, "cp_gathers_kv_heads": True}),
@@ -120,8 +124,10 @@ SOURCES = {
         " kept for backward) as stage 3, the nearest the planner expresses (its stage 2 is this codebase's, in 25 MB"
         " buckets, gathering after the step); DGX H100 links assumed (the table does not state them); not used to"
         " calibrate anything: the GEMMs' fixed cost on H100 (K0 1,514) is A100's 800 (chosen on the four sources"
-        " above) times the datasheets' ridge-point ratio 295/156",
-        "tokens/s per GPU", "megatron-flash", {}),
+        " above) times the datasheets' ridge-point ratio 295/156; attention is FlashAttention-2's (llm-foundry's"
+        " attn_impl: flash, the flash-attn 2 package; FlashAttention-3 came out in July 2024), which on H100 runs at"
+        " 335/616 = 0.54 of a kernel written for Hopper (FA2_ON_HOPPER: the FlashAttention-3 paper's Figure 5)",
+        "tokens/s per GPU", "megatron-flash", {"attention_speed": FA2_ON_HOPPER}),
 }
 #: Sources whose runs were on H100 nodes (the others on A100).
 H100_SOURCES = ("llama3", "mosaicml")
@@ -239,9 +245,18 @@ def source_cluster(source: str) -> Cluster:
                                **overlaps)
 
 
+def source_bucket_mb(source: str, model: ModelSpec, layout: Layout, cluster: Cluster) -> float:
+    """The size of the gradient reductions of a source's runtime, in MiB: Llama 3's FSDP reduces a layer's gradients
+    at a time (one unit per block: `largest_block_params` of the rank's ``1/tp``, in the gradients' dtype); the others
+    the planner's default, this codebase's buckets (`DEFAULT_BUCKET_CAP_MB`; ZeRO-3 runs reduce per unit anyway)."""
+    if source == "llama3":
+        return largest_block_params(model, layout.tp, layout.ep) * PRECISIONS[cluster.precision][1] / MIB
+    return DEFAULT_BUCKET_CAP_MB
+
+
 def predicted_number(source: str, model: ModelSpec, gpus: int, batch: int, layout: Layout, cluster: Cluster) -> float:
     """The planner's prediction of the number the source publishes (`SOURCES`)."""
-    seconds = estimate_time(model, layout, cluster).total
+    seconds = estimate_time(model, layout, cluster, source_bucket_mb(source, model, layout, cluster)).total
     tokens_per_gpu = batch * model.seq_len / seconds / gpus
     if source == "narayanan2021":  # 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) FLOPs per step: the forward recomputed
         h, s, layers, V = model.hidden, model.seq_len, model.n_layer, model.vocab

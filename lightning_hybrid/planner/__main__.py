@@ -35,6 +35,7 @@ fits; the exit code is then 0 if it fits, else 1 (without ``--layout``: 0 if any
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -42,7 +43,7 @@ from typing import Any, Optional
 
 from lightning_hybrid.pipeline.executor import SCHEDULES, resolve_schedule
 
-from .cluster import DEFAULT_CALIBRATION, USABLE_MEMORY, Cluster, calibrate, load_cluster
+from .cluster import DEFAULT_CALIBRATION, FA2_ON_HOPPER, USABLE_MEMORY, Cluster, calibrate, load_cluster
 from .layout import Layout
 from .model import ModelSpec, hf_config, hf_notes, hf_parameter_count, model_spec
 from .search import GIB, Candidate, Plan, evaluate, plan, tp_divides
@@ -215,6 +216,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--layout", default=None, help="one layout to check, as the table writes them: 'dp8xtp8',"
                    " 'dp4xtp8xpp2 zero1 mb1x16 ac sp' (its memory by kind, whether it fits, the margin)")
     p.add_argument("--cluster", default="cpu", help="a100, h100, cpu, or a cluster JSON (default: cpu)")
+    p.add_argument("--attention-speed", type=float, default=None, metavar="X",
+                   help="the attention kernel's speed relative to the GEMMs' (default: the cluster's, 1;"
+                        f" FlashAttention-2 on H100: {FA2_ON_HOPPER:.2f})")
     p.add_argument("--devices", type=int, required=True)
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--seq-len", type=int, default=None, help="default: the model's")
@@ -238,6 +242,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         else:
             model, header = model_spec(args.model, args.seq_len), ""
         cluster = load_cluster(args.cluster)
+        if args.attention_speed is not None:
+            if not args.attention_speed > 0:
+                raise ValueError(f"--attention-speed {args.attention_speed}: must be > 0 (1: attention at the GEMMs'"
+                                 f" rate; {FA2_ON_HOPPER:.2f}: FlashAttention-2 on H100)")
+            cluster = dataclasses.replace(cluster, attention_speed=args.attention_speed)
         layout = parse_layout(args.layout, model, args.devices, args.global_batch) if args.layout else None
         result = plan(model, cluster, args.devices, args.global_batch,
                       sequence_parallel=not args.no_sequence_parallel,

@@ -7,7 +7,8 @@ level (``intra``: within a node, ``inter``: across nodes) the bandwidth and late
 * ``a100``: DGX A100 nodes: 8 x A100-SXM4-80GB, NVSwitch, 8 x 200 Gb/s HDR InfiniBand per node.
   - 312 TFLOP/s dense BF16/FP16, 19.5 TFLOP/s FP32 (A100 datasheet); achievable = x `MATMUL_EFFICIENCY`, and
     by shape x ``K / (K + K0)`` for a GEMM whose reduction is ``K`` (``K0`` = `MATMUL_K0` on A100, scaled by the
-    GPU's ridge point, FLOP/s over HBM bytes/s, on other GPUs: `matmul_k0`).
+    GPU's ridge point, FLOP/s over HBM bytes/s, on other GPUs: `matmul_k0`); attention's core (QK^T, softmax,
+    AV: fused flash / SDPA kernels) at `Cluster.attention_speed` of that rate on its counted FLOPs.
     (FP32 matmuls run as TF32 at 156 TFLOP/s only when enabled; the planner uses plain FP32.)
   - 80 GB HBM2e, 2.0 TB/s (datasheet).
   - NVLink 3: 600 GB/s per GPU, both directions together (datasheet) -> 300 GB/s per direction; a ring
@@ -18,7 +19,8 @@ level (``intra``: within a node, ``inter``: across nodes) the bandwidth and late
     orders of magnitude; they matter only for small messages).
 * ``h100``: DGX H100 nodes: 8 x H100-SXM5-80GB; 989 TFLOP/s dense BF16, 67 FP32 (datasheet); 3.35 TB/s HBM3
   (ridge 295 FLOP/byte against A100's 156: ``K0`` 1,514); NVLink 4: 900 GB/s per GPU -> 450 per direction;
-  8 x 400 Gb/s NDR InfiniBand = 50 GB/s per GPU.
+  8 x 400 Gb/s NDR InfiniBand = 50 GB/s per GPU. Attention at the GEMMs' rate (``attention_speed`` 1: a kernel
+  written for Hopper, FlashAttention-3 or cuDNN's); `FA2_ON_HOPPER` for a runtime running FlashAttention-2 there.
 * ``cpu``: this machine's processes (gloo), figures from `calibrate` when ``$LIGHTNING_HYBRID_CLUSTER``
   or ``~/.cache/lightning_hybrid/cluster_cpu.json`` holds them, else conservative defaults. CPU ranks share
   ``compute_units`` cores: more ranks than cores run at ``compute_units / ranks`` of their speed each.
@@ -44,8 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
-__all__ = ["CLUSTER_PRESETS", "DEFAULT_CALIBRATION", "Cluster", "Link", "calibrate", "cpu_cluster", "load_cluster",
-           "matmul_k0"]
+__all__ = ["CLUSTER_PRESETS", "DEFAULT_CALIBRATION", "FA2_ON_HOPPER", "Cluster", "Link", "calibrate", "cpu_cluster",
+           "load_cluster", "matmul_k0"]
 
 #: Fraction of the datasheet's dense peak that large transformer GEMMs reach (cuBLAS on A100/H100 reaches
 #: ~70-80% on Megatron's shapes; the 0.7 is this model's one free constant at cluster scale, chosen once, before
@@ -59,6 +61,11 @@ MATMUL_EFFICIENCY = 0.7
 MATMUL_K0 = 800.0
 #: A100's ridge point, FLOP per byte of HBM traffic: 312 TFLOP/s dense BF16 over 2.0 TB/s (datasheet).
 A100_RIDGE = 312 / 2.0
+#: FlashAttention-2's speed on H100 relative to a kernel written for Hopper: Shah et al. 2024 (FlashAttention-3),
+#: Figure 5, forward, BF16, head dim 128, causal, sequence 16k: FlashAttention-2 335 TFLOP/s, FlashAttention-3 616
+#: (cuDNN 539). FlashAttention-2 uses none of Hopper's new instructions (wgmma, TMA); its plateau, a third of H100's
+#: peak, is what runs before FlashAttention-3 (July 2024) used it. `Cluster.attention_speed` for such a runtime.
+FA2_ON_HOPPER = 335 / 616
 #: Fraction of a link's datasheet bandwidth a ring collective reaches (NCCL bus bandwidth / link bandwidth).
 LINK_EFFICIENCY = 0.8
 #: Fraction of device memory the planner lets a layout use (allocator fragmentation, CUDA context, workspaces).
@@ -108,6 +115,10 @@ class Cluster:
     ``--overlap-grad-reduce``); ``cp_gathers_kv_heads`` (``True``): context parallelism all-gathers grouped-query
     attention's ``a_kv`` key/value heads and repeats them after (this codebase, Llama 3's CP); ``False`` for a
     runtime that repeats them to ``a`` heads first;
+    ``attention_speed`` (``1``): the attention core's speed -- its counted ``4 h s`` FLOPs per token forward, twice
+    that backward -- relative to the GEMMs' ``matmul_efficiency`` (its kernel is not a GEMM: on A100 the
+    published runs the planner is checked on agree with 1, on H100 too for a kernel written for it; FlashAttention-2,
+    whose kernels use no Hopper instructions, `FA2_ON_HOPPER` there);
     ``pp_scatter_gather``: each TP rank sends ``1/tp`` of a pipeline boundary's tensor and the receiver all-gathers
     it over TP (Megatron-LM's scatter/gather, Narayanan et al. 2021, section 4.1; this codebase sends it whole
     without sequence parallelism). Set for published runs of those runtimes (`benchmarks/bench_planner.py`).
@@ -134,6 +145,7 @@ class Cluster:
     cp_gathers_kv_heads: bool = True
     pp_scatter_gather: bool = False
     matmul_k0: float = 0.0
+    attention_speed: float = 1.0
 
     def link(self, group_size: int, stride: int) -> Link:
         """The link a collective over ``group_size`` ranks ``stride`` ranks apart uses: within a node when the

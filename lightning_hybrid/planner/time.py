@@ -14,7 +14,9 @@ Per micro-batch of ``b`` sequences (``T = b s`` tokens) and per block on one dev
   more; at the cluster's achievable matmul FLOP/s, the weight GEMMs slower by their shapes (`matmul_time_factor`:
   ``E K / (K + K0)`` for a reduction ``K`` per device; ``K0`` the depth an output tile's fixed memory traffic is
   worth, in proportion to the GPU's ridge point: 800 on A100, 1,514 on H100, `lightning_hybrid.planner.cluster.
-  matmul_k0`), plus ``layer_overhead`` per pass, plus
+  matmul_k0`), the attention core's ``4 h s / tp`` (and its recomputation) at the attention kernel's speed
+  (`Cluster.attention_speed` of the GEMMs' rate: FlashAttention-2 on H100 ~0.54), plus ``layer_overhead`` per pass,
+  plus
   element-wise work: the block's activations written in forward, read and written in backward
   (3 x activation bytes / memory bandwidth);
 * TP: two all-reduces of ``T h e`` bytes in forward and two in backward (Shoeybi et al. 2019; with sequence
@@ -437,7 +439,11 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
 
     block_flops = passes * tokens * (2 * model.block_matmul_weights() + 4 * h * s) / t + core_recompute
     shape = matmul_time_factor(model, t, cluster.matmul_k0)  # the weight GEMMs' time at their shapes
-    block_matmul = (block_flops + (shape - 1) * passes * tokens * 2 * model.block_matmul_weights() / t) / flops
+    # Attention's core (its counted 4 h s FLOPs per token and pass, and its recomputation) at the attention kernel's
+    # speed, which is not a GEMM's (`Cluster.attention_speed`).
+    attention_flops = passes * tokens * 4 * h * s / t + core_recompute
+    slower = attention_flops * (1 / cluster.attention_speed - 1)
+    block_matmul = (block_flops + (shape - 1) * passes * tokens * 2 * model.block_matmul_weights() / t + slower) / flops
     bandwidth = cluster.memory_bandwidth
     if mode == "attention":
         # Element-wise traffic is the work's, not what is kept: the block's whole activations (the attention core's
@@ -472,7 +478,7 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
         split = model.attention_weights() + model.mlp_weights(model.shared_ffn)
         expert = model.experts * h + model.top_k * model.mlp_weights(model.expert_ffn)
         moe_flops = passes * (tokens * (2 * split + 4 * h * s) / t + routed * 2 * expert) + core_recompute
-        moe_compute = (moe_flops * shape / flops + passes * cluster.layer_overhead
+        moe_compute = ((moe_flops * shape + slower) / flops + passes * cluster.layer_overhead
                        + 3 * (moe_act + cp_traffic) / bandwidth)
         moe_tp = moe_units / 2 * block_tp
         ep_link = cluster.link(ep, t)
