@@ -20,12 +20,12 @@ prediction of published large-scale runs.
 4. Every layout's predicted peak (`estimate_memory`) and step time (`estimate_time`) beside the measured ones;
    goals: |predicted / measured - 1| <= 15% for the peak, Spearman >= 0.8 for the step times.
 5. The search over every layout of GPT-3 175B on 1,024 A100s (timed: goal < 10 s) and the prediction of published
-   runs of four kinds from five sources (`SOURCES`, `PUBLISHED`), each on its own layout and counted as the source
+   runs of four kinds from six sources (`SOURCES`, `PUBLISHED`), each on its own layout and counted as the source
    counts it: tensor + pipeline on A100 (Narayanan et al. 2021, Table 1), selective recompute (Korthikanti et al.
-   2022), H100 with 2024 techniques (Llama 3 405B, Table 4), FSDP over 8 nodes (torchtitan) and FSDP at scale on
-   128-512 H100 (MosaicML's llm-foundry); the mean absolute error per source and the worst run (goals: <= 10% per
-   source, no run off by more than 20%). ``--published-only``
-   runs this part alone (seconds) and rewrites the published section of ``--out``.
+   2022), H100 with 2024 techniques (Llama 3 405B, Table 4; Megatron-Core's 2024 weak scaling, 1.7B-462B on up
+   to 6,144 H100), FSDP over 8 nodes (torchtitan) and FSDP at scale on 128-512 H100 (MosaicML's llm-foundry);
+   the mean absolute error per source and the worst run (goals: <= 10% per source, no run off by more than 20%).
+   ``--published-only`` runs this part alone (seconds) and rewrites the published section of ``--out``.
 
 Tables are printed and written to ``benchmarks/PLANNER.md``; the measured peaks and every timed step of both
 passes to ``benchmarks/PLANNER.json`` (to check a change of the time model against them without measuring again).
@@ -76,7 +76,7 @@ LAYOUTS = {
     "dp2xtp2-zero1": (2, 2, 1, 1, 1, "1f1b", False),
     "dp2xtp2xpp2-zero1": (2, 2, 2, 1, 2, "1f1b", False),
 }
-#: Published runs the planner is compared with (`published_rows`): five sources of four kinds, each run on its own
+#: Published runs the planner is compared with (`published_rows`): six sources of four kinds, each run on its own
 #: layout (every row of the table a source publishes for that kind, not a selection). ``SOURCES``: key -> (kind,
 #: citation, what the published number is, the cluster preset and what its runtime overlaps). Where a source leaves
 #: a setting out, the row states what is assumed (never tuned per row).
@@ -101,11 +101,12 @@ SOURCES = {
         " GPUs TP8 CP1 PP16 DP64 seq 8,192 430 TFLOP/s; 16,384 GPUs DP128 400; 16,384 GPUs CP16 DP8 seq 131,072"
         " 380; BF16 MFU 43/41/38%) -- as reproduced from Balaji, SC'24 (glennklockwood.com/garden/llama-3.1);"
         " flash attention, TP communication overlapped, FSDP without resharding after forward (modelled as ZeRO-1:"
-        " the same traffic), gradients reduced during the last backward a layer (FSDP unit) at a time, CP"
-        " all-gathering the 8 K/V heads;"
+        " the same traffic, its parameters gathered under the first forward as FSDP prefetches them), gradients"
+        " reduced during the last backward a layer (FSDP unit) at a time, CP all-gathering the 8 K/V heads;"
         " interleaved 1F1B with v = 2 and no recomputation assumed (not published)",
         "TFLOP/s per GPU, the planner's FLOP count (6 per weight + 12 L h s per token)", "megatron-flash",
-        {"tp_comm_overlap": True, "grad_reduce_overlap_pp": True, "cp_gathers_kv_heads": True}),
+        {"tp_comm_overlap": True, "grad_reduce_overlap_pp": True, "param_gather_overlap": True,
+         "cp_gathers_kv_heads": True}),
     "torchtitan": (
         "FSDP (ZeRO-3) over 8 nodes, A100",
         "pytorch/torchtitan docs/performance.md (commit 0413364): FSDP2 on 64 A100-80GB, local batch 1-2 (Llama 3"
@@ -128,9 +129,25 @@ SOURCES = {
         " attn_impl: flash, the flash-attn 2 package; FlashAttention-3 came out in July 2024), which on H100 runs at"
         " 335/616 = 0.54 of a kernel written for Hopper (FA2_ON_HOPPER: the FlashAttention-3 paper's Figure 5)",
         "tokens/s per GPU", "megatron-flash", {"attention_speed": FA2_ON_HOPPER}),
+    "megatron-core2024": (
+        "TP + PP + ZeRO-1 on H100, Megatron-Core 2024",
+        "NVIDIA/Megatron-LM README, 'Weak Scaling Results', images/model_table.png (commit f2e5db4, 2024-07,"
+        " Megatron-Core r0.8.0): GPT 1.7B-462B, vocabulary 131,072, sequence 4,096, on 48-6,144 H100, every row"
+        " (per-GPU TFLOP/s as Megatron counts them: its num_floating_point_operations, without recomputation, the"
+        " planner's flops_per_token); TP, PP, DP and batch from the table; 'fine-grained overlapping of"
+        " data-parallel (--overlap-grad-reduce --overlap-param-gather), tensor-parallel (--tp-comm-overlap) and"
+        " pipeline-parallel communication' (hence the distributed optimizer, ZeRO-1, and sequence parallelism);"
+        " GELU 4h MLP, biases, untied embeddings, no learned positions (each parameter count rounds to the"
+        " table's); Transformer Engine's fused attention (cuDNN, written for Hopper: attention_speed 1); gradients"
+        " reduced in bf16 in Megatron-Core's buckets of max(40M, 1M x dp) parameters; micro-batch and schedule not"
+        " published: the replica's whole batch in one micro-batch where pp = 1, micro-batch 1 under a pipeline,"
+        " interleaved with v = 2 where the stage's layers divide (else 1F1B), no recomputation",
+        "TFLOP/s per GPU, Megatron's count (6 per weight + 12 L h s per token: the planner's)", "megatron-flash",
+        {"tp_comm_overlap": True, "grad_reduce_overlap_pp": True, "param_gather_overlap": True,
+         "pp_scatter_gather": True}),
 }
 #: Sources whose runs were on H100 nodes (the others on A100).
-H100_SOURCES = ("llama3", "mosaicml")
+H100_SOURCES = ("llama3", "mosaicml", "megatron-core2024")
 
 
 def _llama(name: str, n_layer: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int, seq: int) -> ModelSpec:
@@ -143,6 +160,13 @@ def _mpt(name: str, n_layer: int, hidden: int, heads: int) -> ModelSpec:
     positions, tied embeddings)."""
     return ModelSpec(name, n_layer, hidden, heads, heads, 4 * hidden, 50368, 2048, gated_mlp=False, bias=True,
                      learned_positions=True, tied_embeddings=True)
+
+
+def _gpt(name: str, n_layer: int, hidden: int, heads: int) -> ModelSpec:
+    """Megatron-Core's GPT of its 2024 H100 scaling runs: GELU 4h, biases, vocabulary 131,072, sequence 4,096, untied
+    embeddings, no learned positions."""
+    return ModelSpec(f"gpt-{name}", n_layer, hidden, heads, heads, 4 * hidden, 131072, 4096, gated_mlp=False,
+                     bias=True, learned_positions=False, tied_embeddings=False)
 
 
 MPT = {"1b": _mpt("mpt-1b", 24, 2048, 16), "3b": _mpt("mpt-3b", 32, 2560, 20), "7b": _mpt("mpt-7b", 32, 4096, 32),
@@ -187,6 +211,17 @@ PUBLISHED = [
           ("7b", 512, 6, False, 9670), ("7b", 256, 6, False, 10119), ("7b", 128, 6, False, 10475),
           ("3b", 512, 8, False, 21664), ("3b", 256, 8, False, 22772), ("3b", 128, 8, False, 23422),
           ("1b", 512, 12, False, 39837), ("1b", 256, 12, False, 42555), ("1b", 128, 12, False, 44123)]],
+    # (model size, heads, hidden, layers, TP, PP, DP, batch, TFLOP/s per GPU): the table as published
+    *[("megatron-core2024", _gpt(name, layers, hidden, heads), tp * pp * dp, batch,
+       Layout(dp, tp, pp, 1, batch // dp if pp == 1 else 1, 1 if pp == 1 else batch // dp,
+              "interleaved_1f1b" if pp > 2 and layers % (2 * pp) == 0 else "1f1b",
+              2 if pp > 2 and layers % (2 * pp) == 0 else 1, False, True), tflops)
+      for name, heads, hidden, layers, tp, pp, dp, batch, tflops in [
+          ("1.7b", 16, 2048, 24, 1, 1, 48, 192, 408.8), ("7.1b", 32, 4096, 30, 2, 1, 48, 192, 465.9),
+          ("16b", 48, 6144, 32, 4, 1, 48, 192, 489.1), ("32b", 56, 7168, 48, 8, 1, 48, 192, 459.6),
+          ("70b", 64, 8192, 84, 8, 2, 48, 384, 419.7), ("119b", 80, 10240, 92, 8, 4, 48, 768, 420.5),
+          ("177b", 96, 12288, 96, 8, 6, 48, 1152, 432.8), ("314b", 128, 16384, 96, 8, 8, 48, 1536, 474.4),
+          ("462b", 144, 18432, 112, 8, 16, 48, 3072, 459.9)]],
 ]
 
 
@@ -247,10 +282,13 @@ def source_cluster(source: str) -> Cluster:
 
 def source_bucket_mb(source: str, model: ModelSpec, layout: Layout, cluster: Cluster) -> float:
     """The size of the gradient reductions of a source's runtime, in MiB: Llama 3's FSDP reduces a layer's gradients
-    at a time (one unit per block: `largest_block_params` of the rank's ``1/tp``, in the gradients' dtype); the others
-    the planner's default, this codebase's buckets (`DEFAULT_BUCKET_CAP_MB`; ZeRO-3 runs reduce per unit anyway)."""
+    at a time (one unit per block: `largest_block_params` of the rank's ``1/tp``, in the gradients' dtype);
+    Megatron-Core's DDP in buckets of ``max(40M, 1M x dp)`` parameters; the others the planner's default, this
+    codebase's buckets (`DEFAULT_BUCKET_CAP_MB`; ZeRO-3 runs reduce per unit anyway)."""
     if source == "llama3":
         return largest_block_params(model, layout.tp, layout.ep) * PRECISIONS[cluster.precision][1] / MIB
+    if source == "megatron-core2024":  # distributed_data_parallel.py: max(40M, 1M x dp size) parameters a bucket
+        return max(40e6, 1e6 * layout.shard) * PRECISIONS[cluster.precision][1] / MIB
     return DEFAULT_BUCKET_CAP_MB
 
 
@@ -263,7 +301,7 @@ def predicted_number(source: str, model: ModelSpec, gpus: int, batch: int, layou
         return 96 * batch * s * layers * h * h * (1 + s / (6 * h) + V / (16 * layers * h)) / seconds / gpus / 1e12
     if source == "korthikanti2022":
         return model.flops_per_token() * tokens_per_gpu / cluster.peak_flops(cluster.precision)
-    if source == "llama3":
+    if source in ("llama3", "megatron-core2024"):
         return model.flops_per_token() * tokens_per_gpu / 1e12
     return tokens_per_gpu
 
@@ -331,7 +369,7 @@ def write_published_only(out: Path) -> int:
     search_line = search_175b()
     print(search_line)
     lines, _ = published_rows()
-    section = "\n".join([f"{PUBLISHED_HEADING} (the planner against five published sources)", "", *lines, ""])
+    section = "\n".join([f"{PUBLISHED_HEADING} (the planner against six published sources)", "", *lines, ""])
     print(section)
     print(f"({time.perf_counter() - t0:.1f} s)")
     text = out.read_text() if out.is_file() else ""
@@ -445,7 +483,7 @@ def main(argv=None) -> int:
              f" measured step times: {rho:.2f}; of the two measured passes with each other (layouts 2-{len(names)}):"
              f" {self_rho:.2f}.", "",
              search_line, "",
-             f"{PUBLISHED_HEADING} (the planner against five published sources)", "", *published_rows()[0], "",
+             f"{PUBLISHED_HEADING} (the planner against six published sources)", "", *published_rows()[0], "",
              f"Total wall time {time.perf_counter() - t_start:.0f} s."]
     text = "\n".join(lines) + "\n"
     print("\n" + text)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -241,10 +242,26 @@ def test_published_runs_within_the_goals():
     from benchmarks.bench_planner import published_rows
 
     lines, summary = published_rows(search=False)
-    assert set(summary) == {"narayanan2021", "korthikanti2022", "llama3", "torchtitan", "mosaicml"}
-    # Mean absolute error per source <= 10% (benchmarks/PLANNER.md: 3.2-8.4%); no run off by more than 20% (18.7%).
+    assert set(summary) == {"narayanan2021", "korthikanti2022", "llama3", "torchtitan", "mosaicml",
+                            "megatron-core2024"}
+    # Mean absolute error per source <= 10% (benchmarks/PLANNER.md: 3.2-8.0%); no run off by more than 20% (18.7%).
     assert all(s["mae"] <= 0.10 for s in summary.values())
     assert all(abs(s["worst"][1]) <= 0.20 for s in summary.values())
+
+
+def test_param_gather_overlap_hides_the_gather_under_the_first_forward():
+    m = model_spec("gpt3-175b")
+    zero1, zero0 = (Layout(64, 8, 1, z, 1, 4, sequence_parallel=True) for z in (1, 0))
+    base = dataclasses.replace(load_cluster("h100"), precision="megatron-flash")
+    over = dataclasses.replace(base, param_gather_overlap=True)
+    assert not base.param_gather_overlap  # this codebase gathers after the optimizer step
+    t0, t1 = estimate_time(m, zero1, base), estimate_time(m, zero1, over)
+    assert t1.dp_comm < t0.dp_comm and t1.compute == t0.compute
+    assert estimate_time(m, zero0, over).dp_comm == estimate_time(m, zero0, base).dp_comm  # stage 0: no gather
+    # Hidden only under the forward: with a forward of no time the whole gather shows again.
+    instant = {"flops": {"bf16": math.inf, "fp32": math.inf}, "memory_bandwidth": math.inf}
+    assert (estimate_time(m, zero1, dataclasses.replace(over, **instant)).dp_comm
+            == pytest.approx(estimate_time(m, zero1, dataclasses.replace(base, **instant)).dp_comm))
 
 
 def test_attention_speed_slows_the_attention_core_alone():

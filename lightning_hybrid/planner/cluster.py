@@ -112,7 +112,9 @@ class Cluster:
     reduces the gradients after its schedule): ``tp_comm_overlap``: TP's collectives run under the block's GEMMs
     (Megatron-Core's ``--tp-comm-overlap``, Transformer Engine's userbuffers); ``grad_reduce_overlap_pp``: under PP
     each stage's gradient buckets are reduced during its last micro-batch's backward (Megatron-Core's
-    ``--overlap-grad-reduce``); ``cp_gathers_kv_heads`` (``True``): context parallelism all-gathers grouped-query
+    ``--overlap-grad-reduce``); ``param_gather_overlap``: ZeRO 1-2's all-gather of the updated parameters runs under
+    the next step's first forward, bucket by bucket (Megatron-Core's ``--overlap-param-gather``; this codebase
+    gathers after the optimizer step); ``cp_gathers_kv_heads`` (``True``): context parallelism all-gathers grouped-query
     attention's ``a_kv`` key/value heads and repeats them after (this codebase, Llama 3's CP); ``False`` for a
     runtime that repeats them to ``a`` heads first;
     ``attention_speed`` (``1``): the attention core's speed -- its counted ``4 h s`` FLOPs per token forward, twice
@@ -146,6 +148,7 @@ class Cluster:
     pp_scatter_gather: bool = False
     matmul_k0: float = 0.0
     attention_speed: float = 1.0
+    param_gather_overlap: bool = False
 
     def link(self, group_size: int, stride: int) -> Link:
         """The link a collective over ``group_size`` ranks ``stride`` ranks apart uses: within a node when the

@@ -62,7 +62,9 @@ where the schedule allows it, as ``max(0, communication - its compute window)``,
   the accumulation window: ``max(R/u, R - B)`` (``R`` the reduction, ``u`` buckets, ``B`` the last micro-batch's
   backward with its recomputation: the last bucket is reduced after it); under PP this codebase reduces after the
   schedule (``R``), a runtime reducing during the stage's last backward (`Cluster.grad_reduce_overlap_pp`,
-  Megatron-Core) as without PP; stages 1-2's all-gather of the updated parameters follows the step (exposed);
+  Megatron-Core) as without PP; stages 1-2's all-gather of the updated parameters follows the step (exposed: ``G``),
+  or for a runtime gathering them under the next step's first forward ``F``, bucket by bucket
+  (`Cluster.param_gather_overlap`, Megatron-Core's ``--overlap-param-gather``) ``max(G/u, G - F)``;
 * stage 3 (FSDP2, ``u`` units, ``G`` one pass of gathers): per micro-batch ``G/u + max(0, G - F)`` in forward (each
   unit prefetched under the previous one's forward ``F``, the first exposed), ``max(0, G - B)`` in backward, and in
   the window's last micro-batch ``max(0, G + R - B) + R/u`` (the reduce-scatters in the same window as the
@@ -551,7 +553,9 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
         # Buckets launch during the backward that ends the accumulation window (nothing is reduced before it): the
         # last micro-batch's backward hides them, the last bucket's shows; under PP (this codebase reduces after
         # the schedule) only a runtime that reduces during the stage's last backward overlaps them. Stages 1-2
-        # all-gather the updated parameters after the optimizer step.
+        # all-gather the updated parameters after the optimizer step (or, Megatron-Core, under the next forward).
+        if cluster.param_gather_overlap:  # under the next step's first forward, the first bucket's exposed
+            gather = max(gather / units, gather - forward)
         if lay.pp == 1 or cluster.grad_reduce_overlap_pp:
             dp_comm = max(reduce / units, reduce - backward) + gather
         else:
