@@ -41,6 +41,12 @@ FAMILIES = {
     "deepseek_v3": dict(_MLA, q_lora_rank=24, n_shared_experts=1),  # MLA, a dense first layer, a shared expert
     "deepseek_v3-no-q-lora": dict(_MLA, q_lora_rank=None, n_shared_experts=2),
     "qwen3": dict(_BASE, head_dim=24),
+    # every other layer MoE (its moe_layers list), one shared expert of the expert width, dense MLP of its own width
+    "llama4_text": dict(_BASE, head_dim=16, intermediate_size=32, intermediate_size_mlp=96, num_local_experts=4,
+                        num_experts_per_tok=1, interleave_moe_layer_step=2),
+    # MoE from layer 1 to 2, two shared experts
+    "ernie4_5_moe": dict(_BASE, moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=2,
+                         moe_layer_start_index=1, moe_layer_end_index=2, moe_layer_interval=1),
 }
 
 
@@ -137,6 +143,34 @@ def test_command_line_will_it_fit(capsys, tmp_path):
     assert planner_main([*args, "--layout", "dp3"]) == 2
     assert planner_main(["--hf-config", "nope-model", "--devices", "1", "--global-batch", "1"]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_command_line_refuses_what_it_cannot_describe(capsys):
+    import dataclasses
+
+    from lightning_hybrid.planner.__main__ import describe_hf
+
+    base = ["--cluster", "h100", "--devices", "8", "--global-batch", "8", "--seq-len", "128", "--top", "1"]
+    # Layers that are not softmax attention, named in the config's layer_types (Jamba's Mamba mixers).
+    jamba = ["--hf-config", "jamba", "--override", "hidden_size=64,num_hidden_layers=4,num_attention_heads=4,"
+             "num_key_value_heads=2,intermediate_size=96,vocab_size=100,num_experts=2,attn_layer_period=2,"
+             "attn_layer_offset=1,expert_layer_period=2,expert_layer_offset=1,mamba_d_state=4"]
+    assert planner_main([*jamba, *base]) == 2
+    err = capsys.readouterr().err
+    assert "jamba: 2 of its 4 layers are linear_attention" in err and "--allow-mismatch" in err
+    assert planner_main([*jamba, *base, "--allow-mismatch"]) == 0
+    assert "parts of jamba the planner does not describe" in capsys.readouterr().out  # and its count is off
+    # A description whose count is more than 2% from the model's is refused; within it, said.
+    config = hf_config("llama", _BASE)
+    spec = ModelSpec.from_hf(config, 64)
+    wrong = dataclasses.replace(spec, n_layer=spec.n_layer + 1, params=0)  # params: counted again
+    with pytest.raises(ValueError, match=r"llama: the planner describes .* beyond 2%"):
+        describe_hf(config, wrong)
+    assert "parts of llama the planner does not describe" in describe_hf(config, wrong, allow_mismatch=True)
+    assert "the same as AutoModelForCausalLM.from_config's" in describe_hf(config, spec)
+    # A config transformers cannot build: described, said to be unchecked, not a crash.
+    broken = hf_config("llama", dict(_BASE, hidden_act="no-such-activation"))
+    assert "not checked: transformers could not build" in describe_hf(broken, ModelSpec.from_hf(broken, 64))
 
 
 def test_finetune_recipe_parallel_auto_reads_the_folders_config(tmp_path):

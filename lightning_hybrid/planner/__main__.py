@@ -175,16 +175,43 @@ def format_layout(c: Candidate, cluster: Cluster) -> str:
     return "\n".join(lines)
 
 
-def describe_hf(config: Any, spec: ModelSpec) -> str:
+#: How far the description's parameter count may be from transformers' model before ``--hf-config`` refuses it
+#: (``--allow-mismatch`` plans it anyway): beyond a few norms or biases, whole layers the planner cannot describe.
+MISMATCH_TOLERANCE = 0.02
+
+
+def describe_hf(config: Any, spec: ModelSpec, allow_mismatch: bool = False) -> str:
     """The header of ``--hf-config``: the parameter count derived from the config against transformers' own (the
-    model built on the meta device), and what is not modelled."""
-    real = hf_parameter_count(config)
-    if real == spec.params:
+    model built on the meta device), and what is not modelled. Raises ``ValueError`` when they differ by more than
+    `MISMATCH_TOLERANCE` (layers that are not the decoder blocks the planner describes: state-space, linear-attention
+    or convolution mixers, ...) unless ``allow_mismatch``."""
+    types = [str(t) for t in (getattr(config, "layer_types", None) or [])]
+    other = sorted({t for t in types if not t.endswith("attention") or "linear" in t})
+    if other and not allow_mismatch:
+        raise ValueError(
+            f"{spec.name}: {sum(t in other for t in types)} of its {len(types)} layers are {', '.join(other)} (its"
+            " config's layer_types), which the planner does not describe (softmax attention, full, sliding or"
+            " chunked, with a dense or mixture-of-experts MLP); --allow-mismatch plans them as attention layers")
+    try:
+        real = hf_parameter_count(config)
+    except Exception as err:  # transformers' own defaults for some types do not build (their bug, not the config's)
+        real, why = None, f"{type(err).__name__}: {err}"
+    if real is None:
+        check = (f"{spec.params:,} parameters described, not checked: transformers could not build the model from"
+                 f" this config ({why})")
+    elif real == spec.params:
         check = f"{spec.params:,} parameters, the same as AutoModelForCausalLM.from_config's on the meta device"
     else:
+        off = (spec.params - real) / real
+        if abs(off) > MISMATCH_TOLERANCE and not allow_mismatch:
+            raise ValueError(
+                f"{spec.name}: the planner describes {spec.params:,} parameters, AutoModelForCausalLM.from_config has"
+                f" {real:,} ({off:+.1%}, beyond {MISMATCH_TOLERANCE:.0%}): its layers are not all decoder blocks the"
+                " planner can describe (attention with a dense or mixture-of-experts MLP; state-space, linear-"
+                "attention or convolution mixers are not); --allow-mismatch plans the description anyway")
         check = (f"{spec.params:,} parameters described, AutoModelForCausalLM.from_config has {real:,}"
-                 f" ({spec.params - real:+,}: parts of {spec.name} the planner does not describe; memory and time"
-                 " are estimated for the description)")
+                 f" ({spec.params - real:+,}, {off:+.2%}: parts of {spec.name} the planner does not describe; memory"
+                 " and time are estimated for the description)")
     extras = [f"head_dim {spec.head_dim}" if spec.head_size else "", "tied embeddings" if spec.tied_embeddings else "",
               "gated MLP" if spec.gated_mlp else "plain MLP", "biases" if spec.bias else
               ("q/k/v biases" if spec.qkv_bias else ""), "MLA attention" if spec.attention_matrices else "",
@@ -213,6 +240,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                        " (llama, qwen2, mixtral, deepseek_v3, ...: transformers' defaults)")
     p.add_argument("--override", action="append", default=[], metavar="K=V[,K=V]",
                    help="--hf-config fields (hidden_size=4096,num_hidden_layers=32); repeatable")
+    p.add_argument("--allow-mismatch", action="store_true", help="--hf-config: plan a description whose parameter"
+                   f" count is more than {MISMATCH_TOLERANCE:.0%} from transformers' model (default: refuse it)")
     p.add_argument("--layout", default=None, help="one layout to check, as the table writes them: 'dp8xtp8',"
                    " 'dp4xtp8xpp2 zero1 mb1x16 ac sp' (its memory by kind, whether it fits, the margin)")
     p.add_argument("--cluster", default="cpu", help="a100, h100, cpu, or a cluster JSON (default: cpu)")
@@ -238,7 +267,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.hf_config:
             config = hf_config(args.hf_config, parse_overrides(args.override))
             model = ModelSpec.from_hf(config, args.seq_len)
-            header = describe_hf(config, model)
+            header = describe_hf(config, model, args.allow_mismatch)
         else:
             model, header = model_spec(args.model, args.seq_len), ""
         cluster = load_cluster(args.cluster)

@@ -50,8 +50,9 @@ class ModelSpec:
     and OLMoE's q/k norms, Gemma-2's extra two, the low-rank norms of DeepSeek's attention); ``attention_matrices``:
     one block's attention weights when they are not q, k, v, o of ``head_size`` (DeepSeek's multi-head latent
     attention, MLA: its low-rank projections; 0: q, k, v, o); ``shared_expert_gate``: Qwen2-MoE's ``h x 1``
-    gate of the shared experts in each MoE block; ``positions``: rows of the learned position table (GPT-2's
-    ``n_positions``; 0: ``seq_len``).
+    gate of the shared experts in each MoE block; ``router_bias``: ``E`` router biases per MoE block in a model
+    without other biases (ERNIE 4.5's score-correction biases, parameters there); ``positions``: rows of the learned
+    position table (GPT-2's ``n_positions``; 0: ``seq_len``).
     """
 
     name: str
@@ -78,6 +79,7 @@ class ModelSpec:
     attention_matrices: int = 0
     shared_expert_gate: bool = False
     positions: int = 0
+    router_bias: bool = False
 
     def __post_init__(self) -> None:
         for field in ("n_layer", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len"):
@@ -141,8 +143,8 @@ class ModelSpec:
         return (self.experts + (1 if self.shared_expert_gate else 0)) * self.hidden
 
     def router_params(self) -> int:
-        """One MoE layer's router: `router_weights` (and ``E`` biases when ``bias``)."""
-        return self.router_weights() + (self.experts if self.bias else 0)
+        """One MoE layer's router: `router_weights` (and ``E`` biases when ``bias`` or ``router_bias``)."""
+        return self.router_weights() + (self.experts if self.bias or self.router_bias else 0)
 
     def expert_params(self) -> int:
         """One expert: an MLP of width ``expert_ffn`` (weights, and biases when ``bias``)."""
@@ -275,9 +277,11 @@ class ModelSpec:
         moe = _hf_experts(config, n_layer)
         if moe and family == "qwen2_moe" and moe.get("shared_ffn"):
             extra["shared_expert_gate"] = True
+        if moe and family == "ernie4_5_moe":  # its MoE statistics: a score-correction bias per expert, a parameter
+            extra["router_bias"] = True
         return cls(
             name=family, n_layer=n_layer, hidden=hidden, heads=heads, kv_heads=kv_heads,
-            ffn=int(first("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden)),
+            ffn=int(first("intermediate_size_mlp", "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden)),
             vocab=int(first("vocab_size")),
             seq_len=int(seq_len or first("max_position_embeddings", "n_positions", default=2048)),
             gated_mlp=family not in PLAIN_MLP_FAMILIES, bias=full_bias,
@@ -318,9 +322,11 @@ def _hf_experts(config: Any, n_layer: int) -> dict[str, int]:
     """The MoE fields of a Hugging Face config (empty for a dense model): experts (``num_local_experts`` Mixtral,
     GPT-OSS; ``num_experts`` Qwen2/3-MoE, OLMoE; ``n_routed_experts`` DeepSeek), ``num_experts_per_tok``, the
     expert width (``moe_intermediate_size``, else ``intermediate_size``), the shared experts' (Qwen2-MoE's
-    ``shared_expert_intermediate_size``, DeepSeek's ``n_shared_experts x moe_intermediate_size``) and how many
-    layers are MoE (DeepSeek's ``first_k_dense_replace`` dense first; Qwen's ``decoder_sparse_step`` and
-    ``mlp_only_layers``)."""
+    ``shared_expert_intermediate_size``; DeepSeek's ``n_shared_experts`` -- ``num_shared_experts``,
+    ``moe_num_shared_experts`` in other families -- times the expert width; Llama 4's one shared expert, always there)
+    and how many layers are MoE (DeepSeek's ``first_k_dense_replace`` dense first; Llama 4's ``moe_layers`` list;
+    ERNIE 4.5's ``moe_layer_start_index`` to ``moe_layer_end_index`` every ``moe_layer_interval``; Qwen's
+    ``decoder_sparse_step`` and ``mlp_only_layers``)."""
     def get(name: str) -> Any:
         return getattr(config, name, None)
 
@@ -329,13 +335,23 @@ def _hf_experts(config: Any, n_layer: int) -> dict[str, int]:
         return {}
     if get("first_k_dense_replace") is not None:
         moe_layers = n_layer - int(get("first_k_dense_replace"))
+    elif isinstance(get("moe_layers"), (list, tuple)):  # Llama 4: the MoE layers' indices
+        moe_layers = len(get("moe_layers"))
+    elif get("moe_layer_start_index") is not None:  # ERNIE 4.5: every interval-th layer from start to end
+        start, interval = int(get("moe_layer_start_index")), int(get("moe_layer_interval") or 1)
+        end = int(get("moe_layer_end_index") if get("moe_layer_end_index") is not None else n_layer - 1)
+        moe_layers = sum(1 for i in range(n_layer) if start <= i <= end and (i + 1) % interval == 0)
     else:
         step, dense = int(get("decoder_sparse_step") or 1), set(get("mlp_only_layers") or ())
         moe_layers = sum(1 for i in range(n_layer) if i not in dense and (i + 1) % step == 0)
     if moe_layers <= 0:
         return {}
     expert_ffn = int(get("moe_intermediate_size") or get("intermediate_size"))
-    shared = int(get("shared_expert_intermediate_size") or 0) or int(get("n_shared_experts") or 0) * expert_ffn
+    copies = next((get(n) for n in ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
+                   if isinstance(get(n), int)), 0)
+    if str(get("model_type")) in ("llama4_text", "llama4"):  # Llama4TextMoe: one shared expert of the expert width
+        copies = 1
+    shared = int(get("shared_expert_intermediate_size") or 0) or int(copies) * expert_ffn
     top_k = int(get("num_experts_per_tok") or get("moe_top_k") or 1)
     return {"experts": experts, "top_k": top_k, "expert_ffn": expert_ffn, "moe_layers": moe_layers,
             "shared_ffn": shared}
