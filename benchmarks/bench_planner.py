@@ -18,7 +18,7 @@ prediction of published large-scale runs.
    over the predicted activations) and the training loop's time per step (``step_overhead``: measured minus
    predicted step time); both are written into the cluster JSON, which the planner then uses everywhere.
 4. Every layout's predicted peak (`estimate_memory`) and step time (`estimate_time`) beside the measured ones;
-   goals: |predicted / measured - 1| <= 15% for the peak, Spearman >= 0.8 for the step times.
+   goals: |predicted / measured - 1| <= 10% for the peak (`MEMORY_GOAL`), Spearman >= 0.8 for the step times.
 5. The search over every layout of GPT-3 175B on 1,024 A100s (timed: goal < 10 s) and the prediction of published
    runs of four kinds from six sources (`SOURCES`, `PUBLISHED`), each on its own layout and counted as the source
    counts it: tensor + pipeline on A100 (Narayanan et al. 2021, Table 1), selective recompute (Korthikanti et al.
@@ -62,6 +62,8 @@ from lightning_hybrid.sweep import spearman  # noqa: E402
 from lightning_hybrid.testing import run_distributed  # noqa: E402
 
 MIB = 2**20
+#: The peak memory goal (issue 25): predicted within 10% of the measured peak.
+MEMORY_GOAL = 0.10
 VAL_FRACTION = 0.05
 #: name -> (dp, tp, pp, zero stage, micro-batches per replica, schedule, activation checkpointing)
 LAYOUTS = {
@@ -465,7 +467,7 @@ def main(argv=None) -> int:
     for name in names:
         r = results[name]
         ratio = r["pred_peak"] / r["peak"]
-        within += abs(ratio - 1) <= 0.15
+        within += abs(ratio - 1) <= MEMORY_GOAL
         rows.append(f"| {r['layout'].label()}{' (fit)' if name == names[0] else ''} | {r['peak'] / MIB:.1f} |"
                     f" {r['pred_peak'] / MIB:.1f} | {ratio:.2f} | {r['step_s']:.3f} | {r['pred_step']:.3f} |"
                     f" {tokens / r['step_s']:.0f} | {tokens / r['pred_step']:.0f} | {meas_rank.index(name) + 1} |"
@@ -479,9 +481,9 @@ def main(argv=None) -> int:
                 f" {args.steps} timed steps; CPU ({cluster.compute_units} cores, shared), gloo, 1 thread per rank.")
     lines = [settings, "", f"Calibration: {calibration_s:.0f} s; fitted on the first layout: activation_scale ="
              f" {cluster.activation_scale:.3f}, step_overhead = {cluster.step_overhead * 1e3:.1f} ms.", "", *rows, "",
-             f"Peak memory within 15%: {within} of {len(names)} layouts. Spearman rank correlation of predicted and"
-             f" measured step times: {rho:.2f}; of the two measured passes with each other (layouts 2-{len(names)}):"
-             f" {self_rho:.2f}.", "",
+             f"Peak memory within {MEMORY_GOAL:.0%} (the goal): {within} of {len(names)} layouts. Spearman rank"
+             f" correlation of predicted and measured step times: {rho:.2f}; of the two measured passes with each"
+             f" other (layouts 2-{len(names)}): {self_rho:.2f}.", "",
              search_line, "",
              f"{PUBLISHED_HEADING} (the planner against six published sources)", "", *published_rows()[0], "",
              f"Total wall time {time.perf_counter() - t_start:.0f} s."]
