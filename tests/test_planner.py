@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_hybrid import HybridStrategy
@@ -26,7 +27,9 @@ from lightning_hybrid.planner.memory import (KORTHIKANTI, block_activation_bytes
                                              largest_block_params, zero_model_states)
 from lightning_hybrid.planner.time import (all_to_all_bytes, bubble_fraction, estimate_time, pipeline_boundaries,
                                            pipeline_p2p_time, ring_time, ring_volume)
+from lightning_hybrid.memory import LiveTensorTracker
 from lightning_hybrid.planner.__main__ import main as planner_main
+from lightning_hybrid.planner.__main__ import parse_layout
 from lightning_hybrid.planner.cluster import Link
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,13 +129,118 @@ def test_selective_recompute_in_memory_time_and_search():
     assert estimate_time(m, sel, flat).tp_comm == estimate_time(m, none, flat).tp_comm
     # The search offers it.
     result = plan(model_spec("small"), load_cluster("cpu"), devices=2, global_batch=4)
-    assert {c.layout.recompute_mode for c in result.ranked} == {"none", "full", "attention"}
+    assert {c.layout.recompute_mode for c in result.ranked} == {"none", "full", "attention", "pointwise"}
     # Matmul efficiency by shape: 1 + K0/K per weight, K the reduction per device (h; a d/tp and F/tp for o, down).
     k0 = 800.0
     W = m.block_matmul_weights()
     expected = ((3 * h * h) * (1 + k0 / h) + h * h * (1 + k0 / (h / 8)) + 4 * h * h * (1 + k0 / h)
                 + 4 * h * h * (1 + k0 / (4 * h / 8))) / W
     assert matmul_time_factor(m, 8, k0) == pytest.approx(expected) and matmul_time_factor(m, 8, 0.0) == 1.0
+
+
+class _ActivationTracker(LiveTensorTracker):
+    """Live storages a forward makes, as `LiveTensorTracker` counts them, its autocast copies of parameters apart
+    (kind ``parameters``; the parameters and other tensors made before it are labelled so too)."""
+
+    def __init__(self, external: list) -> None:
+        super().__init__("cpu")
+        self.label(external, "parameters")
+        self.params = {t.untyped_storage()._cdata for t in external}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        cast = func.overloadpacket is torch.ops.aten._to_copy and args[0].untyped_storage()._cdata in self.params
+        self.kind = "parameters" if cast else "activations"
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _kept_for_backward(layer, forward, external: list, mode: str, precision: str) -> int:
+    """Bytes one layer keeps for backward after its forward (``forward()``: ``(input, output)``, the input made in
+    it) under the strategy's own checkpoint wrapper for ``mode``: the storages the forward made that are still alive,
+    less its output (the next layer's input)."""
+    import gc
+
+    from lightning_hybrid.activation_checkpointing import apply_activation_checkpointing, recompute_selection
+
+    if mode != "none":
+        holder = torch.nn.Module()
+        holder.layer = layer
+        apply_activation_checkpointing(holder, ["layer"], recompute_selection(mode))
+    tracker = _ActivationTracker(external)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
+    with autocast, tracker:
+        _, out = forward()
+    gc.collect()
+    return tracker.totals["activations"] - out.untyped_storage().nbytes()
+
+
+def test_pointwise_recompute_keeps_what_the_planner_counts():
+    """``recompute="pointwise"``: the bytes a block keeps for backward under the strategy's checkpoint wrapper,
+    measured, against `block_activations` -- the reference GPT (LayerNorm; GELU, and SwiGLU with GQA) and a Hugging
+    Face Llama layer (RMSNorm, rotary, SwiGLU, GQA), fp32 and bf16 autocast; then its place among the modes in
+    memory and time, and in the search."""
+    from lightning_hybrid.planner.memory import block_activations, pointwise_coefficients
+
+    s, b, h = 32, 2, 64
+
+    def gpt(mlp, kv):
+        cfg = GPTConfig(vocab_size=64, block_size=s, n_layer=1, n_head=4, n_kv_head=kv, n_embd=h, mlp=mlp)
+
+        def make():
+            torch.manual_seed(0)
+            block = GPT(cfg).blocks[0]
+            return block, lambda: (x := torch.randn(b, s, h, requires_grad=True), block(x)), list(block.parameters())
+        return ModelSpec.from_gpt(cfg, s), make
+
+    def llama():
+        cfg = LlamaConfig(vocab_size=64, hidden_size=h, intermediate_size=172, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=s)
+        cfg._attn_implementation = "sdpa"
+
+        def make():
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(cfg)
+            layer, positions = model.model.layers[0], torch.arange(s)[None].expand(b, s)
+            cos, sin = model.model.rotary_emb(torch.zeros(b, s, h), positions)  # made once per model, not per layer
+
+            def forward():
+                x = torch.randn(b, s, h, requires_grad=True)
+                out = layer(x, attention_mask=None, position_ids=positions, position_embeddings=(cos, sin))
+                return x, out[0] if isinstance(out, tuple) else out
+            return layer, forward, [*layer.parameters(), cos, sin]
+        return ModelSpec.from_hf(cfg, s), make
+
+    for spec, make in (gpt("gelu", 4), gpt("swiglu", 2), llama()):
+        for precision in ("32-true", "bf16-mixed"):
+            kept = {mode: _kept_for_backward(*make(), mode, precision) for mode in ("none", "attention", "pointwise")}
+            predicted = block_activations(spec, Layout(1, 1, 1, 0, b, 1, recompute="pointwise"), precision)[0]
+            assert predicted == pytest.approx(kept["pointwise"], rel=0.02), (spec.name, precision, kept)
+            # It keeps less than the other selective mode and than no recompute (docs/planner.md: the table).
+            assert kept["pointwise"] < min(kept["none"], kept["attention"])
+    with pytest.raises(ValueError, match="pointwise"):
+        pointwise_coefficients(model_spec("gpt3-175b"), "megatron")
+
+    # The planner's order, one layout (32-true): full < pointwise < attention < none in memory; in time none <
+    # attention < pointwise (the element-wise ops once more) < full, with no TP collective more than none's.
+    m = model_spec("gpt3-175b")
+    none, full, sel, pw = (Layout(1, 8, 1, 0, 1, 1, activation_checkpointing=ac, sequence_parallel=True, recompute=r)
+                           for ac, r in ((False, "full"), (True, "full"), (False, "attention"), (False, "pointwise")))
+    assert pw.recompute_mode == "pointwise" and "pw" in pw.label().split() and "sel" not in pw.label()
+    assert pw.strategy_kwargs()["recompute"] == "pointwise"
+    with pytest.raises(ValueError, match="pointwise"):
+        Layout(1, 1, 1, 0, 1, 1, activation_checkpointing=True, recompute="pointwise")
+    mem = [estimate_memory(m, lay, "32-true").activations for lay in (full, pw, sel, none)]
+    assert mem == sorted(mem) and len(set(mem)) == 4
+    a100 = dataclasses.replace(load_cluster("a100"), precision="32-true")
+    times = [estimate_time(m, lay, a100) for lay in (none, sel, pw, full)]
+    assert [t.compute for t in times] == sorted(t.compute for t in times) and len({t.compute for t in times}) == 4
+    assert times[2].tp_comm == times[0].tp_comm < times[3].tp_comm
+    # Without memory traffic the same FLOPs as selective recompute: the attention core's forward once more.
+    flat = dataclasses.replace(a100, memory_bandwidth=float("inf"))
+    assert estimate_time(m, pw, flat).compute == pytest.approx(estimate_time(m, sel, flat).compute)
+    # The command line's notation reads it back; the megatron precisions are searched without it.
+    assert parse_layout(pw.label(), m, pw.devices, 1) == pw
+    megatron = plan(model_spec("small"), dataclasses.replace(load_cluster("a100"), precision="megatron"), 2, 4)
+    assert {c.layout.recompute_mode for c in megatron.ranked} == {"none", "full", "attention"}
 
 
 def test_matmul_k0_scales_with_the_ridge_point():

@@ -8,9 +8,9 @@ from typing import Any
 
 __all__ = ["Layout", "RECOMPUTE_MODES"]
 
-#: What a layer recomputes in backward: nothing, the whole layer (activation checkpointing), or the attention core
-#: only (selective recompute).
-RECOMPUTE_MODES = ("none", "full", "attention")
+#: What a layer recomputes in backward: nothing, the whole layer (activation checkpointing), the attention core only
+#: (selective recompute), or the attention core and every element-wise op (pointwise selective recompute).
+RECOMPUTE_MODES = ("none", "full", "attention", "pointwise")
 
 
 @dataclass(frozen=True)
@@ -26,9 +26,11 @@ class Layout:
     ranks, and the expert-parallel ranks are carved out of those, so ``ep`` divides ``dp cp``; the sequence length
     must divide by ``2 cp``, the zigzag split's chunks: `check_model`); ``recompute``: what a checkpointed layer
     recomputes, the strategy's option of the same name -- ``"full"`` (the whole layer, when
-    ``activation_checkpointing``) or ``"attention"`` (selective recompute, Korthikanti et al. 2022: every layer keeps
-    its activations but the attention core's, which backward recomputes; ``activation_checkpointing`` is then
-    False, as the strategy checkpoints every layer selectively). `recompute_mode` names the three choices."""
+    ``activation_checkpointing``), ``"attention"`` (selective recompute, Korthikanti et al. 2022: every layer keeps
+    its activations but the attention core's, which backward recomputes) or ``"pointwise"`` (selective recompute of
+    the attention core and every element-wise op: a layer keeps only its matmul, norm and reduction outputs;
+    `lightning_hybrid.activation_checkpointing`); with either selective mode ``activation_checkpointing`` is False,
+    as the strategy checkpoints every layer selectively. `recompute_mode` names the four choices."""
 
     dp: int
     tp: int
@@ -47,9 +49,9 @@ class Layout:
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE_MODES[1:]:
-            raise ValueError(f"recompute={self.recompute!r} is invalid: use 'full' or 'attention'.")
-        if self.recompute == "attention" and self.activation_checkpointing:
-            raise ValueError("recompute='attention' is selective recompute of every layer: it takes"
+            raise ValueError(f"recompute={self.recompute!r} is invalid: use 'full', 'attention' or 'pointwise'.")
+        if self.recompute != "full" and self.activation_checkpointing:
+            raise ValueError(f"recompute={self.recompute!r} is selective recompute of every layer: it takes"
                              " activation_checkpointing=False (True with 'full' recomputes whole layers).")
         if not isinstance(self.cp, int) or isinstance(self.cp, bool) or self.cp < 1:
             raise ValueError(f"cp={self.cp!r} is invalid: it must be a positive integer (1: no context parallelism).")
@@ -73,9 +75,10 @@ class Layout:
 
     @property
     def recompute_mode(self) -> str:
-        """``"none"``, ``"full"`` (activation checkpointing) or ``"attention"`` (selective recompute)."""
-        if self.recompute == "attention":
-            return "attention"
+        """``"none"``, ``"full"`` (activation checkpointing), ``"attention"`` (selective recompute of the attention
+        core) or ``"pointwise"`` (selective recompute of the attention core and the element-wise ops)."""
+        if self.recompute in ("attention", "pointwise"):
+            return self.recompute
         return "full" if self.activation_checkpointing else "none"
 
     @property
@@ -100,7 +103,7 @@ class Layout:
 
     def label(self) -> str:
         """``dp4xtp2xpp2 cp2 ep2 zero1 mb2x4 1f1b ac sp`` (only what differs from the defaults; ``sel``: selective
-        recompute)."""
+        recompute of the attention core, ``pw``: pointwise selective recompute)."""
         parts = [f"dp{self.dp}xtp{self.tp}" + (f"xpp{self.pp}" if self.pp > 1 else "")]
         parts += [f"cp{self.cp}"] if self.cp > 1 else []
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
@@ -109,7 +112,7 @@ class Layout:
         if self.pp > 1:
             parts.append(self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         parts += ["ac"] if self.activation_checkpointing else []
-        parts += ["sel"] if self.recompute == "attention" else []
+        parts += {"attention": ["sel"], "pointwise": ["pw"]}.get(self.recompute, [])
         parts += ["sp"] if self.sequence_parallel else []
         return " ".join(parts)
 

@@ -38,7 +38,20 @@ no ``s x s`` scores): ``rep = 4e`` (the two LayerNorms' inputs and outputs) and 
 MLP's hidden tensors: eager SwiGLU keeps ``w1 x``, its SiLU, ``w3 x`` and their product). Selective recompute
 (``recompute="attention"``, `selective_coefficients`): Korthikanti's block without its scores (``sbh (10 + 24/t)``,
 the paper's Table 2), this codebase's without SDPA's output, its contiguous copy and GQA's repeated K/V (``split - e
-(2 + 2 [a_kv < a])``), every block kept so.
+(2 + 2 [a_kv < a])``), every block kept so. Pointwise selective recompute (``recompute="pointwise"``,
+`pointwise_coefficients`: the attention core and every element-wise op recomputed, views, copies and random ops
+too; kept: the outputs of matmuls, of norms that are one op, of reductions and collectives, and the block's input):
+``rep = p + 2 e + norms`` (the block's input in the residual stream's dtype ``p``, the parameters'; the output
+projection's and the MLP's down projection's outputs, a TP row layer's reduced output; LayerNorm -- one
+``native_layer_norm`` op, which autocast runs in fp32 -- its two fp32 outputs and statistics, ``2 (4 + 8/h)``;
+eager RMSNorm, element-wise but for its mean, ``2 x 4/h``) and ``split = e (q + 2 kv + [rotary] (q + kv) + n F/h)``
+(the q, k, v projections' outputs; with rotary embeddings the ``cat`` of ``rotate_half`` for Q and K, not
+element-wise; ``n`` = 1 matmul output of ``F`` wide, 2 gated): GPT at ``F = 4h``, bf16-mixed ``sbh (16 + 14/t)``.
+LayerNorm is taken for a model with learned positions or biases (the reference GPT, GPT-2, GPT-NeoX, Phi), RMSNorm
+for the others (Llama, Mistral, Qwen, Gemma; `uses_layer_norm`). Measured (tests/test_planner.py: the bytes one
+block of the reference GPT and of a Hugging Face Llama keeps for backward, fp32 and bf16 autocast): within 1%. Not for
+the ``megatron`` precisions (`MEGATRON_PRECISIONS`: Korthikanti's count stands for Megatron-LM runs, which have no
+such recompute mode): ``ValueError``.
 A checkpointed block keeps its input, ``e h`` per token (``/tp`` with sequence parallelism), and recomputes
 one block at a time (not while the head's loss is alive: the larger of the two counts). The head keeps
 ``HEAD_ELEMENTS`` fp32 logit-sized tensors per token (logits, log-softmax, their gradients), ``V/tp`` wide with
@@ -133,14 +146,16 @@ from .layout import Layout
 from .model import ModelSpec
 
 __all__ = ["CODEBASE_GATED_TENSORS", "DOCUMENT_KV_COPIES", "KORTHIKANTI", "MEGATRON_GATED_TENSORS",
-           "MEGATRON_PRECISIONS", "PLAIN_KV_COPIES", "PRECISIONS", "ActivationCoefficients", "MemoryEstimate",
+           "MEGATRON_PRECISIONS", "NORM_OUTPUT_BYTES", "PLAIN_KV_COPIES", "POINTWISE_GATED_TENSORS",
+           "POINTWISE_PLAIN_TENSORS", "PRECISIONS", "ActivationCoefficients", "MemoryEstimate",
            "block_activation_bytes", "block_activations", "block_coefficients", "codebase_coefficients",
            "context_documents_bytes", "context_mask_bytes", "context_masks", "context_transient_bytes",
            "context_unsaved_split", "document_mask_bytes", "estimate_memory", "expert_activation_bytes",
            "fsdp_unit_params", "gathered_kv_bytes", "held_micro_batches", "in_flight", "korthikanti_coefficients",
            "largest_block_params", "mlp_tensors", "moe_block_count", "moe_coefficients", "pipeline_stages",
            "rank_block_counts", "rank_chunk_blocks", "rank_expert_params", "rank_layers", "rank_params",
-           "routed_tokens", "selective_coefficients", "zero_model_states"]
+           "pointwise_coefficients", "pointwise_recomputed_bytes", "routed_tokens", "selective_coefficients",
+           "uses_layer_norm", "zero_model_states"]
 
 #: bytes per element: (parameters, gradients, optimizer state, activations). Adam keeps 2 moments.
 #: ``32-true``: fp32 everything; ``bf16-mixed``: Lightning autocast, fp32 weights and gradients, bf16
@@ -218,22 +233,91 @@ def selective_coefficients(c: ActivationCoefficients, model: ModelSpec, precisio
     return dataclasses.replace(c, split=max(0.0, c.split - dropped))
 
 
+#: bytes of a norm's output under pointwise recompute: LayerNorm's (``native_layer_norm``, which autocast runs in fp32).
+NORM_OUTPUT_BYTES = 4
+
+
+def uses_layer_norm(model: ModelSpec) -> bool:
+    """Whether the model's norms are LayerNorm (one ``native_layer_norm`` op, kept under pointwise recompute) rather
+    than RMSNorm (element-wise ops but for a mean): taken for models with learned positions or biases (the reference
+    GPT, GPT-2, GPT-NeoX, Phi); Llama-style models (rotary, no biases: Llama, Mistral, Qwen, Gemma) use RMSNorm."""
+    return model.learned_positions or model.bias
+
+
+def pointwise_coefficients(model: ModelSpec, precision: str) -> ActivationCoefficients:
+    """A block's coefficients under pointwise selective recompute (``recompute="pointwise"``: the attention core and
+    every element-wise op recomputed; views, copies, in-place and random ops always are): what is kept is the outputs
+    of the matmuls, of norms that are one op, of reductions and TP collectives, and the checkpoint's input. ``rep``:
+    the block's input (``p`` bytes, the residual stream's dtype: fp32 under ``bf16-mixed``), the output and down
+    projections' outputs (``2 e``; a TP row layer's reduced output, `row_parallel_linear`), and per norm (two)
+    LayerNorm's fp32 output and its mean and reciprocal standard deviation, ``4 + 8/h``, or eager RMSNorm's mean of
+    squares, ``4/h`` (`uses_layer_norm`). ``split``: the q, k, v projections' outputs ``e (q + 2 kv)``, with rotary
+    embeddings the ``cat`` of ``rotate_half`` of Q and K ``e (q + kv)`` (not element-wise), and the MLP's first
+    matmul outputs ``e n F/h`` (``n`` 1, 2 gated: ``mlp``). ``megatron`` precisions: ``ValueError`` (Korthikanti's
+    count stands for Megatron-LM, which has no such recompute mode)."""
+    if precision in MEGATRON_PRECISIONS:
+        raise ValueError(f"recompute='pointwise' is not modelled for precision={precision!r}: the megatron precisions"
+                         " count Korthikanti's block, which stands for Megatron-LM runs, and Megatron-LM has no"
+                         " pointwise recompute. Use 'none', 'full' or 'attention', or a codebase precision"
+                         " ('32-true', 'bf16-mixed').")
+    p, e = PRECISIONS[precision][0], PRECISIONS[precision][3]
+    h = model.hidden
+    width = model.heads * model.head_dim / h
+    kv = model.kv_heads * model.head_dim / h
+    norms = 2 * (NORM_OUTPUT_BYTES + 8 / h) if uses_layer_norm(model) else 2 * 4 / h
+    rope = 0.0 if model.learned_positions else e * (width + kv)
+    mlp = _mlp_split(model, e, model.ffn, POINTWISE_GATED_TENSORS, plain=POINTWISE_PLAIN_TENSORS)
+    return ActivationCoefficients(rep=p + 2 * e + norms, split=e * (width + 2 * kv) + rope + mlp, scores=0.0, mlp=mlp)
+
+
+def pointwise_recomputed_bytes(model: ModelSpec, layout: Layout, precision: str) -> tuple[float, float]:
+    """Bytes of the element-wise outputs one dense block and one MoE block (0 without experts) compute again under
+    pointwise recompute for one micro-batch on a device (the time model's element-wise traffic, `estimate_time`):
+    the MLP's activation, ``e F`` (SiLU and the product gated: ``2 e F``; each expert's per (token, expert) pair),
+    the two residual sums (``2 p h``), eager RMSNorm's normalised fp32 output (``2 x 4 h``; LayerNorm's is kept) and
+    rotary embeddings' rotated Q and K (``4 (q + kv) h``, fp32: the tables are). Not a memory term."""
+    p, e = PRECISIONS[precision][0], PRECISIONS[precision][3]
+    h = model.hidden
+    width = model.heads * model.head_dim / h
+    kv = model.kv_heads * model.head_dim / h
+    act = 2 if model.gated_mlp else 1
+    rep = 2 * p + (0.0 if uses_layer_norm(model) else 2 * 4)
+    rope = 0.0 if model.learned_positions else 4 * (width + kv)
+    mlp = e * act * model.ffn / h
+    s, b, t, sp, cp = model.seq_len, layout.micro_batch, layout.tp, layout.sequence_parallel, layout.cp
+    c = ActivationCoefficients(rep=rep, split=rope + mlp, scores=0.0, mlp=mlp)
+    dense = block_activation_bytes(c, s, b, h, model.heads, t, sp, cp)
+    if not model.experts:
+        return dense, 0.0
+    shared = e * act * model.shared_ffn / h
+    moe = block_activation_bytes(dataclasses.replace(c, split=rope + shared, mlp=shared), s, b, h, model.heads, t,
+                                 sp, cp)
+    routed = routed_tokens(s * b // cp, t, sp)
+    return dense, moe + routed * model.top_k * e * act * model.expert_ffn
+
+
 #: ffn-wide tensors a gated MLP keeps: Megatron's fused SwiGLU 3 (the first matmul's ``2F`` output, the second's ``F``
 #: input), this codebase's 4 (``silu(w1 x) * w3 x`` in eager PyTorch: ``w1 x``, its SiLU, ``w3 x``, the product);
-#: a GELU MLP keeps 2 either way (GELU's input and output).
+#: a GELU MLP keeps 2 either way (GELU's input and output). Under pointwise recompute the matmuls' outputs alone:
+#: gated 2 (``w1 x``, ``w3 x``), plain 1 (the up projection's).
 MEGATRON_GATED_TENSORS, CODEBASE_GATED_TENSORS = 3, 4
+POINTWISE_GATED_TENSORS, POINTWISE_PLAIN_TENSORS = 2, 1
 
 
-def mlp_tensors(model: ModelSpec, precision: str) -> int:
-    """ffn-wide tensors an MLP (or expert) keeps per token at ``precision`` (`MEGATRON_GATED_TENSORS`)."""
+def mlp_tensors(model: ModelSpec, precision: str, recompute: str = "none") -> int:
+    """ffn-wide tensors an MLP (or expert) keeps per token at ``precision`` (`MEGATRON_GATED_TENSORS`); under
+    ``recompute="pointwise"`` its matmuls' outputs (`POINTWISE_GATED_TENSORS`)."""
+    if recompute == "pointwise":
+        return POINTWISE_GATED_TENSORS if model.gated_mlp else POINTWISE_PLAIN_TENSORS
     if not model.gated_mlp:
         return 2
     return MEGATRON_GATED_TENSORS if precision in MEGATRON_PRECISIONS else CODEBASE_GATED_TENSORS
 
 
-def _mlp_split(model: ModelSpec, element: float, width: int, tensors: int) -> float:
-    """An MLP's hidden tensors per token, in units of ``h`` bytes: ``tensors`` of ``width`` elements (2 not gated)."""
-    return element * (tensors if model.gated_mlp else 2) * width / model.hidden
+def _mlp_split(model: ModelSpec, element: float, width: int, tensors: int, plain: int = 2) -> float:
+    """An MLP's hidden tensors per token, in units of ``h`` bytes: ``tensors`` of ``width`` elements (``plain`` not
+    gated)."""
+    return element * (tensors if model.gated_mlp else plain) * width / model.hidden
 
 
 def context_unsaved_split(element: float) -> float:
@@ -251,11 +335,11 @@ def codebase_coefficients(model: ModelSpec, element: int) -> ActivationCoefficie
 
 
 def moe_coefficients(c: ActivationCoefficients, model: ModelSpec, element: float,
-                     tensors: int = CODEBASE_GATED_TENSORS) -> ActivationCoefficients:
+                     tensors: int = CODEBASE_GATED_TENSORS, plain: int = 2) -> ActivationCoefficients:
     """A MoE block's activations outside its experts: ``c`` with the dense MLP's part of ``split`` replaced by the
-    shared experts' (split over TP like it; ``tensors``: `mlp_tensors`); the experts' own are
+    shared experts' (split over TP like it; ``tensors``: `mlp_tensors`, ``plain`` not gated); the experts' own are
     `expert_activation_bytes`."""
-    shared = _mlp_split(model, element, model.shared_ffn, tensors)
+    shared = _mlp_split(model, element, model.shared_ffn, tensors, plain)
     return ActivationCoefficients(rep=c.rep, split=max(0.0, c.split - c.mlp) + shared, scores=c.scores, mlp=shared)
 
 
@@ -266,15 +350,17 @@ def routed_tokens(tokens: float, tp: int, sequence_parallel: bool) -> float:
 
 
 def expert_activation_bytes(model: ModelSpec, tokens: float, element: float, tp: int = 1,
-                            sequence_parallel: bool = False, tensors: int = CODEBASE_GATED_TENSORS) -> float:
+                            sequence_parallel: bool = False, tensors: int = CODEBASE_GATED_TENSORS,
+                            plain: int = 2) -> float:
     """Bytes one MoE block's experts and router keep for backward on one rank for a micro-batch of ``tokens``
     (its replica's): per pair computed (``k`` per routed token under uniform routing) the expert's input and
-    output rows and hidden tensors, ``e (2h + n F_e)`` (``n = tensors`` gated, `mlp_tensors`; 2 not gated); per
-    routed token the router's logits (``e``) and probabilities (fp32), ``(e + 4) E``."""
+    output rows and hidden tensors, ``e (2h + n F_e)`` (``n = tensors`` gated, `mlp_tensors`; ``plain`` -- 2, 1
+    under pointwise recompute -- not gated); per routed token the router's logits (``e``) and probabilities (fp32),
+    ``(e + 4) E``."""
     if not model.experts:
         return 0.0
     routed = routed_tokens(tokens, tp, sequence_parallel)
-    per_pair = element * (2 * model.hidden + (tensors if model.gated_mlp else 2) * model.expert_ffn)
+    per_pair = element * (2 * model.hidden + (tensors if model.gated_mlp else plain) * model.expert_ffn)
     return routed * (model.top_k * per_pair + (element + 4) * model.experts)
 
 
@@ -532,7 +618,10 @@ def block_activations(model: ModelSpec, layout: Layout, precision: str) -> tuple
     coeffs = block_coefficients(model, precision)
     s, b, h, t, sp = model.seq_len, layout.micro_batch, model.hidden, layout.tp, layout.sequence_parallel
     cp = layout.cp
-    if layout.recompute_mode == "attention":  # selective recompute: the attention core's activations not kept
+    mode = layout.recompute_mode
+    if mode == "pointwise":  # the attention core and the element-wise ops recomputed: matmul and norm outputs kept
+        coeffs = pointwise_coefficients(model, precision)
+    elif mode == "attention":  # selective recompute: the attention core's activations not kept
         coeffs = selective_coefficients(coeffs, model, precision)
     elif cp > 1:
         if precision in MEGATRON_PRECISIONS:  # Korthikanti: the scores of the layer being computed are the transient's
@@ -542,9 +631,10 @@ def block_activations(model: ModelSpec, layout: Layout, precision: str) -> tuple
     dense = block_activation_bytes(coeffs, s, b, h, model.heads, t, sp, cp)
     if not model.experts:
         return dense, 0.0
-    n = mlp_tensors(model, precision)
-    moe = block_activation_bytes(moe_coefficients(coeffs, model, e, n), s, b, h, model.heads, t, sp, cp)
-    return dense, moe + expert_activation_bytes(model, s * b // cp, e, t, sp, n)
+    n = mlp_tensors(model, precision, mode)
+    plain = POINTWISE_PLAIN_TENSORS if mode == "pointwise" else 2
+    moe = block_activation_bytes(moe_coefficients(coeffs, model, e, n, plain), s, b, h, model.heads, t, sp, cp)
+    return dense, moe + expert_activation_bytes(model, s * b // cp, e, t, sp, n, plain)
 
 
 @dataclass(frozen=True)

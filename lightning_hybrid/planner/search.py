@@ -7,7 +7,9 @@ keeps at least `MIN_CP_TOKENS` tokens of a sequence; those that do not are count
 rest (it must divide the global batch), ZeRO stage (1-3 only with ``dp cp > 1``: ZeRO shards over the ``dp cp``
 ranks), the micro-batch size (a divisor of a replica's batch; the count is then a pipeline's micro-batches or,
 without PP, gradient accumulation), the schedule and its virtual stages (checked by the strategy's own
-`resolve_schedule`), recomputation (none, full or selective: `RECOMPUTE_CHOICES`), sequence parallelism
+`resolve_schedule`), recomputation (none, full, or selective -- the attention core, or it and the element-wise ops
+-- `RECOMPUTE_CHOICES`; not ``"pointwise"`` at the ``megatron`` precisions, which stand for Megatron-LM runs and
+whose memory model refuses it), sequence parallelism
 (``tp > 1``), and for a mixture-of-experts
 model expert parallelism ``ep`` (`ep_choices`: the divisors of ``dp cp`` that divide the number of experts, 1
 included; with every ZeRO stage, `EP_ZERO_STAGES`). Each candidate gets `estimate_memory`; those that fit the
@@ -28,7 +30,7 @@ from lightning_hybrid.pipeline.executor import SCHEDULES, resolve_schedule
 
 from .cluster import USABLE_MEMORY, Cluster
 from .layout import Layout
-from .memory import MemoryEstimate, estimate_memory
+from .memory import MEGATRON_PRECISIONS, MemoryEstimate, estimate_memory
 from .model import ModelSpec
 from .time import TimeEstimate, estimate_time
 
@@ -41,9 +43,11 @@ GIB = 2**30
 #: their own dp/ep group; 3: the experts ``fully_shard``-ed over that group, `lightning_hybrid.zero.apply_fsdp_experts`;
 #: tests/test_moe.py).
 EP_ZERO_STAGES = (0, 1, 2, 3)
-#: Recompute modes searched, as ``(activation_checkpointing, recompute)``: none, full (the whole layer) and
-#: selective (``recompute="attention"``: the attention core only; `Layout.recompute_mode`).
-RECOMPUTE_CHOICES = ((False, "full"), (True, "full"), (False, "attention"))
+#: Recompute modes searched, as ``(activation_checkpointing, recompute)``: none, full (the whole layer), selective
+#: (``recompute="attention"``: the attention core only) and pointwise selective (``recompute="pointwise"``: the
+#: attention core and every element-wise op; not at the ``megatron`` precisions, `MEGATRON_PRECISIONS`);
+#: `Layout.recompute_mode`.
+RECOMPUTE_CHOICES = ((False, "full"), (True, "full"), (False, "attention"), (False, "pointwise"))
 #: The fewest tokens of a sequence the search leaves a context-parallel rank (``seq_len / cp``): context parallelism
 #: is for sequences too long for one device's activations. Below this the time model, which takes every GEMM at the
 #: same efficiency and every attention tile as large, would credit splitting a short sequence as a finer
@@ -143,6 +147,8 @@ def enumerate_layouts(model: ModelSpec, cluster: Cluster, devices: int, global_b
     only, without sequence parallelism (`lightning_hybrid.pipeline.aux`)."""
     invalid = Counter() if invalid is None else invalid
     pipeline_layers = model.n_layer + 2
+    recomputes = tuple(c for c in RECOMPUTE_CHOICES
+                       if c[1] != "pointwise" or cluster.precision not in MEGATRON_PRECISIONS)
     for tp in divisors(devices):
         if tp > cluster.devices_per_node:
             invalid[f"tp > {cluster.devices_per_node} devices of a node"] += 1
@@ -167,13 +173,15 @@ def enumerate_layouts(model: ModelSpec, cluster: Cluster, devices: int, global_b
                     m = replica_batch // b
                     if pp > 1 and whole_batch_loss:
                         yield from _schedules(model, dims, cp, b, m, pipeline_layers, False,
-                                              [s for s in schedules if s == "gpipe"], max_virtual_stages, invalid)
+                                              [s for s in schedules if s == "gpipe"], max_virtual_stages, invalid,
+                                              recomputes)
                         continue
                     yield from _schedules(model, dims, cp, b, m, pipeline_layers, sequence_parallel, schedules,
-                                          max_virtual_stages, invalid)
+                                          max_virtual_stages, invalid, recomputes)
 
 
-def _schedules(model, dims, cp, b, m, pipeline_layers, sequence_parallel, schedules, max_virtual_stages, invalid):
+def _schedules(model, dims, cp, b, m, pipeline_layers, sequence_parallel, schedules, max_virtual_stages, invalid,
+               recomputes=RECOMPUTE_CHOICES):
     tp, pp, dp = dims.tp, dims.pp, dims.dp
     choices = [("1f1b", 1)] if pp == 1 else []
     for name in (schedules if pp > 1 else ()):
@@ -193,7 +201,7 @@ def _schedules(model, dims, cp, b, m, pipeline_layers, sequence_parallel, schedu
             for zero in ((0, 1, 2, 3) if dp * cp > 1 else (0,)):
                 if ep > 1 and zero not in EP_ZERO_STAGES:
                     continue
-                for ac, recompute in RECOMPUTE_CHOICES:
+                for ac, recompute in recomputes:
                     for sp in ((False, True) if tp > 1 and sequence_parallel else (False,)):
                         yield Layout(dp, tp, pp, zero, b, m, name, v, ac, sp, ep=ep, cp=cp, recompute=recompute)
 

@@ -10,18 +10,23 @@ Per micro-batch of ``b`` sequences (``T = b s`` tokens) and per block on one dev
 
 * compute: forward ``2 W / tp`` FLOPs per token for the block's ``W`` matrix weights plus ``4 h s / tp`` for
   attention (the `ModelSpec.flops_per_token` count), backward twice that, a checkpointed block's forward
-  again (so x4/3), under selective recompute (``recompute="attention"``) the attention core's ``4 h s / tp`` once
-  more; at the cluster's achievable matmul FLOP/s, the weight GEMMs slower by their shapes (`matmul_time_factor`:
-  ``E K / (K + K0)`` for a reduction ``K`` per device; ``K0`` the depth an output tile's fixed memory traffic is
-  worth, in proportion to the GPU's ridge point: 800 on A100, 1,514 on H100, `lightning_hybrid.planner.cluster.
-  matmul_k0`), the attention core's ``4 h s / tp`` (and its recomputation) at the attention kernel's speed
-  (`Cluster.attention_speed` of the GEMMs' rate: FlashAttention-2 on H100 ~0.54), plus ``layer_overhead`` per pass,
-  plus
+  again (so x4/3), under selective recompute (``recompute="attention"``, and ``"pointwise"``) the attention core's
+  ``4 h s / tp`` once more; at the cluster's achievable matmul FLOP/s, the weight GEMMs slower by their shapes
+  (`matmul_time_factor`: ``E K / (K + K0)`` for a reduction ``K`` per device; ``K0`` the depth an output tile's
+  fixed memory traffic is worth, in proportion to the GPU's ridge point: 800 on A100, 1,514 on H100,
+  `lightning_hybrid.planner.cluster.matmul_k0`), the attention core's ``4 h s / tp`` (and its recomputation) at the
+  attention kernel's speed (`Cluster.attention_speed` of the GEMMs' rate: FlashAttention-2 on H100 ~0.54), plus
+  ``layer_overhead`` per pass, plus
   element-wise work: the block's activations written in forward, read and written in backward
-  (3 x activation bytes / memory bandwidth);
+  (3 x activation bytes / memory bandwidth; under selective recompute the block's whole activations and the
+  recomputed attention core's once more, under ``"pointwise"`` also the element-wise outputs it computes again,
+  `pointwise_recomputed_bytes`: the MLP's activation, the residual sums, RMSNorm's and rotary's outputs);
 * TP: two all-reduces of ``T h e`` bytes in forward and two in backward (Shoeybi et al. 2019; with sequence
   parallelism an all-gather + reduce-scatter pair each, the same volume; Korthikanti et al. 2022), two more
-  when the block is recomputed (none for selective recompute: the attention core has no TP collective); not
+  when the block is recomputed (none for selective recompute, ``"attention"`` or ``"pointwise"``: the attention
+  core and the element-wise ops have no TP collective, the reductions are kept, and sequence parallelism's
+  all-gathers, which the recomputation runs again, are what SP's backward gathers again without recompute too --
+  `lightning_hybrid.activation_checkpointing`); not
   overlapped with compute in this codebase's TP layers; for a runtime that overlaps them with the GEMMs
   (`Cluster.tp_comm_overlap`, Megatron-Core) only the latency and what exceeds the block's GEMM time show;
 * PP (`pipeline_p2p_time`; the runtime: ``torch.distributed.pipelining``, `lightning_hybrid.pipeline.executor`):
@@ -138,7 +143,7 @@ from .layout import Layout
 from .memory import (PLAIN_KV_COPIES, PRECISIONS, ActivationCoefficients, block_activation_bytes, block_activations,
                      block_coefficients, context_mask_bytes, context_transient_bytes, gathered_kv_bytes,
                      moe_block_count, pipeline_stages, rank_block_counts, rank_expert_params, rank_layers, rank_params,
-                     routed_tokens)
+                     pointwise_recomputed_bytes, routed_tokens)
 from .model import ModelSpec
 
 __all__ = ["TimeEstimate", "all_to_all_bytes", "all_to_all_time", "bubble_fraction", "estimate_time",
@@ -436,7 +441,8 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     # with full recomputation the recomputed layer's forward, counted in the passes, includes it. Under CP the
     # element-wise traffic includes the gathered K/V and their reordered copy (documents: SDPA's float mask;
     # KORTHIKANTI: its own scores), which the block does not keep.
-    core_recompute = tokens * 4 * h * s / t if mode == "attention" or (cp > 1 and mode == "none") else 0.0
+    selective = mode in ("attention", "pointwise")
+    core_recompute = tokens * 4 * h * s / t if selective or (cp > 1 and mode == "none") else 0.0
     cp_traffic = context_attention_traffic(model, b, prec, t, cp, documents)
 
     block_flops = passes * tokens * (2 * model.block_matmul_weights() + 4 * h * s) / t + core_recompute
@@ -447,13 +453,15 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     slower = attention_flops * (1 / cluster.attention_speed - 1)
     block_matmul = (block_flops + (shape - 1) * passes * tokens * 2 * model.block_matmul_weights() / t + slower) / flops
     bandwidth = cluster.memory_bandwidth
-    if mode == "attention":
+    if selective:
         # Element-wise traffic is the work's, not what is kept: the block's whole activations (the attention core's
-        # too, though not kept), and the recomputed core's (Korthikanti's scores, softmax and dropout) once more.
+        # too, though not kept), and the recomputed core's (Korthikanti's scores, softmax and dropout) once more;
+        # under "pointwise" the element-wise outputs computed again too (written once more: 1/3 of the 3 passes).
         whole, whole_moe = block_activations(model, dataclasses.replace(lay, recompute="full"), prec)
         core = block_activation_bytes(ActivationCoefficients(0.0, 0.0, block_coefficients(model, prec).scores), s,
                                       b, h, model.heads, t, cp=cp)
-        dense_act, moe_act = whole + core / 3, whole_moe + core / 3
+        again, again_moe = pointwise_recomputed_bytes(model, lay, prec) if mode == "pointwise" else (0.0, 0.0)
+        dense_act, moe_act = whole + (core + again) / 3, whole_moe + (core + again_moe) / 3
     block_compute = block_matmul + passes * cluster.layer_overhead + 3 * (dense_act + cp_traffic) / bandwidth
     tp_link = cluster.link(t, 1)
     tp_count = 6 if recompute else 4  # all-reduces (or AG + RS pairs) per block: forward, backward, recomputation
