@@ -151,10 +151,10 @@ def test_checkpoints_resume_exactly_under_another_cp_on_4_ranks(tmp_path):
 def _refusals() -> dict:
     out = {}
 
-    def fit(module, block_size: int = 16, predict: bool = False) -> None:
+    def fit(module, block_size: int = 16, predict: bool = False, precision: str = "32-true") -> None:
         L.seed_everything(0, verbose=False)
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy=HybridStrategy(dp=1, cp=2), max_steps=1,
-                            **{**QUIET_TRAINER, "limit_val_batches": 0})
+                            precision=precision, **{**QUIET_TRAINER, "limit_val_batches": 0})
         data = ByteCorpusDataModule(max_bytes=10_000, block_size=block_size, batch_size=2)
         if predict:
             data.setup("fit")
@@ -167,9 +167,13 @@ def _refusals() -> dict:
         "window": lambda: fit(_hf("mistral", sliding_window=8)),  # 16 tokens: a window the mask would widen
         "length": lambda: fit(gpt()(), block_size=14),
         "predict": lambda: fit(gpt()(), predict=True),
+        # Not a refusal: under autocast a Llama layer hands SDPA fp32 queries and keys (rotary's fp32 cos/sin) and a
+        # bf16 value, which SDPA's autocast casts; the CP attention must do the same before its causal blocks.
+        "bf16": lambda: fit(CausalLM(tiny_config("llama")), precision="bf16-mixed"),
     }.items():
         try:
             call()
+            out[name] = "ran"
         except (ValueError, BatchError) as e:
             out[name] = f"{type(e).__name__}: {e}"
         except SystemExit as e:  # a batch error: rank 0 says it, the others leave quietly
@@ -185,6 +189,7 @@ def test_what_context_parallelism_cannot_split_is_refused_with_the_reason_on_2_r
     assert "BatchError" in first["length"] and "multiple of 4" in first["length"], first
     assert "BatchError" in first["predict"] and "predict under cp=2" in first["predict"], first
     assert other["length"] == other["predict"] == "SystemExit: 1", other
+    assert first["bf16"] == other["bf16"] == "ran", (first, other)
     with pytest.raises(ValueError, match="compile=False with cp > 1"):
         HybridStrategy(cp=2, compile=True)
     with pytest.raises(ValueError, match="cp=0 is invalid"):

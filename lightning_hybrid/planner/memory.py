@@ -32,15 +32,24 @@ dropout). Megatron-LM's ``report_theoretical_memory`` (megatron/training/theoret
 4F/h)``, this count for GELU at any ``F``. ``megatron`` is the paper's (unfused attention, dropout: the 2021/2022
 runs); ``megatron-flash`` the runs since 2023 (Llama 3, MPT): flash attention (no scores term; the kernels keep
 ``O(s)`` per head) and dropout 0 (no masks: PyTorch's dropout returns its input at ``p = 0``). This codebase's
-block (`codebase_coefficients`, element size ``e``, no dropout by default, ``scaled_dot_product_attention`` keeping
-no ``s x s`` scores): ``rep = 4e`` (the two LayerNorms' inputs and outputs) and ``split = e (3 + 2 a_kv/a + 2
-[a_kv < a] + 2F/h (4F/h SwiGLU))`` (q, k, v and their GQA repeats, the attention output and its contiguous copy, the
-MLP's hidden tensors: eager SwiGLU keeps ``w1 x``, its SiLU, ``w3 x`` and their product). Selective recompute
+block (``32-true``, ``bf16-mixed``: autocast, fp32 weights and residual stream; ``p`` the residual stream's bytes, 4
+in both, ``e`` the matmul outputs', 4 or 2; ``scaled_dot_product_attention`` keeping no ``s x s`` scores; no dropout by
+default; measured per mode, docs/planner.md's table), without recompute (`codebase_coefficients`: autograd's saved
+tensors): ``rep = 2 p + 2 norm + I(3) + I(n_in)`` (the block's input and mid residual sum, the norms' inputs;
+LayerNorm's statistics ``8/h`` or eager RMSNorm's normalised fp32 input and ``rsqrt`` ``4 + 4/h``; the norms' outputs
+as the matmuls keep them, ``I(k)`` = 4 under ``32-true``, ``k e`` under autocast, which casts them per linear: 3 for
+q, k, v, ``n_in`` 2 gated MLP, 1 plain) and ``split = e (2 q + 2 kv') + 4 a/h + e n F/h`` (SDPA's inputs and output
+-- the output projection's input, a view --, ``kv' = q`` for the reference GPT's repeated GQA heads, ``kv`` for
+transformers' ``enable_gqa``; SDPA's fp32 logsumexp; ``n`` 2 GELU, 4 eager SwiGLU). Selective recompute
 (``recompute="attention"``, `selective_coefficients`): Korthikanti's block without its scores (``sbh (10 + 24/t)``,
-the paper's Table 2), this codebase's without SDPA's output, its contiguous copy and GQA's repeated K/V (``split - e
-(2 + 2 [a_kv < a])``), every block kept so. Pointwise selective recompute (``recompute="pointwise"``,
-`pointwise_coefficients`: the attention core and every element-wise op recomputed, views, copies and random ops
-too; kept: the outputs of matmuls, of norms that are one op, of reductions and collectives, and the block's input):
+the paper's Table 2); this codebase's (`attention_coefficients`) every output of an op the policy does not
+recompute, needed by backward or not -- ``rep = 2 p + 2 norm + 2 e`` (LayerNorm's fp32 output and statistics ``4 +
+8/h``, RMSNorm's every op ``12 + 12/h``; the output and down projections' outputs), ``split = e (q + 2 kv) +
+[rotary] (12 + 1.5 e)(q + kv) + e n F/h`` -- more than without recompute on a Llama layer (eager RMSNorm's and the
+rotation's intermediates), about as much on the reference GPT.
+Pointwise selective recompute (``recompute="pointwise"``, `pointwise_coefficients`: the attention core and every
+element-wise op recomputed, views, copies and random ops too; kept: the outputs of matmuls, of norms that are one op,
+of reductions and collectives, and the block's input):
 ``rep = p + 2 e + norms`` (the block's input in the residual stream's dtype ``p``, the parameters'; the output
 projection's and the MLP's down projection's outputs, a TP row layer's reduced output; LayerNorm -- one
 ``native_layer_norm`` op, which autocast runs in fp32 -- its two fp32 outputs and statistics, ``2 (4 + 8/h)``;
@@ -52,7 +61,8 @@ for the others (Llama, Mistral, Qwen, Gemma; `uses_layer_norm`). Measured (tests
 block of the reference GPT and of a Hugging Face Llama keeps for backward, fp32 and bf16 autocast): within 1%. Not for
 the ``megatron`` precisions (`MEGATRON_PRECISIONS`: Korthikanti's count stands for Megatron-LM runs, which have no
 such recompute mode): ``ValueError``.
-A checkpointed block keeps its input, ``e h`` per token (``/tp`` with sequence parallelism), and recomputes
+A checkpointed block keeps its input, ``p h`` per token (the residual stream: fp32 under ``bf16-mixed``; ``/tp``
+with sequence parallelism), and recomputes
 one block at a time (not while the head's loss is alive: the larger of the two counts). The head keeps
 ``HEAD_ELEMENTS`` fp32 logit-sized tensors per token (logits, log-softmax, their gradients), ``V/tp`` wide with
 ``loss_parallel`` (the vocab-parallel cross entropy), else ``V`` (gathered). A schedule keeps several micro-batches
@@ -104,8 +114,9 @@ selective) it does not: the layer's own recomputation regathers and recomputes. 
 * per held block (each micro-batch in flight) the block's activations above are ``1/c`` -- its ``s/c`` tokens. Without
   activation checkpointing the gathered keys and values and SDPA's saved tensors are not kept, only the
   checkpoint's inputs (the block's own q, k, v and their GQA repeats, which the block keeps anyway) -- less SDPA's
-  output (``e h`` per local token, `context_unsaved_split`: the checkpoint's output, which the output projection
-  does not keep; its contiguous copy it does); `KORTHIKANTI`'s block (``megatron``) drops its scores term
+  logsumexp and, for a rotary model under ``bf16-mixed``, plus its fp32 Q and K (`context_unsaved_split`; SDPA's
+  output, the checkpoint's, is not kept, its copy in the tokens' order is, as SDPA's output at ``cp = 1``);
+  `KORTHIKANTI`'s block (``megatron``) drops its scores term
   (``5 a s/h``), as under Korthikanti's selective recomputation: the attention core is recomputed. With activation
   checkpointing a held block is its checkpoint's input, ``1/c`` as at ``c = 1``, and the block being recomputed
   keeps its whole activations ``/c`` (SDPA's output too; `KORTHIKANTI`'s scores are in the transient) and SDPA's
@@ -147,8 +158,9 @@ from .model import ModelSpec
 
 __all__ = ["CODEBASE_GATED_TENSORS", "DOCUMENT_KV_COPIES", "KORTHIKANTI", "MEGATRON_GATED_TENSORS",
            "MEGATRON_PRECISIONS", "NORM_OUTPUT_BYTES", "PLAIN_KV_COPIES", "POINTWISE_GATED_TENSORS",
-           "POINTWISE_PLAIN_TENSORS", "PRECISIONS", "ActivationCoefficients", "MemoryEstimate",
-           "block_activation_bytes", "block_activations", "block_coefficients", "codebase_coefficients",
+           "POINTWISE_PLAIN_TENSORS", "PRECISIONS", "QKV_PROJECTIONS", "ActivationCoefficients", "MemoryEstimate",
+           "attention_coefficients", "block_activation_bytes", "block_activations", "block_coefficients",
+           "codebase_coefficients",
            "context_documents_bytes", "context_mask_bytes", "context_masks", "context_transient_bytes",
            "context_unsaved_split", "document_mask_bytes", "estimate_memory", "expert_activation_bytes",
            "fsdp_unit_params", "gathered_kv_bytes", "held_micro_batches", "in_flight", "korthikanti_coefficients",
@@ -216,24 +228,48 @@ def block_coefficients(model: ModelSpec, precision: str) -> ActivationCoefficien
         return korthikanti_coefficients(model)
     if precision == "megatron-flash":
         return korthikanti_coefficients(model, scores=False, dropout=False)
-    return codebase_coefficients(model, PRECISIONS[precision][3])
+    return codebase_coefficients(model, PRECISIONS[precision][3], PRECISIONS[precision][0])
 
 
 def selective_coefficients(c: ActivationCoefficients, model: ModelSpec, precision: str) -> ActivationCoefficients:
     """A block's coefficients under selective recompute (``recompute="attention"``: the attention core recomputed in
     backward). Korthikanti's block drops its scores term (the paper's Table 2: ``sbh (10 + 24/t)``); with flash
     attention there are none to drop (the kernel's output is the output projection's kept input). This codebase's
-    block (`lightning_hybrid.activation_checkpointing`: the fused SDPA kernel is recomputed, and copies always are)
-    drops SDPA's output and its contiguous copy, and under grouped-query attention the repeated K/V (copies):
-    ``split - e (2 + 2 [a_kv < a])``."""
+    block (`attention_coefficients`, ``c`` unused): torch's selective checkpoint keeps the output of every op the
+    policy does not recompute (`lightning_hybrid.activation_checkpointing`), needed by backward or not."""
     if precision in MEGATRON_PRECISIONS:
         return dataclasses.replace(c, scores=0.0)
-    e = PRECISIONS[precision][3]
-    dropped = e * (2 + (2 if model.kv_heads < model.heads else 0))
-    return dataclasses.replace(c, split=max(0.0, c.split - dropped))
+    return attention_coefficients(model, PRECISIONS[precision][3], PRECISIONS[precision][0])
 
 
-#: bytes of a norm's output under pointwise recompute: LayerNorm's (``native_layer_norm``, which autocast runs in fp32).
+def attention_coefficients(model: ModelSpec, element: float, params: float = 4) -> ActivationCoefficients:
+    """This codebase's block under ``recompute="attention"`` (`lightning_hybrid.activation_checkpointing`: SDPA and
+    eager attention's core recomputed; views, copies -- autocast's casts, GQA's ``repeat_interleave`` --, in-place and
+    random ops too; every other op's output kept, needed by backward or not), ``element`` ``e`` (matmul outputs),
+    ``params`` ``p`` (the residual stream's dtype: fp32 under ``bf16-mixed``). ``rep``: the block's input and the
+    residual sum between its halves (``2 p``), the output and down projections' outputs (``2 e``), per norm (two)
+    LayerNorm's fp32 output and mean and reciprocal standard deviation (``4 + 8/h``: autocast runs it in fp32) or
+    eager RMSNorm's every op (``pow``, ``x * rsqrt``, ``weight *``: ``3 x 4``; ``mean``, ``+ eps``, ``rsqrt``:
+    ``3 x 4/h``; fp32). ``split``: the q, k, v projections' outputs ``e (q + 2 kv)``; with rotary embeddings
+    (`uses_layer_norm` False: transformers' ``apply_rotary_pos_emb``) per Q and K head the products with the fp32
+    cos and sin tables and their sum (``3 x 4``), ``rotate_half``'s ``neg`` of one half and ``cat`` (``1.5 e``): ``(12
+    + 1.5 e)(q + kv)``; the MLP's hidden tensors, as without recompute (``e n F/h``, ``n`` 2 GELU -- ``fc1 x``, its
+    GELU --, 4 SwiGLU: ``mlp``). SDPA's output and its logsumexp are not kept (recomputed). On a Llama layer this is
+    more than no recompute keeps (`codebase_coefficients`): eager RMSNorm's and rotary's intermediates outweigh the
+    attention's output; on the reference GPT about as much."""
+    e, p, h = element, params, model.hidden
+    q = model.heads * model.head_dim / h
+    kv = model.kv_heads * model.head_dim / h
+    layer_norm = uses_layer_norm(model)
+    norm = NORM_OUTPUT_BYTES + 8 / h if layer_norm else 3 * 4 + 3 * 4 / h
+    rope = 0.0 if model.learned_positions else (3 * 4 + 1.5 * e) * (q + kv)
+    mlp = _mlp_split(model, e, model.ffn, CODEBASE_GATED_TENSORS)
+    return ActivationCoefficients(rep=2 * p + 2 * norm + 2 * e, split=e * (q + 2 * kv) + rope + mlp, scores=0.0,
+                                  mlp=mlp)
+
+
+#: bytes of a norm's output in this codebase's precisions: LayerNorm's (``native_layer_norm``, which autocast runs in
+#: fp32) and eager RMSNorm's (an fp32 weight times its fp32 normalised input).
 NORM_OUTPUT_BYTES = 4
 
 
@@ -320,18 +356,56 @@ def _mlp_split(model: ModelSpec, element: float, width: int, tensors: int, plain
     return element * (tensors if model.gated_mlp else plain) * width / model.hidden
 
 
-def context_unsaved_split(element: float) -> float:
+def context_unsaved_split(model: ModelSpec, element: float) -> float:
     """The part of `codebase_coefficients`' ``split`` that a context-parallel block does not keep without activation
-    checkpointing: SDPA's output (``e``; the output of the checkpointed attention, recomputed in backward)."""
-    return float(element)
+    checkpointing (its attention checkpointed, `lightning_hybrid.context_parallel`): SDPA's logsumexp (``4 a/h``,
+    fp32 per head). SDPA's output is replaced by the ``cat`` of the two chunks' outputs, which nothing keeps, and
+    its copy in the tokens' order, which the output projection keeps (as it keeps SDPA's output at ``cp = 1``: one
+    ``e q``); and a rotary model's Q and K are kept as the checkpoint's inputs -- the fp32 sums of the rotation
+    (``4``) -- rather than as SDPA's casts (``e``): ``- (4 - e)(q + kv)`` (negative: more kept under
+    ``bf16-mixed``). Measured on one rank (a gloo group of one): the reference GPT's block, and a transformers
+    Llama layer with packed documents, fp32 and bf16 autocast -- exact."""
+    h = model.hidden
+    q = model.heads * model.head_dim / h
+    kv = model.kv_heads * model.head_dim / h
+    rope = 0.0 if model.learned_positions else (4 - element) * (q + kv)
+    return 4 * model.heads / h - rope
 
 
-def codebase_coefficients(model: ModelSpec, element: int) -> ActivationCoefficients:
-    """This codebase's block (see the module docstring) with ``element``-byte activations."""
-    gqa = model.kv_heads < model.heads
-    attention = 3 + 2 * model.kv_heads / model.heads + (2 if gqa else 0)
-    mlp = _mlp_split(model, element, model.ffn, CODEBASE_GATED_TENSORS)
-    return ActivationCoefficients(rep=4 * element, split=element * attention + mlp, scores=0, mlp=mlp)
+#: linears reading each norm's output: the attention's separate q, k and v projections (the reference GPT,
+#: transformers' decoders); the MLP's first matmuls read the other norm's (2 gated, 1 plain).
+QKV_PROJECTIONS = 3
+
+
+def _matmul_inputs(element: float, linears: int) -> float:
+    """A norm's output as the matmuls reading it keep it, per token in units of ``h`` bytes: the fp32 output itself,
+    once (``32-true``), or under autocast each linear's own cast of it (``linears e``: autocast casts an fp32 input
+    for every matmul; only the weights' casts are cached)."""
+    return float(NORM_OUTPUT_BYTES) if element >= NORM_OUTPUT_BYTES else linears * element
+
+
+def codebase_coefficients(model: ModelSpec, element: float, params: float = 4) -> ActivationCoefficients:
+    """This codebase's block without recompute (autograd's saved tensors; see the module docstring) with
+    ``element``-byte matmul outputs ``e`` and a ``params``-byte residual stream ``p`` (fp32 under ``bf16-mixed``).
+    ``rep``: the block's input and the residual sum between its halves (``2 p``: the norms' inputs), per norm (two)
+    LayerNorm's mean and reciprocal standard deviation (``8/h``) or eager RMSNorm's normalised fp32 input and
+    ``rsqrt`` (``4 + 4/h``), and the norms' outputs as the matmuls keep them (`_matmul_inputs`: fp32 once, or
+    under ``bf16-mixed`` a bf16 cast per linear -- 3 for q, k, v, 2 for a gated MLP's, 1 a plain one's). ``split``:
+    SDPA's inputs and output, ``e (2 q + 2 kv')`` (the output is the output projection's input: SDPA's kernels lay
+    it out in the tokens' order, so its reshape is a view), ``kv' = q`` under grouped-query attention in the
+    reference GPT (``repeat_interleave`` before SDPA; `ModelSpec.learned_positions`), ``kv`` for transformers'
+    decoders (SDPA's ``enable_gqa``); its logsumexp ``4 a/h`` (fp32 per head); the MLP's hidden tensors ``e n F/h``
+    (``n`` 2 GELU, 4 eager SwiGLU: ``w1 x``, its SiLU, ``w3 x``, the product; ``mlp``). Rotary embeddings keep
+    nothing more (their products' other operands are the tables)."""
+    e, p, h = element, params, model.hidden
+    q = model.heads * model.head_dim / h
+    kv = model.kv_heads * model.head_dim / h
+    sdpa_kv = q if model.learned_positions else kv
+    norm = 8 / h if uses_layer_norm(model) else NORM_OUTPUT_BYTES + 4 / h
+    inputs = _matmul_inputs(e, QKV_PROJECTIONS) + _matmul_inputs(e, 2 if model.gated_mlp else 1)
+    mlp = _mlp_split(model, e, model.ffn, CODEBASE_GATED_TENSORS)
+    return ActivationCoefficients(rep=2 * p + 2 * norm + inputs,
+                                  split=e * (2 * q + 2 * sdpa_kv) + 4 * model.heads / h + mlp, scores=0, mlp=mlp)
 
 
 def moe_coefficients(c: ActivationCoefficients, model: ModelSpec, element: float,
@@ -612,8 +686,9 @@ def block_activations(model: ModelSpec, layout: Layout, precision: str) -> tuple
     """Bytes one dense block and one MoE block keep for backward for one micro-batch on a device (the MoE block's
     experts included; 0 when the model has none); under context parallelism the rank's ``1/cp`` of them, without
     what the attention's transient counts (`context_transient_bytes`): `KORTHIKANTI`'s scores, and without
-    activation checkpointing SDPA's output (`context_unsaved_split`: the checkpointed attention's, not kept). With
-    activation checkpointing this is the block being recomputed, which keeps SDPA's output."""
+    activation checkpointing less `context_unsaved_split` (the checkpointed attention's logsumexp; a rotary model's
+    fp32 Q and K kept as its inputs). With activation checkpointing this is the block being recomputed (its count
+    without recompute)."""
     e = PRECISIONS[precision][3]
     coeffs = block_coefficients(model, precision)
     s, b, h, t, sp = model.seq_len, layout.micro_batch, model.hidden, layout.tp, layout.sequence_parallel
@@ -627,7 +702,7 @@ def block_activations(model: ModelSpec, layout: Layout, precision: str) -> tuple
         if precision in MEGATRON_PRECISIONS:  # Korthikanti: the scores of the layer being computed are the transient's
             coeffs = dataclasses.replace(coeffs, scores=0.0)
         elif not layout.activation_checkpointing:  # the attention is checkpointed: SDPA's output not kept
-            coeffs = dataclasses.replace(coeffs, split=coeffs.split - context_unsaved_split(e))
+            coeffs = dataclasses.replace(coeffs, split=coeffs.split - context_unsaved_split(model, e))
     dense = block_activation_bytes(coeffs, s, b, h, model.heads, t, sp, cp)
     if not model.experts:
         return dense, 0.0
@@ -678,7 +753,8 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
     transient = context_transient_bytes(model, b, precision, t, cp, documents)  # the layer being computed's attention
     masks = context_masks(lay, documents) * context_documents_bytes(model, b)  # each micro-batch's documents
     own_mask = document_mask_bytes(model, b, e) if documents and cp == 1 else 0.0  # per block: SDPA's float mask
-    kept = s * b * h * e / (t if lay.sequence_parallel else 1) / cp  # a checkpointed block's input
+    # a checkpointed block's input: the residual stream, in the parameters' dtype (fp32 under bf16-mixed)
+    kept = s * b * h * pb / (t if lay.sequence_parallel else 1) / cp
     unit_p = fsdp_unit_params(model, t, ep, compile)  # the largest FSDP2 unit
     whole_window = lay.pp > 1 or lay.accumulation > 1  # gradients not reduced before the window ends
     bucket = bucket_cap_mb * 2**20
