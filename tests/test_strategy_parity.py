@@ -152,6 +152,10 @@ def test_accumulation_foreign_model_and_bf16_match_one_device():
         "bf16-dp2xtp2-zero3": (dict(dp=2, tp=2, zero_stage=3), gpt(lr=BF16_LR), {"precision": "bf16-mixed"},
                                BF16_TOLERANCES),
         "bf16-pp2xtp2": (dict(pp=2, tp=2), gpt(lr=BF16_LR), {"precision": "bf16-mixed"}, BF16_TOLERANCES),
+        # Selective recompute runs a row layer as one custom op, which autocast does not cast: bf16 activations
+        # against fp32 weights, an fp32 output gradient (the bias) against a bf16 product, unless the layer casts.
+        "bf16-dp2xtp2-sp-recompute-attention": (dict(dp=2, tp=2, sequence_parallel=True, recompute="attention"),
+                                                gpt(lr=BF16_LR), {"precision": "bf16-mixed"}, BF16_TOLERANCES),
     })
 
 

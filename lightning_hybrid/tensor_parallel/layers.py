@@ -152,6 +152,9 @@ class RowParallelLinear(nn.Module):
         weight = self.weight.t() if self.transposed else self.weight
         if functional_collectives_active():
             # Selective checkpoint or compile: one op whose output alone is kept (same collectives; its own backward).
+            # Autocast casts none of a custom op's inputs: cast them as it casts F.linear's (the bias stays, added
+            # after the reduction, as below).
+            x, weight = _autocast_linear_inputs(x, weight)
             return row_parallel_linear(x, weight, self.bias, self.group, self.sequence_parallel)
         partial = F.linear(x, weight)
         reduce = reduce_scatter_sequence if self.sequence_parallel else reduce_from_tp
@@ -164,6 +167,16 @@ class RowParallelLinear(nn.Module):
             f"in_features={self.in_features} (local {local}), out_features={self.out_features},"
             f" input_is_parallel={self.input_is_parallel}{', Conv1D layout' if self.transposed else ''}"
         )
+
+
+def _autocast_linear_inputs(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """``x`` and ``weight`` in autocast's dtype where autocast is on for their device, as it casts ``F.linear``'s:
+    inside a custom op it casts nothing (a bf16 activation would meet the fp32 weight)."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return x, weight
+    dtype = torch.get_autocast_dtype(device)
+    return x.to(dtype), weight.to(dtype)
 
 
 # ------------------------------------------------------------ a row layer as one op (selective checkpoint, compile)
@@ -197,6 +210,9 @@ def _row_setup_context(ctx, inputs, output) -> None:
 def _row_backward(ctx, grad: Tensor):
     x, weight = ctx.saved_tensors
     grad_bias = grad.sum(dim=tuple(range(grad.dim() - 1))) if ctx.has_bias else None
+    # Under autocast the product is in its dtype and an fp32 bias makes the output fp32: the product's gradient in the
+    # product's dtype, as the op-by-op form's addition hands it back.
+    grad = grad.to(x.dtype)
     if ctx.sequence_parallel:  # the reduce-scatter's backward: all-gather the sequence
         with functional_collectives():
             grad = seq_all_gather(grad, _resolve_process_group(ctx.group_name))
