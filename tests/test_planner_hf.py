@@ -143,6 +143,9 @@ def test_command_line_will_it_fit(capsys, tmp_path):
     assert planner_main([*args, "--layout", "dp3"]) == 2
     assert planner_main(["--hf-config", "nope-model", "--devices", "1", "--global-batch", "1"]) == 2
     assert "error:" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # argparse formats the help with %: a bare % in it would crash it
+        planner_main(["--help"])
+    assert exit_.value.code == 0 and "--allow-mismatch" in capsys.readouterr().out
 
 
 def test_command_line_refuses_what_it_cannot_describe(capsys):

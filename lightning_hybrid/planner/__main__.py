@@ -247,7 +247,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--override", action="append", default=[], metavar="K=V[,K=V]",
                    help="--hf-config fields (hidden_size=4096,num_hidden_layers=32); repeatable")
     p.add_argument("--allow-mismatch", action="store_true", help="--hf-config: plan a description whose parameter"
-                   f" count is more than {MISMATCH_TOLERANCE:.0%} from transformers' model (default: refuse it)")
+                   f" count is more than {MISMATCH_TOLERANCE:.0%}% from transformers' model (default: refuse it)")
     p.add_argument("--layout", default=None, help="one layout to check, as the table writes them: 'dp8xtp8',"
                    " 'dp4xtp8xpp2 zero1 mb1x16 ac sp' (its memory by kind, whether it fits, the margin)")
     p.add_argument("--cluster", default="cpu", help="a100, h100, cpu, or a cluster JSON (default: cpu)")
