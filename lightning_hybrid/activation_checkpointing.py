@@ -24,6 +24,13 @@ the random state at the layer's start and replays the random ops in their order,
 masks only if it replays all of them) and the element-wise ops that apply a random mask (what follows them
 keeps what it needs).
 
+An op whose output the layer later changes in place cannot be kept (the recomputation would need the value before
+the change; torch's selective checkpoint refuses it in backward): transformers' MoE routers divide ``topk``'s
+weights in place (Mixtral, Qwen-MoE, DeepSeek). The policy sees the change during the forward; the layer then
+recomputes that op (``topk``: no FLOPs) and runs its forward again from the same random state, once, at its first
+step (`_selective_forward`). Not under ``compile=True``, whose graphs a retry would break: there such a layer fails
+in backward with torch's error.
+
 The forward collectives of TP/SP layers run as functional collectives inside a selective checkpoint
 (`tensor_parallel.comm.functional_collectives`). Reductions (a row layer's all-reduce or reduce-scatter) are
 kept, so the recomputation never runs them again; all-gathers run again, which is what sequence parallelism
@@ -43,7 +50,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import (CheckpointPolicy, SelectiveCheckpointContext, checkpoint,
-                                    create_selective_checkpoint_contexts)
+                                    create_selective_checkpoint_contexts, get_device_states, set_device_states)
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_hybrid.tensor_parallel.comm import functional_collectives
@@ -105,16 +112,49 @@ def _from_parameter(t: torch.Tensor) -> bool:
     return isinstance(t, nn.Parameter)
 
 
-class _Policy:
-    """The policy of one checkpointed forward (a new one each call: it follows the attention core's tensors)."""
+class _KeptOutputMutated(Exception):
+    """A layer's forward changes in place the output of an op its selective checkpoint keeps (``op``): torch's
+    selective checkpoint would refuse it in backward (the kept tensor is no longer what the recomputation needs)."""
 
-    def __init__(self, selection: Selection) -> None:
+    def __init__(self, op: str, mutation: str) -> None:
+        super().__init__(op, mutation)
+        self.op, self.mutation = op, mutation
+
+
+class _Policy:
+    """The policy of one checkpointed forward (a new one each call: it follows the attention core's tensors).
+    ``mutated``: ops whose outputs the layer changes in place, recomputed (`_selective_forward` learns them)."""
+
+    def __init__(self, selection: Selection, mutated: frozenset[str] = frozenset(), track: bool = True) -> None:
         self.selection = selection
+        self.mutated = mutated
+        self.track = track  # follow the kept outputs (not under compile, which traces the policy)
         self.core = WeakIdKeyDictionary()  # tensors computed from attention scores
         self.gathered = WeakIdKeyDictionary()  # outputs of all-gathers
         self.random = WeakIdKeyDictionary()  # outputs of random ops (dropout masks)
+        self.kept = WeakIdKeyDictionary()  # outputs kept -> the op that made them
 
     def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        decision = self._decide(ctx, op, *args, **kwargs)
+        if not self.track:
+            return decision
+        if op._schema.is_mutable:  # an in-place op: does it change a kept output (or a view of one)?
+            for value, argument in zip(args, op._schema.arguments):
+                if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, torch.Tensor):
+                    base = value
+                    while base._base is not None:
+                        base = base._base
+                    made_by = self.kept.get(base) or self.kept.get(value)
+                    if made_by is not None:
+                        raise _KeptOutputMutated(made_by, str(op.overloadpacket))
+        if decision == CheckpointPolicy.MUST_SAVE:
+            name = str(op.overloadpacket)
+            for out in tree_leaves(ctx.op_output):
+                if isinstance(out, torch.Tensor):
+                    self.kept[out] = name
+        return decision
+
+    def _decide(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
         name = str(op.overloadpacket)
         if op.namespace == "_c10d_functional":
             # A TP/SP collective. Reductions are kept (never run again); all-gathers run again, as Megatron
@@ -147,7 +187,8 @@ class _Policy:
             op.is_view or op._schema.is_mutable or op.namespace == "c10d" or name in _COPIES
             or name.startswith(_FACTORIES) or masked
         )
-        chosen = name in self.selection.ops or (self.selection.pointwise and torch.Tag.pointwise in op.tags)
+        chosen = (name in self.selection.ops or name in self.mutated
+                  or (self.selection.pointwise and torch.Tag.pointwise in op.tags))
         return CheckpointPolicy.PREFER_RECOMPUTE if always or chosen else CheckpointPolicy.MUST_SAVE
 
     def _in_core(self, name: str, inputs: list[torch.Tensor]) -> bool:
@@ -167,8 +208,31 @@ def _with_functional_collectives(forward: Callable, *args, **kwargs):
         return forward(*args, **kwargs)
 
 
-def _selective_contexts(selection: Selection):
-    return create_selective_checkpoint_contexts(_Policy(selection))
+def _selective_contexts(selection: Selection, mutated: frozenset[str] = frozenset(), track: bool = True):
+    return create_selective_checkpoint_contexts(_Policy(selection, mutated, track))
+
+
+def _selective_forward(forward: Callable, selection: Selection, mutated: set[str], *args, **kwargs):
+    """``forward`` under a selective checkpoint. A layer that changes in place the output of an op the policy keeps
+    (transformers' MoE routers divide ``topk``'s weights in place, ``/=``) cannot keep it: its recomputation would
+    need the value before the change. The policy sees the change in the forward, before anything is kept for good;
+    the op joins ``mutated`` (the layer's own set, recomputed from then on: ``topk`` costs no FLOPs) and the forward
+    runs again from the same random state -- every rank of a collective does the same, at the same op, as they run
+    the same layer. Once per such op and layer, at the first step."""
+    while True:
+        cpu_state = torch.get_rng_state()
+        devices, device_states = get_device_states(*args)
+        try:
+            return checkpoint(partial(_with_functional_collectives, forward), *args, use_reentrant=False,
+                              context_fn=partial(_selective_contexts, selection, frozenset(mutated)), **kwargs)
+        except _KeptOutputMutated as change:
+            if change.op in mutated or change.op.startswith("_c10d_functional."):
+                raise RuntimeError(
+                    f"selective recompute: the layer changes in place ({change.mutation}) the output of {change.op},"
+                    " which its selective checkpoint must keep; use recompute='full' for this model") from None
+            mutated.add(change.op)
+            torch.set_rng_state(cpu_state)
+            set_device_states(devices, device_states)
 
 
 def checkpoint_targets(module: nn.Module, target: bool | str, pipelined: bool = False) -> list[str]:
@@ -198,10 +262,14 @@ def checkpoint_targets(module: nn.Module, target: bool | str, pipelined: bool = 
     return listed
 
 
-def apply_activation_checkpointing(module: nn.Module, names: list[str], selection: Selection | None = None) -> None:
+def apply_activation_checkpointing(module: nn.Module, names: list[str], selection: Selection | None = None,
+                                   compiled: bool = False) -> None:
     """Checkpoint each named submodule (in place; parameter names and state dicts do not change): fully, or
     selectively, recomputing what ``selection`` says (see `recompute_selection`). A selectively checkpointed
-    layer runs its TP/SP collectives as functional collectives, in its forward and in its recomputation."""
+    layer runs its TP/SP collectives as functional collectives, in its forward and in its recomputation, and
+    learns at its first forward which kept outputs it changes in place (`_selective_forward`) -- not when the layers
+    are to be ``compiled`` (the retry would break their graphs: torch's selective checkpoint refuses such a layer in
+    backward there)."""
     for name in names:
         layer = module.get_submodule(name)
         if getattr(layer, "_activation_checkpointed", False):
@@ -209,7 +277,10 @@ def apply_activation_checkpointing(module: nn.Module, names: list[str], selectio
         if selection is None:
             layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
         else:
-            context = partial(_selective_contexts, selection)
-            forward = partial(_with_functional_collectives, layer.forward)
-            layer.forward = partial(checkpoint, forward, use_reentrant=False, context_fn=context)
+            if compiled:
+                context = partial(_selective_contexts, selection, frozenset(), False)
+                forward = partial(_with_functional_collectives, layer.forward)
+                layer.forward = partial(checkpoint, forward, use_reentrant=False, context_fn=context)
+            else:
+                layer.forward = partial(_selective_forward, layer.forward, selection, set())
         layer._activation_checkpointed = True

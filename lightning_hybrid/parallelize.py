@@ -115,7 +115,8 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, d
     tp_sharded = frozenset(tp_sharded_parameter_names(module)) - experts
     remote = tuple(layout.remote_prefixes) if layout is not None else ()
     context = split_context(module, mesh, options, remote) if options.cp > 1 else None
-    apply_activation_checkpointing(module, _held_here(checkpointed, remote), options.recompute)
+    apply_activation_checkpointing(module, _held_here(checkpointed, remote), options.recompute,
+                                   compiled=options.compile is not None)
     if options.compile is not None:
         apply_compile(module, _held_here(checkpoint_targets(module, True, pp > 1), remote), dict(options.compile))
     stages = local_stages(module, layout) if layout is not None else None

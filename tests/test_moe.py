@@ -166,6 +166,11 @@ def test_load_balancing_loss_and_expert_parallel_layouts_match_one_device_on_4_r
                                                  {"accumulate_grad_batches": 2}),
         "dp4-ep2-zero3-checkpointed-qwen3_moe": (dict(dp=4, ep=2, zero_stage=3, activation_checkpointing=True),
                                                  partial(_lm, "qwen3_moe"), {}),
+        # Selective recompute: the routers divide topk's weights in place (Mixtral; DeepSeek-V3 also scales them),
+        # which a selective checkpoint cannot keep -- the layer learns to recompute topk at its first forward.
+        "dp4-ep2-pointwise-mixtral": (dict(dp=4, ep=2, recompute="pointwise"), partial(_lm, "mixtral"), {}),
+        "dp2xtp2-ep2-attention-deepseek_v3": (dict(dp=2, tp=2, ep=2, recompute="attention"),
+                                              partial(_lm, "deepseek_v3"), {}),
         # Pipelines (GPipe, the default schedule for such a model): the loss of every layer and micro-batch,
         # exchanged between the forwards and the backwards.
         "dp2xpp2-ep2-default-schedule-padded-olmoe": (dict(dp=2, pp=2, ep=2, micro_batches=2),
