@@ -19,7 +19,9 @@ hang there is a row of the table, not the end of the script), one after another,
 (c) the multi-rank code paths on the one GPU: ranks sharing ``cuda:0`` over gloo, each a one-process "node"
     (`run_distributed(..., one_rank_per_node=True)`, ``Trainer(devices=1, num_nodes=world)``) under tp2, pp2,
     and dp2 with ZeRO 0, 1 and 3: the fp32 losses and global gradient norms of a small GPT against one device
-    with plain Lightning (relative 1e-5), or the exception that stopped the layout.
+    with plain Lightning (relative 1e-5), or the exception that stopped the layout; then tiny transformers models
+    under bf16-mixed on the paths autocast changes (`MULTIRANK_BF16`: cp2, tp2 with SP and selective recompute, ep2
+    with pointwise recompute on Mixtral): that they train (finite losses), or the exception.
 (d) the planner's predicted peak memory (and step time) of the runs in (b), beside the measured peaks: dp=tp=pp=1,
     ZeRO 0, bf16-mixed, on the closest cluster preset (``h100`` for an H100 or H200: the same bf16 peak).
 
@@ -62,8 +64,8 @@ SMOKE_MODEL = dict(hidden=64, layers=2, heads=4, kv_heads=4, ffn=128, vocab=256,
 # The sections run in the order d, a, c, b: the planner (no device, a second), the tests, the multi-rank paths, then
 # the throughput runs, which take what is left (their compiled rows last).
 LIMITS = {
-    "gpu": {"tests": 200, "multirank": 150, "eager": 75, "compiled": 120},
-    "cpu": {"tests": 90, "multirank": 120, "eager": 45, "compiled": 75},
+    "gpu": {"tests": 200, "multirank": 200, "eager": 75, "compiled": 120},
+    "cpu": {"tests": 90, "multirank": 170, "eager": 45, "compiled": 75},
 }
 RESERVE = {"gpu": {"multirank": 60, "throughput": 150}, "cpu": {"multirank": 50, "throughput": 60}}
 MULTIRANK_LAYOUTS = {  # (c): name -> HybridStrategy arguments (world 2)
@@ -75,6 +77,14 @@ MULTIRANK_LAYOUTS = {  # (c): name -> HybridStrategy arguments (world 2)
     "cp2": dict(dp=1, cp=2),  # context parallelism: the zigzag split, K/V all-gathered, the mask built on the device
 }
 MULTIRANK_RTOL = 1e-5
+# (c) then: name -> (transformers family, HybridStrategy arguments), bf16-mixed, trained 3 steps (no reference: bf16).
+# The paths where autocast meets this codebase's own ops: the CP attention (rotary's fp32 queries and keys beside a
+# bf16 value), the TP row layer as one op under a selective checkpoint, a MoE router's in-place topk weights.
+MULTIRANK_BF16 = {
+    "bf16 llama cp2": ("llama", dict(dp=1, cp=2)),
+    "bf16 llama tp2 sp recompute=attention": ("llama", dict(tp=2, sequence_parallel=True, recompute="attention")),
+    "bf16 mixtral dp2 ep2 recompute=pointwise": ("mixtral", dict(dp=2, ep=2, recompute="pointwise")),
+}
 
 
 # ================================================================================================ formatting
@@ -402,14 +412,15 @@ def section_multirank(check: Check) -> None:
         backend = None
     check.row("c", "set-up", "info", f"{what}; small GPT fp32, 6 steps, clipping 0.5; losses and grad norms against one"
                                      f" device (plain Lightning) within {MULTIRANK_RTOL:g} relative")
-    job_args = {"world": 2, "accelerator": check.accelerator, "backend": backend, "steps": 6,
-                "layouts": layouts, "layout_timeout_s": max(30.0, (timeout - 20) / max(1, len(layouts)))}
+    bf16 = [(name, family, kwargs, check.kind == "gpu") for name, (family, kwargs) in MULTIRANK_BF16.items()]
+    job_args = {"world": 2, "accelerator": check.accelerator, "backend": backend, "steps": 6, "bf16": bf16,
+                "layouts": layouts, "layout_timeout_s": max(30.0, (timeout - 20) / max(1, len(layouts) + len(bf16)))}
     code, seconds, log, records = check.job("multirank", "multirank", job_args, timeout)
     done = {r["layout"]: r for r in records if "layout" in r}
     for r in records:
         if "error" in r:  # the job itself failed, outside any layout
             check.row("c", "multi-rank job", "ERROR", r["error"])
-    for name in ["reference", *[n for n, _, _ in layouts]]:
+    for name in ["reference", *[n for n, _, _ in layouts], *[n for n, *_ in bf16]]:
         r = done.get(name)
         label = "one device (reference)" if name == "reference" else name
         if r is None:
@@ -726,6 +737,42 @@ def multirank_fit(
             "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")}}
 
 
+def multirank_bf16_fit(family: str, layout: dict, accelerator: str, backend: Optional[str], steps: int,
+                       timeout_s: float) -> dict:
+    """Train a tiny transformers ``family`` model (`CausalLM`) ``steps`` steps under bf16-mixed and
+    ``HybridStrategy(**layout)`` on this rank's process group; its losses."""
+    from datetime import timedelta
+
+    import lightning as L
+    import transformers as T
+
+    from lightning_hybrid import HybridStrategy
+    from lightning_hybrid.data import ByteCorpusDataModule
+    from lightning_hybrid.hf import CausalLM
+
+    sizes = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, max_position_embeddings=64)
+    config = (T.MixtralConfig(**sizes, num_local_experts=4, num_experts_per_tok=2) if family == "mixtral"
+              else T.LlamaConfig(**sizes))
+    L.seed_everything(0, verbose=False)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    one_per_node = os.environ.get("LOCAL_WORLD_SIZE") == "1" and world > 1
+    devices, num_nodes = (1, world) if one_per_node else (world, 1)
+    strategy = HybridStrategy(**layout, process_group_backend=backend, timeout=timedelta(seconds=timeout_s))
+    losses: list[float] = []
+
+    class Losses(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            losses.append(trainer.callback_metrics["train_loss"].item())
+
+    trainer = L.Trainer(accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
+                        precision="bf16-mixed", max_steps=steps, limit_val_batches=0, num_sanity_val_steps=0,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[Losses()])
+    trainer.fit(CausalLM(config, lr=5e-4), ByteCorpusDataModule(max_bytes=20_000, block_size=16, batch_size=4))
+    return {"losses": losses, "device": str(trainer.strategy.root_device)}
+
+
 def _max_rel(got: list[float], want: list[float]) -> float:
     return max((abs(g - w) / max(abs(w), 1e-30) for g, w in zip(got, want)), default=0.0)
 
@@ -771,6 +818,28 @@ def job_multirank(a: dict, emit: Callable[[dict], None]) -> None:
                   f" (tolerance {MULTIRANK_RTOL:g}); steps {[len(r['losses']) for r in ranks]} of {a['steps']};"
                   f" rank 0 losses {ranks[0]['losses']} vs"
                   f" {reference['losses']}; {where}"})
+    _bf16_rows(a, emit)
+
+
+def _bf16_rows(a: dict, emit: Callable[[dict], None]) -> None:
+    import math
+
+    import lightning_hybrid.testing as testing
+
+    for name, family, layout, one_per_node in a.get("bf16", []):
+        start = time.monotonic()
+        try:
+            ranks = testing.run_distributed(multirank_bf16_fit, a["world"], family, layout, a["accelerator"],
+                                            a["backend"], 3, a["layout_timeout_s"], one_rank_per_node=one_per_node)
+        except BaseException:
+            text = describe_exception()
+            emit({"layout": name, "status": "ERROR", "text": f"HybridStrategy({_kwargs(layout)}): {_hint(text)}{text}"})
+            continue
+        losses = ranks[0]["losses"]
+        trained = len(losses) == 3 and all(math.isfinite(x) for r in ranks for x in r["losses"])
+        emit({"layout": name, "status": "ok" if trained else "NOT TRAINED",
+              "text": f"{family}, HybridStrategy({_kwargs(layout)}), bf16-mixed: losses {[round(x, 4) for x in losses]}"
+                      f" on {sorted({r['device'] for r in ranks})}; {time.monotonic() - start:.0f} s"})
 
 
 def _hint(text: str) -> str:
