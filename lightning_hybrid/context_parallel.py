@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 from lightning_hybrid.batch import TokenBatch, document_ids
+from lightning_hybrid.precision import autocast_inputs
 
 __all__ = ["ContextParallel", "block_mask", "gather_prefixes", "kv_group_of", "split_batch", "zigzag_indices"]
 
@@ -144,7 +145,7 @@ class ContextParallel:
         """``F.scaled_dot_product_attention`` of this rank's queries against the keys and values of the whole
         sequence, under the mask of the whole sequence."""
         self._check_mask(attn_mask, is_causal, query)
-        query, key, value = _autocast_inputs(query, key, value)
+        query, key, value = autocast_inputs(query, key, value)  # caught before autocast casts them
         positions = self._positions if self._positions is not None else self._batch_positions
         if positions is None or positions.size(0) != query.size(0):
             raise ValueError(
@@ -302,19 +303,6 @@ def kv_group_of(module: nn.Module) -> Optional[int]:
             if isinstance(heads, int) and isinstance(kv, int) and 0 < kv <= heads and heads % kv == 0:
                 return heads // kv
     return None
-
-
-def _autocast_inputs(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``query``, ``key``, ``value`` as SDPA under autocast takes them: in autocast's dtype where autocast is on for
-    their device (SDPA is one of its lower-precision ops). The context-parallel attention is caught before autocast
-    casts them, and a model may hand it mixed dtypes -- transformers' Llama under bf16 autocast, fp32 queries and keys
-    (its rotary cos/sin follow the fp32 residual stream) with a bf16 value -- which SDPA's causal block refuses;
-    cast first, the keys and values are also gathered in the dtype their attention uses."""
-    device = query.device.type
-    if not torch.is_autocast_enabled(device):
-        return query, key, value
-    dtype = torch.get_autocast_dtype(device)
-    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in (query, key, value))
 
 
 class _AttentionMode(TorchFunctionMode):

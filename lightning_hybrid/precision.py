@@ -15,10 +15,25 @@ from __future__ import annotations
 import functools
 from typing import Callable, Union
 
+import torch
 from lightning.pytorch.plugins.precision import Precision
+from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["GlobalNormClipping", "with_global_norm_clipping"]
+__all__ = ["GlobalNormClipping", "autocast_inputs", "with_global_norm_clipping"]
+
+
+def autocast_inputs(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """``tensors`` as autocast casts the inputs of one of its lower-precision ops (a matmul, SDPA): the floating ones
+    in its dtype where it is on for their device, else unchanged. For this codebase's own ops that autocast does not
+    see: a custom op (a TP row layer under a selective checkpoint, `lightning_hybrid.tensor_parallel.layers`) and SDPA
+    caught by a ``TorchFunctionMode`` before autocast casts its inputs (`lightning_hybrid.context_parallel`, where
+    transformers' Llama hands fp32 queries and keys beside a bf16 value)."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
 
 
 class GlobalNormClipping:

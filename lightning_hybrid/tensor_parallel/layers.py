@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from lightning_hybrid.devices import local_tensor
+from lightning_hybrid.precision import autocast_inputs
 from lightning_hybrid.tensor_parallel.comm import (
     SEQ_DIM,
     ShardSpec,
@@ -154,7 +155,7 @@ class RowParallelLinear(nn.Module):
             # Selective checkpoint or compile: one op whose output alone is kept (same collectives; its own backward).
             # Autocast casts none of a custom op's inputs: cast them as it casts F.linear's (the bias stays, added
             # after the reduction, as below).
-            x, weight = _autocast_linear_inputs(x, weight)
+            x, weight = autocast_inputs(x, weight)
             return row_parallel_linear(x, weight, self.bias, self.group, self.sequence_parallel)
         partial = F.linear(x, weight)
         reduce = reduce_scatter_sequence if self.sequence_parallel else reduce_from_tp
@@ -167,16 +168,6 @@ class RowParallelLinear(nn.Module):
             f"in_features={self.in_features} (local {local}), out_features={self.out_features},"
             f" input_is_parallel={self.input_is_parallel}{', Conv1D layout' if self.transposed else ''}"
         )
-
-
-def _autocast_linear_inputs(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
-    """``x`` and ``weight`` in autocast's dtype where autocast is on for their device, as it casts ``F.linear``'s:
-    inside a custom op it casts nothing (a bf16 activation would meet the fp32 weight)."""
-    device = x.device.type
-    if not torch.is_autocast_enabled(device):
-        return x, weight
-    dtype = torch.get_autocast_dtype(device)
-    return x.to(dtype), weight.to(dtype)
 
 
 # ------------------------------------------------------------ a row layer as one op (selective checkpoint, compile)
