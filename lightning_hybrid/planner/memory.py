@@ -202,6 +202,11 @@ class ActivationCoefficients:
 KORTHIKANTI = ActivationCoefficients(rep=10, split=24, scores=5, mlp=16)
 
 
+def _head_widths(model: ModelSpec) -> tuple[float, float]:
+    """``(q, kv)``: the query heads' and the key/value heads' widths over ``h``, ``a d/h`` and ``a_kv d/h``."""
+    return model.heads * model.head_dim / model.hidden, model.kv_heads * model.head_dim / model.hidden
+
+
 def korthikanti_coefficients(model: ModelSpec, scores: bool = True, dropout: bool = True) -> ActivationCoefficients:
     """`KORTHIKANTI`'s per-tensor count (2-byte activations) for ``model``'s shapes: Q ``2 q`` and K, V ``2 kv`` each
     (``q``, ``kv``: their widths over ``h``, ``a d/h`` and ``a_kv d/h`` -- grouped-query attention keeps K and V at
@@ -212,8 +217,7 @@ def korthikanti_coefficients(model: ModelSpec, scores: bool = True, dropout: boo
     output alone). The GPT of the paper (dropout, ``F = 4h``, ``a_kv = a``) gives `KORTHIKANTI`; Megatron-LM's
     ``report_theoretical_memory`` (megatron/training/theoretical_memory_usage.py) uses ``sbh (18 + 4F/h)``, the same
     count for GELU at any ``F`` (its TODO: not for ``a d != h``; nor gating nor GQA)."""
-    width = model.heads * model.head_dim / model.hidden
-    kv = model.kv_heads * model.head_dim / model.hidden
+    width, kv = _head_widths(model)
     mlp = _mlp_split(model, 2, model.ffn, MEGATRON_GATED_TENSORS)
     return ActivationCoefficients(rep=8 + (2 if dropout else 0), split=2 * width + 4 * kv + 2 * width + mlp,
                                   scores=(5 if dropout else 2) if scores else 0.0, mlp=mlp)
@@ -258,8 +262,7 @@ def attention_coefficients(model: ModelSpec, element: float, params: float = 4) 
     more than no recompute keeps (`codebase_coefficients`): eager RMSNorm's and rotary's intermediates outweigh the
     attention's output; on the reference GPT about as much."""
     e, p, h = element, params, model.hidden
-    q = model.heads * model.head_dim / h
-    kv = model.kv_heads * model.head_dim / h
+    q, kv = _head_widths(model)
     layer_norm = uses_layer_norm(model)
     norm = NORM_OUTPUT_BYTES + 8 / h if layer_norm else 3 * 4 + 3 * 4 / h
     rope = 0.0 if model.learned_positions else (3 * 4 + 1.5 * e) * (q + kv)
@@ -298,8 +301,7 @@ def pointwise_coefficients(model: ModelSpec, precision: str) -> ActivationCoeffi
                          " ('32-true', 'bf16-mixed').")
     p, e = PRECISIONS[precision][0], PRECISIONS[precision][3]
     h = model.hidden
-    width = model.heads * model.head_dim / h
-    kv = model.kv_heads * model.head_dim / h
+    width, kv = _head_widths(model)
     norms = 2 * (NORM_OUTPUT_BYTES + 8 / h) if uses_layer_norm(model) else 2 * 4 / h
     rope = 0.0 if model.learned_positions else e * (width + kv)
     mlp = _mlp_split(model, e, model.ffn, POINTWISE_GATED_TENSORS, plain=POINTWISE_PLAIN_TENSORS)
@@ -314,8 +316,7 @@ def pointwise_recomputed_bytes(model: ModelSpec, layout: Layout, precision: str)
     rotary embeddings' rotated Q and K (``4 (q + kv) h``, fp32: the tables are). Not a memory term."""
     p, e = PRECISIONS[precision][0], PRECISIONS[precision][3]
     h = model.hidden
-    width = model.heads * model.head_dim / h
-    kv = model.kv_heads * model.head_dim / h
+    width, kv = _head_widths(model)
     act = 2 if model.gated_mlp else 1
     rep = 2 * p + (0.0 if uses_layer_norm(model) else 2 * 4)
     rope = 0.0 if model.learned_positions else 4 * (width + kv)
@@ -366,8 +367,7 @@ def context_unsaved_split(model: ModelSpec, element: float) -> float:
     ``bf16-mixed``). Measured on one rank (a gloo group of one): the reference GPT's block, and a transformers
     Llama layer with packed documents, fp32 and bf16 autocast -- exact."""
     h = model.hidden
-    q = model.heads * model.head_dim / h
-    kv = model.kv_heads * model.head_dim / h
+    q, kv = _head_widths(model)
     rope = 0.0 if model.learned_positions else (4 - element) * (q + kv)
     return 4 * model.heads / h - rope
 
@@ -398,8 +398,7 @@ def codebase_coefficients(model: ModelSpec, element: float, params: float = 4) -
     (``n`` 2 GELU, 4 eager SwiGLU: ``w1 x``, its SiLU, ``w3 x``, the product; ``mlp``). Rotary embeddings keep
     nothing more (their products' other operands are the tables)."""
     e, p, h = element, params, model.hidden
-    q = model.heads * model.head_dim / h
-    kv = model.kv_heads * model.head_dim / h
+    q, kv = _head_widths(model)
     sdpa_kv = q if model.learned_positions else kv
     norm = 8 / h if uses_layer_norm(model) else NORM_OUTPUT_BYTES + 4 / h
     inputs = _matmul_inputs(e, QKV_PROJECTIONS) + _matmul_inputs(e, 2 if model.gated_mlp else 1)
@@ -409,11 +408,11 @@ def codebase_coefficients(model: ModelSpec, element: float, params: float = 4) -
 
 
 def moe_coefficients(c: ActivationCoefficients, model: ModelSpec, element: float,
-                     tensors: int = CODEBASE_GATED_TENSORS, plain: int = 2) -> ActivationCoefficients:
+                     tensors: int) -> ActivationCoefficients:
     """A MoE block's activations outside its experts: ``c`` with the dense MLP's part of ``split`` replaced by the
-    shared experts' (split over TP like it; ``tensors``: `mlp_tensors`, ``plain`` not gated); the experts' own are
+    shared experts' (split over TP like it; ``tensors``: the model's, `mlp_tensors`); the experts' own are
     `expert_activation_bytes`."""
-    shared = _mlp_split(model, element, model.shared_ffn, tensors, plain)
+    shared = element * tensors * model.shared_ffn / model.hidden
     return ActivationCoefficients(rep=c.rep, split=max(0.0, c.split - c.mlp) + shared, scores=c.scores, mlp=shared)
 
 
@@ -424,17 +423,16 @@ def routed_tokens(tokens: float, tp: int, sequence_parallel: bool) -> float:
 
 
 def expert_activation_bytes(model: ModelSpec, tokens: float, element: float, tp: int = 1,
-                            sequence_parallel: bool = False, tensors: int = CODEBASE_GATED_TENSORS,
-                            plain: int = 2) -> float:
+                            sequence_parallel: bool = False, *, tensors: int) -> float:
     """Bytes one MoE block's experts and router keep for backward on one rank for a micro-batch of ``tokens``
     (its replica's): per pair computed (``k`` per routed token under uniform routing) the expert's input and
-    output rows and hidden tensors, ``e (2h + n F_e)`` (``n = tensors`` gated, `mlp_tensors`; ``plain`` -- 2, 1
-    under pointwise recompute -- not gated); per routed token the router's logits (``e``) and probabilities (fp32),
+    output rows and hidden tensors, ``e (2h + n F_e)`` (``n = tensors``, the model's: `mlp_tensors`, gated or not,
+    under the recompute mode); per routed token the router's logits (``e``) and probabilities (fp32),
     ``(e + 4) E``."""
     if not model.experts:
         return 0.0
     routed = routed_tokens(tokens, tp, sequence_parallel)
-    per_pair = element * (2 * model.hidden + (tensors if model.gated_mlp else plain) * model.expert_ffn)
+    per_pair = element * (2 * model.hidden + tensors * model.expert_ffn)
     return routed * (model.top_k * per_pair + (element + 4) * model.experts)
 
 
@@ -707,9 +705,8 @@ def block_activations(model: ModelSpec, layout: Layout, precision: str) -> tuple
     if not model.experts:
         return dense, 0.0
     n = mlp_tensors(model, precision, mode)
-    plain = POINTWISE_PLAIN_TENSORS if mode == "pointwise" else 2
-    moe = block_activation_bytes(moe_coefficients(coeffs, model, e, n, plain), s, b, h, model.heads, t, sp, cp)
-    return dense, moe + expert_activation_bytes(model, s * b // cp, e, t, sp, n, plain)
+    moe = block_activation_bytes(moe_coefficients(coeffs, model, e, n), s, b, h, model.heads, t, sp, cp)
+    return dense, moe + expert_activation_bytes(model, s * b // cp, e, t, sp, tensors=n)
 
 
 @dataclass(frozen=True)
