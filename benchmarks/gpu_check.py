@@ -718,8 +718,7 @@ def multirank_fit(
         data = OneDeviceInDistributedOrder(max_bytes=80_000, block_size=MR_BLOCK, batch_size=MR_GLOBAL_BATCH)
     else:
         strategy = HybridStrategy(**layout, process_group_backend=backend, timeout=timedelta(seconds=timeout_s))
-        one_per_node = os.environ.get("LOCAL_WORLD_SIZE") == "1" and world > 1
-        devices, num_nodes = (1, world) if one_per_node else (world, 1)
+        devices, num_nodes = _devices_and_nodes()
         dp = max(1, layout.get("dp", world // (layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1))))
         data = ByteCorpusDataModule(max_bytes=80_000, block_size=MR_BLOCK, batch_size=MR_GLOBAL_BATCH // dp)
     recorder = Recorder()
@@ -735,6 +734,14 @@ def multirank_fit(
     return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "device": str(trainer.strategy.root_device),
             "backend": dist.get_backend() if dist.is_initialized() else None, "rank": int(os.environ.get("RANK", "0")),
             "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")}}
+
+
+def _devices_and_nodes() -> tuple[int, int]:
+    """``Trainer(devices=, num_nodes=)`` for this rank of `run_distributed`'s world: one process per "node" where it
+    was started so (``LOCAL_WORLD_SIZE`` 1), else every rank on one node."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    one_per_node = os.environ.get("LOCAL_WORLD_SIZE") == "1" and world > 1
+    return (1, world) if one_per_node else (world, 1)
 
 
 def multirank_bf16_fit(family: str, layout: dict, accelerator: str, backend: Optional[str], steps: int,
@@ -755,9 +762,7 @@ def multirank_bf16_fit(family: str, layout: dict, accelerator: str, backend: Opt
     config = (T.MixtralConfig(**sizes, num_local_experts=4, num_experts_per_tok=2) if family == "mixtral"
               else T.LlamaConfig(**sizes))
     L.seed_everything(0, verbose=False)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    one_per_node = os.environ.get("LOCAL_WORLD_SIZE") == "1" and world > 1
-    devices, num_nodes = (1, world) if one_per_node else (world, 1)
+    devices, num_nodes = _devices_and_nodes()
     strategy = HybridStrategy(**layout, process_group_backend=backend, timeout=timedelta(seconds=timeout_s))
     losses: list[float] = []
 
