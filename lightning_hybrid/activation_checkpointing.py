@@ -235,22 +235,30 @@ def _selective_forward(forward: Callable, selection: Selection, mutated: set[str
             set_device_states(devices, device_states)
 
 
+def _outermost(names: list[str]) -> list[str]:
+    """``names`` but those inside another of them: a module inside a chosen one is recomputed (or compiled) with it,
+    and a checkpoint nested in another would recompute it twice -- under selective recompute, two policies over the
+    same ops, which torch's selective checkpoint cannot replay. (A glob's ``*`` matches the dots of submodules'
+    names; a ``nn.ModuleList`` may sit inside another's elements, as a MoE block's experts.)"""
+    return [n for n in names if not any(n.startswith(outer + ".") for outer in names)]
+
+
 def checkpoint_targets(module: nn.Module, target: bool | str, pipelined: bool = False) -> list[str]:
     """Names of the modules to checkpoint (or compile) layer by layer: ``True`` -> every layer (the pipeline layers
     when the module is ``pipelined``; else the elements of its ``nn.ModuleList``s, or without any its pipeline
-    layers); a glob pattern -> the modules whose names match. ``ValueError`` when that finds none: the option would
-    otherwise be accepted and do nothing."""
+    layers); a glob pattern -> the outermost modules whose names match. ``ValueError`` when that finds none: the
+    option would otherwise be accepted and do nothing."""
     names = {id(m): n for n, m in module.named_modules()}
     if isinstance(target, str):
-        chosen = [n for n in names.values() if n and fnmatch.fnmatchcase(n, target)]
+        chosen = _outermost([n for n in names.values() if n and fnmatch.fnmatchcase(n, target)])
         if not chosen:
             raise ValueError(
                 f"activation_checkpointing={target!r} matches no module; names look like {list(names.values())[1:8]}"
             )
         return chosen
-    listed = [] if pipelined else [
+    listed = [] if pipelined else _outermost([
         names[id(m)] for sub in module.modules() if isinstance(sub, nn.ModuleList) for m in sub
-    ]
+    ])
     if not listed and isinstance(module, PipelineLayers):
         listed = [names[id(layer)] for layer in module.pipeline_layers() if id(layer) in names]
     if not listed:

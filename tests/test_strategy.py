@@ -257,6 +257,16 @@ def test_layer_by_layer_options_find_the_layers_or_refuse():
 
     assert checkpoint_targets(UserLM(), True) == ["blocks.0", "blocks.1"]
     assert checkpoint_targets(Attributes(), True) == ["embed", "block_a", "block_b"]
+    # A glob: the outermost matches ('*' matches the blocks' submodules too, which their checkpoint covers).
+    assert checkpoint_targets(UserLM(), "blocks.*") == ["blocks.0", "blocks.1"]
+    assert checkpoint_targets(UserLM(), "*norm1") == ["blocks.0.norm1", "blocks.1.norm1"]
+
+    class Nested(nn.Module):  # a ModuleList inside each element of another (a MoE block's experts): the blocks
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.ModuleDict({"experts": nn.ModuleList([nn.Linear(4, 4)])}) for _ in "ab")
+
+    assert checkpoint_targets(Nested(), True) == ["blocks.0", "blocks.1"]
     with pytest.raises(ValueError,
                        match=r"Sequential holds its layers neither in an nn.ModuleList nor in pipeline_layers"):
         checkpoint_targets(nn.Sequential(nn.Linear(4, 4)), True)
