@@ -52,8 +52,8 @@ def fresh_launch_environment() -> Iterator[None]:
 def take_over_launched_ranks(trainer) -> list[subprocess.Popen]:
     """On rank 0, once a fit has returned: the rank processes Lightning's launcher started, taken from its
     observer (emptying the launcher's list). While training, that observer rightly kills every process --
-    rank 0 included -- when a rank dies; once the run is done, a rank that crashes while its interpreter shuts
-    down (rarely: "terminate called without an active exception" in a TP rank's teardown) must not kill rank 0,
+    rank 0 included -- when a rank dies; once the run is done, a rank that fails while its interpreter shuts down
+    (a user's exit handler, say; gloo's exit race is `lightning_hybrid.clean_exit`'s) must not kill rank 0,
     which under a multirun is the Hydra process running the next jobs. Empty elsewhere and when the processes
     were started externally (torchrun, SLURM)."""
     launcher = getattr(trainer.strategy, "launcher", None)

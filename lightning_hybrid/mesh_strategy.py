@@ -13,7 +13,6 @@ what Lightning's own collectives mean on it. It knows nothing of the model; `Hyb
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
@@ -47,6 +46,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 
+from lightning_hybrid.clean_exit import register_clean_exit
 from lightning_hybrid.mesh import ParallelDims, barrier
 from lightning_hybrid.ports import free_main_port
 from lightning_hybrid.rank_zero import library_warnings_from_rank_zero
@@ -300,7 +300,7 @@ class MeshStrategy(ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
-        _destroy_process_group_at_exit()
+        register_clean_exit()
         self._record_process()
         self._reported.clear()
         self._device_mesh = self._dims.build_mesh(self.root_device.type)
@@ -420,25 +420,6 @@ _LIBRARY_DIRS = tuple(
 )
 #: The peer's address as the backend writes it: gloo ``[127.0.0.1]:30408``, NCCL ``10.0.0.2<33759>``.
 _PEER_ADDRESS = re.compile(r"(\[[0-9A-Za-z.:%-]+\]:\d+)|([0-9A-Za-z.:%-]+<\d+>)")
-
-
-def _destroy_process_group_at_exit() -> None:
-    """At interpreter exit, before the interpreter finalises, destroy the default process group if the script left
-    it: gloo's worker threads then end while Python still runs, rather than meeting a finalising interpreter (the
-    "terminate called without an active exception" abort of a plain script, pytorch issue 190489). Registered
-    once per process; teardown cannot do it (a later ``trainer.validate`` reuses the group)."""
-    if getattr(_destroy_process_group_at_exit, "registered", False):
-        return
-
-    def destroy() -> None:
-        if dist.is_available() and dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # exiting anyway: nothing to report to
-                pass
-
-    atexit.register(destroy)
-    _destroy_process_group_at_exit.registered = True  # type: ignore[attr-defined]
 
 
 def _store() -> Optional[Any]:

@@ -6,6 +6,9 @@
 cannot create its store there after starting the other ranks (which then connect to a port nobody serves).
 ``--pp``, ``--micro-batches``, ``--batch-size``: a pipeline layout and the per-rank batch; ``--hidden-batch-size``:
 the data comes as a loader whose batch sampler gives that size (nothing says it before the ranks start).
+``--busy-worker-at-exit``: after the fit, every rank leaves one of gloo's worker threads busy with a finished
+collective (a callback on its future, computing for about a second) as the script ends: what a loaded machine does
+to a worker that is descheduled before it has dropped its last work (`lightning_hybrid.clean_exit`).
 """
 
 import argparse
@@ -13,6 +16,8 @@ import os
 import socket
 
 import lightning as L
+import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from lightning_hybrid import HybridStrategy
@@ -42,6 +47,7 @@ if __name__ == "__main__":
     parser.add_argument("--micro-batches", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--hidden-batch-size", action="store_true")
+    parser.add_argument("--busy-worker-at-exit", action="store_true")
     args = parser.parse_args()
     if args.occupy_main_port and "LOCAL_RANK" not in os.environ:
         occupier = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -72,3 +78,13 @@ if __name__ == "__main__":
         print(f"world={trainer.world_size} dp={trainer.strategy.parallel_dims.dp}"
               f" tp={trainer.strategy.parallel_dims.tp}"
               f" val_loss={trainer.callback_metrics['val_loss'].item():.4f}")
+    if args.busy_worker_at_exit:
+        def busy(future):  # runs in the gloo worker that completed the all-reduce; each op releases the GIL
+            x = torch.randn(256, 256)
+            for _ in range(2000):
+                x = torch.tanh(x @ x)
+            return future.value()
+
+        done = dist.all_reduce(torch.ones(2**20), group=trainer.strategy.tp_group, async_op=True).get_future()
+        done.then(busy)  # added while the all-reduce still runs: its worker thread runs it
+        done.wait()  # returns once the value is there, before the worker runs the callbacks
