@@ -3,7 +3,8 @@
 It owns
 * the **accumulation window**: inside `accumulating` (Lightning's ``block_backward_sync``, the backward passes of
   a window but the last) nothing is reduced -- ZeRO 0-2's buckets, FSDP2's roots and the pipeline's stages all
-  hold their reduction;
+  hold their reduction; under manual optimization the buckets reduce once, at the step (`flush`), however many
+  ``manual_backward`` calls came before it;
 * the **pipeline's gradient stash**: under ``pp > 1`` the schedule runs the backward inside ``training_step``;
   without buckets the gradients are kept away from Lightning's ``zero_grad`` (which comes between
   ``training_step`` and ``backward``) and given back in `unstash`;
@@ -11,8 +12,12 @@ It owns
   it) are waited for (or, under PP, reduced); ZeRO-3's FSDP2 has reduced in backward;
 * the **TP partial-gradient sum**: replicated parameters whose per-rank gradient is a part (norms and row biases in
   sequence-split regions, per-head norms) are summed over TP once per step, after the DP reduction;
-* the **token weighting** (`add_loss_items`): where each batch's backward was that of its loss sum, the reduced
-  gradients are divided by the loss items of the whole window over DP (the global batch's token mean);
+* the **loss's reduction** (`lightning_hybrid.loss_semantics`): where each batch's backward was that of its loss sum
+  (`add_loss_items`: token weighting) the reduced gradients are divided by the loss items of the whole window over
+  DP (the global batch's token mean); for a loss that is a sum (``sum_loss``) the DP average is undone (the sum
+  over the ranks);
+* the **tied parameters** across pipeline stages (`lightning_hybrid.tied`): each copy's gradient summed over the
+  stages that hold one, counted once in norms;
 * the **gradient norm**: the global norm over TP and ZeRO shards and pipeline stages (clipping by it), and each
   parameter's whole-gradient norm.
 """
@@ -31,6 +36,7 @@ from lightning_hybrid.devices import local_tensor
 from lightning_hybrid.grad_norm import clip_grads_, global_grad_norm, parameter_grad_norms
 from lightning_hybrid.parallelize import Parallelized
 from lightning_hybrid.tensor_parallel.comm import sum_grads_over_tp_
+from lightning_hybrid.tied import sum_tied_grads
 from lightning_hybrid.zero import ZeroOptimizer
 
 T = TypeVar("T")
@@ -55,6 +61,9 @@ class GradientSync:
         self.optimizers: list[Optimizer] = []
         self.blocked = False
         self._items: Optional[Tensor] = None  # loss items of the window so far (token-weighted losses)
+        self.sum_loss = False  # the module's loss is a sum over items: the ranks' gradients are summed
+        self.manual = False  # manual optimization: every backward before a step adds up, reduced once (`flush`)
+        self._pending = False  # manual optimization: backward passes since the last reduction
         self._stash: list[tuple[torch.nn.Parameter, Optional[Tensor]]] = []
 
     @property
@@ -78,6 +87,8 @@ class GradientSync:
                 for opt in optimizers
             ]
         self.optimizers = list(optimizers)
+        for opt in self._zero():  # manual optimization: the buckets reduce at the step, not during backward
+            opt.gradients.sync = not self.manual
         return self.optimizers
 
     def _zero(self) -> list[ZeroOptimizer]:
@@ -141,17 +152,35 @@ class GradientSync:
     # ------------------------------------------------------------------ reductions
     def reduce(self) -> None:
         """After the last backward of a window (nothing inside `accumulating`): reduce the gradients over DP
-        (ZeRO-3: FSDP2 already did, in backward), then sum over TP those that are per-rank parts."""
+        (ZeRO-3: FSDP2 already did, in backward), then sum over TP those that are per-rank parts. Under manual
+        optimization (``manual``) only noted: the optimizer step, clipping or a norm reduce (`flush`), once, however
+        many backward passes came before."""
         if self.blocked:
             return
+        if self.manual:
+            self._pending = True
+            return
+        self._reduce()
+
+    def flush(self) -> None:
+        """Manual optimization: the reduction the backward passes since the last step left (`reduce`), now."""
+        if self._pending:
+            self._pending = False
+            self._reduce()
+
+    def _reduce(self) -> None:
+        if self.parallelized.tied:  # copies of one parameter on several stages: each gets the sum of their gradients
+            sum_tied_grads(self.parallelized.tied, self.module, self.pp_group, self.device)
         for opt in self._zero():
-            if self.parallelized.pipeline is not None:
-                opt.gradients.reduce()  # the schedule's backward passes ran without sync
+            if self.parallelized.pipeline is not None or self.manual:
+                opt.gradients.reduce()  # the backward passes ran without sync
             else:
                 opt.gradients.wait()  # started during the backward
-            opt.gradients.sync = True
+            opt.gradients.sync = not self.manual
         self._sum_partial_grads_over_tp()
         self._divide_by_loss_items()
+        if self.sum_loss and self.dp > 1:
+            self._scale_grads(float(self.dp))  # the DP reduction averaged: the sum over the ranks
 
     def add_loss_items(self, items: Tensor) -> None:
         """A batch of the window whose backward was that of its loss *sum* over ``items`` items (this rank's):
@@ -168,7 +197,10 @@ class GradientSync:
         self._items = None
         if self.dp > 1:
             torch.distributed.all_reduce(total, group=self.dp_group)
-        scale = self.dp / max(float(total), 1.0)
+        self._scale_grads(self.dp / max(float(total), 1.0))
+
+    def _scale_grads(self, scale: float) -> None:
+        """Every gradient an optimizer steps with (the ZeRO 1-2 slices, or the ``.grad``s), once, times ``scale``."""
         seen: set[int] = set()
         grads: list[Tensor] = []
         for opt in self.optimizers:
@@ -203,12 +235,23 @@ class GradientSync:
         sum_grads_over_tp_(grads, self.tp_group)
 
     # ------------------------------------------------------------------ norms
+    def _uncounted(self) -> set[int]:
+        """The copies of a tied parameter this rank holds that norms leave to another stage's copy."""
+        pp_rank = torch.distributed.get_rank(self.pp_group)
+        return {id(self.module.get_parameter(t.local)) for t in self.parallelized.tied
+                if t.local is not None and not t.counted_here(pp_rank)}
+
     def grad_norm(self, optimizer: Optimizer) -> Tensor:
         """The global L2 norm of the gradients of ``optimizer``'s parameters (equal to one device's)."""
-        if isinstance(optimizer, ZeroOptimizer) and optimizer.shards_state:
+        uncounted = self._uncounted()
+        if isinstance(optimizer, ZeroOptimizer) and optimizer.shards_state and uncounted:
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            grads = [(g, names[id(p)] in self.parallelized.tp_sharded, True) for p, g in optimizer.grad_pieces()
+                     if id(p) not in uncounted]
+        elif isinstance(optimizer, ZeroOptimizer) and optimizer.shards_state:
             grads = [(g, tp_shard, True) for g, tp_shard in optimizer.grad_shards()]
         else:
-            wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            wanted = {id(p) for group in optimizer.param_groups for p in group["params"]} - uncounted
             dp_shard = bool(self.parallelized.fsdp_roots)
             grads = [
                 (p.grad, name in self.parallelized.tp_sharded, dp_shard, name in self.parallelized.expert_params)
@@ -242,10 +285,18 @@ class GradientSync:
             if name not in sliced and p.grad is not None:
                 pieces[name].append(p.grad)
         dp_sharded = sliced | {n for n, p in named if hasattr(p, "_local_tensor")}
-        return parameter_grad_norms(
+        norms = parameter_grad_norms(
             pieces, self.parallelized.tp_sharded, dp_sharded, self.tp_group, self.dp_group, self.device,
             self.parallelized.expert_params, self.ep_group,
         )
+        # A tied parameter's copies on several stages: one device names it once, by its first name.
+        uncounted = self._uncounted()
+        for tie in self.parallelized.tied:
+            if tie.local is not None and tie.local in norms:
+                norm = norms.pop(tie.local)
+                if id(self.module.get_parameter(tie.local)) not in uncounted:
+                    norms[tie.name] = norm
+        return norms
 
 
 def _take_grads(params: list[torch.nn.Parameter]) -> list[Optional[Tensor]]:

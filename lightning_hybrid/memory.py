@@ -35,13 +35,18 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+from lightning_hybrid.zero import ShardedGradient
+
 __all__ = ["KINDS", "LiveTensorTracker", "PeakMemory", "PeakMemoryMonitor", "rank_state"]
 
 KINDS = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporary", "optimizer_step", "other")
 
 
 def _storages(t: Tensor) -> list[torch.UntypedStorage]:
-    """The storages behind ``t`` (a wrapper subclass such as DTensor: those of its inner tensors)."""
+    """The storages behind ``t`` (a wrapper subclass such as DTensor: those of its inner tensors; ZeRO 1-2's
+    placeholder gradient, `lightning_hybrid.zero.ShardedGradient`: none)."""
+    if isinstance(t, ShardedGradient):
+        return []
     if is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()
         return [s for name in names if isinstance(inner := getattr(t, name), Tensor) for s in _storages(inner)]

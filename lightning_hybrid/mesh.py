@@ -90,6 +90,13 @@ class ParallelDims:
         """The mesh's ``(pp, dp, tp)``: its ``"dp"`` dimension holds the ``dp * cp`` ranks of the gradients."""
         return (self.pp, self.dp * self.cp, self.tp)
 
+    def coordinates(self, rank: int) -> tuple[int, int, int, int]:
+        """Global ``rank``'s place ``(pp, dp, cp, tp)`` in the mesh (TP innermost, CP inside the mesh's ``"dp"``)."""
+        pp, rest = divmod(rank, self.dp * self.cp * self.tp)
+        gradient_rank, tp = divmod(rest, self.tp)
+        dp, cp = divmod(gradient_rank, self.cp)
+        return pp, dp, cp, tp
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """Create the ``(pp, dp * cp, tp)`` mesh over the default process group (which must be initialised)."""
         if not dist.is_initialized():

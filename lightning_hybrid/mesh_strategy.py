@@ -109,6 +109,12 @@ class MeshStrategy(ParallelStrategy):
         return self.device_mesh["dp"].get_local_rank() // self.parallel_dims.cp
 
     @property
+    def dp_size(self) -> int:
+        """How many ranks see other samples: the data-parallel size (``dp``; not ``dp * cp``, the gradient ranks).
+        A loader that splits its data itself splits it by `dp_rank` and `dp_size` (docs/data.md)."""
+        return self.parallel_dims.dp
+
+    @property
     def is_distributed(self) -> bool:
         return True
 
@@ -124,7 +130,7 @@ class MeshStrategy(ParallelStrategy):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Only DP ranks see different samples; a TP group, a pipeline and a CP group share them.
-        return {"num_replicas": self.parallel_dims.dp, "rank": self.dp_rank}
+        return {"num_replicas": self.dp_size, "rank": self.dp_rank}
 
     @property
     def process_group_backend(self) -> Optional[str]:

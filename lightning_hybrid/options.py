@@ -17,6 +17,7 @@ from lightning_hybrid.compile import Compile, compile_options
 from lightning_hybrid.mesh import ParallelDims, validate_zero_stage
 from lightning_hybrid.pipeline import resolve_schedule
 from lightning_hybrid.pipeline.executor import ScheduleSpec
+from lightning_hybrid.randomness import RANDOMNESS
 from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB
 
 PIPELINE_ARGUMENTS = ("schedule", "micro_batches", "virtual_stages", "split_points")
@@ -48,6 +49,8 @@ class ParallelOptions:
     compile: Optional[Mapping[str, Any]] = None  # torch.compile's arguments; None: no compilation
     ep: int = 1  # expert parallelism: ranks (of the DP ones) that split each experts module
     cp: int = 1  # context parallelism: ranks that split each sequence
+    batch_check_interval: int = 100  # after the first batches, every n-th batch is compared within its peers
+    randomness: str = "exact"  # random ops: one device's draws or refused; "independent": per-rank streams
 
     @classmethod
     def create(
@@ -69,6 +72,8 @@ class ParallelOptions:
         compile: Compile = False,
         ep: int = 1,
         cp: int = 1,
+        batch_check_interval: int = 100,
+        randomness: str = "exact",
     ) -> "ParallelOptions":
         """Validate the `HybridStrategy` arguments of the same names. ``ValueError`` naming the bad value and
         what would be valid; an argument that nothing would use with these sizes is refused (`refuse_unused`)."""
@@ -85,8 +90,20 @@ class ParallelOptions:
             raise ValueError(f"tp_plan={tp_plan!r} is invalid: use 'auto' or a dict of glob pattern -> style.")
         if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} is invalid: it must be a positive number of MiB.")
+        interval = batch_check_interval
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise ValueError(f"batch_check_interval={interval!r} is invalid: it must be a positive integer (after the"
+                             " first batches, every n-th batch is compared between the ranks that share it).")
+        if randomness not in RANDOMNESS:
+            raise ValueError(f"randomness={randomness!r} is invalid: use 'exact' (random ops draw what one device"
+                             " draws, or the run is refused) or 'independent' (every rank's own streams: statistically,"
+                             " not bitwise, one device's run).")
         selection = recompute_selection(recompute)
         arguments = compile_options(compile)
+        if randomness == "independent" and tp > 1 and not sequence_parallel and arguments is not None:
+            raise ValueError("randomness='independent' with tp > 1 and compile: each TP rank's stream is switched in"
+                             " hooks at the TP layers, which torch.compile does not trace; use sequence_parallel=True"
+                             " (every TP rank then has its own streams throughout), or compile=False.")
         if cp > 1 and arguments is not None:
             raise ValueError(f"cp={cp} with compile={compile!r}: context parallelism catches each layer's attention"
                              " at run time, which torch.compile does not trace; use compile=False with cp > 1.")
@@ -100,7 +117,7 @@ class ParallelOptions:
             # anything but full recomputation checkpoints every layer unless told which
             activation_checkpointing=activation_checkpointing or selection is not None,
             recompute=selection, compile=MappingProxyType(arguments) if arguments is not None else None, ep=ep,
-            cp=cp,
+            cp=cp, batch_check_interval=batch_check_interval, randomness=randomness,
         )
 
     @property

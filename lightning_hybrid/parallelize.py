@@ -18,7 +18,7 @@ then each rank materialises only its own layers -- under TP only its slices of t
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -49,6 +49,7 @@ from lightning_hybrid.pipeline.stages import (
 from lightning_hybrid.tensor_parallel import TPPlan, TPResult, apply_tp, resolve_tp_plan, tp_sharded_parameter_names
 from lightning_hybrid.tensor_parallel.examples import first_layer_example, model_example, synthetic_call
 from lightning_hybrid.tensor_parallel.layerwise import Representatives, materialise_split_layers
+from lightning_hybrid.tied import TiedAcrossStages, broadcast_tied, shared_parameters, ties_across_stages
 from lightning_hybrid.zero import apply_fsdp, apply_fsdp_experts, apply_fsdp_units
 
 __all__ = ["Parallelized", "parallelize"]
@@ -65,7 +66,8 @@ class Parallelized:
     other ranks hold. ``tp_report``: what TP split and how. ``expert_params``: names of the parameters that are
     this rank's experts (`lightning_hybrid.expert_parallel`), split over ``expert_mesh["ep"]`` and reduced over
     ``expert_mesh["edp"]``. ``context``: the attention over the CP group under ``cp > 1``
-    (`lightning_hybrid.context_parallel`).
+    (`lightning_hybrid.context_parallel`). ``tied``: parameters shared by modules on different pipeline stages, of
+    which this rank may hold a copy (`lightning_hybrid.tied`).
     """
 
     module: nn.Module
@@ -79,6 +81,7 @@ class Parallelized:
     expert_params: frozenset[str] = frozenset()
     expert_mesh: Optional[DeviceMesh] = None
     context: Optional[ContextParallel] = None
+    tied: tuple[TiedAcrossStages, ...] = ()
 
 
 def parallelize(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, device: torch.device) -> Parallelized:
@@ -87,6 +90,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, d
     the mesh; an error on any rank is raised on every rank before the next collective."""
     pp, dp, tp = (mesh[name].size() for name in ("pp", "dp", "tp"))
     per_rank = builds_per_rank(module)
+    shared = shared_parameters(module)  # before any dimension replaces a module that holds one
     # Split on the meta device, then materialise (or read) each rank's slices: TP's, and its experts.
     layerwise = (tp > 1 or options.ep > 1) and per_rank
     layer_names = pipeline_layer_names(module) if pp > 1 or layerwise else ()
@@ -97,6 +101,9 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, d
     first_input = None
     if pp > 1 or layerwise:  # known on every rank before the cut (the layers are still there, perhaps on meta)
         first_input = first_layer_example(module, module.pipeline_layers()[0], device, options.example_multiple)
+    ties = []
+    if pp > 1 and shared:  # read on the whole model, before the cut
+        ties = tie_across_stages(module, shared, layer_names, mesh, options)
     layout = cut_pipeline(module, mesh, options, device, keep_unbuilt=layerwise) if pp > 1 else None
     unbuilt = unsplit_copies(module, layout) if layerwise else {}  # on meta: what random init fills, layer by layer
     report = None
@@ -120,14 +127,17 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, d
     if options.compile is not None:
         apply_compile(module, _held_here(checkpoint_targets(module, True, pp > 1), remote), dict(options.compile))
     stages = local_stages(module, layout) if layout is not None else None
+    if ties:  # every holder's copy from the first holder's, before ZeRO-3 shards them
+        broadcast_tied(ties, module, mesh["pp"].get_group(), device)
     fsdp_roots = []
     if options.zero_stage == 3 and dp > 1:
-        fsdp_roots = apply_zero3(module, stages, mesh["dp"], expert_mesh, parts=options.compile is None)
+        fsdp_roots = apply_zero3(module, stages, mesh["dp"], expert_mesh, parts=options.compile is None,
+                                 shared=shared)
     pipeline = build_pipeline(module, stages, layout, mesh, options, device) if layout is not None else None
     return Parallelized(
         module, mesh, tp_sharded,
         tuple(sorted(report.partial_grads)) if report is not None else (), fsdp_roots, pipeline, remote, report,
-        experts, expert_mesh, context,
+        experts, expert_mesh, context, tuple(ties),
     )
 
 
@@ -138,6 +148,20 @@ def plan_tp(module: nn.Module, tp: int, options: ParallelOptions, layer_names: t
         return None
     plan = dict(options.tp_plan) if options.tp_plan != "auto" else "auto"
     return resolve_tp_plan(module, tp, plan, pipeline_layers=layer_names)
+
+
+def tie_across_stages(
+    module: nn.Module, shared: list[tuple[str, ...]], layer_names: tuple[str, ...], mesh: DeviceMesh,
+    options: ParallelOptions,
+) -> list[TiedAcrossStages]:
+    """The groups of one shared Parameter whose modules the pipeline cut puts on different PP ranks
+    (`lightning_hybrid.tied`), from the stages `cut_pipeline` will make (planned here alike on every rank)."""
+    assert options.schedule_spec is not None
+    pp_mesh = mesh["pp"]
+    plan = plan_stages(module, pp_mesh.size(), pp_mesh.get_local_rank(), options.stages_per_rank,
+                       options.schedule_spec.style, list(options.split_points) if options.split_points else None)
+    owner_of_layer = [plan.owners[s] for i in range(len(layer_names)) for s, r in enumerate(plan.ranges) if i in r]
+    return ties_across_stages(module, shared, layer_names, owner_of_layer, pp_mesh.get_local_rank())
 
 
 def cut_pipeline(
@@ -245,16 +269,24 @@ def local_stages(module: nn.Module, layout: StageLayout) -> dict[int, nn.Module]
 
 def apply_zero3(
     module: nn.Module, stages: Optional[dict[int, nn.Module]], dp_mesh: DeviceMesh,
-    expert_mesh: Optional[DeviceMesh] = None, parts: bool = True,
+    expert_mesh: Optional[DeviceMesh] = None, parts: bool = True, shared: Sequence[tuple[str, ...]] = (),
 ) -> list[nn.Module]:
     """ZeRO-3 over DP with FSDP2; returns the FSDP roots. Expert-parallel experts first, each over its own DP
     group (``expert_mesh["edp"]``). Under PP each stage is a root (the pipeline stage drives its gradient sync)
-    and each of its layers a unit; else `apply_fsdp` picks the units of the whole module."""
+    and each of its layers a unit; else `apply_fsdp` picks the units of the whole module. A parameter that several
+    modules share (``shared``, `lightning_hybrid.tied`) stays in one unit."""
     if expert_mesh is not None:
         apply_fsdp_experts(list(iter_expert_modules(module)), expert_mesh["edp"], dp_mesh.size())
+    tied = {id(p) for names in shared for p in [_parameter_or_none(module, names)] if p is not None}
     if stages is None:
-        return apply_fsdp(module, dp_mesh, parts)
-    return [apply_fsdp_units(list(stage), stage, dp_mesh, parts) for stage in stages.values()]
+        return apply_fsdp(module, dp_mesh, parts, tied)
+    return [apply_fsdp_units(list(stage), stage, dp_mesh, parts, tied) for stage in stages.values()]
+
+
+def _parameter_or_none(module: nn.Module, names: tuple[str, ...]) -> Optional[nn.Parameter]:
+    """The shared Parameter of ``names`` as this rank holds it (any of its names), or ``None`` (another stage's)."""
+    held = dict(module.named_parameters(remove_duplicate=False))
+    return next((held[n] for n in names if n in held), None)
 
 
 def split_context(

@@ -12,8 +12,9 @@ Lightning's ``ThroughputMonitor`` inspect with ``isinstance`` -- as an instance 
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Callable, Union
+from typing import Any, Callable, ContextManager, Union
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
@@ -40,13 +41,26 @@ class GlobalNormClipping:
     """Mixin for a Lightning precision plugin: ``gradient_clip_val`` clips by the global gradient norm.
 
     ``clip_by_global_norm(optimizer, max_norm)`` computes the norm over every rank's gradients (collective over
-    the TP, DP and PP groups) and scales the local gradients by ``min(1, max_norm / norm)``.
+    the TP, DP and PP groups) and scales the local gradients by ``min(1, max_norm / norm)``. ``prepare_gradients()``
+    runs before any clipping (manual optimization's deferred reduction); ``watch_gradients()`` is the context in
+    which the hooks between the backward and the optimizer step run
+    (`lightning_hybrid.gradient_guard.LocalGradientNorms`).
     """
 
     clip_by_global_norm: Callable[[Optimizer, float], None]
+    prepare_gradients: Callable[[], None]
+    watch_gradients: Callable[[], ContextManager[Any]]
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         self.clip_by_global_norm(optimizer, float(clip_val))
+
+    def clip_gradients(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> None:
+        self.prepare_gradients()
+        super().clip_gradients(optimizer, *args, **kwargs)  # type: ignore[misc]
+
+    def _after_closure(self, model: Any, optimizer: Any) -> None:
+        with self.watch_gradients():
+            super()._after_closure(model, optimizer)  # type: ignore[misc]
 
 
 @functools.cache
@@ -56,11 +70,16 @@ def _with_global_norm(cls: type[Precision]) -> type[Precision]:
     return type(cls.__name__, (GlobalNormClipping, cls), {"__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
 
 
-def with_global_norm_clipping(plugin: Precision, clip_by_global_norm: Callable[[Optimizer, float], None]) -> Precision:
+def with_global_norm_clipping(
+    plugin: Precision, clip_by_global_norm: Callable[[Optimizer, float], None],
+    prepare_gradients: Callable[[], None] = lambda: None,
+    watch_gradients: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+) -> Precision:
     """``plugin`` (its state, its class's behaviour) with ``clip_grad_by_norm`` delegating to
-    ``clip_by_global_norm``. A new object: the Trainer's plugin itself is left as it is."""
+    ``clip_by_global_norm`` (`GlobalNormClipping`). A new object: the Trainer's plugin itself is left as it is."""
     cls = type(plugin) if isinstance(plugin, GlobalNormClipping) else _with_global_norm(type(plugin))
     adapted = object.__new__(cls)
     adapted.__dict__.update(vars(plugin))
     adapted.clip_by_global_norm = clip_by_global_norm
+    adapted.prepare_gradients, adapted.watch_gradients = prepare_gradients, watch_gradients
     return adapted

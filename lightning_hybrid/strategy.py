@@ -14,13 +14,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, ContextManager, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -28,21 +29,25 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_hybrid.activation_checkpointing import Recompute
+from lightning_hybrid.batch_check import BatchCheck
 from lightning_hybrid.checkpoint import full_state_dict, load_sharded, save_sharded
 from lightning_hybrid.checkpoint import remove as remove_checkpoint_path
 from lightning_hybrid.compile import Compile
 from lightning_hybrid.context_parallel import ContextParallel, split_batch
 from lightning_hybrid.grad_sync import GradientSync
+from lightning_hybrid.gradient_guard import WATCHED_STEPS, LocalGradientNorms
+from lightning_hybrid.loss_semantics import check_decomposition, declared_reduction, ignored_tokens, undeclared_error
 from lightning_hybrid.mesh_strategy import MeshStrategy
 from lightning_hybrid.options import ParallelOptions
 from lightning_hybrid.parallelize import Parallelized, parallelize
 from lightning_hybrid.pipeline.protocol import LayerwiseInit
 from lightning_hybrid.pipeline.stages import bind_evaluation, bind_loss_items, bind_training
 from lightning_hybrid.precision import with_global_norm_clipping
+from lightning_hybrid.randomness import RandomOpsProbe, SplitSpans, rank_seed, seed_streams
 from lightning_hybrid.rank_zero import BatchError, raise_from_rank_zero
 from lightning_hybrid.tensor_parallel import TPResult
 from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB
@@ -83,6 +88,15 @@ class HybridStrategy(MeshStrategy):
         cp: context parallelism: every sequence split over ``cp`` ranks (the zigzag split), attention over the
             whole sequence by all-gathering keys and values (`lightning_hybrid.context_parallel`); token batches
             whose length is a multiple of ``2 * cp``; ``dp=-1`` infers ``world_size // (tp * pp * cp)``.
+        randomness: random ops in training (dropout, router noise): ``"exact"`` draws what one device draws where
+            a rank holds what one device holds and refuses any other before the first optimizer step;
+            ``"independent"`` gives every rank its own streams (data-parallel, CP and pipeline ranks apart, TP ranks
+            apart where their activations are split): statistically, not bitwise, one device's run
+            (`lightning_hybrid.randomness`).
+        batch_check_interval: the ranks that must train on the same batch (a data-parallel rank's TP, PP and CP
+            peers) compare a fingerprint of it on the first batches of every run and then every
+            ``batch_check_interval``-th (`lightning_hybrid.batch_check`): a loader that splits by the world's rank
+            instead of `dp_rank` is an error, not another model.
         process_group_backend: overrides the backend chosen from the accelerator (gloo on CPU, nccl on CUDA).
         timeout: process group timeout.
     """
@@ -108,6 +122,8 @@ class HybridStrategy(MeshStrategy):
         compile: Compile = False,
         ep: int = 1,
         cp: int = 1,
+        batch_check_interval: int = 100,
+        randomness: str = "exact",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
@@ -126,12 +142,20 @@ class HybridStrategy(MeshStrategy):
             sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, micro_batches=micro_batches,
             schedule=schedule, virtual_stages=virtual_stages, split_points=split_points,
             activation_checkpointing=activation_checkpointing, recompute=recompute, compile=compile, ep=ep, cp=cp,
+            batch_check_interval=batch_check_interval, randomness=randomness,
         )
         _refuse_checkpoint_io(checkpoint_io)
         self._parallelized: Optional[Parallelized] = None
         self._sync: Optional[GradientSync] = None
+        self._batch_check: Optional[BatchCheck] = None
         self.last_grad_norm: Optional[Tensor] = None
         self._batch_items: Optional[Tensor] = None  # the loss items of the step whose backward comes next
+        self._reduction: Optional[str] = None  # how the module's loss reduces (`declared_reduction`), from setup
+        self._loss_verified = False  # the first training step checked the module's loss_fn against it
+        self._optimizer_steps = 0  # of this process: the first ones' hooks are watched (`_watch_gradients`)
+        self._grad_watch: Optional[LocalGradientNorms] = None
+        self._spans: Optional[SplitSpans] = None  # the TP split spans (tp > 1), for random ops
+        self._random_checked = False  # the first training step looked for random ops
         self._sigterm = False  # this rank received SIGTERM (`_on_sigterm`)
         self._stopping = False  # every rank agreed to stop after this step (`_agree_on_sigterm`)
 
@@ -164,7 +188,8 @@ class HybridStrategy(MeshStrategy):
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
         # Lightning hands the plugin it chose for `Trainer(precision=...)` to this setter. Its stock
         # `clip_grad_by_norm` would clip by this rank's local norm; ours clips by the global one.
-        self._precision_plugin = None if plugin is None else with_global_norm_clipping(plugin, self.clip_grad_by_norm)
+        self._precision_plugin = None if plugin is None else with_global_norm_clipping(
+            plugin, self.clip_grad_by_norm, self._prepare_gradients, self._watch_gradients)
 
     @ParallelStrategy.checkpoint_io.setter
     def checkpoint_io(self, io: Optional[Any]) -> None:
@@ -191,13 +216,17 @@ class HybridStrategy(MeshStrategy):
         return self._parallelized.context if self._parallelized is not None else None
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
-        """The batch on the device; under ``cp > 1`` this CP rank's share of its sequences
-        (`lightning_hybrid.context_parallel.split_batch`), as a `TokenBatch` with the tokens' positions."""
+        """The batch on the device, compared with the peers' where due (`BatchCheck`); under ``cp > 1`` this CP
+        rank's share of its sequences (`lightning_hybrid.context_parallel.split_batch`), as a `TokenBatch` with the
+        tokens' positions."""
         batch = super().batch_to_device(batch, device, dataloader_idx)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self._batch_check is not None:
+            stage = trainer.state.stage.value if trainer is not None and trainer.state.stage is not None else "a"
+            self._batch_check.check(batch, f"{stage} batch {self._batch_check.seen}")
         context = self._context
         if context is None:
             return batch
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.predicting:
             raise_from_rank_zero(BatchError(
                 f"predict under cp={context.size} is not supported: each rank would return its share of the"
@@ -233,21 +262,32 @@ class HybridStrategy(MeshStrategy):
         module = self.lightning_module
         if self._parallelized is None or self._parallelized.module is not module:  # a second fit reuses it
             self._parallelized = parallelize(module, self.device_mesh, self.options, self.root_device)
+        dims = self.parallel_dims
+        if dims.tp * dims.pp * dims.cp > 1:  # ranks that share a batch: checked from the first one of this run
+            coordinates = [dims.coordinates(rank) for rank in range(self.world_size)]
+            self._batch_check = BatchCheck(self.dp_rank, coordinates, self.root_device,
+                                           self.options.batch_check_interval)
         if trainer.state.fn == "fit":  # launched by torchrun or SLURM: checked here, before any step, alike on all
             self._check_batch_size(_batch_size_of(trainer.datamodule))  # (the model's own errors first)
         self.model_to_device()
+        self._reduction = declared_reduction(module)
+        self._loss_verified = False
         pipeline = self._parallelized.pipeline
         if pipeline is not None:  # the schedule runs the backward: it applies accumulation's 1/k itself
             pipeline.loss_scale = 1.0 / trainer.accumulate_grad_batches
             pipeline.loss_items = self._loss_items()
+            pipeline.loss_sum = self._reduction == "sum"
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
         if self._sync is None or self._sync.parallelized is not self._parallelized:
             self._sync = GradientSync(self._parallelized, self.zero_stage, self.options.bucket_cap_mb, self.root_device)
+        self._sync.sum_loss = self._reduction == "sum" and module.automatic_optimization
+        self._sync.manual = not module.automatic_optimization
         if trainer.state.fn == "fit":  # the optimizers, wrapped by the gradient sync (ZeRO 0-2 over DP)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         self._sync_metrics_over_dp()
+        self._prepare_randomness(module)
         if pipeline is not None:  # `self(x)` outside training steps: the pipeline's forward-only path
             self._run_scope.enter_context(bind_evaluation(module, pipeline))
 
@@ -264,6 +304,74 @@ class HybridStrategy(MeshStrategy):
         super().on_train_start()
         self._sigterm = self._stopping = False
         self._catch_sigterm()  # after Lightning's (it registers its handlers once the strategy is set up)
+        if self.options.randomness == "independent":  # after Lightning has seeded: this rank's own streams
+            pp, dp, cp, tp = self.parallel_dims.coordinates(self.global_rank)
+            tp_rank = tp if self.options.sequence_parallel else None  # TP ranks share theirs outside split spans
+            seed_streams(rank_seed(torch.initial_seed(), dp, cp, pp, tp_rank), self.root_device)
+
+    # ------------------------------------------------------------------ random ops
+    def _prepare_randomness(self, module: "pl.LightningModule") -> None:
+        """The TP split spans: switching each TP rank's stream under ``randomness="independent"`` (without sequence
+        parallelism: with it every TP rank's streams are its own throughout), else found only for the first step's
+        check (`lightning_hybrid.randomness`)."""
+        if self._spans is not None:
+            self._spans.detach()
+            self._spans = None
+        self._random_checked = False
+        if self.parallel_dims.tp == 1:
+            return
+        tp_rank = self.parallel_dims.coordinates(self.global_rank)[3]
+        switch = self.options.randomness == "independent" and not self.options.sequence_parallel
+        self._spans = SplitSpans(tp_rank, self.root_device, switch)
+        if switch:
+            self._spans.attach(module)
+
+    @contextmanager
+    def _checking_random_ops(self) -> Generator[None, None, None]:
+        """Around the first training step under ``randomness="exact"``: the random ops it runs (`RandomOpsProbe`),
+        then on every rank a ``ValueError`` naming those that cannot draw one device's values under this layout.
+        Under ``compile`` (whose graphs a probe would change) the dropout modules are read instead."""
+        module = self.lightning_module
+        if self._random_checked or self.options.randomness != "exact" or module is None:
+            yield
+            return
+        self._random_checked = True
+        dims, sp = self.parallel_dims, self.options.sequence_parallel
+        # Where a rank holds what one device holds: every rank draws one device's values (outside TP split spans).
+        whole = dims.dp * dims.cp == 1 and dims.pp == 1 and not sp
+        if self.options.compile is not None:
+            yield
+            found = [("dropout", name, True) for name, sub in module.named_modules()
+                     if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0]
+        else:
+            spans = self._spans
+            if spans is not None:
+                spans.attach(module)
+            probe = RandomOpsProbe(spans).watch(module)
+            try:
+                with probe:
+                    yield
+            finally:
+                probe.close()
+                if spans is not None:
+                    spans.detach()
+            found = probe.found
+        refused = [f"{op} in {where}" + (" (inside a TP split span)" if inside else "")
+                   for op, where, inside in found if not whole or inside]
+        gathered: list[list[str]] = [[] for _ in range(self.world_size)]
+        torch.distributed.all_gather_object(gathered, refused)
+        refused = list(dict.fromkeys(r for per_rank in gathered for r in per_rank))
+        if refused:
+            layout = ", ".join(f"{n}={v}" for n, v in (("dp", dims.dp), ("cp", dims.cp), ("pp", dims.pp),
+                                                       ("tp", dims.tp)) if v > 1) + (" with SP" if sp else "")
+            raise ValueError(
+                f"{type(module).__name__} runs random ops in training that cannot draw what one device draws under"
+                f" {layout}: {refused[:6]}{' ...' if len(refused) > 6 else ''}. Every rank would draw the same values"
+                " for other data (other samples, other tokens, other heads, other micro-batches): correlated noise,"
+                " and another model than one device. Train with HybridStrategy(randomness='independent') (every rank"
+                " its own streams: statistically, not bitwise, one device's run), or without them (dropout p=0,"
+                " deterministic routing)."
+            )
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self._sigterm = True
@@ -281,7 +389,9 @@ class HybridStrategy(MeshStrategy):
             trainer._signal_connector.received_sigterm = True  # what Lightning's handler would set
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        self._prepare_gradients()  # manual optimization: the backward passes since the last step, reduced once
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._optimizer_steps += 1
         if torch.distributed.is_initialized():
             self._agree_on_sigterm()
         return output
@@ -319,6 +429,32 @@ class HybridStrategy(MeshStrategy):
             with super().tensor_init_context(empty_init):
                 yield
 
+    # ------------------------------------------------------------------ gradients users touch
+    def _prepare_gradients(self) -> None:
+        if self._sync is not None:
+            self._sync.flush()
+
+    @contextmanager
+    def _watch_gradients(self) -> Generator[None, None, None]:
+        """The hooks between a backward and its optimizer step (the precision plugin's ``_after_closure``) run
+        under `LocalGradientNorms` during the first optimizer steps, where a rank holds pieces of the gradients
+        (TP shards, pipeline stages, experts): a norm the user computes from them alone is refused."""
+        dims, module = self.parallel_dims, self.lightning_module
+        pieces = [f"{n}={v}" for n, v in (("tp", dims.tp), ("pp", dims.pp), ("ep", self.options.ep)) if v > 1]
+        if not pieces or self._optimizer_steps >= WATCHED_STEPS or module is None:
+            yield
+            return
+        self._grad_watch = LocalGradientNorms(module.parameters(), " x ".join(pieces))
+        try:
+            with self._grad_watch:
+                yield
+        finally:
+            self._grad_watch = None
+
+    def _own_norms(self) -> ContextManager[Any]:
+        """The strategy's own norms of the gradients: not the user's (`_watch_gradients`)."""
+        return self._grad_watch.suspended() if self._grad_watch is not None else contextlib.nullcontext()
+
     # ------------------------------------------------------------------ steps and gradients
     def _loss_items(self) -> Optional[Any]:
         """The module's ``loss_items`` where the loss is token-weighted (automatic optimization), else ``None``."""
@@ -332,18 +468,24 @@ class HybridStrategy(MeshStrategy):
         assert module is not None and self._sync is not None
         self.mark_progress(module.trainer.fit_loop.total_batch_idx)
         self._batch_items = None
+        self._refuse_an_undeclared_loss(args[0] if args else kwargs.get("batch"))
+        verify = self._loss_verifier()
+        self._loss_verified = True  # a loss computed without loss_fn in the first step is not either later
         if pipeline is None:
             loss_items = self._loss_items()
-            if loss_items is None:
-                output = super().training_step(*args, **kwargs)
+            if loss_items is None and verify is None:
+                with self._checking_random_ops():
+                    output = super().training_step(*args, **kwargs)
                 self._check_attention_reached()
                 return output
-            with bind_loss_items(module, loss_items) as counted:
+            with self._checking_random_ops(), bind_loss_items(module, loss_items, verify) as counted:
                 output = super().training_step(*args, **kwargs)
             self._check_attention_reached()
-            self._batch_items = counted.items(output)
+            if loss_items is not None:
+                self._batch_items = counted.items(output)
             return output
         first_in_window = module.trainer.fit_loop.epoch_loop.batch_idx % module.trainer.accumulate_grad_batches == 0
+        pipeline.verify_loss = verify
 
         def step() -> Any:
             with bind_training(module, pipeline) as binding:
@@ -351,20 +493,60 @@ class HybridStrategy(MeshStrategy):
             binding.check_output(output)
             return output
 
-        output = self._sync.pipeline_step(step, first_in_window)
+        with self._checking_random_ops():
+            output = self._sync.pipeline_step(step, first_in_window)
         self._check_attention_reached()
         if pipeline.loss_items is not None and output is not None:
             self._sync.add_loss_items(pipeline.last_items)
         return output
 
+    def _refuse_an_undeclared_loss(self, batch: Any) -> None:
+        """Under a layout that splits batches (over DP or CP ranks, or into micro-batches), a module that does not
+        say how its loss reduces trains with the mean of per-part means, which one device's loss is only where
+        every part has as many loss items: a batch with ignored labels or padding is refused on every rank (one
+        all-reduce of a flag per step; `lightning_hybrid.loss_semantics`)."""
+        dims = self.parallel_dims
+        if self._reduction is not None or dims.dp * dims.cp * dims.pp == 1:
+            return
+        if not self.lightning_module.automatic_optimization:  # the user's own backward: their own semantics
+            return
+        flag = torch.tensor([int(ignored_tokens(batch))], device=self.root_device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if int(flag):
+            layout = ", ".join(f"{name}={size}" for name, size in (("dp", dims.dp), ("cp", dims.cp), ("pp", dims.pp))
+                               if size > 1)
+            raise_from_rank_zero(BatchError(undeclared_error(self.lightning_module, layout)))
+
+    def _loss_verifier(self) -> Optional[Callable[[Callable, Any, Tensor], Optional[str]]]:
+        """For the first training step, where the module has a ``loss_fn``: what checks its first call against the
+        declared reduction (`lightning_hybrid.loss_semantics.check_decomposition`); else ``None``."""
+        module = self.lightning_module
+        if self._loss_verified or not callable(getattr(module, "loss_fn", None)) or self._reduction == "mean":
+            return None
+        items, reduction, name = self._loss_items(), self._reduction, type(module).__name__
+        pipelined = self._parallelized is not None and self._parallelized.pipeline is not None
+
+        def verify(loss_fn: Callable, output: Any, target: Tensor) -> Optional[str]:
+            message = check_decomposition(loss_fn, items, reduction, output, target, name)
+            if pipelined:  # only the last stage calls it: the executor gathers the verdicts after the schedule
+                return message
+            verdicts: list[Optional[str]] = [None] * self.world_size  # every rank's loss_fn: every rank's verdict
+            torch.distributed.all_gather_object(verdicts, message)
+            return next((m for m in verdicts if m is not None), None)
+
+        return verify
+
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         assert self._sync is not None
         if self._parallelized is None or self._parallelized.pipeline is None:
             items, self._batch_items = self._batch_items, None
+            k = self.lightning_module.trainer.accumulate_grad_batches
             if items is not None:  # the gradient of the batch's loss sum (Lightning divided the mean by k)
                 self._sync.add_loss_items(items)
-                k = self.lightning_module.trainer.accumulate_grad_batches
                 super().backward(closure_loss * (items.to(closure_loss) * k), optimizer, *args, **kwargs)
+                return closure_loss
+            if self._sync.sum_loss and k > 1:  # a sum over the window: Lightning's division by k undone
+                super().backward(closure_loss * k, optimizer, *args, **kwargs)
                 return closure_loss
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         self._sync.unstash()  # the schedule already ran the backward inside training_step
@@ -388,18 +570,24 @@ class HybridStrategy(MeshStrategy):
     def grad_norm(self, optimizer: Optimizer) -> Tensor:
         """The global L2 norm of the gradients of ``optimizer``'s parameters (equal to one device's)."""
         assert self._sync is not None
-        return self._sync.grad_norm(optimizer)
+        self._sync.flush()
+        with self._own_norms():
+            return self._sync.grad_norm(optimizer)
 
     def parameter_grad_norms(self) -> dict[str, Tensor]:
         """Each parameter's whole-gradient L2 norm by name (`GradientSync.parameter_grad_norms`; collective)."""
         assert self._sync is not None
-        return self._sync.parameter_grad_norms()
+        self._sync.flush()
+        with self._own_norms():
+            return self._sync.parameter_grad_norms()
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         """Clip by the global norm across TP and ZeRO shards and pipeline stages; the norm is kept in
         ``last_grad_norm``. The precision plugin's ``clip_grad_by_norm`` (``gradient_clip_val``) calls it."""
         assert self._sync is not None
-        self.last_grad_norm = self._sync.clip(getattr(optimizer, "_optimizer", optimizer), float(clip_val))
+        self._sync.flush()
+        with self._own_norms():
+            self.last_grad_norm = self._sync.clip(getattr(optimizer, "_optimizer", optimizer), float(clip_val))
 
     # ------------------------------------------------------------------ checkpoints
     # Sharded, reshardable, crash-safe folders (lightning_hybrid.checkpoint): weights and optimizer state are

@@ -186,6 +186,43 @@ class _Bucket:
         dist.all_gather_single(self.flat, self.shard.detach().clone(), group=self.group)
 
 
+class ShardedGradient(Tensor):
+    """What ``p.grad`` of a parameter is under ZeRO 1-2 from the gradient reduction to the optimizer step: the
+    reduced gradient lives in bucket slices spread over the data-parallel ranks (this rank holds ``1/dp`` of it,
+    which the optimizer steps), so no rank has ``p``'s gradient. Any use of it -- ``torch.nn.utils.clip_grad_norm_``,
+    ``p.grad.norm()``, adding to it -- raises a ``RuntimeError`` that says what to use instead (where ``None`` would
+    let a hand-called ``clip_grad_norm_`` silently clip nothing). ``is None`` checks see a gradient; the optimizer
+    step and ``zero_grad`` set it back to ``None``."""
+
+    _name: str
+    _stage: int
+
+    @staticmethod
+    def __new__(cls, param: Tensor, name: str, stage: int) -> "ShardedGradient":
+        out = Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype, device=param.device)
+        out._name, out._stage = name, stage
+        return out
+
+    def __init__(self, param: Tensor, name: str, stage: int) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"ShardedGradient({self._name!r}, zero_stage={self._stage})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_leaves
+
+        grad = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, ShardedGradient))
+        raise RuntimeError(
+            f"{func.__name__} on the gradient of {grad._name}: under zero_stage={grad._stage} the reduced gradient is"
+            " split over the data-parallel ranks' bucket slices (the optimizer steps this rank's slice), so no rank"
+            " holds p.grad. Clip with Trainer(gradient_clip_val=...) or self.clip_gradients(optimizer,"
+            " gradient_clip_val=..., gradient_clip_algorithm='norm') (by the global norm, as one device), read each"
+            " parameter's whole-gradient norm with trainer.strategy.parameter_grad_norms(), or use zero_stage 0 or 3."
+        )
+
+
 @dataclass(frozen=True, eq=False)
 class SlicePlace:
     """Where a parameter's ZeRO-1/2 optimizer state lives: in the state of ``shard``, this rank's slice
@@ -263,6 +300,8 @@ class GradientBuckets:
         if bucket.grad is None:
             bucket.allocate()
         view, grad = bucket.views[i], p.grad
+        if isinstance(grad, ShardedGradient):  # the placeholder of the last step (`wait`)
+            grad = None
         if grad is not None and grad is not view:
             if id(p) in self._seen:
                 view.add_(grad)
@@ -309,6 +348,11 @@ class GradientBuckets:
         self._presence()
         self._seen.clear()
         self._launched.clear()
+        if self.stage:  # the reduced gradient is in the slices: p.grad says so until the step (`ShardedGradient`)
+            for bucket in self.buckets:
+                for p in bucket.params:
+                    p.grad = ShardedGradient(p, self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}"),
+                                             self.stage)
 
     @torch.no_grad()
     def reduce(self) -> None:
@@ -427,6 +471,7 @@ class ZeroOptimizer(Optimizer):
         if self.stage:
             for bucket in self.buckets:
                 bucket.gather_parameters()
+            self.gradients.clear()  # the placeholders (`ShardedGradient`) go
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -527,12 +572,15 @@ class _InPlaceReduceScatter(ReduceScatter):
         output_tensor.copy_(input_tensor.narrow(0, dist.get_rank(group) * n, n))
 
 
-def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, parts: bool = True) -> list[nn.Module]:
+def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, parts: bool = True,
+               tied: frozenset[int] | set[int] = frozenset()) -> list[nn.Module]:
     """ZeRO-3: ``fully_shard`` every layer of ``module`` (the elements of its ``nn.ModuleList``s), then each of
     its children that holds parameters (the elements of a child that is a container without ``forward``,
     such as an ``nn.ModuleList`` held by the LightningModule itself). Returns those children: the FSDP roots.
 
-    Parameters held directly by ``module`` itself cannot be sharded this way and are an error.
+    Parameters held directly by ``module`` itself cannot be sharded this way and are an error, as is a parameter
+    shared by two roots (``tied``: ids of the shared parameters, `lightning_hybrid.tied`): each root would shard
+    its own copy and the tie would break.
     """
     direct = [name for name, _ in module.named_parameters(recurse=False)]
     if direct:
@@ -542,8 +590,18 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, parts: bool = True) -> li
         )
     layers = [layer for sub in module.modules() if isinstance(sub, nn.ModuleList) for layer in sub]
     roots = _fsdp_roots(module)
+    names = {id(m): n for n, m in module.named_modules()}
+    for p_id in tied:
+        holding = [names[id(root)] for root in roots if any(id(p) == p_id for p in root.parameters())]
+        if len(holding) > 1:
+            raise ValueError(
+                f"zero_stage=3 shards each of {type(module).__name__}'s children that hold parameters as an FSDP root"
+                f" of its own, and {holding} share one parameter (tied weights, e.g. an LM head tied to the"
+                " embedding): each root would shard its own copy and the tie would break. Hold the modules that share"
+                " it in one submodule (e.g. self.model), or use zero_stage 0-2."
+            )
     return [apply_fsdp_units([layer for layer in layers if layer is not root and _holds(layer, root)], root, dp_mesh,
-                             parts) for root in roots]
+                             parts, tied) for root in roots]
 
 
 def _fsdp_roots(module: nn.Module) -> list[nn.Module]:
@@ -560,23 +618,30 @@ def _fsdp_roots(module: nn.Module) -> list[nn.Module]:
     return out
 
 
-def apply_fsdp_units(units: list[nn.Module], root: nn.Module, dp_mesh: DeviceMesh, parts: bool = True) -> nn.Module:
+def apply_fsdp_units(units: list[nn.Module], root: nn.Module, dp_mesh: DeviceMesh, parts: bool = True,
+                     tied: frozenset[int] | set[int] = frozenset()) -> nn.Module:
     """``fully_shard`` each unit that has parameters (gathered one at a time), then ``root`` (the rest); with
     ``parts`` (not under ``torch.compile``, whose layer graphs FSDP2's hooks inside a layer would break) a unit's
     children that hold parameters (its attention, its MLP, its norms) are units of their own, gathered one at a
     time: a unit's gather holds it twice for a moment (FSDP2's flat buffer and the parameters copied out of it),
-    and a part is a fraction of a layer. Every element's sum over the ranks is the same. On gloo
-    (`_COPYING_COLLECTIVES`) each also gets the in-place collectives and no backward prefetch (`_fsdp_on_gloo`)."""
+    and a part is a fraction of a layer. Every element's sum over the ranks is the same. A unit or part holding a
+    parameter that other modules share (``tied``: their ids) is left to ``root``, which then shards it once for all
+    of them. On gloo (`_COPYING_COLLECTIVES`) each also gets the in-place collectives and no backward prefetch
+    (`_fsdp_on_gloo`)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    def shardable(module: nn.Module) -> bool:
+        held = [id(p) for p in module.parameters()]
+        return bool(held) and not any(p in tied for p in held)
 
     sharded = []
     for unit in units:
-        if not any(True for _ in unit.parameters()):
+        if not shardable(unit):
             continue
         if parts:
             sharded += [fully_shard(child, mesh=dp_mesh, reshard_after_forward=True) for child in unit.children()
                         if not isinstance(child, FSDPModule) and type(child).forward is not nn.Module.forward
-                        and any(True for _ in child.parameters())]
+                        and shardable(child)]
         sharded.append(fully_shard(unit, mesh=dp_mesh, reshard_after_forward=True))
     sharded.append(fully_shard(root, mesh=dp_mesh, reshard_after_forward=True))
     if dp_mesh.ndim == 1 and dist.get_backend(dp_mesh.get_group()) in _COPYING_COLLECTIVES:

@@ -90,7 +90,11 @@ class _Stage(PipelineStage):
     #: the schedule's shape inference) and is exchanged before the first backward, once every forward has run.
     aux: Optional[AuxLossExchange] = None
 
+    #: Whether a micro-batch's forward has run (the schedule's metadata inference runs the loss on empty tensors).
+    forwarded = False
+
     def forward_one_chunk(self, *args, **kwargs):
+        self.forwarded = True
         if self.aux is None:
             return super().forward_one_chunk(*args, **kwargs)
         self.aux.recording = True
@@ -175,6 +179,11 @@ class PipelineExecutor:
         self.loss_items = loss_items
         self.last_items: Optional[Tensor] = None  # the items of the last train_step's batch (loss_items given)
         self.loss_scale = 1.0  # 1 / accumulate_grad_batches: the schedule runs the backward itself
+        self.loss_sum = False  # the module's loss is a sum over items (loss_reduction="sum"): summed, not averaged
+        # Called once, on the first micro-batch's loss: what is wrong with the module's loss, or None
+        # (`lightning_hybrid.loss_semantics.check_decomposition`); raised on every rank after the schedule.
+        self.verify_loss: Optional[Callable[[Callable, Tensor, Tensor], Optional[str]]] = None
+        self._loss_error: Optional[str] = None
         self.reduce_grads = True  # whether this batch ends an accumulation window (ZeRO-3 reduces then)
         self.stages = [
             _Stage(module, index, num_stages, device, group=group) for index, module in self.stage_modules.items()
@@ -191,8 +200,12 @@ class PipelineExecutor:
         self.schedule = spec.cls(stages, n_microbatches=micro_batches, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, output: Tensor, target: Tensor) -> Tensor:
+        if self.verify_loss is not None and any(stage.forwarded for stage in self.stages if stage.is_last):
+            self._loss_error, self.verify_loss = self.verify_loss(self.user_loss_fn, output, target), None
         if self.loss_items is not None:  # the micro-batch's loss sum
             return self.user_loss_fn(output, target) * self.loss_items(target)
+        if self.loss_sum:  # the gradients of the micro-batches' sums add up to the batch's (and the window's)
+            return self.user_loss_fn(output, target)
         return self.user_loss_fn(output, target) * (self.loss_scale / self.micro_batches)
 
     def train_step(self, inputs: Tensor, targets: Tensor, **side: Tensor) -> Tensor:
@@ -208,6 +221,7 @@ class PipelineExecutor:
             ))
         _check_side_inputs(side, inputs.size(0))
         items = None if self.loss_items is None else self.loss_items(targets)
+        checking = self.verify_loss is not None
         if self.aux is not None:
             self.aux.begin(lambda: self._aux_scale(items))
         losses: list[Tensor] = []  # filled on the last stage: one (scaled) loss per micro-batch
@@ -220,10 +234,19 @@ class PipelineExecutor:
         self.last_items = items
         if losses:
             loss = torch.stack([micro_loss.detach() for micro_loss in losses]).float().sum()
-            loss = loss / self.loss_scale if items is None else loss / items.clamp_min(1)
+            if items is not None:
+                loss = loss / items.clamp_min(1)
+            elif not self.loss_sum:
+                loss = loss / self.loss_scale
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
         dist.broadcast(loss, src=dist.get_global_rank(self.group, self.owners[-1]), group=self.group)
+        if checking:  # the last stages' verdict on the module's loss, raised on every rank of the world alike
+            verdicts: list[Optional[str]] = [None] * dist.get_world_size()
+            dist.all_gather_object(verdicts, self._loss_error)
+            self._loss_error = next((m for m in verdicts if m is not None), None)
+            if self._loss_error is not None:
+                raise ValueError(self._loss_error)
         return loss if aux is None else loss + aux.to(loss.device)
 
     def _aux_scale(self, items: Optional[Tensor]) -> float:

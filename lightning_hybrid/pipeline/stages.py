@@ -166,6 +166,7 @@ class LossItems:
 
     def __init__(self) -> None:
         self.counts: list[Tensor] = []
+        self.calls = 0
 
     def items(self, output: object) -> Tensor | None:
         """The step's loss items; ``None`` for a skipped step (``None`` output). ``TypeError`` unless the step
@@ -182,13 +183,21 @@ class LossItems:
 
 
 @contextmanager
-def bind_loss_items(module: nn.Module, loss_items) -> Iterator[LossItems]:
-    """During a training step (``pp == 1``), ``self.loss_fn(output, target)`` also counts ``loss_items(target)``."""
+def bind_loss_items(module: nn.Module, loss_items, verify=None) -> Iterator[LossItems]:
+    """During a training step (``pp == 1``), ``self.loss_fn(output, target)`` also counts ``loss_items(target)``
+    (where given) and, at its first call, ``verify(loss_fn, output, target)`` (where given) says what is wrong with
+    the loss (`lightning_hybrid.loss_semantics.check_decomposition`): a ``ValueError``."""
     counted = LossItems()
     loss_fn = module.loss_fn
 
     def counting(output, target, *args, **kwargs):
-        counted.counts.append(loss_items(target))
+        if verify is not None and counted.calls == 0 and not args and not kwargs:
+            message = verify(loss_fn, output, target)
+            if message is not None:
+                raise ValueError(message)
+        counted.calls += 1
+        if loss_items is not None:
+            counted.counts.append(loss_items(target))
         return loss_fn(output, target, *args, **kwargs)
 
     with _instance_attributes(module, loss_fn=counting):

@@ -1,0 +1,286 @@
+"""What users write, as they write it, for `tests/test_user_code.py`: LightningModules with their own losses, masks,
+dropout, ties and hooks, and their own loaders. No helper of this package is used by the modules themselves."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+
+VOCAB, DIM, HEADS, BLOCK = 64, 16, 2, 16
+
+
+def token_rows(n: int = 64, seed: int = 0) -> torch.Tensor:
+    """``n`` rows of ``BLOCK + 1`` tokens."""
+    return torch.randint(0, VOCAB, (n, BLOCK + 1), generator=torch.Generator(device="cpu").manual_seed(seed))
+
+
+class Pairs(Dataset):
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int):
+        return self.rows[i, :-1], self.rows[i, 1:]
+
+
+class RankSplitStream(IterableDataset):
+    """A stream split the way ``split_dataset_by_node`` and litdata split one: by torch.distributed's rank and
+    world size (or, with ``by_dp``, by the strategy's data-parallel rank and size)."""
+
+    def __init__(self, rows: torch.Tensor, by_dp: "L.Trainer | None" = None) -> None:
+        self.rows, self.trainer = rows, by_dp
+
+    def __iter__(self):
+        if self.trainer is not None:
+            rank, size = self.trainer.strategy.dp_rank, self.trainer.strategy.dp_size
+        else:
+            rank, size = dist.get_rank(), dist.get_world_size()
+        for i in range(rank, len(self.rows), size):
+            yield self.rows[i, :-1], self.rows[i, 1:]
+
+
+def stream_loader(trainer: "L.Trainer | None", batch_size: int = 4) -> DataLoader:
+    return DataLoader(RankSplitStream(token_rows(), by_dp=trainer), batch_size=batch_size)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = DIM, heads: int = HEADS, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        h = self.norm1(x)
+        q, k, v = (p(h).view(B, T, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1)
+        x = x + F.dropout(self.o(y), self.dropout, self.training)
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class UserLM(L.LightningModule):
+    """Layers held directly, a bare embedding and head, a plain mean cross entropy; SGD."""
+
+    def __init__(self, layers: int = 2, lr: float = 0.5, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.lr = lr
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.embed = nn.Embedding(VOCAB, DIM)
+            self.blocks = nn.ModuleList(Block(dropout=dropout) for _ in range(layers))
+            self.head = nn.Linear(DIM, VOCAB)
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return [self.embed, *self.blocks, self.head]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.pipeline_layers():
+            x = layer(x)
+        return x
+
+    @staticmethod
+    def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.loss_fn(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class PaddedDicts(Dataset):
+    """Rows of 6-16 real tokens padded on the right: ``input_ids``, ``labels`` (-100 on the padding and the last
+    token) and ``attention_mask``."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+        self.lengths = torch.randint(6, BLOCK + 1, (len(rows),), generator=torch.Generator(device="cpu").manual_seed(1))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        n = int(self.lengths[i])
+        ids = self.rows[i, :-1].clone()
+        mask = (torch.arange(BLOCK) < n).long()
+        labels = torch.where(torch.arange(BLOCK) < n - 1, self.rows[i, 1:], torch.full_like(ids, -100))
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+class DictLM(UserLM):
+    """On dict batches: the mean cross entropy over the labels other than -100, computed in training_step (no
+    loss_items, nothing declared)."""
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch["input_ids"]).flatten(0, 1), batch["labels"].flatten())
+
+
+class DeclaredMeanDictLM(DictLM):
+    loss_reduction = "mean"
+
+
+class SumLM(UserLM):
+    """A loss summed over tokens, declared."""
+
+    loss_reduction = "sum"
+
+    def __init__(self, lr: float = 0.005, **kwargs) -> None:
+        super().__init__(lr=lr, **kwargs)
+
+    @staticmethod
+    def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+
+
+class UndeclaredSumLM(SumLM):
+    loss_reduction = None
+
+
+class MiscountedLM(UserLM):
+    """Defines loss_items, counting every target, while its loss_fn leaves out the targets below 8 (as a padding id
+    would be)."""
+
+    @staticmethod
+    def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten().masked_fill(y.flatten() < 8, -100))
+
+    @staticmethod
+    def loss_items(y: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(y.numel(), device=y.device)
+
+
+def _loader(dataset: Dataset, batch_size: int, one_device: bool) -> DataLoader:
+    """Lightning shuffles the training data of every distributed run (``DistributedSampler(shuffle=True, seed=0)``
+    over the DP ranks, whatever the loader says); ``one_device``: the one-device reference in that same order."""
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0) if one_device else None
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+
+
+def pairs_loader(batch_size: int = 4, one_device: bool = False) -> DataLoader:
+    return _loader(Pairs(token_rows()), batch_size, one_device)
+
+
+def padded_loader(batch_size: int = 4, one_device: bool = False) -> DataLoader:
+    return _loader(PaddedDicts(token_rows()), batch_size, one_device)
+
+
+class HandClippingLM(UserLM):
+    """Clips its gradients itself, as many scripts do."""
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 0.5)
+
+
+class ManualLM(UserLM):
+    """Manual optimization: each batch's two halves backward separately (half the loss each), then one step,
+    clipped by the norm."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        for hx, hy in zip(x.chunk(2), y.chunk(2)):
+            self.manual_backward(self.loss_fn(self(hx), hy) * 0.5)
+        self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        optimizer.step()
+
+
+class TiedLM(UserLM):
+    """The LM head tied to the token embedding, held directly by the LightningModule."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.head.weight = self.embed.weight
+
+
+class Trunk(nn.Module):
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+        self.head = nn.Linear(DIM, VOCAB)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class TiedTrunkLM(UserLM):
+    """The tie inside one submodule (``self.model``)."""
+
+    def __init__(self, layers: int = 2, lr: float = 0.5) -> None:
+        L.LightningModule.__init__(self)
+        self.lr = lr
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.model = Trunk(layers)
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return [self.model.embed, *self.model.blocks, self.model.head]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+class DropoutBlock(Block):
+    """A block with two dropouts, as nn.Dropout modules: on the query projection's output (split by heads under
+    TP) and on the attention's output projection (replicated under TP)."""
+
+    def __init__(self, split_p: float, whole_p: float) -> None:
+        super().__init__()
+        self.drop_split, self.drop_whole = nn.Dropout(split_p), nn.Dropout(whole_p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        h = self.norm1(x)
+        q = self.drop_split(self.q(h)).view(B, T, self.heads, -1).transpose(1, 2)
+        k, v = (p(h).view(B, T, self.heads, -1).transpose(1, 2) for p in (self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1)
+        x = x + self.drop_whole(self.o(y))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class DropoutLM(UserLM):
+    """`UserLM` with `DropoutBlock`s."""
+
+    def __init__(self, split_p: float = 0.0, whole_p: float = 0.0, **kwargs) -> None:
+        super().__init__(**kwargs)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.blocks = nn.ModuleList(DropoutBlock(split_p, whole_p) for _ in range(len(self.blocks)))
+
+
+class DropoutMasks(L.Callback):
+    """Keeps, per ``nn.Dropout`` module, the mask of its first call in training (a boolean tensor, True: dropped)."""
+
+    def __init__(self) -> None:
+        self.masks: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        for name, module in pl_module.named_modules():
+            if isinstance(module, nn.Dropout):
+                module.register_forward_hook(self._keep(name))
+
+    def _keep(self, name: str):
+        def hook(module, inputs, output) -> None:
+            if module.training:
+                self.masks.setdefault(name, (output == 0).cpu())
+        return hook
