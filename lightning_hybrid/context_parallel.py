@@ -47,7 +47,8 @@ from torch.utils.checkpoint import checkpoint
 from lightning_hybrid.batch import TokenBatch, document_ids
 from lightning_hybrid.precision import autocast_inputs
 
-__all__ = ["ContextParallel", "block_mask", "gather_prefixes", "kv_group_of", "split_batch", "zigzag_indices"]
+__all__ = ["ContextParallel", "block_mask", "gather_prefixes", "kv_group_of", "sliding_window_of", "split_batch",
+           "zigzag_indices"]
 
 
 def zigzag_indices(length: int, cp: int, rank: int, device: Optional[torch.device] = None) -> Tensor:
@@ -79,14 +80,37 @@ def split_batch(batch: Any, cp: int, rank: int) -> TokenBatch:
     return TokenBatch(ids[:, places], tokens.labels[:, places], positions[:, places], padding)
 
 
-def block_mask(docs: Tensor, start: int, end: int) -> Tensor:
+def block_mask(docs: Tensor, start: int, end: int, window: Optional[int] = None) -> Tensor:
     """``(B, 1, end - start, end)``: the causal document mask of the queries at places ``start .. end - 1`` of the
     sequence against its keys ``0 .. end - 1`` (True: may attend), from ``docs`` ``(B, T)``, the document of every
     token (`lightning_hybrid.batch.document_ids`) -- rows ``start:end`` and columns ``:end`` of one device's
-    `lightning_hybrid.batch.document_causal_mask`."""
+    `lightning_hybrid.batch.document_causal_mask`; with ``window``, a query sees only the keys less than ``window``
+    places before it (a sliding window, as transformers' ``sliding_window_overlay``)."""
     places = torch.arange(end, device=docs.device)
-    causal = places.unsqueeze(0) <= places[start:].unsqueeze(1)
-    return ((docs[:, start:end].unsqueeze(-1) == docs[:, :end].unsqueeze(-2)) & causal).unsqueeze(1)
+    distance = places[start:].unsqueeze(1) - places.unsqueeze(0)  # query place - key place
+    allowed = distance >= 0 if window is None else (distance >= 0) & (distance < window)
+    return ((docs[:, start:end].unsqueeze(-1) == docs[:, :end].unsqueeze(-2)) & allowed).unsqueeze(1)
+
+
+def sliding_window_of(layer: nn.Module) -> Optional[int]:
+    """The sliding window a layer's attention keeps (a query sees the keys less than that many places before it),
+    as a ``transformers`` config says it -- ``sliding_window``, and per layer ``layer_types[layer_idx]`` ==
+    ``"sliding_attention"`` where the config lists them (Gemma, Cohere2, Qwen2 with ``use_sliding_window``), every
+    layer otherwise (Mistral); ``None`` for any other layer (a model's own mask that holds a window it does not
+    declare is caught by the probe of the first step, `lightning_hybrid.probe`)."""
+    for sub in layer.modules():
+        config, index = getattr(sub, "config", None), getattr(sub, "layer_idx", None)
+        window = getattr(config, "sliding_window", None)
+        if not isinstance(window, int) or isinstance(window, bool):
+            continue
+        if getattr(config, "use_sliding_window", True) is False:
+            return None
+        types = getattr(config, "layer_types", None)
+        if types is None:
+            return window
+        if isinstance(index, int) and 0 <= index < len(types):
+            return window if types[index] == "sliding_attention" else None
+    return None
 
 
 class ContextParallel:
@@ -115,12 +139,19 @@ class ContextParallel:
         self._layer: Optional[int] = None  # the index of the layer running (`wrap`'s order)
         self._layers = 0
         self._kv_groups: dict[tuple, int] = {}  # (layer, query heads) -> query heads per key/value head gathered
+        self._windows: dict[int, Optional[int]] = {}  # layer -> its sliding window (`sliding_window_of`)
+        self.layers: list[nn.Module] = []  # the wrapped layers, in `wrap`'s order
+        self.enabled = True  # False: the layers run as on one device (the probe's reference)
 
     def wrap(self, layer: nn.Module) -> None:
         forward = layer.forward
         index, self._layers = self._layers, self._layers + 1
+        self._windows[index] = sliding_window_of(layer)
+        self.layers.append(layer)
 
         def context_parallel_forward(*args: Any, **kwargs: Any) -> Any:
+            if not self.enabled:  # the whole sequence on one rank (`lightning_hybrid.probe`'s reference)
+                return forward(*args, **kwargs)
             with self.attending(kwargs.get("position_ids"), index):
                 return forward(*args, **kwargs)
 
@@ -174,9 +205,12 @@ class ContextParallel:
         # Checkpointed: backward gathers the keys and values again rather than keeping the whole sequence's (and
         # what SDPA saves of the rank's queries against them) for every layer until its backward. (Not inside a
         # checkpointed layer: its recomputation, or a selective policy replaying the ops in order, decides.)
+        window = self._windows.get(self._layer) if self._layer is not None else None
+        if window is not None and docs is None:  # one document per row: still a mask, for the window
+            docs = torch.zeros(query.size(0), self.size * local, dtype=torch.long, device=query.device)
         if not self.recompute_attention:
-            return self._attend(query, key, value, docs, dropout_p, scale)
-        return checkpoint(self._attend, query, key, value, docs, dropout_p, scale, use_reentrant=False)
+            return self._attend(query, key, value, docs, dropout_p, scale, window)
+        return checkpoint(self._attend, query, key, value, docs, dropout_p, scale, window, use_reentrant=False)
 
     def _kv_group(self, key: Tensor, value: Tensor, heads: int) -> int:
         """How many query heads share a key/value head in this layer, as every CP rank agrees, decided at the layer's
@@ -210,12 +244,13 @@ class ContextParallel:
         return group
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor, docs: Optional[Tensor], dropout_p: float,
-                scale: Optional[float]) -> Tensor:
+                scale: Optional[float], window: Optional[int] = None) -> Tensor:
         """Each of the rank's two chunks (chunks ``rank`` and ``2 cp - 1 - rank`` of the sequence) attends the
         keys of the sequence up to its own last token, in the sequence's order: plain causal batches (``docs``
         None) causal aligned to the lower right, which SDPA's kernels take without a mask tensor; batches with
-        documents under the mask of that block alone -- same document and causal -- made here from ``docs`` (the
-        ``(B, T)`` document of every token), ``B x chunk x end`` booleans for one SDPA call at a time."""
+        documents (or a sliding ``window``) under the mask of that block alone -- same document, causal, within the
+        window -- made here from ``docs`` (the ``(B, T)`` document of every token), ``B x chunk x end`` booleans for
+        one SDPA call at a time."""
         chunk = query.size(-2) // 2
         indices = (self.rank, 2 * self.size - 1 - self.rank)
         ends = tuple((index + 1) * chunk for index in indices)
@@ -229,7 +264,7 @@ class ContextParallel:
                 with _disable_current_modes():  # a tensor subclass, which a dispatch mode (a memory tracker) refuses
                     mask = causal_lower_right(chunk, end)
             else:
-                mask = block_mask(docs, start, end)
+                mask = block_mask(docs, start, end, window)
             outputs.append(F.scaled_dot_product_attention(part, k, v, attn_mask=mask, dropout_p=dropout_p,
                                                           scale=scale))
         return torch.cat(outputs, dim=-2)
@@ -253,7 +288,20 @@ class ContextParallel:
         self._documents.clear()
         self._batch_positions = positions
 
+    @contextmanager
+    def batch(self, positions: Optional[Tensor]) -> Iterator[None]:
+        """Within the block another batch runs (``positions``: its tokens', for layers that receive none); the
+        batch of before, and its documents, afterwards (`lightning_hybrid.probe`)."""
+        saved = self._batch_positions, dict(self._documents)
+        self.new_batch(positions)
+        try:
+            yield
+        finally:
+            self._batch_positions, self._documents = saved[0], saved[1]
+
     def _prepare_documents(self, layer: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self.enabled:
+            return
         positions = kwargs.get("position_ids")
         positions = self._batch_positions if positions is None else positions
         if isinstance(positions, Tensor) and not positions.is_meta:

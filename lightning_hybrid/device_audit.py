@@ -85,7 +85,10 @@ class AmbientDeviceAudit(TorchFunctionMode):
         constructor (``nn.Linear(...)``) builds its parameters on the ambient device by design -- that is how
         Lightning's init context and the meta device place a model."""
         frame: Any = sys._getframe(2)
-        while frame is not None and Path(frame.f_code.co_filename).resolve() in _DISPATCH_FILES:
+        # Past torch's dispatch and the other modes that pass the call on (another mode's __torch_function__: the
+        # package's probes forward the calls they watch).
+        while frame is not None and (Path(frame.f_code.co_filename).resolve() in _DISPATCH_FILES
+                                     or frame.f_code.co_name == "__torch_function__"):
             frame = frame.f_back
         if frame is None:
             return None

@@ -169,18 +169,30 @@ class GradientSync:
             self._reduce()
 
     def _reduce(self) -> None:
+        deferred = self.parallelized.pipeline is not None or self.manual  # the backward passes ran without sync
+        zero = self._zero()
+        if deferred:
+            for opt in zero:
+                opt.gradients.adopt()
         if self.parallelized.tied:  # copies of one parameter on several stages: each gets the sum of their gradients
-            sum_tied_grads(self.parallelized.tied, self.module, self.pp_group, self.device)
-        for opt in self._zero():
-            if self.parallelized.pipeline is not None or self.manual:
-                opt.gradients.reduce()  # the backward passes ran without sync
-            else:
-                opt.gradients.wait()  # started during the backward
+            sum_tied_grads(self.parallelized.tied, self.module, self.pp_group, self.device, self._gradient_of)
+            for opt in zero if deferred else ():  # a copy that had none got one
+                opt.gradients.adopt()
+        for opt in zero:
+            opt.gradients.wait()  # (started during the backward where it ran with sync)
             opt.gradients.sync = not self.manual
         self._sum_partial_grads_over_tp()
         self._divide_by_loss_items()
         if self.sum_loss and self.dp > 1:
             self._scale_grads(float(self.dp))  # the DP reduction averaged: the sum over the ranks
+
+    def _gradient_of(self, param: torch.nn.Parameter) -> Optional[Tensor]:
+        """``param``'s gradient before the DP reduction: in its bucket (ZeRO 0-2), else its ``.grad``."""
+        for opt in self._zero():
+            grad = opt.gradients.gradient_of(param)
+            if grad is not None:
+                return grad
+        return param.grad
 
     def add_loss_items(self, items: Tensor) -> None:
         """A batch of the window whose backward was that of its loss *sum* over ``items`` items (this rank's):

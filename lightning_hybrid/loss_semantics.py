@@ -22,11 +22,12 @@ L_b n_b`` for a token mean (a ``loss_items`` that counts other items than ``loss
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_flatten_with_path
 
 from lightning_hybrid.batch import IGNORE_INDEX, TokenBatch
 
@@ -55,17 +56,21 @@ def declared_reduction(module: Any) -> Optional[str]:
 
 
 def ignored_tokens(batch: Any) -> bool:
-    """Whether the batch, as the module receives it, has tokens that take no loss: labels of -100 (a `TokenBatch`,
-    a dict's ``labels``, an ``(x, y)`` pair's ``y``) or padding (a dict's ``attention_mask`` with zeros). A host sync.
-    Other batch forms cannot be read: ``False``."""
+    """Whether the batch, as the module receives it, has tokens that take no loss: an integer tensor anywhere in it
+    holding -100 (cross entropy's ``ignore_index``: a `TokenBatch`'s or a dict's labels, an ``(x, y)`` pair's
+    ``y``, whatever the key), or padding (a `TokenBatch`'s, or a tensor under a key naming a mask with zeros). A
+    host sync. Ignored tokens marked otherwise (a pad id the loss ignores) cannot be read."""
     if isinstance(batch, TokenBatch):
         return batch.padding is not None or bool((batch.labels == IGNORE_INDEX).any())
-    if isinstance(batch, Mapping):
-        labels, mask = batch.get("labels"), batch.get("attention_mask")
-        return ((isinstance(labels, Tensor) and bool((labels == IGNORE_INDEX).any()))
-                or (isinstance(mask, Tensor) and not bool(mask.bool().all())))
-    if isinstance(batch, Sequence) and len(batch) == 2 and all(isinstance(t, Tensor) for t in batch):
-        return not batch[1].is_floating_point() and bool((batch[1] == IGNORE_INDEX).any())
+    leaves = tree_flatten_with_path(batch)[0]
+    for path, leaf in leaves:
+        if not isinstance(leaf, Tensor) or leaf.is_floating_point() or leaf.is_complex():
+            continue
+        if leaf.dtype != torch.bool and bool((leaf == IGNORE_INDEX).any()):
+            return True
+        key = str(path[-1]).lower() if path else ""
+        if "mask" in key and not bool(leaf.bool().all()):
+            return True
     return False
 
 

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["RANDOMNESS", "RandomOpsProbe", "SplitSpans", "rank_seed", "seed_streams"]
+__all__ = ["RANDOMNESS", "RandomOpsProbe", "SplitSpans", "is_random_op", "rank_seed", "seed_streams"]
 
 RANDOMNESS = ("exact", "independent")
 
@@ -45,7 +45,7 @@ _RANDOM = {
 }
 
 
-def _is_random(func: Callable, args: tuple, kwargs: Mapping) -> bool:
+def is_random_op(func: Callable, args: tuple, kwargs: Mapping) -> bool:
     if func in _RANDOM:
         if func in (torch.nn.functional.dropout, torch.dropout) or "dropout" in getattr(func, "__name__", ""):
             p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
@@ -108,7 +108,7 @@ class SplitSpans:
 
 
 class RandomOpsProbe(TorchFunctionMode):
-    """While active (a training step), records each random op torch runs (`_is_random`), with the module that ran it
+    """While active (a training step), records each random op torch runs (`is_random_op`), with the module that ran it
     (``stack``: kept by forward hooks on every submodule, `watch`) and whether it ran inside a TP split span
     (``spans``)."""
 
@@ -139,7 +139,7 @@ class RandomOpsProbe(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[Mapping] = None):
         kwargs = kwargs or {}
-        if _is_random(func, args, kwargs):
+        if is_random_op(func, args, kwargs):
             inside = self.spans is not None and self.spans.inside
             where = self.stack[-1] if self.stack and self.stack[-1] else "the module itself"
             entry = (getattr(func, "__name__", str(func)), where, inside)

@@ -37,6 +37,7 @@ from lightning_hybrid.batch_check import BatchCheck
 from lightning_hybrid.checkpoint import full_state_dict, load_sharded, save_sharded
 from lightning_hybrid.checkpoint import remove as remove_checkpoint_path
 from lightning_hybrid.compile import Compile
+from lightning_hybrid.batch import TokenBatch
 from lightning_hybrid.context_parallel import ContextParallel, split_batch
 from lightning_hybrid.grad_sync import GradientSync
 from lightning_hybrid.gradient_guard import WATCHED_STEPS, LocalGradientNorms
@@ -47,6 +48,7 @@ from lightning_hybrid.parallelize import Parallelized, parallelize
 from lightning_hybrid.pipeline.protocol import LayerwiseInit
 from lightning_hybrid.pipeline.stages import bind_evaluation, bind_loss_items, bind_training
 from lightning_hybrid.precision import with_global_norm_clipping
+from lightning_hybrid.probe import FirstStepProbe
 from lightning_hybrid.randomness import RandomOpsProbe, SplitSpans, rank_seed, seed_streams
 from lightning_hybrid.rank_zero import BatchError, raise_from_rank_zero
 from lightning_hybrid.tensor_parallel import TPResult
@@ -156,6 +158,9 @@ class HybridStrategy(MeshStrategy):
         self._grad_watch: Optional[LocalGradientNorms] = None
         self._spans: Optional[SplitSpans] = None  # the TP split spans (tp > 1), for random ops
         self._random_checked = False  # the first training step looked for random ops
+        self._probe: Optional[FirstStepProbe] = None  # what splitting the batch changes (`_prepare_probe`)
+        self._probe_handle: Optional[Any] = None
+        self._probe_armed = False
         self._sigterm = False  # this rank received SIGTERM (`_on_sigterm`)
         self._stopping = False  # every rank agreed to stop after this step (`_agree_on_sigterm`)
 
@@ -233,10 +238,13 @@ class HybridStrategy(MeshStrategy):
                 " sequences' logits, in the split's order; predict with cp=1."
             ))
         try:
-            share = split_batch(batch, context.size, context.rank)
+            whole = TokenBatch.from_batch(batch)
+            share = split_batch(whole, context.size, context.rank)
         except (ValueError, TypeError) as e:
             raise_from_rank_zero(BatchError(f"cp={context.size}: {e}"))
         context.new_batch(share.position_ids)
+        if self._probe is not None and not self._probe.ran and trainer is not None and trainer.training:
+            self._probe.whole, self._probe.share = whole, share
         return share
 
     def _check_attention_reached(self) -> None:
@@ -288,6 +296,7 @@ class HybridStrategy(MeshStrategy):
         self.setup_precision_plugin()
         self._sync_metrics_over_dp()
         self._prepare_randomness(module)
+        self._prepare_probe(module, trainer)
         if pipeline is not None:  # `self(x)` outside training steps: the pipeline's forward-only path
             self._run_scope.enter_context(bind_evaluation(module, pipeline))
 
@@ -308,6 +317,57 @@ class HybridStrategy(MeshStrategy):
             pp, dp, cp, tp = self.parallel_dims.coordinates(self.global_rank)
             tp_rank = tp if self.options.sequence_parallel else None  # TP ranks share theirs outside split spans
             seed_streams(rank_seed(torch.initial_seed(), dp, cp, pp, tp_rank), self.root_device)
+
+    # ------------------------------------------------------------------ the first step's probe
+    def _prepare_probe(self, module: "pl.LightningModule", trainer: "pl.Trainer") -> None:
+        """Where the layout splits sequences (CP) or the rows of the global batch (DP, micro-batches,
+        accumulation; not under ``compile``): `FirstStepProbe` at the module's first forward in training
+        (`_probing`)."""
+        if self._probe_handle is not None:
+            self._probe_handle.remove()
+        self._probe, self._probe_handle = None, None
+        dims = self.parallel_dims
+        splits = [f"{n}={v}" for n, v in (("dp", dims.dp), ("pp", dims.pp)) if v > 1]
+        if trainer.accumulate_grad_batches > 1:
+            splits.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches}")
+        # Not under compile (no CP there): its forwards in eval mode without gradients would compile every layer
+        # again for a check of the rows alone.
+        if dims.cp == 1 and (not splits or self.options.compile is not None):
+            return
+        pipeline = self._parallelized.pipeline if self._parallelized is not None else None
+        stages = (pipeline.stage_modules, pipeline.owners, pipeline.group) if pipeline is not None else None
+        self._probe = FirstStepProbe(module, self._context, ", ".join(splits) or None, self.root_device, stages)
+        probe = self._probe
+
+        def hook(_: Any, args: tuple, kwargs: dict) -> None:
+            if self._probe_armed:
+                probe(args, kwargs)
+
+        self._probe_handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+
+    @contextmanager
+    def _probing(self) -> Generator[None, None, None]:
+        """The first training step: its first call of the module's forward runs the probe. Under CP, a step that
+        never calls it (a training_step calling a submodule directly) is refused: the split cannot be verified."""
+        probe = self._probe
+        if probe is None or probe.ran:
+            yield
+            return
+        self._probe_armed = True
+        try:
+            yield
+        finally:
+            self._probe_armed = False
+        if self._probe_handle is not None:
+            self._probe_handle.remove()
+            self._probe_handle = None
+        if not probe.ran and self._context is not None:
+            raise ValueError(
+                f"cp={self._context.size}: {type(self.lightning_module).__name__}'s training_step did not call the"
+                " module's forward (self(...)), through which context parallelism runs the model on the whole"
+                " sequence at the first step to verify the split (lightning_hybrid.probe): call"
+                " self(tokens.input_ids, position_ids=tokens.position_ids) in training_step, or train with cp=1."
+            )
 
     # ------------------------------------------------------------------ random ops
     def _prepare_randomness(self, module: "pl.LightningModule") -> None:
@@ -474,11 +534,11 @@ class HybridStrategy(MeshStrategy):
         if pipeline is None:
             loss_items = self._loss_items()
             if loss_items is None and verify is None:
-                with self._checking_random_ops():
+                with self._probing(), self._checking_random_ops():
                     output = super().training_step(*args, **kwargs)
                 self._check_attention_reached()
                 return output
-            with self._checking_random_ops(), bind_loss_items(module, loss_items, verify) as counted:
+            with self._probing(), self._checking_random_ops(), bind_loss_items(module, loss_items, verify) as counted:
                 output = super().training_step(*args, **kwargs)
             self._check_attention_reached()
             if loss_items is not None:
@@ -493,7 +553,7 @@ class HybridStrategy(MeshStrategy):
             binding.check_output(output)
             return output
 
-        with self._checking_random_ops():
+        with self._probing(), self._checking_random_ops():
             output = self._sync.pipeline_step(step, first_in_window)
         self._check_attention_reached()
         if pipeline.loss_items is not None and output is not None:

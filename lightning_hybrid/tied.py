@@ -18,7 +18,7 @@ before any dimension is applied. What each dimension then does with them:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -82,12 +82,13 @@ def ties_across_stages(
     return ties
 
 
-def _buffer(tie: TiedAcrossStages, module: nn.Module, device: torch.device, grad: bool) -> tuple[Tensor, bool]:
-    """This rank's copy (or its gradient's local part), or zeros of its shape where it holds none or no gradient;
-    and whether it is this rank's own tensor."""
+def _buffer(tie: TiedAcrossStages, module: nn.Module, device: torch.device,
+            grad_of: Optional[Callable[[nn.Parameter], Optional[Tensor]]]) -> tuple[Tensor, bool]:
+    """This rank's copy (or with ``grad_of`` its gradient's local part), or zeros of its shape where it holds none or
+    no gradient; and whether it is this rank's own tensor."""
     if tie.local is not None:
         p = module.get_parameter(tie.local)
-        t = p.grad if grad else p.data
+        t = grad_of(p) if grad_of is not None else p.data
         if t is not None:
             t = getattr(t, "_local_tensor", t)
             return t, True
@@ -100,16 +101,18 @@ def broadcast_tied(ties: Sequence[TiedAcrossStages], module: nn.Module, pp_group
                    device: torch.device) -> None:
     """Every holder's copy set to the first holder's (collective over the PP group, before any sharding)."""
     for tie in ties:
-        value, _ = _buffer(tie, module, device, grad=False)
+        value, _ = _buffer(tie, module, device, None)
         dist.broadcast(value, group_src=tie.holders[0], group=pp_group)
 
 
 def sum_tied_grads(ties: Sequence[TiedAcrossStages], module: nn.Module, pp_group: dist.ProcessGroup,
-                   device: torch.device) -> None:
-    """Each copy's gradient becomes the sum of every holder's (collective over the PP group; every rank takes part,
-    with zeros where it holds no copy). A copy without a gradient gets one where any holder has one."""
+                   device: torch.device, grad_of: Callable[[nn.Parameter], Optional[Tensor]] = lambda p: p.grad,
+                   ) -> None:
+    """Each copy's gradient -- where ``grad_of`` finds it: the ``.grad``, or a gradient bucket's view -- becomes the
+    sum of every holder's (collective over the PP group; every rank takes part, with zeros where it holds no copy).
+    A copy without a gradient gets one where any holder has one."""
     for tie in ties:
-        grad, own = _buffer(tie, module, device, grad=True)
+        grad, own = _buffer(tie, module, device, grad_of)
         dist.all_reduce(grad, group=pp_group)
         if tie.local is not None and not own:
             p = module.get_parameter(tie.local)

@@ -357,11 +357,25 @@ class GradientBuckets:
     @torch.no_grad()
     def reduce(self) -> None:
         """Reduce now (after a pipeline schedule): take in the gradients it left, start every bucket, wait."""
+        self.adopt()
+        self.wait()
+
+    @torch.no_grad()
+    def adopt(self) -> None:
+        """Take into the buckets the gradients backward left outside them (`_adopt`)."""
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 if p.grad is not None:
                     self._adopt(bucket, i, p)
-        self.wait()
+
+    def gradient_of(self, param: nn.Parameter) -> Tensor | None:
+        """``param``'s unreduced gradient of this window as the buckets hold it (its view; ``None`` where it has
+        none or is not this optimizer's)."""
+        where = self._where.get(id(param))
+        if where is None or id(param) not in self._seen:
+            return None
+        bucket, i = where
+        return bucket.views[i] if bucket.grad is not None else None
 
     def _presence(self) -> None:
         """A parameter without a gradient on every rank: under stage 0 it keeps ``grad=None`` (the optimizer skips

@@ -23,7 +23,7 @@ from tests.parity import (
     run_world,
     tolerances_of,
 )
-from tests.user_modules import UserLM
+from tests.user_modules import TiedUserLM, UserLM
 
 # The user module trains at lr 3e-3, where Adam turns eps-scale gradient noise into parameter noise of 7.6e-6.
 USER_TOLERANCES = (RTOL, 2.5e-5)
@@ -192,6 +192,10 @@ def test_pipeline_with_dp_and_tp_match_one_device():
                                       {"accumulate_grad_batches": 2}),
         "pp2xdp2-zero3-accumulate2": (dict(pp=2, dp=2, zero_stage=3, micro_batches=2), model,
                                       {"accumulate_grad_batches": 2}),
+        # An LM head tied to the embedding, on the first and the last stage: each copy steps with the sum of both
+        # gradients (in ZeRO-1's buckets, before the DP reduction), counted once in the clipping norm.
+        "pp2xdp2-zero1-tied-user": (dict(pp=2, dp=2, zero_stage=1, micro_batches=2), TiedUserLM, {},
+                                    USER_TOLERANCES),
     })
 
 

@@ -11,12 +11,18 @@ import torch
 
 from lightning_hybrid import HybridStrategy
 from lightning_hybrid.batch_check import fingerprint
+from lightning_hybrid.hf import CausalLM
 from lightning_hybrid.models import GPTLightningModule
 from lightning_hybrid.rank_zero import BatchError
+from tests.families import tiny_config
 from tests.helpers import QUIET_TRAINER, run_distributed
 from tests.user_code import (
     BLOCK,
     VOCAB,
+    BatchNormBlock,
+    ConvBlock,
+    SequenceLM,
+    WindowBlock,
     DeclaredMeanDictLM,
     DropoutLM,
     DropoutMasks,
@@ -103,6 +109,14 @@ def _masks(kwargs: dict, module) -> dict[str, torch.Tensor]:
     return masks.masks
 
 
+def _dynamic_rope_llama() -> CausalLM:
+    """A transformers Llama whose rotary embedding is scaled by the longest position it sees (beyond 8)."""
+    config = tiny_config("llama")
+    config.max_position_embeddings = 8
+    config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    return CausalLM(config)
+
+
 def _on_2_ranks() -> dict[str, str]:
     return {
         # A stream split by torch.distributed's rank under tp2: the two TP ranks would train on other rows.
@@ -139,6 +153,23 @@ def _on_2_ranks() -> dict[str, str]:
         "masks, tp2": _masks(dict(tp=2), DropoutLM(split_p=0.5, whole_p=0.5)),
         "masks, tp2 SP": _masks(dict(tp=2, sequence_parallel=True), GPTLightningModule(
             n_layer=1, n_embd=16, n_head=2, block_size=BLOCK, vocab_size=VOCAB, dropout=0.5)),
+        # A router's load-balancing loss, per batch, under accumulation over batches of other token counts.
+        "moe aux loss, padding, accumulation, dp2": _outcome(lambda: _fit(
+            HybridStrategy(dp=2), CausalLM(tiny_config("mixtral")), lambda t: padded_loader(),
+            accumulate_grad_batches=2)),
+        # What context parallelism cannot split, found by running the model on the whole sequence and on the shares:
+        **{f"cp2: {name}": _outcome(lambda m=make: _fit(HybridStrategy(dp=1, cp=2), m(), lambda t: pairs_loader()))
+           for name, make in (("a window mask of its own", lambda: SequenceLM(block=WindowBlock)),
+                              ("a convolution along the sequence", lambda: SequenceLM(block=ConvBlock)),
+                              ("positions from torch.arange", lambda: SequenceLM(own_positions=True)),
+                              ("positions from the batch", lambda: SequenceLM()),
+                              ("dynamic RoPE", _dynamic_rope_llama))},
+        # ... and what splitting the rows cannot (dynamic RoPE over left-padded rows of other lengths: the positions
+        # of each row count from its first real token).
+        "dp2: dynamic RoPE on padded rows": _outcome(lambda: _fit(HybridStrategy(dp=2), _dynamic_rope_llama(),
+                                                                  lambda t: padded_loader(left=True))),
+        "dp2: BatchNorm": _outcome(lambda: _fit(HybridStrategy(dp=2), SequenceLM(block=BatchNormBlock),
+                                                lambda t: pairs_loader())),
         "tied head held directly, dp2 ZeRO-3": _outcome(lambda: _fit(HybridStrategy(dp=2, zero_stage=3), TiedLM(),
                                                                      lambda t: pairs_loader())),
         **{f"parity: {name}": state for name, state in _parity_on_2_ranks().items()},
@@ -253,3 +284,28 @@ def test_independent_streams_never_draw_one_mask_for_other_data(two_ranks):
     # Two spans of one rank (two layers) draw other masks too.
     assert abs(_agreement(first["masks, tp2"]["blocks.0.drop_split"],
                           first["masks, tp2"]["blocks.1.drop_split"]) - 0.5) < 0.1
+
+
+def test_an_auxiliary_loss_of_the_batch_is_refused_where_accumulation_would_weigh_it_otherwise(two_ranks):
+    for out in two_ranks:
+        message = out["moe aux loss, padding, accumulation, dp2"]
+        assert message.startswith("ValueError: CausalLM adds an auxiliary loss of the whole batch"), message
+        assert "accumulate_grad_batches=2" in message and "1/2" in message, message
+
+
+def test_what_splitting_the_sequence_or_the_rows_would_change_is_refused_by_name(two_ranks):
+    first, other = two_ranks
+    for case, where in (("a window mask of its own", "blocks.0 differs"),
+                        ("a convolution along the sequence", "blocks.0 differs"),
+                        ("positions from torch.arange", "the input of blocks.0"),
+                        ("dynamic RoPE", "differs")):
+        for out in (first, other):
+            message = out[f"cp2: {case}"]
+            assert message.startswith("ValueError: cp=2 would train another model than one device"), (case, message)
+            assert where in message and "Train this model with cp=1" in message, (case, message)
+    assert first["cp2: positions from the batch"] == other["cp2: positions from the batch"] == "ran"
+    for out in (first, other):
+        for case in ("dp2: dynamic RoPE on padded rows", "dp2: BatchNorm"):
+            message = out[case]
+            assert message.startswith("ValueError: dp=2 would train another model than one device"), (case, message)
+            assert "output for a row depends on the other rows of its batch" in message, (case, message)

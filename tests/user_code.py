@@ -100,11 +100,11 @@ class UserLM(L.LightningModule):
 
 
 class PaddedDicts(Dataset):
-    """Rows of 6-16 real tokens padded on the right: ``input_ids``, ``labels`` (-100 on the padding and the last
-    token) and ``attention_mask``."""
+    """Rows of 6-16 real tokens padded on the right (``left``: on the left): ``input_ids``, ``labels`` (-100 on the
+    padding and the last token) and ``attention_mask``."""
 
-    def __init__(self, rows: torch.Tensor) -> None:
-        self.rows = rows
+    def __init__(self, rows: torch.Tensor, left: bool = False) -> None:
+        self.rows, self.left = rows, left
         self.lengths = torch.randint(6, BLOCK + 1, (len(rows),), generator=torch.Generator(device="cpu").manual_seed(1))
 
     def __len__(self) -> int:
@@ -115,6 +115,8 @@ class PaddedDicts(Dataset):
         ids = self.rows[i, :-1].clone()
         mask = (torch.arange(BLOCK) < n).long()
         labels = torch.where(torch.arange(BLOCK) < n - 1, self.rows[i, 1:], torch.full_like(ids, -100))
+        if self.left:
+            ids, labels, mask = ids.roll(BLOCK - n), labels.roll(BLOCK - n), mask.roll(BLOCK - n)
         return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
@@ -171,8 +173,8 @@ def pairs_loader(batch_size: int = 4, one_device: bool = False) -> DataLoader:
     return _loader(Pairs(token_rows()), batch_size, one_device)
 
 
-def padded_loader(batch_size: int = 4, one_device: bool = False) -> DataLoader:
-    return _loader(PaddedDicts(token_rows()), batch_size, one_device)
+def padded_loader(batch_size: int = 4, one_device: bool = False, left: bool = False) -> DataLoader:
+    return _loader(PaddedDicts(token_rows(), left), batch_size, one_device)
 
 
 class HandClippingLM(UserLM):
@@ -269,18 +271,91 @@ class DropoutLM(UserLM):
 
 
 class DropoutMasks(L.Callback):
-    """Keeps, per ``nn.Dropout`` module, the mask of its first call in training (a boolean tensor, True: dropped)."""
+    """Keeps, per ``nn.Dropout`` module, the mask of its last call in the first training batch (a boolean tensor,
+    True: dropped): the training forward's, after whatever the strategy's first-step checks ran."""
 
     def __init__(self) -> None:
         self.masks: dict[str, torch.Tensor] = {}
+        self._recording = False
 
     def on_train_start(self, trainer, pl_module) -> None:
         for name, module in pl_module.named_modules():
             if isinstance(module, nn.Dropout):
                 module.register_forward_hook(self._keep(name))
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._recording = batch_idx == 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._recording = False
+
     def _keep(self, name: str):
         def hook(module, inputs, output) -> None:
-            if module.training:
-                self.masks.setdefault(name, (output == 0).cpu())
+            if module.training and self._recording:
+                self.masks[name] = (output == 0).cpu()
         return hook
+
+
+class SequenceLM(UserLM):
+    """Reads the batch as context parallelism hands it (a TokenBatch) and calls ``self(input_ids, position_ids=...)``;
+    its blocks are built by ``block`` and its positions are learned (an embedding of each token's position: the
+    batch's, or with ``own_positions`` ``torch.arange`` over the tokens it is given)."""
+
+    def __init__(self, block=Block, own_positions: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.own_positions = own_positions
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)
+            self.blocks = nn.ModuleList(block() for _ in range(len(self.blocks)))
+            self.positions = nn.Embedding(BLOCK, DIM)
+
+    def forward(self, x: torch.Tensor, position_ids: "torch.Tensor | None" = None) -> torch.Tensor:
+        if self.own_positions or position_ids is None:
+            position_ids = torch.arange(x.size(1), device=x.device).expand_as(x)
+        h = self.embed(x) + self.positions(position_ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+    def training_step(self, batch, batch_idx):
+        from lightning_hybrid.batch import TokenBatch
+
+        tokens = TokenBatch.from_batch(batch)
+        return self.loss_fn(self(tokens.input_ids, position_ids=tokens.position_ids), tokens.labels)
+
+
+class WindowBlock(Block):
+    """Attention within a window of 4 tokens, by a mask of its own (over the tokens it is given)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        h = self.norm1(x)
+        q, k, v = (p(h).view(B, T, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        distance = torch.arange(T, device=x.device).unsqueeze(1) - torch.arange(T, device=x.device)
+        mask = (distance >= 0) & (distance < 4)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(B, T, -1)
+        x = x + self.o(y)
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class ConvBlock(Block):
+    """A causal depthwise convolution along the sequence before the attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(DIM, DIM, 3, groups=DIM, padding=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.conv(x.transpose(1, 2))[..., : x.size(1)].transpose(1, 2)
+        return super().forward(x)
+
+
+class BatchNormBlock(Block):
+    """A BatchNorm over the batch's tokens before the attention (its batch statistics mix the rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.bn(x.transpose(1, 2)).transpose(1, 2))

@@ -69,3 +69,12 @@ class UserLM(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class TiedUserLM(UserLM):
+    """`UserLM` with its LM head tied to the token embedding (one parameter; across pipeline stages, two copies kept
+    tied by the strategy)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.head.weight = self.embed.weight

@@ -283,7 +283,6 @@ class CausalLM(LanguageModel):
         if self.model is None:
             raise RuntimeError("call configure_model() before using the model")
         cp = self._context_parallel_size()
-        self._check_sliding_window(idx.size(1) * cp)
         position_ids = self._positions(idx, position_ids, attention_mask)
         # Under context parallelism the attention's mask is the strategy's, made for the whole sequence from the
         # positions (`lightning_hybrid.context_parallel`): the model's own masks are replaced, not relied on.
@@ -313,23 +312,6 @@ class CausalLM(LanguageModel):
             f" (transformers' 'sdpa'): {remedy}."
         )
 
-    def _check_sliding_window(self, length: int) -> None:
-        """Under context parallelism the attention mask is rebuilt for the whole sequence as the causal document
-        mask: ``ValueError`` for a model whose layers attend within a sliding window shorter than the sequence."""
-        if self._context_parallel_size() == 1:
-            return
-        config = self.model.config
-        window = getattr(config, "sliding_window", None)
-        types = getattr(config, "layer_types", None)
-        sliding = window is not None and getattr(config, "use_sliding_window", True) is not False and (
-            types is None or "sliding_attention" in types)
-        if sliding and length > window:
-            raise ValueError(
-                f"{type(self.model).__name__} attends within a sliding window of {window} tokens, shorter than the"
-                f" sequence ({length}); context parallelism rebuilds the causal mask of the whole sequence, which"
-                " would widen it: train with cp=1, or sequences of at most the window."
-            )
-
     def auxiliary_loss(self, tokens: TokenBatch) -> Optional[tuple[Tensor, Tensor]]:
         """The router's load-balancing loss of a mixture-of-experts model whose config has
         ``output_router_logits=True``, times its ``router_aux_loss_coef``, as the model's own training adds it,
@@ -337,6 +319,7 @@ class CausalLM(LanguageModel):
         logits, self._router_logits = self._router_logits, None
         pipelined, self._pipeline_aux_value = self._pipeline_aux_value, None
         if pipelined is not None:  # under pp > 1: in the loss of the schedule already (`pipeline_aux_loss`)
+            self._check_window_of_equal_batches(tokens)
             self.log("train_aux_loss", pipelined, on_step=True, on_epoch=False)
             return None
         if self._aux is None or logits is None:

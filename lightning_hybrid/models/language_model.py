@@ -149,10 +149,38 @@ class LanguageModel(L.LightningModule):
             self._log_token_mean("train_loss", loss, tokens.loss_items(), prog_bar=True, on_step=True, on_epoch=False)
             return loss
         term, value = aux
+        self._check_window_of_equal_batches(tokens)
         self.log("train_aux_loss", value.detach(), on_step=True, on_epoch=False)
         self._log_token_mean("train_loss", loss, tokens.loss_items(), plus=term.detach(), prog_bar=True,
                              on_step=True, on_epoch=False)
         return loss + term
+
+    def _check_window_of_equal_batches(self, tokens: TokenBatch) -> None:
+        """An auxiliary loss under gradient accumulation: each batch's is that batch's (the loss of a window as one
+        batch is not reachable by a backward per batch), weighed like every batch by its loss tokens -- the
+        ``1 / accumulate_grad_batches`` one device accumulating the same batches gives it only where every batch of
+        the window has as many loss tokens. So under accumulation a batch whose rows are not all whole (padding, or
+        ignored labels beyond a row's last token) is refused, on every rank (one all-reduce of a flag)."""
+        trainer = self._trainer
+        window = getattr(trainer, "accumulate_grad_batches", 1) if trainer is not None else 1
+        if window <= 1:
+            return
+        counts = (tokens.labels != -100).sum(-1)
+        uneven = bool((counts < tokens.labels.size(-1) - 1).any())
+        flag = torch.tensor([int(uneven)], device=counts.device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if int(flag):
+            raise ValueError(
+                f"{type(self).__name__} adds an auxiliary loss of the whole batch (a mixture-of-experts router's"
+                f" load-balancing loss), and with accumulate_grad_batches={window} its batches have padding or"
+                " ignored labels: each batch's auxiliary loss would be weighed by the batch's share of the window's"
+                f" loss tokens rather than 1/{window}, and the window's loss as one batch (the router's statistics"
+                " over all its tokens) is not reachable by a backward per batch. Train with"
+                " accumulate_grad_batches=1 and a larger batch (more data-parallel ranks; under pp > 1 more"
+                " micro-batches), batches of whole rows (token pairs), or without the auxiliary loss"
+                " (transformers: output_router_logits=False)."
+            )
 
     def auxiliary_loss(self, tokens: TokenBatch) -> Optional[tuple[Tensor, Tensor]]:
         """A term the model's own training adds to the loss of the batch just run forward (``tokens``), as
