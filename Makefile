@@ -30,6 +30,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_memory.py
 	$(PY) benchmarks/bench_activations.py
 	$(PY) benchmarks/bench_planner.py
+	$(PY) benchmarks/bench_user_checks.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
