@@ -47,8 +47,8 @@ from torch.utils.checkpoint import checkpoint
 from lightning_hybrid.batch import TokenBatch, document_ids
 from lightning_hybrid.precision import autocast_inputs
 
-__all__ = ["ContextParallel", "block_mask", "gather_prefixes", "kv_group_of", "sliding_window_of", "split_batch",
-           "zigzag_indices"]
+__all__ = ["ContextParallel", "block_mask", "gather_prefixes", "kv_group_of", "restricted_attention_of",
+           "split_batch", "zigzag_indices"]
 
 
 def zigzag_indices(length: int, cp: int, rank: int, device: Optional[torch.device] = None) -> Tensor:
@@ -80,37 +80,51 @@ def split_batch(batch: Any, cp: int, rank: int) -> TokenBatch:
     return TokenBatch(ids[:, places], tokens.labels[:, places], positions[:, places], padding)
 
 
-def block_mask(docs: Tensor, start: int, end: int, window: Optional[int] = None) -> Tensor:
+def block_mask(docs: Tensor, start: int, end: int, window: Optional[int] = None,
+               chunks: Optional[Tensor] = None) -> Tensor:
     """``(B, 1, end - start, end)``: the causal document mask of the queries at places ``start .. end - 1`` of the
     sequence against its keys ``0 .. end - 1`` (True: may attend), from ``docs`` ``(B, T)``, the document of every
     token (`lightning_hybrid.batch.document_ids`) -- rows ``start:end`` and columns ``:end`` of one device's
     `lightning_hybrid.batch.document_causal_mask`; with ``window``, a query sees only the keys less than ``window``
-    places before it (a sliding window, as transformers' ``sliding_window_overlay``)."""
+    places before it (a sliding window, as transformers' ``sliding_window_overlay``); with ``chunks`` ``(B, T)``
+    (each token's position // the chunk size), only the keys of its own chunk (transformers' ``chunked_overlay``)."""
     places = torch.arange(end, device=docs.device)
     distance = places[start:].unsqueeze(1) - places.unsqueeze(0)  # query place - key place
     allowed = distance >= 0 if window is None else (distance >= 0) & (distance < window)
-    return ((docs[:, start:end].unsqueeze(-1) == docs[:, :end].unsqueeze(-2)) & allowed).unsqueeze(1)
+    mask = (docs[:, start:end].unsqueeze(-1) == docs[:, :end].unsqueeze(-2)) & allowed
+    if chunks is not None:
+        mask = mask & (chunks[:, start:end].unsqueeze(-1) == chunks[:, :end].unsqueeze(-2))
+    return mask.unsqueeze(1)
 
 
-def sliding_window_of(layer: nn.Module) -> Optional[int]:
-    """The sliding window a layer's attention keeps (a query sees the keys less than that many places before it),
-    as a ``transformers`` config says it -- ``sliding_window``, and per layer ``layer_types[layer_idx]`` ==
-    ``"sliding_attention"`` where the config lists them (Gemma, Cohere2, Qwen2 with ``use_sliding_window``), every
-    layer otherwise (Mistral); ``None`` for any other layer (a model's own mask that holds a window it does not
-    declare is caught by the probe of the first step, `lightning_hybrid.probe`)."""
+def restricted_attention_of(layer: nn.Module) -> tuple[Optional[int], Optional[int]]:
+    """``(window, chunk)``: the sliding window a layer's attention keeps (a query sees the keys less than that many
+    places before it) and the chunks it attends within (a query sees only the keys whose position // chunk is its
+    own), as a ``transformers`` config says them -- ``sliding_window``, per layer ``layer_types[layer_idx] ==
+    "sliding_attention"`` where the config lists them (Gemma, Cohere2, Qwen2 with ``use_sliding_window``), every
+    layer otherwise (Mistral); ``attention_chunk_size`` for ``"chunked_attention"`` layers (Llama 4). ``None`` for
+    what a layer does not declare (a model's own mask that says more is caught by the probe of the first step,
+    `lightning_hybrid.probe`)."""
     for sub in layer.modules():
         config, index = getattr(sub, "config", None), getattr(sub, "layer_idx", None)
-        window = getattr(config, "sliding_window", None)
-        if not isinstance(window, int) or isinstance(window, bool):
+        if config is None:
+            continue
+        types = getattr(config, "layer_types", None)
+        kind = types[index] if types is not None and isinstance(index, int) and 0 <= index < len(types) else None
+        window, chunk = getattr(config, "sliding_window", None), getattr(config, "attention_chunk_size", None)
+        window = window if isinstance(window, int) and not isinstance(window, bool) else None
+        chunk = chunk if isinstance(chunk, int) and not isinstance(chunk, bool) else None
+        if window is None and chunk is None:
             continue
         if getattr(config, "use_sliding_window", True) is False:
-            return None
-        types = getattr(config, "layer_types", None)
-        if types is None:
-            return window
-        if isinstance(index, int) and 0 <= index < len(types):
-            return window if types[index] == "sliding_attention" else None
-    return None
+            window = None
+        if types is not None:
+            window = window if kind == "sliding_attention" else None
+            chunk = chunk if kind == "chunked_attention" else None
+        else:
+            chunk = None
+        return window, chunk
+    return None, None
 
 
 class ContextParallel:
@@ -139,14 +153,14 @@ class ContextParallel:
         self._layer: Optional[int] = None  # the index of the layer running (`wrap`'s order)
         self._layers = 0
         self._kv_groups: dict[tuple, int] = {}  # (layer, query heads) -> query heads per key/value head gathered
-        self._windows: dict[int, Optional[int]] = {}  # layer -> its sliding window (`sliding_window_of`)
+        self._windows: dict[int, tuple] = {}  # layer -> its (window, chunk) (`restricted_attention_of`)
         self.layers: list[nn.Module] = []  # the wrapped layers, in `wrap`'s order
         self.enabled = True  # False: the layers run as on one device (the probe's reference)
 
     def wrap(self, layer: nn.Module) -> None:
         forward = layer.forward
         index, self._layers = self._layers, self._layers + 1
-        self._windows[index] = sliding_window_of(layer)
+        self._windows[index] = restricted_attention_of(layer)
         self.layers.append(layer)
 
         def context_parallel_forward(*args: Any, **kwargs: Any) -> Any:
@@ -205,12 +219,14 @@ class ContextParallel:
         # Checkpointed: backward gathers the keys and values again rather than keeping the whole sequence's (and
         # what SDPA saves of the rank's queries against them) for every layer until its backward. (Not inside a
         # checkpointed layer: its recomputation, or a selective policy replaying the ops in order, decides.)
-        window = self._windows.get(self._layer) if self._layer is not None else None
-        if window is not None and docs is None:  # one document per row: still a mask, for the window
+        window, chunk = self._windows.get(self._layer, (None, None)) if self._layer is not None else (None, None)
+        chunks = self.whole_positions(positions, query.device) // chunk if chunk is not None else None
+        if (window is not None or chunk is not None) and docs is None:  # one document per row: still a mask
             docs = torch.zeros(query.size(0), self.size * local, dtype=torch.long, device=query.device)
         if not self.recompute_attention:
-            return self._attend(query, key, value, docs, dropout_p, scale, window)
-        return checkpoint(self._attend, query, key, value, docs, dropout_p, scale, window, use_reentrant=False)
+            return self._attend(query, key, value, docs, dropout_p, scale, window, chunks)
+        return checkpoint(self._attend, query, key, value, docs, dropout_p, scale, window, chunks,
+                          use_reentrant=False)
 
     def _kv_group(self, key: Tensor, value: Tensor, heads: int) -> int:
         """How many query heads share a key/value head in this layer, as every CP rank agrees, decided at the layer's
@@ -244,13 +260,13 @@ class ContextParallel:
         return group
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor, docs: Optional[Tensor], dropout_p: float,
-                scale: Optional[float], window: Optional[int] = None) -> Tensor:
+                scale: Optional[float], window: Optional[int] = None, chunks: Optional[Tensor] = None) -> Tensor:
         """Each of the rank's two chunks (chunks ``rank`` and ``2 cp - 1 - rank`` of the sequence) attends the
         keys of the sequence up to its own last token, in the sequence's order: plain causal batches (``docs``
         None) causal aligned to the lower right, which SDPA's kernels take without a mask tensor; batches with
-        documents (or a sliding ``window``) under the mask of that block alone -- same document, causal, within the
-        window -- made here from ``docs`` (the ``(B, T)`` document of every token), ``B x chunk x end`` booleans for
-        one SDPA call at a time."""
+        documents (or a sliding ``window``, or attention ``chunks``) under the mask of that block alone -- same
+        document, causal, within the window and the chunk -- made here from ``docs`` (the ``(B, T)`` document of
+        every token), ``B x chunk x end`` booleans for one SDPA call at a time."""
         chunk = query.size(-2) // 2
         indices = (self.rank, 2 * self.size - 1 - self.rank)
         ends = tuple((index + 1) * chunk for index in indices)
@@ -264,10 +280,15 @@ class ContextParallel:
                 with _disable_current_modes():  # a tensor subclass, which a dispatch mode (a memory tracker) refuses
                     mask = causal_lower_right(chunk, end)
             else:
-                mask = block_mask(docs, start, end, window)
+                mask = block_mask(docs, start, end, window, chunks)
             outputs.append(F.scaled_dot_product_attention(part, k, v, attn_mask=mask, dropout_p=dropout_p,
                                                           scale=scale))
         return torch.cat(outputs, dim=-2)
+
+    def whole_positions(self, positions: Tensor, device: torch.device) -> Tensor:
+        """``(B, T)``: the positions of every token of the sequence, in its order (found with `documents`)."""
+        self.documents(positions, device)
+        return self._documents[id(positions)][2]
 
     def documents(self, positions: Tensor, device: torch.device) -> Optional[Tensor]:
         """``(B, T)``: the document of every token of the sequence (in its order), or ``None`` where the batch is
@@ -278,7 +299,7 @@ class ContextParallel:
         from it."""
         entry = self._documents.get(id(positions))
         if entry is None or entry[0] is not positions:
-            entry = (positions, self._find_documents(positions, device))
+            entry = (positions, *self._find_documents(positions, device))
             self._documents[id(positions)] = entry
         return entry[1]
 
@@ -307,14 +328,15 @@ class ContextParallel:
         if isinstance(positions, Tensor) and not positions.is_meta:
             self.documents(positions, positions.device)
 
-    def _find_documents(self, positions: Tensor, device: torch.device) -> Optional[Tensor]:
+    def _find_documents(self, positions: Tensor, device: torch.device) -> tuple[Optional[Tensor], Tensor]:
+        """The documents (``None``: plain causal attention) and the positions of the whole sequence."""
         with torch.no_grad():
             pieces = [torch.empty_like(positions) for _ in range(self.size)]
             dist.all_gather(pieces, positions.contiguous(), group=self.group)
             whole = _in_sequence_order(pieces, dim=-1)  # (B, T): the positions in the sequence's order
             if bool((whole == torch.arange(whole.size(-1), device=device)).all()):
-                return None  # plain causal attention
-            return document_ids(whole)
+                return None, whole  # plain causal attention
+            return document_ids(whole), whole
 
     def _check_mask(self, attn_mask: Optional[Tensor], is_causal: bool, query: Tensor) -> None:
         """Refuse, when first seen, an attention whose own mask is not the causal document mask this replaces."""

@@ -70,6 +70,38 @@ def _state(trainer: L.Trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in state.items()}
 
 
+class SGDCausalLM(CausalLM):
+    """Trained with plain SGD: an update is the learning rate times the gradient (Adam turns fp32 noise in gradients
+    of nearly zero into updates of order its learning rate)."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _llama4(temperature_tuning: bool = False) -> CausalLM:
+    """A transformers Llama 4 text model whose first layer attends within chunks of 4 tokens (its
+    ``attention_chunk_size``), dense; with ``temperature_tuning`` its second layer has no rotary embedding and scales
+    its queries by each token's position (its attention temperature, from positions 0..T-1 of the tokens it is
+    given); SGD."""
+    import transformers as T
+
+    config = T.Llama4TextConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        intermediate_size_mlp=64, vocab_size=VOCAB, max_position_embeddings=64, num_local_experts=2,
+        num_experts_per_tok=1, moe_layers=[], attention_chunk_size=4, no_rope_layers=[1, int(not temperature_tuning)],
+        layer_types=["chunked_attention", "full_attention"], attn_temperature_tuning=temperature_tuning,
+        floor_scale=4, attn_scale=0.5, tie_word_embeddings=False)
+    return SGDCausalLM(config)
+
+
+def _dynamic_rope_llama() -> CausalLM:
+    """A transformers Llama whose rotary embedding is scaled by the longest position it sees (beyond 8)."""
+    config = tiny_config("llama")
+    config.max_position_embeddings = 8
+    config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    return CausalLM(config)
+
+
 #: Runs compared against one device: name -> (strategy arguments, module factory, loader factory (per-rank batch
 #: size -> loader), trainer arguments).
 PARITY = {
@@ -87,6 +119,8 @@ PARITY = {
                                              {"gradient_clip_val": 0.5}),
     "tied head in a submodule, dp2 ZeRO-3": (dict(dp=2, zero_stage=3), TiedTrunkLM, pairs_loader,
                                              {"gradient_clip_val": 0.5}),
+    # Chunked attention (Llama 4's first layer): the CP attention keeps the chunks.
+    "chunked attention, cp2": (dict(dp=1, cp=2), _llama4, pairs_loader, {}),
     # Dropout where a TP rank holds what one device holds (after the row-split projection): one device's masks.
     "dropout on replicated activations, tp2": (dict(tp=2), lambda: DropoutLM(whole_p=0.3), pairs_loader, {}),
 }
@@ -107,14 +141,6 @@ def _masks(kwargs: dict, module) -> dict[str, torch.Tensor]:
     _fit(HybridStrategy(randomness="independent", **kwargs), module, lambda t: pairs_loader(), steps=1,
          callbacks=[masks])
     return masks.masks
-
-
-def _dynamic_rope_llama() -> CausalLM:
-    """A transformers Llama whose rotary embedding is scaled by the longest position it sees (beyond 8)."""
-    config = tiny_config("llama")
-    config.max_position_embeddings = 8
-    config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
-    return CausalLM(config)
 
 
 def _on_2_ranks() -> dict[str, str]:
@@ -163,7 +189,8 @@ def _on_2_ranks() -> dict[str, str]:
                               ("a convolution along the sequence", lambda: SequenceLM(block=ConvBlock)),
                               ("positions from torch.arange", lambda: SequenceLM(own_positions=True)),
                               ("positions from the batch", lambda: SequenceLM()),
-                              ("dynamic RoPE", _dynamic_rope_llama))},
+                              ("dynamic RoPE", _dynamic_rope_llama),
+                              ("attention temperature", lambda: _llama4(temperature_tuning=True)))},
         # ... and what splitting the rows cannot (dynamic RoPE over left-padded rows of other lengths: the positions
         # of each row count from its first real token).
         "dp2: dynamic RoPE on padded rows": _outcome(lambda: _fit(HybridStrategy(dp=2), _dynamic_rope_llama(),
@@ -188,7 +215,9 @@ def test_declared_losses_match_one_device(two_ranks, name):
     window = trainer_kwargs.get("accumulate_grad_batches", 1)
     reference = _state(_fit("auto", make(), lambda t: loader(GLOBAL_BATCH * window, one_device=True), devices=1,
                             **{**trainer_kwargs, "accumulate_grad_batches": 1}))
-    initial = make().state_dict()
+    fresh = make()
+    fresh.configure_model()  # a module that builds its model there (CausalLM)
+    initial = fresh.state_dict()
     moved = max((reference[k] - v).abs().max().item() for k, v in initial.items())
     assert moved > 20 * PARAM_ATOL, moved
     for rank_states in two_ranks:
@@ -298,7 +327,7 @@ def test_what_splitting_the_sequence_or_the_rows_would_change_is_refused_by_name
     for case, where in (("a window mask of its own", "blocks.0 differs"),
                         ("a convolution along the sequence", "blocks.0 differs"),
                         ("positions from torch.arange", "the input of blocks.0"),
-                        ("dynamic RoPE", "differs")):
+                        ("dynamic RoPE", "differs"), ("attention temperature", "differs")):
         for out in (first, other):
             message = out[f"cp2: {case}"]
             assert message.startswith("ValueError: cp=2 would train another model than one device"), (case, message)
