@@ -29,29 +29,25 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_hybrid.activation_checkpointing import Recompute
-from lightning_hybrid.batch_check import BatchCheck
 from lightning_hybrid.checkpoint import full_state_dict, load_sharded, save_sharded
 from lightning_hybrid.checkpoint import remove as remove_checkpoint_path
 from lightning_hybrid.compile import Compile
 from lightning_hybrid.batch import TokenBatch
 from lightning_hybrid.context_parallel import ContextParallel, split_batch
 from lightning_hybrid.grad_sync import GradientSync
-from lightning_hybrid.gradient_guard import WATCHED_STEPS, LocalGradientNorms
-from lightning_hybrid.loss_semantics import check_decomposition, declared_reduction, ignored_tokens, undeclared_error
 from lightning_hybrid.mesh_strategy import MeshStrategy
 from lightning_hybrid.options import ParallelOptions
 from lightning_hybrid.parallelize import Parallelized, parallelize
 from lightning_hybrid.pipeline.protocol import LayerwiseInit
 from lightning_hybrid.pipeline.stages import bind_evaluation, bind_loss_items, bind_training
 from lightning_hybrid.precision import with_global_norm_clipping
-from lightning_hybrid.probe import FirstStepProbe
-from lightning_hybrid.randomness import RandomOpsProbe, SplitSpans, rank_seed, seed_streams
 from lightning_hybrid.rank_zero import BatchError, raise_from_rank_zero
 from lightning_hybrid.tensor_parallel import TPResult
+from lightning_hybrid.user_checks import UserCodeChecks
 from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB
 
 
@@ -149,18 +145,9 @@ class HybridStrategy(MeshStrategy):
         _refuse_checkpoint_io(checkpoint_io)
         self._parallelized: Optional[Parallelized] = None
         self._sync: Optional[GradientSync] = None
-        self._batch_check: Optional[BatchCheck] = None
+        self._checks: Optional[UserCodeChecks] = None  # what users write (`lightning_hybrid.user_checks`)
         self.last_grad_norm: Optional[Tensor] = None
         self._batch_items: Optional[Tensor] = None  # the loss items of the step whose backward comes next
-        self._reduction: Optional[str] = None  # how the module's loss reduces (`declared_reduction`), from setup
-        self._loss_verified = False  # the first training step checked the module's loss_fn against it
-        self._optimizer_steps = 0  # of this process: the first ones' hooks are watched (`_watch_gradients`)
-        self._grad_watch: Optional[LocalGradientNorms] = None
-        self._spans: Optional[SplitSpans] = None  # the TP split spans (tp > 1), for random ops
-        self._random_checked = False  # the first training step looked for random ops
-        self._probe: Optional[FirstStepProbe] = None  # what splitting the batch changes (`_prepare_probe`)
-        self._probe_handle: Optional[Any] = None
-        self._probe_armed = False
         self._sigterm = False  # this rank received SIGTERM (`_on_sigterm`)
         self._stopping = False  # every rank agreed to stop after this step (`_agree_on_sigterm`)
 
@@ -226,9 +213,8 @@ class HybridStrategy(MeshStrategy):
         tokens' positions."""
         batch = super().batch_to_device(batch, device, dataloader_idx)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self._batch_check is not None:
-            stage = trainer.state.stage.value if trainer is not None and trainer.state.stage is not None else "a"
-            self._batch_check.check(batch, f"{stage} batch {self._batch_check.seen}")
+        if self._checks is not None:
+            self._checks.check_batch(batch, trainer.state.stage.value if trainer and trainer.state.stage else "a")
         context = self._context
         if context is None:
             return batch
@@ -243,8 +229,8 @@ class HybridStrategy(MeshStrategy):
         except (ValueError, TypeError) as e:
             raise_from_rank_zero(BatchError(f"cp={context.size}: {e}"))
         context.new_batch(share.position_ids)
-        if self._probe is not None and not self._probe.ran and trainer is not None and trainer.training:
-            self._probe.whole, self._probe.share = whole, share
+        if self._checks is not None:
+            self._checks.split(whole, share, trainer is not None and trainer.training)
         return share
 
     def _check_attention_reached(self) -> None:
@@ -270,33 +256,29 @@ class HybridStrategy(MeshStrategy):
         module = self.lightning_module
         if self._parallelized is None or self._parallelized.module is not module:  # a second fit reuses it
             self._parallelized = parallelize(module, self.device_mesh, self.options, self.root_device)
-        dims = self.parallel_dims
-        if dims.tp * dims.pp * dims.cp > 1:  # ranks that share a batch: checked from the first one of this run
-            coordinates = [dims.coordinates(rank) for rank in range(self.world_size)]
-            self._batch_check = BatchCheck(self.dp_rank, coordinates, self.root_device,
-                                           self.options.batch_check_interval)
         if trainer.state.fn == "fit":  # launched by torchrun or SLURM: checked here, before any step, alike on all
             self._check_batch_size(_batch_size_of(trainer.datamodule))  # (the model's own errors first)
         self.model_to_device()
-        self._reduction = declared_reduction(module)
-        self._loss_verified = False
+        if self._checks is not None:
+            self._checks.close()
+        self._checks = UserCodeChecks(module, self._parallelized, self.parallel_dims, self.options, self.root_device,
+                                      self.global_rank, self.world_size, self.dp_rank, trainer.accumulate_grad_batches)
+        summed = self._checks.reduction == "sum"
         pipeline = self._parallelized.pipeline
         if pipeline is not None:  # the schedule runs the backward: it applies accumulation's 1/k itself
             pipeline.loss_scale = 1.0 / trainer.accumulate_grad_batches
             pipeline.loss_items = self._loss_items()
-            pipeline.loss_sum = self._reduction == "sum"
+            pipeline.loss_sum = summed
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
         if self._sync is None or self._sync.parallelized is not self._parallelized:
             self._sync = GradientSync(self._parallelized, self.zero_stage, self.options.bucket_cap_mb, self.root_device)
-        self._sync.sum_loss = self._reduction == "sum" and module.automatic_optimization
+        self._sync.sum_loss = summed and module.automatic_optimization
         self._sync.manual = not module.automatic_optimization
         if trainer.state.fn == "fit":  # the optimizers, wrapped by the gradient sync (ZeRO 0-2 over DP)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         self._sync_metrics_over_dp()
-        self._prepare_randomness(module)
-        self._prepare_probe(module, trainer)
         if pipeline is not None:  # `self(x)` outside training steps: the pipeline's forward-only path
             self._run_scope.enter_context(bind_evaluation(module, pipeline))
 
@@ -313,125 +295,8 @@ class HybridStrategy(MeshStrategy):
         super().on_train_start()
         self._sigterm = self._stopping = False
         self._catch_sigterm()  # after Lightning's (it registers its handlers once the strategy is set up)
-        if self.options.randomness == "independent":  # after Lightning has seeded: this rank's own streams
-            pp, dp, cp, tp = self.parallel_dims.coordinates(self.global_rank)
-            tp_rank = tp if self.options.sequence_parallel else None  # TP ranks share theirs outside split spans
-            seed_streams(rank_seed(torch.initial_seed(), dp, cp, pp, tp_rank), self.root_device)
-
-    # ------------------------------------------------------------------ the first step's probe
-    def _prepare_probe(self, module: "pl.LightningModule", trainer: "pl.Trainer") -> None:
-        """Where the layout splits sequences (CP) or the rows of the global batch (DP, micro-batches,
-        accumulation; not under ``compile``): `FirstStepProbe` at the module's first forward in training
-        (`_probing`)."""
-        if self._probe_handle is not None:
-            self._probe_handle.remove()
-        self._probe, self._probe_handle = None, None
-        dims = self.parallel_dims
-        splits = [f"{n}={v}" for n, v in (("dp", dims.dp), ("pp", dims.pp)) if v > 1]
-        if trainer.accumulate_grad_batches > 1:
-            splits.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches}")
-        # Not under compile (no CP there): its forwards in eval mode without gradients would compile every layer
-        # again for a check of the rows alone.
-        if dims.cp == 1 and (not splits or self.options.compile is not None):
-            return
-        pipeline = self._parallelized.pipeline if self._parallelized is not None else None
-        stages = (pipeline.stage_modules, pipeline.owners, pipeline.group) if pipeline is not None else None
-        self._probe = FirstStepProbe(module, self._context, ", ".join(splits) or None, self.root_device, stages)
-        probe = self._probe
-
-        def hook(_: Any, args: tuple, kwargs: dict) -> None:
-            if self._probe_armed:
-                probe(args, kwargs)
-
-        self._probe_handle = module.register_forward_pre_hook(hook, with_kwargs=True)
-
-    @contextmanager
-    def _probing(self) -> Generator[None, None, None]:
-        """The first training step: its first call of the module's forward runs the probe. Under CP, a step that
-        never calls it (a training_step calling a submodule directly) is refused: the split cannot be verified."""
-        probe = self._probe
-        if probe is None or probe.ran:
-            yield
-            return
-        self._probe_armed = True
-        try:
-            yield
-        finally:
-            self._probe_armed = False
-        if self._probe_handle is not None:
-            self._probe_handle.remove()
-            self._probe_handle = None
-        if not probe.ran and self._context is not None:
-            raise ValueError(
-                f"cp={self._context.size}: {type(self.lightning_module).__name__}'s training_step did not call the"
-                " module's forward (self(...)), through which context parallelism runs the model on the whole"
-                " sequence at the first step to verify the split (lightning_hybrid.probe): call"
-                " self(tokens.input_ids, position_ids=tokens.position_ids) in training_step, or train with cp=1."
-            )
-
-    # ------------------------------------------------------------------ random ops
-    def _prepare_randomness(self, module: "pl.LightningModule") -> None:
-        """The TP split spans: switching each TP rank's stream under ``randomness="independent"`` (without sequence
-        parallelism: with it every TP rank's streams are its own throughout), else found only for the first step's
-        check (`lightning_hybrid.randomness`)."""
-        if self._spans is not None:
-            self._spans.detach()
-            self._spans = None
-        self._random_checked = False
-        if self.parallel_dims.tp == 1:
-            return
-        tp_rank = self.parallel_dims.coordinates(self.global_rank)[3]
-        switch = self.options.randomness == "independent" and not self.options.sequence_parallel
-        self._spans = SplitSpans(tp_rank, self.root_device, switch)
-        if switch:
-            self._spans.attach(module)
-
-    @contextmanager
-    def _checking_random_ops(self) -> Generator[None, None, None]:
-        """Around the first training step under ``randomness="exact"``: the random ops it runs (`RandomOpsProbe`),
-        then on every rank a ``ValueError`` naming those that cannot draw one device's values under this layout.
-        Under ``compile`` (whose graphs a probe would change) the dropout modules are read instead."""
-        module = self.lightning_module
-        if self._random_checked or self.options.randomness != "exact" or module is None:
-            yield
-            return
-        self._random_checked = True
-        dims, sp = self.parallel_dims, self.options.sequence_parallel
-        # Where a rank holds what one device holds: every rank draws one device's values (outside TP split spans).
-        whole = dims.dp * dims.cp == 1 and dims.pp == 1 and not sp
-        if self.options.compile is not None:
-            yield
-            found = [("dropout", name, True) for name, sub in module.named_modules()
-                     if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0]
-        else:
-            spans = self._spans
-            if spans is not None:
-                spans.attach(module)
-            probe = RandomOpsProbe(spans).watch(module)
-            try:
-                with probe:
-                    yield
-            finally:
-                probe.close()
-                if spans is not None:
-                    spans.detach()
-            found = probe.found
-        refused = [f"{op} in {where}" + (" (inside a TP split span)" if inside else "")
-                   for op, where, inside in found if not whole or inside]
-        gathered: list[list[str]] = [[] for _ in range(self.world_size)]
-        torch.distributed.all_gather_object(gathered, refused)
-        refused = list(dict.fromkeys(r for per_rank in gathered for r in per_rank))
-        if refused:
-            layout = ", ".join(f"{n}={v}" for n, v in (("dp", dims.dp), ("cp", dims.cp), ("pp", dims.pp),
-                                                       ("tp", dims.tp)) if v > 1) + (" with SP" if sp else "")
-            raise ValueError(
-                f"{type(module).__name__} runs random ops in training that cannot draw what one device draws under"
-                f" {layout}: {refused[:6]}{' ...' if len(refused) > 6 else ''}. Every rank would draw the same values"
-                " for other data (other samples, other tokens, other heads, other micro-batches): correlated noise,"
-                " and another model than one device. Train with HybridStrategy(randomness='independent') (every rank"
-                " its own streams: statistically, not bitwise, one device's run), or without them (dropout p=0,"
-                " deterministic routing)."
-            )
+        if self._checks is not None:  # after Lightning has seeded: randomness="independent"'s own streams
+            self._checks.seed_streams()
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self._sigterm = True
@@ -451,7 +316,8 @@ class HybridStrategy(MeshStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         self._prepare_gradients()  # manual optimization: the backward passes since the last step, reduced once
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._optimizer_steps += 1
+        if self._checks is not None:
+            self._checks.stepped()
         if torch.distributed.is_initialized():
             self._agree_on_sigterm()
         return output
@@ -494,26 +360,13 @@ class HybridStrategy(MeshStrategy):
         if self._sync is not None:
             self._sync.flush()
 
-    @contextmanager
-    def _watch_gradients(self) -> Generator[None, None, None]:
-        """The hooks between a backward and its optimizer step (the precision plugin's ``_after_closure``) run
-        under `LocalGradientNorms` during the first optimizer steps, where a rank holds pieces of the gradients
-        (TP shards, pipeline stages, experts): a norm the user computes from them alone is refused."""
-        dims, module = self.parallel_dims, self.lightning_module
-        pieces = [f"{n}={v}" for n, v in (("tp", dims.tp), ("pp", dims.pp), ("ep", self.options.ep)) if v > 1]
-        if not pieces or self._optimizer_steps >= WATCHED_STEPS or module is None:
-            yield
-            return
-        self._grad_watch = LocalGradientNorms(module.parameters(), " x ".join(pieces))
-        try:
-            with self._grad_watch:
-                yield
-        finally:
-            self._grad_watch = None
+    def _watch_gradients(self) -> ContextManager[Any]:
+        """The hooks between a backward and its optimizer step (`UserCodeChecks.watch_gradients`)."""
+        return self._checks.watch_gradients() if self._checks is not None else contextlib.nullcontext()
 
     def _own_norms(self) -> ContextManager[Any]:
-        """The strategy's own norms of the gradients: not the user's (`_watch_gradients`)."""
-        return self._grad_watch.suspended() if self._grad_watch is not None else contextlib.nullcontext()
+        """The strategy's own norms of the gradients: not the user's (`UserCodeChecks.own_norms`)."""
+        return self._checks.own_norms() if self._checks is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ steps and gradients
     def _loss_items(self) -> Optional[Any]:
@@ -528,17 +381,18 @@ class HybridStrategy(MeshStrategy):
         assert module is not None and self._sync is not None
         self.mark_progress(module.trainer.fit_loop.total_batch_idx)
         self._batch_items = None
-        self._refuse_an_undeclared_loss(args[0] if args else kwargs.get("batch"))
-        verify = self._loss_verifier()
-        self._loss_verified = True  # a loss computed without loss_fn in the first step is not either later
+        checks = self._checks
+        assert checks is not None
+        checks.refuse_undeclared_loss(args[0] if args else kwargs.get("batch"))
+        loss_items = self._loss_items()
+        verify = checks.loss_verifier(loss_items, pipelined=pipeline is not None)
         if pipeline is None:
-            loss_items = self._loss_items()
             if loss_items is None and verify is None:
-                with self._probing(), self._checking_random_ops():
+                with checks.first_step():
                     output = super().training_step(*args, **kwargs)
                 self._check_attention_reached()
                 return output
-            with self._probing(), self._checking_random_ops(), bind_loss_items(module, loss_items, verify) as counted:
+            with checks.first_step(), bind_loss_items(module, loss_items, verify) as counted:
                 output = super().training_step(*args, **kwargs)
             self._check_attention_reached()
             if loss_items is not None:
@@ -553,48 +407,12 @@ class HybridStrategy(MeshStrategy):
             binding.check_output(output)
             return output
 
-        with self._probing(), self._checking_random_ops():
+        with checks.first_step():
             output = self._sync.pipeline_step(step, first_in_window)
         self._check_attention_reached()
         if pipeline.loss_items is not None and output is not None:
             self._sync.add_loss_items(pipeline.last_items)
         return output
-
-    def _refuse_an_undeclared_loss(self, batch: Any) -> None:
-        """Under a layout that splits batches (over DP or CP ranks, or into micro-batches), a module that does not
-        say how its loss reduces trains with the mean of per-part means, which one device's loss is only where
-        every part has as many loss items: a batch with ignored labels or padding is refused on every rank (one
-        all-reduce of a flag per step; `lightning_hybrid.loss_semantics`)."""
-        dims = self.parallel_dims
-        if self._reduction is not None or dims.dp * dims.cp * dims.pp == 1:
-            return
-        if not self.lightning_module.automatic_optimization:  # the user's own backward: their own semantics
-            return
-        flag = torch.tensor([int(ignored_tokens(batch))], device=self.root_device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        if int(flag):
-            layout = ", ".join(f"{name}={size}" for name, size in (("dp", dims.dp), ("cp", dims.cp), ("pp", dims.pp))
-                               if size > 1)
-            raise_from_rank_zero(BatchError(undeclared_error(self.lightning_module, layout)))
-
-    def _loss_verifier(self) -> Optional[Callable[[Callable, Any, Tensor], Optional[str]]]:
-        """For the first training step, where the module has a ``loss_fn``: what checks its first call against the
-        declared reduction (`lightning_hybrid.loss_semantics.check_decomposition`); else ``None``."""
-        module = self.lightning_module
-        if self._loss_verified or not callable(getattr(module, "loss_fn", None)) or self._reduction == "mean":
-            return None
-        items, reduction, name = self._loss_items(), self._reduction, type(module).__name__
-        pipelined = self._parallelized is not None and self._parallelized.pipeline is not None
-
-        def verify(loss_fn: Callable, output: Any, target: Tensor) -> Optional[str]:
-            message = check_decomposition(loss_fn, items, reduction, output, target, name)
-            if pipelined:  # only the last stage calls it: the executor gathers the verdicts after the schedule
-                return message
-            verdicts: list[Optional[str]] = [None] * self.world_size  # every rank's loss_fn: every rank's verdict
-            torch.distributed.all_gather_object(verdicts, message)
-            return next((m for m in verdicts if m is not None), None)
-
-        return verify
 
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         assert self._sync is not None
