@@ -31,6 +31,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_activations.py
 	$(PY) benchmarks/bench_planner.py
 	$(PY) benchmarks/bench_user_checks.py
+	$(PY) benchmarks/bench_data.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -10,6 +10,7 @@ Shape legend: ``T`` = ``block_size``, ``B`` = ``batch_size``.
 
 from __future__ import annotations
 
+import array
 import itertools
 import os
 import sysconfig
@@ -18,10 +19,15 @@ from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
+
+from lightning_hybrid.prepare import Piece, PieceTokenizer, text_pieces
+from lightning_hybrid.record_files import TOKENIZER_FILES, DataError, has_tokenizer, looks_binary
 
 __all__ = [
     "EXCLUDED_DIRS",
+    "DataError",
     "ByteBlockDataset",
     "ByteCorpusDataModule",
     "DataPosition",
@@ -29,7 +35,9 @@ __all__ = [
     "collect_text_files",
     "default_corpus_files",
     "looks_binary",
+    "corpus_files",
     "read_corpus",
+    "statistics_line",
 ]
 
 PathLike = Union[str, os.PathLike]
@@ -38,13 +46,25 @@ PathLike = Union[str, os.PathLike]
 EXCLUDED_DIRS: Tuple[str, ...] = ("site-packages", "dist-packages")
 
 _SEPARATOR = b"\n"
-_BINARY_SNIFF_BYTES = 1024
 
 
-def looks_binary(path: PathLike) -> bool:
-    """True if the file has a NUL byte in its first 1 KiB."""
-    with open(path, "rb") as f:
-        return b"\0" in f.read(_BINARY_SNIFF_BYTES)
+def statistics_line(statistics: dict) -> str:
+    """A data module's ``statistics()`` as the one line a run prints before its first step: ``data: records=300
+    dropped=2 (no assistant turn: 2) truncated=7 rows=120 tokens=51234 packing_efficiency=0.83 ...`` (numbers
+    as they are, dicts of counts with their reasons, lists by their length)."""
+    parts = []
+    for key, value in statistics.items():
+        if isinstance(value, dict):
+            total = sum(v for v in value.values() if isinstance(v, (int, float)))
+            reasons = ", ".join(f"{k}: {v}" for k, v in value.items())
+            parts.append(f"{key}={total}" + (f" ({reasons})" if reasons else ""))
+        elif isinstance(value, (list, tuple)):
+            parts.append(f"{key}={len(value)}")
+        elif isinstance(value, float):
+            parts.append(f"{key}={value:.4g}")
+        else:
+            parts.append(f"{key}={value}")
+    return "data: " + " ".join(parts)
 
 
 def collect_text_files(
@@ -147,21 +167,24 @@ def read_corpus(
         FileNotFoundError: a given path does not exist (the message names it).
         ValueError: the corpus is empty.
     """
-    if paths is None:
-        files = default_corpus_files()
-    else:
-        if isinstance(paths, (str, os.PathLike)):
-            paths = [paths]
-        files = []
-        for p in paths:
-            path = Path(p)
-            if not path.exists():
-                raise FileNotFoundError(f"corpus path does not exist: {str(p)!r}")
-            files.extend(collect_text_files(path) if path.is_dir() else [path])
+    files = corpus_files(paths)
     corpus = _concat(files, max_bytes)
     if not corpus:
         raise ValueError(f"empty corpus (paths={paths!r}, {len(files)} files)")
     return corpus
+
+
+def corpus_files(paths: Union[None, PathLike, Sequence[PathLike]] = None) -> List[Path]:
+    """The files of a corpus (see `read_corpus`), in the order they are read."""
+    if paths is None:
+        return default_corpus_files()
+    files: List[Path] = []
+    for p in [paths] if isinstance(paths, (str, os.PathLike)) else paths:
+        path = Path(p)
+        if not path.exists():
+            raise FileNotFoundError(f"corpus path does not exist: {str(p)!r}")
+        files.extend(collect_text_files(path) if path.is_dir() else [path])
+    return files
 
 
 class ByteBlockDataset(Dataset):
@@ -204,12 +227,14 @@ class ResumableDataLoader(DataLoader):
     the epoch after that -- and in the order of ``skip_epoch``, the sampler epoch those batches came from (a run
     that stopped at ``max_steps`` in the middle of an epoch is saved with that epoch marked done, and Lightning
     resumes it as the next one: its data goes on where it stopped). A checkpoint saved on an epoch's last batch
-    (``skip_batches`` of a whole epoch) skips nothing: Lightning starts the next epoch.
+    (``skip_batches`` of a whole epoch) skips nothing: Lightning starts the next epoch. The skipped batches' indices
+    are drawn from the batch sampler and dropped; their data is never read.
     """
 
     def __init__(self, *args, skip_batches: int = 0, skip_epoch: Optional[int] = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.skip_batches, self.skip_epoch = skip_batches, skip_epoch
+        self._skipping_now = 0
 
     def __iter__(self):
         skip, self.skip_batches = self.skip_batches, 0
@@ -220,20 +245,46 @@ class ResumableDataLoader(DataLoader):
         def make() -> Iterator:
             if epoch is not None and hasattr(self.sampler, "set_epoch"):
                 self.sampler.set_epoch(epoch)
-            return super(ResumableDataLoader, self).__iter__()
+            if isinstance(getattr(self._iterator, "_index_sampler", None), _AfterFirst):
+                self._iterator = None  # persistent workers' iterator of the resumed epoch: not for the next one
+            self._skipping_now = skip  # read once, by the iterator's construction (`_index_sampler`)
+            try:
+                return super(ResumableDataLoader, self).__iter__()
+            finally:
+                self._skipping_now = 0
 
-        return _skipping(make, skip)
+        return _at_first_next(make)
+
+    @property
+    def _index_sampler(self):
+        """DataLoader's own, but for the iterator made at a resume: the same after its first ``skip`` batches."""
+        sampler = super()._index_sampler
+        return _AfterFirst(sampler, self._skipping_now) if self._skipping_now else sampler
 
 
-def _skipping(make: Callable[[], Iterator], skip: int) -> Iterator:
-    """The batches of ``make()`` (called at the first ``next``) after the first ``skip``."""
-    yield from itertools.islice(make(), skip, None)
+class _AfterFirst:
+    """The items of ``sampler`` after its first ``skip`` (indices or batches of indices)."""
+
+    def __init__(self, sampler: Iterable, skip: int) -> None:
+        self.sampler, self.skip = sampler, skip
+
+    def __iter__(self) -> Iterator:
+        return itertools.islice(iter(self.sampler), self.skip, None)
+
+    def __len__(self) -> int:
+        return len(self.sampler) - self.skip
+
+
+def _at_first_next(make: Callable[[], Iterator]) -> Iterator:
+    """The items of ``make()``, called at the first ``next``."""
+    yield from make()
 
 
 class DataPosition:
     """The data position of a LightningDataModule's training loader, in checkpoints (``state_dict`` /
-    ``load_state_dict``), and the loader that resumes from it (`resumable_loader`): `ByteCorpusDataModule` and
-    `lightning_hybrid.sft.SFTDataModule` share it.
+    ``load_state_dict``), and the loader that resumes from it (`resumable_loader`, or `resume_position` for a
+    `ResumableDataLoader` of one's own): `ByteCorpusDataModule`, `lightning_hybrid.sft.SFTDataModule` and
+    `lightning_hybrid.shards.ShardsDataModule` share it.
 
     A checkpoint records how many batches of the current epoch were trained on, and a run resumed from it starts
     that epoch's loader after them (same sampler order: same seed and epoch; the epoch those batches came from is
@@ -253,15 +304,20 @@ class DataPosition:
         self._resume_batches = int(state_dict.get("batches", 0))
         self._resume_epoch = state_dict.get("sampler_epoch")
 
+    def resume_position(self) -> dict:
+        """``skip_batches`` and ``skip_epoch`` of a `ResumableDataLoader`: after the batches a loaded data position
+        says were done -- once: later loaders start at 0."""
+        skip, self._resume_batches = getattr(self, "_resume_batches", 0), 0
+        epoch, self._resume_epoch = getattr(self, "_resume_epoch", None), None
+        return {"skip_batches": skip, "skip_epoch": epoch}
+
     def resumable_loader(self, dataset: Dataset, batch_size: int, shuffle: bool, seed: int,
                          num_workers: int) -> "ResumableDataLoader":
         """The training loader (``drop_last``; a seeded CPU generator for the sampler: batches are made on the
-        CPU), after the batches a loaded data position says were done -- once: later loaders start at 0."""
-        skip, self._resume_batches = getattr(self, "_resume_batches", 0), 0
-        epoch, self._resume_epoch = getattr(self, "_resume_epoch", None), None
+        CPU), after the batches a loaded data position says were done (`resume_position`)."""
         return ResumableDataLoader(
             dataset, batch_size=batch_size, shuffle=shuffle, drop_last=True, num_workers=num_workers,
-            generator=torch.Generator(device="cpu").manual_seed(seed), skip_batches=skip, skip_epoch=epoch,
+            generator=torch.Generator(device="cpu").manual_seed(seed), **self.resume_position(),
         )
 
 
@@ -275,13 +331,16 @@ class ByteCorpusDataModule(DataPosition, L.LightningDataModule):
         batch_size: per-process batch size ``B``.
         val_fraction: the last ``val_fraction`` of the bytes is the validation
             (and test) split; the rest is training data.
-        max_bytes: truncate the corpus to this many bytes.
+        max_bytes: read at most this many bytes of the corpus (said in a warning where it cuts the corpus);
+            ``None``: all of it, held in memory on every rank -- for a corpus larger than memory, prepare token shards
+            (`lightning_hybrid.prepare`, `lightning_hybrid.shards.ShardsDataModule`).
         num_workers: DataLoader workers.
         shuffle: shuffle the training set (with a generator seeded by ``seed``).
         seed: seed of the shuffling generator.
 
-    Batches are ``(x, y)`` pairs of ``LongTensor (B, T)`` with ``y`` = ``x`` shifted by one.
-    No ``DistributedSampler`` is created here: Lightning injects it when needed.
+    Batches are ``(x, y)`` pairs of ``LongTensor (B, T)`` with ``y`` = ``x`` shifted by one. After setup,
+    `statistics` says what was read and what the splits hold. No ``DistributedSampler`` is created here: Lightning
+    injects one over the data-parallel ranks (the strategy's ``distributed_sampler_kwargs``).
     """
 
     vocab_size = 256
@@ -292,7 +351,7 @@ class ByteCorpusDataModule(DataPosition, L.LightningDataModule):
         block_size: int = 64,
         batch_size: int = 8,
         val_fraction: float = 0.05,
-        max_bytes: int = 2_000_000,
+        max_bytes: Optional[int] = 2_000_000,
         num_workers: int = 0,
         shuffle: bool = False,
         seed: int = 0,
@@ -316,6 +375,7 @@ class ByteCorpusDataModule(DataPosition, L.LightningDataModule):
         self.shuffle = shuffle
         self.seed = seed
         self._corpus: Optional[bytes] = None
+        self._statistics: Optional[dict] = None
         self.train_dataset: Optional[ByteBlockDataset] = None
         self.val_dataset: Optional[ByteBlockDataset] = None
 
@@ -324,10 +384,10 @@ class ByteCorpusDataModule(DataPosition, L.LightningDataModule):
 
     def setup(self, stage: Optional[str] = None) -> None:
         """Read the corpus and build the train / validation datasets (once)."""
-        if self._corpus is not None:
+        if self.train_dataset is not None:
             return
-        corpus = read_corpus(self.paths, self.max_bytes)
-        tokens = self.tokenize(corpus)  # (N,)
+        files = corpus_files(self.paths)
+        tokens = self.read_tokens(files)  # (N,)
         n = len(tokens)
         n_val = int(n * self.val_fraction)
         n_train = n - n_val
@@ -340,16 +400,38 @@ class ByteCorpusDataModule(DataPosition, L.LightningDataModule):
             )
         self.train_dataset = ByteBlockDataset(tokens[:n_train], self.block_size)
         self.val_dataset = ByteBlockDataset(tokens[n_train:], self.block_size)
-        self._corpus = corpus
+        in_files = sum(path.stat().st_size for path in files)
+        self._statistics = {"source": "the standard library's sources" if self.paths is None else str(self.paths),
+                            "tokenizer": self.tokenizer_name(), "files": len(files), "bytes_in_files": in_files,
+                            "max_bytes": self.max_bytes, "tokens": n, "rows": len(self.train_dataset),
+                            "val_rows": len(self.val_dataset)}
+        if self.max_bytes is not None and in_files > self.max_bytes:
+            rank_zero_warn(f"data: read the first {self.max_bytes} bytes of the corpus's {in_files}"
+                           f" (data.max_bytes={self.max_bytes}; data.max_bytes=null reads all of it)")
 
-    def tokenize(self, corpus: bytes) -> torch.Tensor:
-        """The corpus as a 1-D token tensor: here its bytes."""
-        return torch.frombuffer(bytearray(corpus), dtype=torch.uint8)
+    def tokenizer_name(self) -> str:
+        """What turns the text into tokens, for `statistics`: here bytes."""
+        return "bytes"
+
+    def statistics(self) -> dict:
+        """What was read and what the splits hold (after :meth:`setup`): ``files``, ``bytes_in_files`` (all of
+        them), ``max_bytes`` (the most read), ``tokens``, ``rows`` and ``val_rows`` (windows of ``block_size``)."""
+        if self._statistics is None:
+            raise RuntimeError("call setup() before statistics()")
+        return dict(self._statistics)
+
+    def read_tokens(self, files: Sequence[Path]) -> torch.Tensor:
+        """The corpus as a 1-D token tensor: here its bytes (the files joined by a newline, at most
+        ``max_bytes``)."""
+        self._corpus = _concat(files, self.max_bytes)
+        if not self._corpus:
+            raise ValueError(f"empty corpus (paths={self.paths!r}, {len(files)} files)")
+        return torch.frombuffer(bytearray(self._corpus), dtype=torch.uint8)
 
     def corpus_bytes(self) -> bytes:
-        """The loaded corpus (calls :meth:`setup` if needed)."""
-        self.setup()
-        assert self._corpus is not None
+        """The corpus's text as read, at most ``max_bytes`` (the files joined by a newline)."""
+        if self._corpus is None:
+            self._corpus = read_corpus(self.paths, self.max_bytes)
         return self._corpus
 
     def _require(self, dataset: Optional[ByteBlockDataset]) -> ByteBlockDataset:
@@ -377,8 +459,11 @@ class ByteCorpusDataModule(DataPosition, L.LightningDataModule):
 
 class TokenCorpusDataModule(ByteCorpusDataModule):
     """`ByteCorpusDataModule` tokenised with a Hugging Face tokenizer: that of ``tokenizer`` (a local folder, e.g.
-    the pretrained model's, or ``None``) when the folder holds one, else bytes (vocabulary 256). Same arguments
-    otherwise; the corpus is read as UTF-8 (undecodable bytes replaced) and tokenised once, on every rank alike.
+    the pretrained model's, or ``None``) when the folder holds one, else bytes (vocabulary 256; said in a warning).
+    Same arguments otherwise. Each file is read as UTF-8 (undecodable bytes replaced) in pieces of about 1 MiB cut at
+    line ends, tokenised without special tokens and followed by the tokenizer's ``eos_token`` (when it has one):
+    the tokens are held as 32-bit integers, on every rank alike -- for a corpus of more than a few hundred MB,
+    prepare token shards once (`lightning_hybrid.prepare`, ``data=shards``).
     """
 
     def __init__(
@@ -388,7 +473,7 @@ class TokenCorpusDataModule(ByteCorpusDataModule):
         block_size: int = 64,
         batch_size: int = 8,
         val_fraction: float = 0.05,
-        max_bytes: int = 2_000_000,
+        max_bytes: Optional[int] = 2_000_000,
         num_workers: int = 0,
         shuffle: bool = False,
         seed: int = 0,
@@ -403,20 +488,39 @@ class TokenCorpusDataModule(ByteCorpusDataModule):
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+        elif tokenizer is not None:
+            rank_zero_warn(f"tokenizer: {str(tokenizer)!r} has none of the tokenizer files {list(TOKENIZER_FILES)}:"
+                           " the data is bytes (vocabulary 256)")
         self.vocab_size = len(self.tokenizer) if self.tokenizer is not None else ByteCorpusDataModule.vocab_size
 
-    def tokenize(self, corpus: bytes) -> torch.Tensor:
+    def tokenizer_name(self) -> str:
+        if self.tokenizer is not None:
+            return str(self.tokenizer_path)
+        return "bytes" if self.tokenizer_path is None else f"bytes (no tokenizer files in {self.tokenizer_path})"
+
+    def read_tokens(self, files: Sequence[Path]) -> torch.Tensor:
         if self.tokenizer is None:
-            return super().tokenize(corpus)
-        text = corpus.decode("utf-8", errors="replace")
-        ids = self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-        return torch.tensor(ids, dtype=torch.int32 if self.vocab_size < 2**31 else torch.int64, device="cpu")
+            return super().read_tokens(files)
+
+        eot = self.tokenizer.eos_token_id
+        tokenize = PieceTokenizer(self.tokenizer, eot, "uint32")
+        tokens, left = array.array("I"), self.max_bytes
+        for path in files:
+            pieces = []
+            for data, ends in text_pieces(path, 1 << 20):
+                if left is not None and len(data) >= left:
+                    data, ends, left = data[:left], True, 0
+                elif left is not None:
+                    left -= len(data)
+                pieces.append(Piece(data.decode("utf-8", errors="replace"), ends, val=False))
+                if left == 0:
+                    break
+            for data, *_ in tokenize(pieces)[0]:
+                tokens.frombytes(data)
+            if left == 0:
+                break
+        if not tokens:
+            raise ValueError(f"empty corpus (paths={self.paths!r}, {len(files)} files)")
+        return torch.frombuffer(tokens, dtype=torch.int32).clone()  # its own memory, not the array's
 
 
-#: Files that mark a folder as holding a Hugging Face tokenizer.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def has_tokenizer(folder: PathLike) -> bool:
-    """Whether ``folder`` holds a Hugging Face tokenizer (one of `TOKENIZER_FILES`)."""
-    return Path(folder).is_dir() and any((Path(folder) / name).exists() for name in TOKENIZER_FILES)
