@@ -1,126 +1,100 @@
-"""Fine-tuning data: chat and instruction records (JSONL) as dict batches, packed or padded, the loss on the answers.
+"""Fine-tuning data: chat records as dict batches, packed or padded, the loss on the assistant's tokens.
 
-Records, one JSON object per line of a ``.jsonl`` file (blank lines skipped):
+The records (OpenAI messages with tools and tool calls, ShareGPT conversations, instructions) and the files they come
+in (``.jsonl``, ``.jsonl.gz``, ``.json``, and with ``datasets`` ``.parquet``, ``.arrow`` and ``save_to_disk``
+folders) are read by `lightning_hybrid.chat_formats` into messages ``{"role": "system" | "user" | "assistant" |
+"tool", ...}`` and the record's ``tools``.
 
-* chat: ``{"messages": [{"role": "system" | "user" | "assistant", "content": str}, ...]}``;
-* instruction: ``{"prompt" | "instruction": str, "input": str (optional), "response" | "output" | "completion": str}``,
-  read as the messages ``[user: instruction (+ "\\n\\n" + input), assistant: response]``.
+Each conversation becomes one **document**: token ids and, per token, whether it is trained: the tokens of each
+assistant message (its content and tool calls) and its end-of-turn marker; not the system, user and tool messages,
+the headers or the generation prompt. With the tokenizer's chat template (``tokenizer.chat_template``; ``tools`` and
+``tool_calls`` passed to it as given), one of three ways, the first that applies:
 
-Each conversation becomes one **document**: token ids and, per token, whether it is an answer token (one an
-assistant message adds). Two ways to write it as tokens:
+1. the template has ``{% generation %}`` blocks: transformers' ``apply_chat_template(...,
+   return_assistant_tokens_mask=True)``, the tokens overlapping a block trained;
+2. the template is **prefix-consistent** on the conversation: each rendering of a longer prefix
+   (``apply_chat_template(messages[:i])``; before an assistant message with ``add_generation_prompt=True``, so the
+   assistant header is prompt) starts with the rendering of the shorter one. The text between renderings is
+   tokenised piece by piece (``add_special_tokens=False``), the pieces an assistant message adds trained: exactly
+   the tokens a model generates after the prompt's own tokens;
+3. otherwise (a template that rewrites earlier turns, e.g. Mistral v0.3's, which moves the system prompt and the
+   tools into the last user turn) the whole conversation is rendered once and each assistant message's **span**
+   located in it, in order. Its text is the end of the rendering of ``messages[:i + 1]`` (it the last message)
+   after the most of the rendering of ``messages[:i]`` with the generation prompt, past what the two share from
+   their start: content or tool calls, then the end-of-turn text. It is searched for at or after the previous span,
+   preceded by the longest end of the text before it that is found there (`_anchor`). The rendering is tokenised
+   once with the (fast) tokenizer's offsets; a token is trained iff it overlaps a span (a token across a span's
+   edge is one the model generates). A span that cannot be located -- the template renders the message
+   differently when others follow it, or adds no text for it -- is a `DataError` for that record, never a guessed
+   mask.
 
-* the tokenizer has a chat template (``tokenizer.chat_template``): the conversation is rendered prefix by prefix
-  (``apply_chat_template(messages[:i], tokenize=False)``; before an assistant message with
-  ``add_generation_prompt=True``, so the assistant header is prompt), each rendering must extend the one before
-  it (else ``ValueError``: masking needs a template that only appends), and the text each assistant message adds
-  -- its content and end-of-turn marker -- is its answer tokens. The pieces between renderings are tokenised one
-  by one (``add_special_tokens=False``), so the tokens of the conversation start with the tokens of each prefix;
-* otherwise (no template, or bytes: one byte = one token, vocabulary 256) the plain format, per message::
+Without a template (``tokenizer`` without one, or ``None``: bytes, one byte = one token, vocabulary 256) the
+**plain format**: ``<|tools|>\\n{tools as JSON}\\n`` first when the record has tools, then per message::
 
-      <|{role}|>\\n{content}\\n
+    <|{role}|>\\n{content}\\n
+    <|assistant|>\\n<tool_call>{"name": ..., "arguments": ...}</tool_call>\\n    (one line per tool call)
 
-  where the ``<|assistant|>\\n`` header is prompt and ``{content}\\n`` the answer, followed by the tokenizer's eos
-  token (an answer token) when it has one. No BOS token is added.
+where every header and every non-assistant message is prompt, and an assistant's ``{content}\\n`` (when it has
+content or no tool calls) and tool-call lines are trained, followed by the tokenizer's eos token (trained) when it
+has one. No BOS token is added.
 
 A document's labels are its ids shifted by one (``labels[t]`` = the token at ``t + 1``), ``-100`` where that target
-is not an answer token (unless ``train_on_prompt``), at the document's last token and at padding: the batch format
-of `lightning_hybrid.batch` (dicts of ``input_ids``, ``labels``, ``attention_mask``, ``position_ids``, all
-``(B, T)`` int64, positions restarting at 0 at every document).
+is not trained (unless ``train_on_prompt``), at the document's last token and at padding: the batch format of
+`lightning_hybrid.batch` (dicts of ``input_ids``, ``labels``, ``attention_mask``, ``position_ids``, all ``(B, T)``
+int64, positions restarting at 0 at every document).
+
+Nothing is dropped without a word: `SFTDataModule.statistics` counts the records read, dropped (by reason), cut to
+``block_size`` and malformed, and what the rows hold; malformed records are one `DataError` unless
+``skip_malformed``, and what is skipped, dropped or cut is a rank-zero warning.
 
 Shape legend: ``T`` = ``block_size``, ``B`` = ``batch_size``, ``R`` = rows.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
-from pathlib import Path
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_hybrid.batch import IGNORE_INDEX
-from lightning_hybrid.data import ByteCorpusDataModule, DataPosition, has_tokenizer
+from lightning_hybrid.chat_formats import Message, Record, check_paths, read_records
+from lightning_hybrid.data import (
+    TOKENIZER_FILES,
+    ByteCorpusDataModule,
+    DataError,
+    DataPosition,
+    has_tokenizer,
+    statistics_line,
+)
 
 __all__ = [
     "IGNORE_INDEX",
-    "ROLES",
     "PackedRows",
-    "Record",
     "SFTDataModule",
     "batch_statistics",
     "pack_documents",
-    "read_records",
-    "to_messages",
     "tokenize_conversation",
 ]
 
 PathLike = Union[str, os.PathLike]
-#: A document: token ids and, per token, whether it is trained (an answer token).
+#: A document: token ids and, per token, whether it is trained (an assistant token).
 Document = Tuple[List[int], List[bool]]
+Pieces = List[Tuple[str, bool]]
 
-#: The roles a chat message may have.
-ROLES = ("system", "user", "assistant")
-_PROMPT_KEYS = ("prompt", "instruction")
-_RESPONSE_KEYS = ("response", "output", "completion")
-_VALID = ('each line is one JSON object: {"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}'
-          ' or {"prompt"|"instruction": str, "input": str (optional), "response"|"output"|"completion": str}')
-
-
-# ---------------------------------------------------------------------------------------------- records
-class Record(NamedTuple):
-    """One conversation and where it was read (``"file:line"``, for error messages)."""
-
-    where: str
-    messages: List[Dict[str, str]]
-
-
-def to_messages(record: Any) -> List[Dict[str, str]]:
-    """The messages of a chat or instruction record (see the module docstring); ``ValueError`` saying what is
-    wrong otherwise."""
-    if not isinstance(record, dict):
-        raise ValueError(f"got a JSON {type(record).__name__}, not an object")
-    if "messages" in record:
-        messages = record["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise ValueError(f"'messages' must be a non-empty list, got {messages!r}")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise ValueError(f"messages[{i}] = {m!r} must be {{\"role\": one of {list(ROLES)}, \"content\": str}}")
-        return [{"role": m["role"], "content": m["content"]} for m in messages]
-    prompts = [k for k in _PROMPT_KEYS if k in record]
-    responses = [k for k in _RESPONSE_KEYS if k in record]
-    if len(prompts) != 1 or len(responses) != 1:
-        raise ValueError(f"an instruction record needs exactly one of {list(_PROMPT_KEYS)} and one of"
-                         f" {list(_RESPONSE_KEYS)}, got keys {sorted(record)}")
-    fields = {"prompt": record[prompts[0]], "input": record.get("input", ""), "response": record[responses[0]]}
-    for name, value in fields.items():
-        if not isinstance(value, str):
-            raise ValueError(f"{name!r} must be a string, got {value!r}")
-    prompt = fields["prompt"] + ("\n\n" + fields["input"] if fields["input"] else "")
-    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": fields["response"]}]
-
-
-def read_records(paths: Union[PathLike, Sequence[PathLike]]) -> List[Record]:
-    """The records of one JSONL file or several, in file and line order; ``ValueError`` naming the file and line of a
-    bad one and what is valid."""
-    records = []
-    for path in [paths] if isinstance(paths, (str, os.PathLike)) else paths:
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{number}"
-                try:
-                    records.append(Record(where, to_messages(json.loads(line))))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}: not valid JSON ({e.msg}); {_VALID}") from None
-                except ValueError as e:
-                    raise ValueError(f"{where}: {e}; {_VALID}") from None
-    return records
+_GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_MALFORMED_SHOWN = 5  # in the error
+_MALFORMED_LISTED = 20  # in the warning
 
 
 # ---------------------------------------------------------------------------------------------- tokens
@@ -130,55 +104,144 @@ def _encode(text: str, tokenizer: Any) -> List[int]:
     return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
 
 
-def _plain_pieces(messages: List[Dict[str, str]]) -> List[Tuple[str, bool]]:
-    """``(text, is answer)`` pieces of the plain format."""
-    pieces = []
+def _encode_pieces(pieces: Pieces, tokenizer: Any, eos: Optional[int] = None) -> Document:
+    """``(text, trained)`` pieces tokenised one by one, ``eos`` after each trained one."""
+    ids: List[int] = []
+    trained: List[bool] = []
+    for text, is_answer in pieces:
+        piece = _encode(text, tokenizer) + ([eos] if is_answer and eos is not None else [])
+        ids += piece
+        trained += [is_answer] * len(piece)
+    return ids, trained
+
+
+def _plain_pieces(messages: List[Message], tools: Optional[List[Any]]) -> Pieces:
+    """``(text, trained)`` pieces of the plain format (see the module docstring)."""
+    pieces = [(f"<|tools|>\n{json.dumps(tools)}\n", False)] if tools else []
     for m in messages:
-        pieces.append((f"<|{m['role']}|>\n", False))
-        pieces.append((f"{m['content']}\n", m["role"] == "assistant"))
+        content, calls = m.get("content", ""), m.get("tool_calls", [])
+        body = f"{content}\n" if content or not calls else ""
+        for call in calls:
+            function = {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+            body += f"<tool_call>{json.dumps(function)}</tool_call>\n"
+        pieces += [(f"<|{m['role']}|>\n", False), (body, m["role"] == "assistant")]
     return pieces
 
 
-def _template_pieces(messages: List[Dict[str, str]], tokenizer: Any) -> List[Tuple[str, bool]]:
-    """``(text, is answer)`` pieces of the chat template's rendering: the text each prefix of the conversation adds
-    to the one before it (an assistant message's: answer)."""
-    def render(i: int, generation_prompt: bool) -> str:
-        try:
-            return tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=generation_prompt)
-        except Exception as e:  # noqa: BLE001 -- jinja's errors: reported with the record
-            raise ValueError(f"the chat template failed on messages[:{i}]: {type(e).__name__}: {e}") from None
+def _renderer(messages: List[Message], tools: Optional[List[Any]], tokenizer: Any) -> Callable[[int, bool], str]:
+    """``render(n, generation_prompt)``: the chat template's text of ``messages[:n]``, each made once; a template's
+    error is a `DataError` naming the prefix."""
 
-    ends = []  # (rendered prefix, whether its last piece is an answer)
+    @functools.lru_cache(maxsize=None)
+    def render(n: int, generation_prompt: bool) -> str:
+        try:
+            return tokenizer.apply_chat_template(messages[:n], tools=tools, tokenize=False,
+                                                 add_generation_prompt=generation_prompt)
+        except Exception as e:  # jinja's and the template's own (raise_exception) errors: reported with the record
+            raise DataError(f"the chat template failed on messages[:{n}]: {type(e).__name__}: {e}") from None
+
+    return render
+
+
+def _prefix_pieces(messages: List[Message], render: Callable[[int, bool], str]) -> Optional[Pieces]:
+    """``(text, trained)`` pieces of a prefix-consistent rendering: the text each prefix adds to the one before it;
+    ``None`` when a longer prefix does not extend a shorter one (or a prefix cannot be rendered)."""
+    ends = []  # (prefix length, generation prompt, whether the text it adds is trained)
     for i, m in enumerate(messages):
         if m["role"] == "assistant" and i > 0:
-            ends.append((render(i, True), False))
-        ends.append((render(i + 1, False), m["role"] == "assistant"))
+            ends.append((i, True, False))
+        ends.append((i + 1, False, m["role"] == "assistant"))
     pieces, done = [], ""
-    for text, is_answer in ends:
+    for n, generation_prompt, is_answer in ends:
+        try:
+            text = render(n, generation_prompt)
+        except DataError:
+            return None
         if not text.startswith(done):
-            at = next((k for k, (a, b) in enumerate(zip(done, text)) if a != b), min(len(done), len(text)))
-            raise ValueError(
-                f"the chat template is not prefix-consistent: the rendering of a longer prefix of the conversation"
-                f" does not start with that of a shorter one (they differ at character {at}: {done[at:at + 40]!r}"
-                f" vs {text[at:at + 40]!r}); masking the prompt needs a template where each message only appends"
-                " text: use another template, or a tokenizer without chat_template (the plain format)")
+            return None
         pieces.append((text[len(done):], is_answer))
         done = text
     return pieces
 
 
-def tokenize_conversation(messages: List[Dict[str, str]], tokenizer: Any = None) -> Document:
-    """A conversation as token ids and per-token answer flags (see the module docstring): with ``tokenizer``'s chat
-    template if it has one, else the plain format (``tokenizer`` ``None``: bytes)."""
-    template = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
-    eos = None if template or tokenizer is None else tokenizer.eos_token_id
-    ids: List[int] = []
-    trained: List[bool] = []
-    for text, is_answer in _template_pieces(messages, tokenizer) if template else _plain_pieces(messages):
-        piece = _encode(text, tokenizer) + ([eos] if is_answer and eos is not None else [])
-        ids += piece
-        trained += [is_answer] * len(piece)
-    return ids, trained
+def _anchor(text: str, context: str, answer: str, start: int) -> Tuple[int, int]:
+    """``(at, c)``: ``answer`` is at ``at`` in ``text``, at or after ``start``, preceded by the last ``c``
+    characters of ``context``, the most of them found there (the first such place); ``(-1, 0)`` if ``answer`` is
+    not there at all. An occurrence with ``c`` characters of context implies one with ``c - 1``: bisection."""
+    def find(c: int) -> int:
+        at = text.find(context[len(context) - c:] + answer, max(start - c, 0))
+        return at + c if at >= 0 else -1
+
+    if find(0) < 0:
+        return -1, 0
+    lo, hi = 0, len(context)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if find(mid) >= 0 else (lo, mid - 1)
+    return find(lo), lo
+
+
+def _located_document(messages: List[Message], render: Callable[[int, bool], str], tokenizer: Any) -> Document:
+    """The whole rendering, tokenised once, trained where its tokens overlap the assistant spans (way 3 of the
+    module docstring)."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError("the chat template is not prefix-consistent on this record, and locating the assistant"
+                        " messages in its rendering needs a fast tokenizer's offsets (a tokenizer.json)")
+    full = render(len(messages), False)
+    spans: List[Tuple[int, int]] = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        # Its text: the end of the rendering that ends with it, after the most of the generation prompt's rendering
+        # (past what the two share from their start: a message the template drops adds no text).
+        last, prompt = render(i + 1, False), (render(i, True) if i else "")
+        at, matched = _anchor(last, prompt, "", len(os.path.commonprefix([last, prompt])))
+        context, answer = last[:at], last[at:]
+        if (i and not matched) or not answer:
+            raise DataError(f"messages[{i}] (assistant): the chat template's rendering of messages[:{i + 1}] adds no"
+                            f" text after its rendering of messages[:{i}] with the generation prompt (the template"
+                            " drops or rewrites the message), so its tokens are unknown")
+        at, _ = _anchor(full, context, answer, spans[-1][1] if spans else 0)
+        if at < 0:
+            raise DataError(f"messages[{i}] (assistant): the text the chat template renders for it as the last"
+                            f" message, {answer[:60]!r}{'...' if len(answer) > 60 else ''}, is not in the rendering of"
+                            " the whole conversation after the previous answer (the template renders it differently"
+                            " when messages follow it): its tokens cannot be located")
+        spans.append((at, at + len(answer)))
+    encoding = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    trained, k = [], 0
+    for start, end in encoding["offset_mapping"]:
+        while k < len(spans) and start >= spans[k][1]:
+            k += 1
+        trained.append(k < len(spans) and end > spans[k][0])
+    return list(encoding["input_ids"]), trained
+
+
+def _generation_document(messages: List[Message], tools: Optional[List[Any]], tokenizer: Any) -> Document:
+    """The template's ``{% generation %}`` blocks as the trained tokens (way 1 of the module docstring)."""
+    try:
+        out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+    except Exception as e:  # as in _renderer
+        raise DataError(f"the chat template failed: {type(e).__name__}: {e}") from None
+    return list(out["input_ids"]), [bool(t) for t in out["assistant_masks"]]
+
+
+def tokenize_conversation(messages: List[Message], tokenizer: Any = None, tools: Optional[List[Any]] = None
+                          ) -> Document:
+    """A conversation (and its tools) as token ids and per-token trained flags (see the module docstring): with
+    ``tokenizer``'s chat template if it has one, else the plain format (``tokenizer`` ``None``: bytes). A record
+    the template cannot render, or whose assistant tokens cannot be located, is a `DataError`."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        eos = None if tokenizer is None else tokenizer.eos_token_id
+        return _encode_pieces(_plain_pieces(messages, tools), tokenizer, eos)
+    if _GENERATION_BLOCK.search(tokenizer.get_chat_template(None, tools)):
+        return _generation_document(messages, tools, tokenizer)
+    render = _renderer(messages, tools, tokenizer)
+    pieces = _prefix_pieces(messages, render)
+    if pieces is not None:
+        return _encode_pieces(pieces, tokenizer)
+    return _located_document(messages, render, tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------- rows
@@ -188,13 +251,13 @@ def pack_documents(docs: Sequence[Document], block_size: int, pad_id: int, pack:
     ``pack``: greedy in order, a document goes into the current row if it fits in what is left of it, else starts
     a new row; otherwise one document per row. The rest of a row is padding (``pad_id``, attention 0, position 0,
     label -100). ``labels[r, t]`` is the token at ``t + 1`` where that token is in the same document and trained,
-    else -100. Raises ``ValueError`` for an empty document or one longer than ``block_size``.
+    else -100. Raises `DataError` for an empty document or one longer than ``block_size``.
     """
     rows: List[List[Document]] = []
     used = block_size  # no open row yet
     for i, (ids, trained) in enumerate(docs):
         if not 0 < len(ids) <= block_size or len(trained) != len(ids):
-            raise ValueError(f"document {i} has {len(ids)} tokens and {len(trained)} flags: it needs 1 to"
+            raise DataError(f"document {i} has {len(ids)} tokens and {len(trained)} flags: it needs 1 to"
                              f" block_size={block_size} tokens, one flag each")
         if pack and used + len(ids) <= block_size:
             rows[-1].append((ids, trained))
@@ -248,29 +311,74 @@ class PackedRows(Dataset):
 
 
 # ---------------------------------------------------------------------------------------------- data module
+@dataclass
+class _Tally:
+    """What became of the records, both splits: for `SFTDataModule.statistics` and the warnings."""
+
+    malformed: List[str] = field(default_factory=list)  # "file:line: why"
+    dropped: Counter = field(default_factory=Counter)  # reason -> records
+    truncated: int = 0  # kept, cut to block_size
+    longest: int = 0  # tokens, before any cut
+    too_long: List[Tuple[str, int]] = field(default_factory=list)  # (where, tokens) under truncate=False
+
+
+def _malformed_error(malformed: List[str], read: int) -> DataError:
+    shown = "; ".join(malformed[:_MALFORMED_SHOWN])
+    more = f"; and {len(malformed) - _MALFORMED_SHOWN} more" if len(malformed) > _MALFORMED_SHOWN else ""
+    return DataError(f"{len(malformed)} of {read} records are malformed (not a chat record, or one the chat template"
+                     f" cannot render): {shown}{more}. Fix them, or set data.skip_malformed=true to skip them (each"
+                     " listed in a warning and in statistics()['malformed'])")
+
+
+def _skipped_warning(malformed: List[str]) -> str:
+    listed = "".join(f"\n  {m}" for m in malformed[:_MALFORMED_LISTED])
+    more = f"\n  ... and {len(malformed) - _MALFORMED_LISTED} more" if len(malformed) > _MALFORMED_LISTED else ""
+    return f"data: skipped {len(malformed)} malformed records (data.skip_malformed=true):{listed}{more}"
+
+
+def _losses_warning(tally: _Tally, read: int, block_size: int) -> Optional[str]:
+    """One line on what was dropped (but the malformed, warned of apart) and cut; ``None`` when nothing was."""
+    dropped = {reason: n for reason, n in tally.dropped.items() if reason != "malformed"}
+    parts = []
+    if dropped:
+        reasons = ", ".join(f"{reason}: {n}" for reason, n in dropped.items())
+        parts.append(f"dropped {sum(dropped.values())} of {read} records ({reasons})")
+    if tally.truncated:
+        parts.append(f"cut {tally.truncated} of {read} records to block_size={block_size} tokens (the longest has"
+                     f" {tally.longest}; raise data.block_size to keep them whole)")
+    return "data: " + "; ".join(parts) if parts else None
+
+
 class SFTDataModule(DataPosition, L.LightningDataModule):
-    """Supervised fine-tuning on chat / instruction JSONL (see the module docstring), dict batches of ``(B, T)``
-    int64 tensors: ``input_ids``, ``labels`` (shifted, -100 off the answers), ``attention_mask``, ``position_ids``.
+    """Supervised fine-tuning on chat / instruction records (see the module docstring and
+    `lightning_hybrid.chat_formats`), dict batches of ``(B, T)`` int64 tensors: ``input_ids``, ``labels`` (shifted,
+    -100 off the assistant's tokens), ``attention_mask``, ``position_ids``.
 
     Args:
-        path: a JSONL file, or a list of them (read in order).
+        path: a file (``.jsonl``, ``.jsonl.gz``, ``.json``, ``.json.gz``, ``.parquet``, ``.arrow``), a folder
+            written by ``Dataset.save_to_disk``, or a list of them (read in order).
         tokenizer: a local Hugging Face folder (e.g. the model's own) whose tokenizer is used (its chat template if
-            it has one, else the plain format); ``None``, or a folder without a tokenizer: bytes (vocabulary 256).
+            it has one, else the plain format); ``None``, or a folder without a tokenizer: bytes (vocabulary 256;
+            the latter said in a warning).
         block_size: row length ``T``.
         batch_size: per-process batch size ``B``.
         pack: pack several documents into a row (greedy, in order); ``False``: one document per row, padded.
         val_fraction: the last ``val_fraction`` of the records (at least one, and at least one left for training,
             when there are two or more; none when 0) are the validation (and test) split.
-        train_on_prompt: take the loss on the prompt's tokens too, not only the answers'.
-        truncate: cut a document longer than ``block_size`` to its first ``block_size`` tokens; ``False``: such a
-            document is a ``ValueError`` naming its record.
+        train_on_prompt: take the loss on the prompt's tokens too, not only the assistant's.
+        truncate: cut a document longer than ``block_size`` to its first ``block_size`` tokens (counted, warned);
+            ``False``: such documents are a `DataError` naming the first and how many.
         shuffle: shuffle the training records before packing, and the rows every epoch (seeded by ``seed``).
         seed: seed of the shuffling.
         num_workers: DataLoader workers.
+        skip_malformed: skip malformed records (bad JSON, not a record, one the chat template cannot render or
+            locate), each listed in a warning and in ``statistics()["malformed"]``; ``False``: they are one
+            `DataError` naming how many and the first few, found by reading the whole input.
 
-    Everything is built once in :meth:`setup`, identically on every rank. A document with no trained target left
-    (e.g. a prompt truncated to ``block_size``) is dropped: it would take no loss. After setup, ``rows``,
-    ``documents``, ``tokens``, ``loss_tokens`` and ``packing_efficiency`` describe the training split
+    Everything is built once in :meth:`setup`, identically on every rank. A record with no assistant turn (unless
+    ``train_on_prompt``) or no trained target left (e.g. a prompt cut to ``block_size``) is dropped: it would take no
+    loss; it is counted and warned of. After setup, :meth:`statistics` says what became of every record, and
+    ``rows``, ``documents``, ``tokens``, ``loss_tokens`` and ``packing_efficiency`` describe the training split
     (`batch_statistics`). No ``DistributedSampler`` is created here: Lightning injects it when needed.
     """
 
@@ -278,7 +386,7 @@ class SFTDataModule(DataPosition, L.LightningDataModule):
         self,
         path: Union[PathLike, Sequence[PathLike]],
         tokenizer: Optional[PathLike] = None,
-        block_size: int = 256,
+        block_size: int = 1024,
         batch_size: int = 8,
         pack: bool = True,
         val_fraction: float = 0.05,
@@ -287,22 +395,17 @@ class SFTDataModule(DataPosition, L.LightningDataModule):
         shuffle: bool = False,
         seed: int = 0,
         num_workers: int = 0,
+        skip_malformed: bool = False,
     ) -> None:
         super().__init__()
         if block_size <= 1 or batch_size <= 0:
-            raise ValueError(f"block_size must be > 1 and batch_size > 0, got {block_size}, {batch_size}")
+            raise DataError(f"block_size must be > 1 and batch_size > 0, got {block_size}, {batch_size}")
         if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-        paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
-        if not paths:
-            raise ValueError("path: no file given (a JSONL file or a list of them)")
-        for p in paths:
-            if not Path(p).is_file():
-                raise FileNotFoundError(f"path: {str(p)!r} is not a file (a JSONL file of chat or instruction records)")
-        if tokenizer is not None and not Path(tokenizer).is_dir():
+            raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        self.paths = check_paths([path] if isinstance(path, (str, os.PathLike)) else list(path))
+        if tokenizer is not None and not os.path.isdir(tokenizer):
             raise FileNotFoundError(f"tokenizer: {str(tokenizer)!r} is not a folder (a Hugging Face model folder,"
                                     " or null for bytes)")
-        self.paths = paths
         self.block_size = block_size
         self.batch_size = batch_size
         self.pack = pack
@@ -312,25 +415,36 @@ class SFTDataModule(DataPosition, L.LightningDataModule):
         self.shuffle = shuffle
         self.seed = seed
         self.num_workers = num_workers
+        self.skip_malformed = skip_malformed
         self.tokenizer = None
-        if tokenizer is not None and has_tokenizer(tokenizer):
+        if tokenizer is None:
+            self.tokenizer_name = "bytes"
+        elif has_tokenizer(tokenizer):
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+            self.tokenizer_name = str(tokenizer)
+        else:
+            self.tokenizer_name = f"bytes (no tokenizer files in {tokenizer})"
+            rank_zero_warn(f"tokenizer: {str(tokenizer)!r} has none of the tokenizer files {list(TOKENIZER_FILES)}:"
+                           " the fine-tuning data is bytes (vocabulary 256, the plain format, no chat template)")
         self.vocab_size = len(self.tokenizer) if self.tokenizer is not None else ByteCorpusDataModule.vocab_size
         self.pad_token_id = next((i for i in (getattr(self.tokenizer, "pad_token_id", None),
                                               getattr(self.tokenizer, "eos_token_id", None)) if i is not None), 0)
         self.train_rows: Optional[Dict[str, Tensor]] = None
         self.val_rows: Optional[Dict[str, Tensor]] = None
+        self._statistics: Optional[Dict[str, Any]] = None
 
     def prepare_data(self) -> None:
         """Nothing to download: the records are read from local files in :meth:`setup`."""
 
     def setup(self, stage: Optional[str] = None) -> None:
-        """Read, split, tokenise and pack the records (once)."""
+        """Read, split, tokenise and pack the records (once); `DataError` for malformed records (unless
+        ``skip_malformed``), records too long (under ``truncate=False``) or a training split without a full batch."""
         if self.train_rows is not None:
             return
-        records = read_records(self.paths)
+        records, malformed = read_records(self.paths)
+        read = len(records) + len(malformed)
         n = len(records)
         n_val = min(max(int(n * self.val_fraction), 1), n - 1) if n >= 2 and self.val_fraction > 0 else 0
         train, val = records[: n - n_val], records[n - n_val:]
@@ -338,33 +452,79 @@ class SFTDataModule(DataPosition, L.LightningDataModule):
             generator = torch.Generator(device="cpu").manual_seed(self.seed)
             order = torch.randperm(len(train), generator=generator, device=generator.device).tolist()
             train = [train[i] for i in order]
-        self.train_rows = pack_documents(self.tokenize_records(train), self.block_size, self.pad_token_id, self.pack)
-        self.val_rows = pack_documents(self.tokenize_records(val), self.block_size, self.pad_token_id, self.pack)
-        if len(self.train_rows["input_ids"]) < self.batch_size:
-            raise ValueError(f"the training split makes {len(self.train_rows['input_ids'])} rows, fewer than"
-                             f" batch_size={self.batch_size}: no full batch ({n - n_val} records in {self.paths})")
-        for key, value in batch_statistics(self.train_rows).items():
+        tally = _Tally(malformed=malformed)
+        train_docs, val_docs = self._tokenize_records(train, tally), self._tokenize_records(val, tally)
+        if tally.malformed and not self.skip_malformed:
+            raise _malformed_error(tally.malformed, read)
+        if tally.too_long:
+            (where, length), others = tally.too_long[0], len(tally.too_long) - 1
+            also = f" (and {others} more records, the longest with {tally.longest} tokens)" if others else ""
+            raise DataError(f"{where}: the record has {length} tokens, more than block_size={self.block_size}{also}:"
+                            " raise block_size, or set truncate=true to cut them")
+        if tally.malformed:
+            tally.dropped["malformed"] = len(tally.malformed)
+            rank_zero_warn(_skipped_warning(tally.malformed))
+        losses = _losses_warning(tally, read, self.block_size)
+        if losses:
+            rank_zero_warn(losses)
+        train_rows = pack_documents(train_docs, self.block_size, self.pad_token_id, self.pack)
+        val_rows = pack_documents(val_docs, self.block_size, self.pad_token_id, self.pack)
+        train_stats = batch_statistics(train_rows)
+        statistics = {
+            "tokenizer": self.tokenizer_name, "records": read, "dropped": dict(tally.dropped),
+            "malformed": tally.malformed, "truncated": tally.truncated, "longest": tally.longest,
+            "block_size": self.block_size, **train_stats,
+            **{f"val_{key}": value for key, value in batch_statistics(val_rows).items()},
+        }
+        if train_stats["rows"] < self.batch_size:
+            raise DataError(f"the training split makes {train_stats['rows']} rows, fewer than"
+                            f" batch_size={self.batch_size}: no full batch ({n - n_val} records in {self.paths};"
+                            f" {statistics_line(statistics)})")
+        self.train_rows, self.val_rows, self._statistics = train_rows, val_rows, statistics
+        for key, value in train_stats.items():
             setattr(self, key, value)
 
-    def tokenize_records(self, records: Sequence[Record]) -> List[Document]:
-        """The records' documents (token ids, trained flags), truncated or refused past ``block_size``; those left
-        with no trained target dropped."""
+    def _tokenize_records(self, records: Sequence[Record], tally: _Tally) -> List[Document]:
+        """The records' documents (token ids, trained flags), cut or refused past ``block_size``; what was dropped,
+        cut or malformed counted in ``tally``."""
         docs = []
         for record in records:
+            if not self.train_on_prompt and not any(m["role"] == "assistant" for m in record.messages):
+                tally.dropped["no assistant turn"] += 1
+                continue
             try:
-                ids, trained = tokenize_conversation(record.messages, self.tokenizer)
-            except ValueError as e:
-                raise ValueError(f"{record.where}: {e}") from None
-            if len(ids) > self.block_size:
-                if not self.truncate:
-                    raise ValueError(f"{record.where}: the record has {len(ids)} tokens, more than"
-                                     f" block_size={self.block_size}: raise block_size, or set truncate=true to cut it")
-                ids, trained = ids[: self.block_size], trained[: self.block_size]
+                ids, trained = tokenize_conversation(record.messages, self.tokenizer, record.tools)
+            except DataError as e:
+                tally.malformed.append(f"{record.where}: {e}")
+                continue
+            tally.longest = max(tally.longest, len(ids))
+            cut = len(ids) > self.block_size
+            if cut and not self.truncate:
+                tally.too_long.append((record.where, len(ids)))
+                continue
+            ids, trained = ids[: self.block_size], trained[: self.block_size]
             if self.train_on_prompt:
                 trained = [True] * len(ids)
-            if any(trained[1:]):
-                docs.append((ids, trained))
+            if not any(trained[1:]):
+                tally.dropped["no trained token left after truncation" if cut else "no trained token"] += 1
+                continue
+            tally.truncated += cut
+            docs.append((ids, trained))
         return docs
+
+    def statistics(self) -> Dict[str, Any]:
+        """What became of the records (after :meth:`setup`; JSON-serialisable, printed by
+        `lightning_hybrid.data.statistics_line`). Over the whole input (the split is made after reading):
+        ``tokenizer`` (its folder, or ``"bytes ..."``), ``records`` (read), ``dropped`` (reason -> records:
+        ``"no assistant turn"``, ``"no trained token left after truncation"``, ``"malformed"`` when skipped, ...),
+        ``malformed`` (``"file:line: why"`` of each skipped one), ``truncated`` (records cut to ``block_size`` and
+        kept), ``longest`` (tokens of the longest record, before any cut), ``block_size``. Of the training split's
+        rows (`batch_statistics`): ``rows``, ``documents``, ``tokens`` (real, not padding), ``loss_tokens``,
+        ``packing_efficiency``; the validation split's as ``val_rows``, ``val_documents``, ... Every record is
+        accounted for: ``records == documents + val_documents + sum(dropped.values())``."""
+        if self._statistics is None:
+            raise RuntimeError("call setup() before statistics()")
+        return copy.deepcopy(self._statistics)
 
     def _require(self, rows: Optional[Dict[str, Tensor]]) -> PackedRows:
         if rows is None:
