@@ -6,7 +6,9 @@
   model's parameters (not rank 0's shard) and each rank's share; `model_summary_callback` picks the one
   Lightning would pick;
 * `ValidationPrinter` -- one line per validation on rank 0;
-* `TrainLossHistory` -- the module's ``train_loss`` at every optimizer step.
+* `TrainLossHistory` -- the module's ``train_loss`` at every optimizer step;
+* `DataReport` -- what the data module read, left out and trains on, printed before the first step;
+* `StepProgressBar` -- Lightning's rich progress bar without its ``Epoch 0/-2`` under ``max_steps``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, ThroughputMonitor
+from lightning.fabric.utilities.throughput import Throughput
+from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProgressBar, ThroughputMonitor
 from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
@@ -27,6 +30,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from lightning_hybrid.batch import TokenBatch
+from lightning_hybrid.data import statistics_line
 from lightning_hybrid.devices import local_tensor
 from lightning_hybrid.strategy import HybridStrategy
 from lightning_hybrid.tensor_parallel.layers import tp_shard_specs, unsplit_shape
@@ -34,14 +38,17 @@ from lightning_hybrid.tensor_parallel.layers import tp_shard_specs, unsplit_shap
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "DataReport",
     "ParallelModelSummary",
     "ParallelRichModelSummary",
     "ReplicaThroughputMonitor",
+    "StepProgressBar",
     "TrainLossHistory",
     "ValidationPrinter",
     "batch_samples",
     "batch_tokens",
     "model_summary_callback",
+    "progress_bar_callback",
 ]
 
 
@@ -66,8 +73,13 @@ def batch_samples(batch: Any) -> int:
 
 
 def batch_tokens(batch: Any) -> int:
-    """Tokens in a batch: the element count of its first tensor when it holds token ids (an integer tensor of
-    shape ``(B, T)`` or more), else its samples."""
+    """Tokens in a batch that are not padding: the ones of its ``attention_mask`` where a dict batch has one (the
+    padding of a `TokenBatch`), else the element count of its first tensor when it holds token ids (an integer
+    tensor of shape ``(B, T)`` or more), else its samples."""
+    mask = batch.padding if isinstance(batch, TokenBatch) else batch.get("attention_mask") \
+        if isinstance(batch, dict) else None
+    if isinstance(mask, Tensor):
+        return int(mask.sum())
     first = _first_tensor(batch)
     return first.numel() if first.dim() >= 2 and not first.is_floating_point() else first.size(0)
 
@@ -87,8 +99,9 @@ class ReplicaThroughputMonitor(ThroughputMonitor):
     FLOPs come from the LightningModule's ``flops_per_batch`` (training FLOPs of one batch on the whole model;
     `GPTLightningModule` sets it); MFU needs a device whose peak Lightning knows (CUDA). A module without one gets
     the rates without FLOPs and MFU (and no warning of Lightning's that it defines no FLOPs). ``training_rates``
-    holds rank 0's training rates over the last ``window_size`` batches once training ends (``{}`` before, on
-    other ranks, or when fewer batches ran).
+    holds rank 0's training rates over the last ``window_size`` batches once training ends -- over all of them in a
+    run of fewer (a short run, the rest of a resumed one) -- (``{}`` before, on other ranks, or when fewer than two
+    batches ran). Tokens are those that are not padding (`batch_tokens`).
     """
 
     def __init__(self, window_size: int = 100) -> None:
@@ -107,6 +120,17 @@ class ReplicaThroughputMonitor(ThroughputMonitor):
             throughput.world_size = replicas
             if throughput.available_flops:
                 throughput.available_flops *= ranks_per_replica
+
+    def on_train_start(self, trainer: Trainer, *args: Any) -> None:
+        # A run of fewer batches than the window (a short run, or the rest of a resumed one) would end without
+        # rates: its window is the batches it will train.
+        remaining = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
+        if trainer.max_steps > 0 and 2 <= remaining < self.kwargs.get("window_size", 100):
+            old = self._throughputs[RunningStage.TRAINING]
+            self._throughputs[RunningStage.TRAINING] = Throughput(
+                available_flops=old.available_flops, world_size=old.world_size,
+                **{**self.kwargs, "window_size": remaining})
+        super().on_train_start(trainer, *args)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
         # Decided at the first training batch (a module may set flops_per_batch in on_train_batch_start), as
@@ -221,6 +245,41 @@ def model_summary_callback(max_depth: int = 1) -> ModelSummary:
 
 
 # ---------------------------------------------------------------------------------------------- progress
+class StepProgressBar(RichProgressBar):
+    """Lightning's rich progress bar, its epoch shown as ``Epoch 3`` in a run that ``max_steps`` bounds: Lightning
+    sets ``max_epochs=-1`` there and its bar shows ``Epoch 3/-2`` (``max_epochs - 1``)."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        description = super()._get_train_description(current_epoch)
+        if (self.trainer.max_epochs or 0) < 0:
+            description = description.replace(f"/{self.trainer.max_epochs - 1}", "", 1)
+        return description
+
+
+def progress_bar_callback() -> Optional[Callback]:
+    """`StepProgressBar` where Lightning would show its rich bar; ``None`` (Lightning's own, which shows no
+    number of epochs) otherwise."""
+    return StepProgressBar() if _RICH_AVAILABLE else None
+
+
+class DataReport(Callback):
+    """Before training, the data module's ``statistics()`` -- what it read, left out (why) and cut, the rows and
+    tokens it trains on (`lightning_hybrid.data.statistics_line`) -- as one ``data: ...`` line on rank 0 (logged
+    like `ValidationPrinter`'s), kept in ``statistics`` (``metrics.json``'s ``data``). Nothing for a data module
+    without ``statistics``."""
+
+    def __init__(self) -> None:
+        self.statistics: Optional[dict] = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        report = getattr(trainer.datamodule, "statistics", None)
+        if stage != "fit" or not callable(report):
+            return
+        self.statistics = report()
+        if trainer.is_global_zero:
+            log.info(statistics_line(self.statistics))
+
+
 class ValidationPrinter(Callback):
     """One line per validation on rank 0, ``step N: val_loss=... val_acc=...`` (every ``val*`` metric), so a
     run shows its validation loss falling whatever its progress bar does. Logged at INFO to this module's logger

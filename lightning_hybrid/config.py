@@ -39,6 +39,7 @@ from lightning_hybrid.hf import CausalLM
 from lightning_hybrid.models import GPTConfig, GPTLightningModule
 from lightning_hybrid.planner.auto import AutoLayoutConfig
 from lightning_hybrid.sft import SFTDataModule
+from lightning_hybrid.shards import ShardsDataModule
 from lightning_hybrid.strategy import HybridStrategy
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "ParallelConfig",
     "RecipeConfig",
     "SFTConfig",
+    "ShardsConfig",
     "TokenCorpusConfig",
     "TrainerConfig",
     "register_configs",
@@ -163,6 +165,10 @@ TokenCorpusConfig = schema_from_signature(
 #: `lightning_hybrid.sft.SFTDataModule`: chat / instruction JSONL for fine-tuning, packed or padded dict batches.
 SFTConfig = schema_from_signature("SFTConfig", SFTDataModule, "lightning_hybrid.sft.SFTDataModule")
 
+#: `lightning_hybrid.shards.ShardsDataModule`: pretraining on the token shards ``python -m lightning_hybrid.prepare``
+#: writes, streamed, split by the data-parallel rank. ``path`` is required.
+ShardsConfig = schema_from_signature("ShardsConfig", ShardsDataModule, "lightning_hybrid.shards.ShardsDataModule")
+
 
 def _recipe_config() -> type:
     return make_dataclass("RecipeConfig", [
@@ -171,22 +177,28 @@ def _recipe_config() -> type:
         ("parallel", ParallelConfig, field(default_factory=ParallelConfig)),
         ("trainer", TrainerConfig, field(default_factory=TrainerConfig)),
         ("callbacks", Dict[str, Any], field(default_factory=dict)),
+        ("loggers", Dict[str, Any], field(default_factory=dict)),
         ("planner", Optional[AutoLayoutConfig], field(default=None)),
         ("seed", int, field(default=0)),
         ("max_steps", int, field(default=100)),
+        ("ckpt_path", Optional[str], field(default=None)),
+        ("checkpoint_every", int, field(default=0)),
     ])
 
 
 #: The top level of every recipe: ``model``, ``data`` (any ``_target_``), ``parallel``, ``trainer``, extra
-#: ``callbacks`` by name, ``planner`` (set by ``parallel=auto``: the planner chooses the layout,
-#: `lightning_hybrid.planner.auto`), ``seed`` (``seed_everything`` before anything is built) and ``max_steps``.
+#: ``callbacks`` and ``loggers`` by name (each a ``_target_`` node), ``planner`` (set by ``parallel=auto``: the
+#: planner chooses the layout, `lightning_hybrid.planner.auto`), ``seed`` (``seed_everything`` before anything is
+#: built), ``max_steps``, ``ckpt_path`` (``last`` or a checkpoint / run folder to resume, `lightning_hybrid.resume`)
+#: and ``checkpoint_every`` (save ``last.ckpt`` every that many optimizer steps; 0: after validations only).
 RecipeConfig = _recipe_config()
 
 
 def register_configs() -> None:
     """Register the schemas in Hydra's ConfigStore (idempotent; done on import of this module):
     ``recipe_schema``, ``model/gpt``, ``model/hf_causal_lm``, ``model/custom``, ``data/byte_corpus``,
-    ``data/token_corpus``, ``data/sft_jsonl`` (`SFTConfig`), ``data/custom``."""
+    ``data/token_corpus``, ``data/sft_jsonl`` (`SFTConfig`), ``data/token_shards`` (`ShardsConfig`),
+    ``data/custom``."""
     store = ConfigStore.instance()
     store.store(name="recipe_schema", node=RecipeConfig)
     store.store(group="model", name="gpt", node=GPTModuleConfig)
@@ -194,6 +206,7 @@ def register_configs() -> None:
     store.store(group="model", name="hf_causal_lm", node=CausalLMConfig)
     store.store(group="data", name="token_corpus", node=TokenCorpusConfig)
     store.store(group="data", name="sft_jsonl", node=SFTConfig)
+    store.store(group="data", name="token_shards", node=ShardsConfig)
     for group in ("model", "data"):
         # Open to any argument without Hydra's `+` prefix: the target's signature checks them before launch.
         store.store(group=group, name="custom", node=OmegaConf.create({"_target_": MISSING}, flags={"struct": False}))

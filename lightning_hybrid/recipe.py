@@ -31,6 +31,7 @@ import re
 import shlex
 import signal
 import sys
+import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,23 +47,28 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_hybrid.callbacks import (
+    DataReport,
     ReplicaThroughputMonitor,
     TrainLossHistory,
     ValidationPrinter,
     model_summary_callback,
+    progress_bar_callback,
 )
 from lightning_hybrid.checkpoint import CheckpointError
-from lightning_hybrid.config import register_configs
+from lightning_hybrid.config import RecipeConfig, register_configs
+from lightning_hybrid.data import DataError
 from lightning_hybrid.launch import fresh_launch_environment, take_over_launched_ranks, wait_for_launched_ranks
 from lightning_hybrid.memory import PeakMemoryMonitor
 from lightning_hybrid.mesh import ParallelDims
 from lightning_hybrid.planner.auto import choose_layout, predicted_metrics
 from lightning_hybrid.rank_zero import BatchError
+from lightning_hybrid.resume import checkpoint_to_resume, merge_losses, register_run_dir_resolver
 
 __all__ = ["ConfigError", "check", "check_arguments", "exit_on_config_error", "import_target", "layout_label", "run",
            "run_log", "without_library_notices", "world_layout"]
 
 register_configs()
+register_run_dir_resolver()  # before @hydra.main composes a recipe's hydra.run.dir
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +86,18 @@ class ConfigError(ValueError):
 # ---------------------------------------------------------------------------------------------- checking
 def _targets(cfg: DictConfig) -> Dict[str, DictConfig]:
     nodes = {key: cfg[key] for key in BUILT}
-    nodes.update({f"callbacks.{name}": node for name, node in cfg.callbacks.items() if node is not None})
+    for group in ("callbacks", "loggers"):
+        nodes.update({f"{group}.{name}": node for name, node in cfg.get(group, {}).items() if node is not None})
     return nodes
+
+
+def check_keys(cfg: DictConfig) -> None:
+    """``ConfigError`` for a key at the top of the recipe that it does not read -- ``+foo=1`` adds one that would
+    be ignored -- naming it and the recipe's keys (the nodes below are checked by their schemas and targets)."""
+    known = [f.name for f in dataclasses.fields(RecipeConfig)]
+    unknown = [key for key in cfg if key not in known]
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: not a key of the recipe (it would be ignored); its keys are {known}")
 
 
 def import_target(key: str, path: Any) -> Any:
@@ -166,6 +182,10 @@ def world_layout(cfg: DictConfig) -> Dict[str, int]:
 def check(cfg: DictConfig) -> Dict[str, int]:
     """Every check that needs no object built: required values present, every ``_target_`` importable and
     taking its arguments, the layout fitting the world size. Returns `world_layout`; raises `ConfigError`."""
+    check_keys(cfg)
+    if int(cfg.get("checkpoint_every", 0)) < 0:
+        raise ConfigError(f"checkpoint_every={cfg.checkpoint_every}: valid values are 0 (after validations only) or"
+                          " a number of optimizer steps")
     for key in BUILT:
         missing = sorted(OmegaConf.missing_keys(cfg[key]))  # full keys: "data.paths"
         if missing:
@@ -208,25 +228,44 @@ def peak_memory_per_rank(monitor: PeakMemoryMonitor) -> Dict[str, Any]:
     return figures
 
 
-def _loggers(out_dir: Path) -> list:
-    """A CSV logger always; TensorBoard too when it is installed."""
+def _loggers(cfg: DictConfig, out_dir: Path, version: str) -> list:
+    """A CSV logger always, TensorBoard too when it is installed (both in ``out_dir``, as ``version``), and those of
+    the config's ``loggers`` (W&B, MLflow, ... by ``_target_``)."""
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-    loggers = [CSVLogger(save_dir=str(out_dir), name="csv", version="")]
+    loggers = [CSVLogger(save_dir=str(out_dir), name="csv", version=version)]
     if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX"):
-        loggers.append(TensorBoardLogger(save_dir=str(out_dir), name="tensorboard", version=""))
-    return loggers
+        loggers.append(TensorBoardLogger(save_dir=str(out_dir), name="tensorboard", version=version))
+    return loggers + [_build(f"loggers.{name}", node) for name, node in cfg.loggers.items() if node is not None]
+
+
+def _check_vocabulary(model: Any, data: Any) -> None:
+    """``ConfigError`` where the data holds token ids the model has no embedding for: the data module's
+    ``max_token_id`` (the largest id in it, where it knows) or ``vocab_size`` (its tokenizer's) against the
+    model's ``vocab_size`` -- found here rather than as an index error in the first step."""
+    vocab = getattr(model, "vocab_size", None)
+    top, tokenizer = getattr(data, "max_token_id", None), getattr(data, "vocab_size", None)
+    if not isinstance(vocab, int):
+        return
+    if isinstance(top, int) and top >= vocab or top is None and isinstance(tokenizer, int) and tokenizer > vocab:
+        held = (f"token ids up to {top} (of a vocabulary of {tokenizer})" if top is not None
+                else f"a vocabulary of {tokenizer} tokens")
+        raise ConfigError(
+            f"data: {held}, more than the model's vocabulary of {vocab} embeds: train a model of"
+            f" that vocabulary (model.vocab_size={tokenizer} for the reference GPT), or tokenise with the model's own"
+            " tokenizer (data.tokenizer=<the model folder>)")
 
 
 def _hydra_run() -> Dict[str, Any]:
     """Output folder, this job's overrides and the chosen layout name (outside Hydra: cwd, none, none)."""
     if not HydraConfig.initialized():
-        return {"out_dir": Path.cwd(), "overrides": "", "name": None}
+        return {"out_dir": Path.cwd(), "overrides": "", "name": None, "job": "run"}
     hc = HydraConfig.get()
     return {
         "out_dir": Path(hc.runtime.output_dir),
         "overrides": " ".join(shlex.quote(o) for o in hc.overrides.task),
         "name": hc.runtime.choices.get("parallel"),
+        "job": hc.job.name,
     }
 
 
@@ -321,9 +360,12 @@ def _fit(cfg: DictConfig, callbacks: Sequence[L.Callback]) -> Dict[str, Any]:
     layout = check(cfg)
     hydra_run = _hydra_run()
     out_dir = hydra_run["out_dir"]
-    accumulate = int(cfg.trainer.accumulate_grad_batches)
+    try:
+        resume = checkpoint_to_resume(cfg.ckpt_path, out_dir, hydra_run["job"])
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     steps = int(cfg.trainer.max_steps)
-    throughput = ReplicaThroughputMonitor(window_size=max(2, min(100, steps * accumulate)) if steps > 0 else 100)
+    throughput = ReplicaThroughputMonitor(window_size=100)  # fewer batches in a shorter run
     losses = TrainLossHistory()
     memory = PeakMemoryMonitor(steps=max(1, min(MEASURED_STEPS, steps)) if steps > 0 else MEASURED_STEPS)
 
@@ -331,17 +373,24 @@ def _fit(cfg: DictConfig, callbacks: Sequence[L.Callback]) -> Dict[str, Any]:
         L.seed_everything(cfg.seed, verbose=False)  # before anything is built: every rank builds the same model
         model = _build("model", cfg.model)
         data = _build("data", cfg.data)
+        _check_vocabulary(model, data)
         strategy = _build("parallel", cfg.parallel)
         extra = [_build(f"callbacks.{name}", node) for name, node in cfg.callbacks.items() if node is not None]
-        own = [ModelCheckpoint(dirpath=str(out_dir / "checkpoints"), save_last=True), throughput, memory,
-               ValidationPrinter(), losses]
+        report = DataReport()
+        saving = ModelCheckpoint(dirpath=str(out_dir / "checkpoints"), save_last=True,
+                                 every_n_train_steps=int(cfg.checkpoint_every) or None)
+        own = [saving, throughput, memory, ValidationPrinter(), losses, report]
         if cfg.trainer.enable_model_summary is not False:
             own.append(model_summary_callback())  # in place of Lightning's, which would count rank 0's shard only
+        if cfg.trainer.enable_progress_bar is not False and (bar := progress_bar_callback()) is not None:
+            own.append(bar)
+        segment = "" if resume is None else f"resumed_{time.strftime('%Y%m%d-%H%M%S')}"  # beside the earlier logs
         trainer = _build(
-            "trainer", cfg.trainer, devices=layout["devices"], strategy=strategy, logger=_loggers(out_dir),
-            callbacks=[*own, *extra, *callbacks], enable_model_summary=False,  # no summary of Lightning's own
+            "trainer", cfg.trainer, devices=layout["devices"], strategy=strategy,
+            logger=_loggers(cfg, out_dir, segment), callbacks=[*own, *extra, *callbacks],
+            enable_model_summary=False,  # no summary of Lightning's own
         )
-        trainer.fit(model, datamodule=data)
+        trainer.fit(model, datamodule=data, ckpt_path=resume)
         launched = take_over_launched_ranks(trainer)
 
         val = trainer.callback_metrics.get("val_loss")
@@ -365,12 +414,16 @@ def _fit(cfg: DictConfig, callbacks: Sequence[L.Callback]) -> Dict[str, Any]:
             "tokens_per_s_per_replica": rates.get("device/items_per_sec"),
             "mfu": rates.get("device/mfu"),
             **peak_memory_per_rank(memory),
-            **predicted_metrics(cfg, layout, model),  # the planner's prediction for this layout, beside the measurement
+            # the planner's prediction for this layout, beside the measurement
+            **predicted_metrics(cfg, layout, model, batch_size=getattr(data, "batch_size", None)),
+            "data": report.statistics,
+            "resumed_from": resume,
         }
         if trainer.is_global_zero:
             (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-            per_step = {"step": losses.steps, losses.metric: losses.values}  # every optimizer step's
-            (out_dir / "train_losses.json").write_text(json.dumps(per_step) + "\n")
+            history = out_dir / "train_losses.json"  # every optimizer step's, those of the run's earlier segments too
+            per_step = merge_losses(history, losses.steps, losses.values, losses.metric)
+            history.write_text(json.dumps(per_step) + "\n")
             log.info(_final_line(metrics, out_dir / "metrics.json"))
     wait_for_launched_ranks(launched)
     return metrics
@@ -398,7 +451,7 @@ def _one_line(err: BaseException) -> str:
 def exit_on_config_error(function: Callable[..., Any]) -> Callable[..., Any]:
     """``function`` printing a bad config as one ``error: ...`` line on stderr and exiting with code 2 -- also a batch
     the layout cannot train (`BatchError`, found before the ranks start or by rank 0 once they have) and a damaged
-    or foreign checkpoint to resume from (`CheckpointError`).
+    or foreign checkpoint to resume from (`CheckpointError`), and data that cannot train (`DataError`).
 
     A recipe applies it twice: under ``@hydra.main``, to the task function, for the errors `run` finds (inside
     the job, where Hydra would add a line of its own), and around the Hydra app, for composition errors (a
@@ -417,7 +470,7 @@ def exit_on_config_error(function: Callable[..., Any]) -> Callable[..., Any]:
         os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # composition errors reach us, not Hydra's report
         try:
             return function(*args, **kwargs)
-        except (ConfigError, HydraException, OmegaConfBaseException, BatchError, CheckpointError) as err:
+        except (ConfigError, HydraException, OmegaConfBaseException, BatchError, CheckpointError, DataError) as err:
             print(f"error: {_one_line(err)}", file=sys.stderr, flush=True)
             sys.exit(2)  # SystemExit passes through Hydra's job runner, which handles only `Exception`s
 

@@ -12,6 +12,7 @@ import inspect
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from lightning_hybrid import HybridStrategy
 from lightning_hybrid.config import ParallelConfig, register_configs, schema_from_signature
 from lightning_hybrid.data import ByteCorpusDataModule
 from lightning_hybrid.models import GPTLightningModule
-from lightning_hybrid.recipe import ConfigError, check, import_target, world_layout
+from lightning_hybrid.recipe import ConfigError, check, exit_on_config_error, import_target, run, world_layout
 from tests.user_model import CountingTokens, TinyLM
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -251,9 +252,10 @@ USER_MODEL = ["model=custom", "model._target_=tests.user_model.TinyLM", "model.w
 
 def test_a_rank_crashing_in_its_teardown_does_not_stop_the_sweep(tmp_path):
     """Rank 1 of the first job aborts while its interpreter shuts down, after the job completed: the job's
-    results stand (reported), and the next job runs (Lightning's observer would kill the Hydra process)."""
+    results stand (reported), and the next job runs (Lightning's observer would kill the Hydra process). The user's
+    data module is left at its own batch size (no ``data.batch_size`` in the config): the metrics take the module's."""
     sweep = tmp_path / "sweep"
-    res = _run(["-m", "parallel=tp,single", *USER_MODEL,
+    res = _run(["-m", "parallel=tp,single", *[a for a in USER_MODEL if not a.startswith("data.batch_size")],
                 "+callbacks.abort._target_=tests.user_model.AbortAtExitOnRank1", f"hydra.sweep.dir={sweep}"],
                cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -326,11 +328,7 @@ def test_sweep_summary_without_matplotlib(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["parallel=dp_tp", "trainer.devices=2"], "does not equal the world size 2"),
-        (["parallel=dp_pp", "parallel.schedule=round_robin"], "parallel: schedule='round_robin' is unknown"),
         (["parallel.tpp=2"], "Key 'tpp' not in 'ParallelConfig'"),
-        (["data=text", "data.paths=[/no/such/corpus]"], "data: paths: '/no/such/corpus' does not exist"),
-        (["data=text"], "data.paths is required"),
         (["data=custom", "data._target_=tests.user_model.Missing"],
          "data._target_='tests.user_model.Missing' cannot be imported: tests.user_model has no attribute 'Missing'"
          f" (module found at {ROOT / 'tests' / 'user_model.py'})"),
@@ -338,11 +336,40 @@ def test_sweep_summary_without_matplotlib(tmp_path, monkeypatch, capsys):
     ],
 )
 def test_bad_config_is_one_error_line_exit_2(args, message, tmp_path):
+    """The recipe as a user runs it: a composition error, and targets that do not import in a fresh process."""
     res = _run([*args, *TINY, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], res.stderr
     assert "Traceback" not in res.stdout + res.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["parallel=dp_tp", "trainer.devices=2"], "does not equal the world size 2"),
+        (["parallel=dp_pp", "parallel.schedule=round_robin"], "parallel: schedule='round_robin' is unknown"),
+        (["data=text", "data.paths=[/no/such/corpus]"], "data: paths: '/no/such/corpus' does not exist"),
+        (["data=text"], "data.paths is required"),
+        (["+ckpt_pth=last"], "ckpt_pth: not a key of the recipe (it would be ignored); its keys are"),
+        (["ckpt_path=last"], "ckpt_path=last: no checkpoints/last.ckpt in"),
+        (["data=shards", "data.path=/no/such/tokens"], "data.path='/no/such/tokens' is not a folder"),
+        (["data=text", f"data.paths=[{ROOT / 'README.md'}]", "model.vocab_size=100"],
+         "data: a vocabulary of 256 tokens, more than the model's vocabulary of 100 embeds"),
+    ],
+)
+def test_what_a_run_refuses_before_launching_is_one_error_line(args, message, tmp_path, monkeypatch, capfd):
+    """The run function (in this process: it stops before any rank starts) on configs it refuses: the recipe's one
+    ``error:`` line and exit code 2 (`exit_on_config_error`, as the recipes apply it)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    tiny = [a for a in TINY if "data=shards" not in args or not a.startswith("data.max_bytes")]
+    cfg = _compose(*args, *tiny)
+    with pytest.raises(SystemExit) as exit_:
+        exit_on_config_error(run)(cfg)
+    err = capfd.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert exit_.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
 
 
 def test_a_batch_the_layout_cannot_split_is_one_error_line_before_the_ranks_start(tmp_path):
@@ -430,3 +457,43 @@ def test_token_corpus_uses_the_folders_tokenizer(tmp_path):
     assert no_tokenizer.tokenizer is None and no_tokenizer.vocab_size == 256  # bytes
     with pytest.raises(FileNotFoundError, match="tokenizer: '/no/such/model' is not a folder"):
         TokenCorpusDataModule(tokenizer="/no/such/model")
+
+
+# ---------------------------------------------------------------------------------------------- shards, resume
+def test_shards_run_resumed_from_last_in_its_folder_trains_the_same_losses_across_an_epoch(tmp_path):
+    """``data=shards`` under dp2: a run of 8 steps (5 batches per rank and epoch), then the same run resumed
+    (``ckpt_path=last``, no run folder given: the newest run of the recipe) from its step-3 checkpoint put back as
+    ``last.ckpt`` -- as if killed after it -- into the same folder: steps 4-8, across the epoch's end, bit-equal."""
+    from lightning_hybrid.prepare import prepare
+
+    src = tmp_path / "corpus"
+    src.mkdir()
+    for i in range(10):  # 8 train documents of 81 tokens (with the end of text): 20 windows of 32
+        (src / f"{i}.txt").write_text(f"document {i} " + "abcdefghij"[i] * 69)
+    prepare([src], tmp_path / "tokens", val_fraction=0.2)
+    args = ["data=shards", f"data.path={tmp_path / 'tokens'}", "data.batch_size=2", "model.vocab_size=256",
+            "parallel=dp", "max_steps=8", "trainer.enable_progress_bar=false", "model.warmup_steps=2",
+            "model.lr_decay=cosine"]
+    run_dir = tmp_path / "outputs" / "first"
+    keep = ["+callbacks.keep._target_=lightning.pytorch.callbacks.ModelCheckpoint", "+callbacks.keep.save_top_k=-1",
+            f"+callbacks.keep.dirpath={tmp_path / 'kept'}", "+callbacks.keep.every_n_train_steps=3"]
+    res = _run([*args, *keep, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    full = json.loads((run_dir / "train_losses.json").read_text())
+    assert full["step"] == list(range(1, 9))
+    data = json.loads((run_dir / "metrics.json").read_text())["data"]
+    assert data["rows"] == 20 and data["documents"] == 8 and data["tokens"] == 8 * 81
+    assert "data: source=" in (run_dir / "pretrain.log").read_text()
+    last = run_dir / "checkpoints" / "last.ckpt"
+    step3 = next((tmp_path / "kept").glob("*step=3*"))
+    shutil.rmtree(last) if last.is_dir() else last.unlink()
+    (shutil.copytree if step3.is_dir() else shutil.copy)(step3, last)
+    (run_dir / "metrics.json").unlink()
+    res = _run([*args, "ckpt_path=last"], cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    resumed = json.loads((run_dir / "train_losses.json").read_text())
+    assert resumed == full  # steps 1-3 kept from the first run, 4-8 trained again: the same floats
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["resumed_from"] == str(last) and metrics["steps"] == 8
+    assert f"Restored all states from the checkpoint at {last}" in (run_dir / "pretrain.log").read_text()
+    assert sorted(p.name for p in (tmp_path / "outputs").iterdir()) == ["first"]  # no new run folder

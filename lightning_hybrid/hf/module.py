@@ -32,6 +32,8 @@ class CausalLM(LanguageModel):
         config: fields of the config that override the folder's or the model type's defaults (random init
             when ``model`` is not a folder).
         lr, weight_decay, betas, warmup_steps: AdamW (decay on parameters with ``dim >= 2``), linear warmup.
+        lr_decay, min_lr_ratio, decay_steps: after the warmup, a constant rate (``"none"``) or a ``"cosine"`` or
+            ``"linear"`` decay to ``min_lr_ratio * lr`` at step ``decay_steps`` (0: the run's last step).
         init_seed: seed of the random init (each pipeline layer its own, derived from it).
         attn_implementation: passed to ``transformers`` (``None``: its default for the model, SDPA where supported).
 
@@ -50,6 +52,9 @@ class CausalLM(LanguageModel):
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 0,
+        lr_decay: str = "none",
+        min_lr_ratio: float = 0.1,
+        decay_steps: int = 0,
         init_seed: int = 0,
         attn_implementation: Optional[str] = None,
     ) -> None:
@@ -60,10 +65,12 @@ class CausalLM(LanguageModel):
         else:
             spec = str(model) if isinstance(model, os.PathLike) else model
         hf_config = _resolve_config(spec, dict(config or {}))
-        super().__init__(int(hf_config.vocab_size), lr, weight_decay, betas, warmup_steps, test_accuracy=False)
+        super().__init__(int(hf_config.vocab_size), lr, weight_decay, betas, warmup_steps, test_accuracy=False,
+                         lr_decay=lr_decay, min_lr_ratio=min_lr_ratio, decay_steps=decay_steps)
         self.save_hyperparameters({
             "model": spec, "config": dict(config or {}), "lr": lr, "weight_decay": weight_decay,
-            "betas": tuple(betas), "warmup_steps": warmup_steps, "init_seed": init_seed,
+            "betas": tuple(betas), "warmup_steps": warmup_steps, "lr_decay": lr_decay, "min_lr_ratio": min_lr_ratio,
+            "decay_steps": decay_steps, "init_seed": init_seed,
             "attn_implementation": attn_implementation,
         })
         self.hf_config = hf_config

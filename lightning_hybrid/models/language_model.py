@@ -17,12 +17,14 @@ rest is here, the same for both:
   ``HybridStrategy`` makes the loss the mean over every token of the global batch (data-parallel ranks,
   micro-batches, accumulated batches), not a mean of means;
 * ``flops_per_batch`` (read by Lightning's ``ThroughputMonitor`` for MFU), set in ``on_train_batch_start``;
-* ``configure_optimizers``: AdamW (`lightning_hybrid.optim.adamw`) and an optional linear warmup;
+* ``configure_optimizers``: AdamW (`lightning_hybrid.optim.adamw`), a linear warmup and a cosine or linear decay
+  (`lightning_hybrid.optim.lr_factor`);
 * ``load_from_checkpoint``, which also takes the sharded checkpoint folder a ``HybridStrategy`` run writes.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import IO, Any, Optional, Union
 
@@ -35,7 +37,7 @@ from typing_extensions import Self
 
 from lightning_hybrid.batch import TokenBatch, count_loss_items
 from lightning_hybrid.checkpoint import lightning_checkpoint
-from lightning_hybrid.optim import adamw
+from lightning_hybrid.optim import adamw, check_schedule, lr_factor
 
 __all__ = ["Batch", "LanguageModel"]
 
@@ -52,6 +54,9 @@ class LanguageModel(L.LightningModule):
             of the same names, which `configure_optimizers` reads.
         warmup_steps: if > 0, a linear warmup of the learning rate over that many optimizer steps.
         test_accuracy: whether ``test_step`` measures and logs ``test_acc`` too (``val_acc`` always).
+        lr_decay: after the warmup, ``"none"`` (constant), ``"cosine"`` or ``"linear"`` decay to
+            ``min_lr_ratio * lr`` at step ``decay_steps`` (0: the run's last step, Lightning's
+            ``estimated_stepping_batches``), constant after.
 
     The subclass calls ``save_hyperparameters`` itself (its hyperparameters are its own).
     """
@@ -64,12 +69,18 @@ class LanguageModel(L.LightningModule):
         betas: tuple[float, float],
         warmup_steps: int,
         test_accuracy: bool = True,
+        lr_decay: str = "none",
+        min_lr_ratio: float = 0.1,
+        decay_steps: int = 0,
     ) -> None:
         super().__init__()
+        check_schedule(warmup_steps, lr_decay, min_lr_ratio, decay_steps)
+        self.vocab_size = vocab_size
         self.lr = lr
         self.weight_decay = weight_decay
         self.betas = tuple(betas)
         self.warmup_steps = warmup_steps
+        self.lr_decay, self.min_lr_ratio, self.decay_steps = lr_decay, min_lr_ratio, decay_steps
         self.model: Optional[nn.Module] = None
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=vocab_size, average="micro")
         if test_accuracy:
@@ -215,13 +226,18 @@ class LanguageModel(L.LightningModule):
     # ------------------------------------------------------------------ optimizer
     def configure_optimizers(self) -> Any:
         """AdamW with weight decay on matrices and embeddings (``dim >= 2``) only, fused on CUDA
-        (`lightning_hybrid.optim.adamw`); with ``warmup_steps > 0`` a linear warmup (``LambdaLR``, interval
-        ``"step"``)."""
+        (`lightning_hybrid.optim.adamw`); with a warmup or a decay, its schedule (``LambdaLR`` of
+        `lightning_hybrid.optim.lr_factor`, interval ``"step"``: saved in checkpoints, resumed with them)."""
         if self.model is None:
             raise RuntimeError("call configure_model() before configure_optimizers()")
         optimizer = adamw(self.model, self.lr, self.weight_decay, tuple(self.betas))
-        warmup = int(self.warmup_steps)
-        if warmup <= 0:
+        warmup, decay = int(self.warmup_steps), str(self.lr_decay)
+        if warmup <= 0 and decay == "none":
             return optimizer
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        total = int(self.decay_steps)  # a decay to the run's last step reads it from the Trainer
+        if decay != "none" and total <= 0:
+            total = int(self.trainer.estimated_stepping_batches)
+        factor = functools.partial(lr_factor, warmup_steps=warmup, lr_decay=decay,
+                                   min_lr_ratio=float(self.min_lr_ratio), total_steps=total)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}

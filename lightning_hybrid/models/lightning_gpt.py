@@ -30,6 +30,8 @@ class GPTLightningModule(LanguageModel):
         betas: AdamW betas.
         warmup_steps: if > 0, linear warmup of the learning rate over that many
             optimizer steps (``LambdaLR`` with interval ``"step"``).
+        lr_decay, min_lr_ratio, decay_steps: after the warmup, a constant rate (``"none"``) or a ``"cosine"`` or
+            ``"linear"`` decay to ``min_lr_ratio * lr`` at step ``decay_steps`` (0: the run's last step).
         init_seed: seed used to initialise the inner model's weights.
         **config_overrides: fields of :class:`GPTConfig` overriding ``config``
             (e.g. ``n_layer=4``).
@@ -48,6 +50,9 @@ class GPTLightningModule(LanguageModel):
         weight_decay: float = 0.1,
         betas: Tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 0,
+        lr_decay: str = "none",
+        min_lr_ratio: float = 0.1,
+        decay_steps: int = 0,
         init_seed: int = 0,
         **config_overrides: Any,
     ) -> None:
@@ -59,7 +64,8 @@ class GPTLightningModule(LanguageModel):
             base = dict(config)
         base.update(config_overrides)
         resolved = GPTConfig(**base)
-        super().__init__(resolved.vocab_size, lr, weight_decay, betas, warmup_steps, test_accuracy=True)
+        super().__init__(resolved.vocab_size, lr, weight_decay, betas, warmup_steps, test_accuracy=True,
+                         lr_decay=lr_decay, min_lr_ratio=min_lr_ratio, decay_steps=decay_steps)
         self.config = resolved
         # Store the resolved config as a plain dict so checkpoints/hparams stay simple.
         self.save_hyperparameters(
@@ -69,6 +75,7 @@ class GPTLightningModule(LanguageModel):
                 "weight_decay": weight_decay,
                 "betas": tuple(betas),
                 "warmup_steps": warmup_steps,
+                "lr_decay": lr_decay, "min_lr_ratio": min_lr_ratio, "decay_steps": decay_steps,
                 "init_seed": init_seed,
             }
         )

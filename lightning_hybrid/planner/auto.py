@@ -158,14 +158,17 @@ def choose_layout(cfg: DictConfig) -> tuple[DictConfig, str]:
     return out, explain(result, int(cfg.planner.show)) + f"\nplanner: running {best.label()}"
 
 
-def _recipe_layout(cfg: DictConfig, world: dict[str, int]) -> tuple[Layout, int]:
+def _recipe_layout(cfg: DictConfig, world: dict[str, int], batch_size: Optional[int] = None) -> tuple[Layout, int]:
     """The layout a recipe config runs (its per-replica batch split into micro-batches) and its global batch.
     ``cp``: ``world["cp"]`` (then ``world["dp"]`` is the data-parallel size without it), else ``parallel.cp``
     (then ``world["dp"]``, the devices over ``tp pp``, holds the ``cp`` ranks too)."""
     par = cfg.parallel
     cp = int(world.get("cp") or par.get("cp", 1) or 1)
     dp = world["dp"] if "cp" in world else world["dp"] // cp
-    batch, accumulate = int(cfg.data.batch_size), int(cfg.trainer.accumulate_grad_batches)
+    batch = cfg.data.get("batch_size", batch_size)
+    if batch is None:
+        raise ValueError(f"{cfg.data.get('_target_')} names no batch_size")
+    batch, accumulate = int(batch), int(cfg.trainer.accumulate_grad_batches)
     m = int(par.micro_batches or 2 * world["pp"]) if world["pp"] > 1 else accumulate
     b = batch // m if world["pp"] > 1 else batch
     checkpointing = bool(par.activation_checkpointing)
@@ -176,13 +179,15 @@ def _recipe_layout(cfg: DictConfig, world: dict[str, int]) -> tuple[Layout, int]
     return layout, dp * batch * accumulate
 
 
-def predicted_metrics(cfg: DictConfig, world: dict[str, int], module: Any = None) -> dict[str, Any]:
+def predicted_metrics(cfg: DictConfig, world: dict[str, int], module: Any = None,
+                      batch_size: Optional[int] = None) -> dict[str, Any]:
     """``predicted_peak_mib``, ``predicted_tokens_per_s`` and ``predicted_step_s`` of the layout ``cfg`` runs
-    (``world``: `lightning_hybrid.recipe.world_layout`; ``module``: the model the run built), on
-    ``planner.cluster`` or this machine; empty when the planner cannot describe the model or the machine."""
+    (``world``: `lightning_hybrid.recipe.world_layout`; ``module``: the model the run built; ``batch_size``: the
+    data module's, where its config does not name it), on ``planner.cluster`` or this machine; empty when the
+    planner cannot describe the model, the batch or the machine."""
     try:
         model, cluster = _model(cfg, module), _cluster(cfg)
-        layout, global_batch = _recipe_layout(cfg, world)
+        layout, global_batch = _recipe_layout(cfg, world, batch_size)
     except (ValueError, KeyError, TypeError):
         return {}
     documents = _documents(cfg)
