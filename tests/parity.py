@@ -22,7 +22,7 @@ from lightning_hybrid.data import ByteCorpusDataModule
 from lightning_hybrid.models import GPTLightningModule
 from tests.helpers import QUIET_TRAINER, Recorder, run_distributed, storage_bytes
 
-STEPS = 10
+STEPS = 6
 GLOBAL_BATCH = 8
 CLIP = 0.5
 BLOCK = 32

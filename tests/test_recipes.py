@@ -250,26 +250,19 @@ USER_MODEL = ["model=custom", "model._target_=tests.user_model.TinyLM", "model.w
               "trainer.max_steps=3", "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false"]
 
 
-def test_a_rank_crashing_in_its_teardown_does_not_stop_the_sweep(tmp_path):
-    """Rank 1 of the first job aborts while its interpreter shuts down, after the job completed: the job's
-    results stand (reported), and the next job runs (Lightning's observer would kill the Hydra process). The user's
-    data module is left at its own batch size (no ``data.batch_size`` in the config): the metrics take the module's."""
-    sweep = tmp_path / "sweep"
-    res = _run(["-m", "parallel=tp,single", *[a for a in USER_MODEL if not a.startswith("data.batch_size")],
-                "+callbacks.abort._target_=tests.user_model.AbortAtExitOnRank1", f"hydra.sweep.dir={sweep}"],
-               cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert (sweep / "0" / "metrics.json").is_file() and (sweep / "1" / "metrics.json").is_file()
-    assert re.search(r"rank 1 \(pid \d+\) exited with code -6 after the run had finished", res.stderr), (
-        res.stderr[-3000:])
-
-
 def test_user_module_and_data_in_a_layout_sweep_up_to_3d(tmp_path):
     """A LightningModule and a LightningDataModule of the user's own, named by `_target_` on the command line,
-    in a 4-job sweep up to dp2 x tp2 x pp2 (13 ranks in all), with its summary."""
+    in a 4-job sweep up to dp2 x tp2 x pp2 (13 ranks in all), with its summary. The data module is left at its own
+    batch size (no ``data.batch_size`` in the config: the metrics take the module's). Rank 1 of every job aborts
+    while its interpreter shuts down, after the job completed: the job's results stand (reported), and the next job
+    runs (Lightning's observer would kill the Hydra process)."""
     sweep = tmp_path / "sweep"
-    res = _run(["-m", "parallel=single,dp,tp,3d", *USER_MODEL, f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    res = _run(["-m", "parallel=single,dp,tp,3d", *[a for a in USER_MODEL if not a.startswith("data.batch_size")],
+                "+callbacks.abort._target_=tests.user_model.AbortAtExitOnRank1", f"hydra.sweep.dir={sweep}"],
+               cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert len(re.findall(r"rank 1 \(pid \d+\) exited with code -6 after the run had finished", res.stderr)) == 3, (
+        res.stderr[-3000:])
     jobs = {name: _check_metrics(sweep / str(i) / "metrics.json", layout, world)
             for i, (name, layout, world) in enumerate([("single", "dp1xtp1", 1), ("dp", "dp2xtp1", 2),
                                                        ("tp", "dp1xtp2", 2), ("3d", "dp2xtp2xpp2", 8)])}
@@ -413,15 +406,29 @@ def _pretrained_folder_with_tokenizer(folder: Path) -> Path:
 
 
 def test_finetune_recipe_end_to_end(tmp_path):
+    """The fine-tuning recipe on chat JSONL (``data=sft``, the folder's chat template) under tp2 x pp2: what the data
+    held in ``metrics.json``, the trained model exported as a transformers folder, the sharded checkpoint."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = _pretrained_folder_with_tokenizer(tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(folder)  # its 256 tokens are the model's vocabulary: no new ones
+    tokenizer.chat_template = ("{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n\n{% endfor %}"
+                               "{% if add_generation_prompt %}### assistant:\n{% endif %}")
+    tokenizer.save_pretrained(folder)
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"What is {i} + {i}?"},
+                                                     {"role": "assistant", "content": f"{2 * i}."}]}) + "\n"
+                            for i in range(200)))
     run_dir = tmp_path / "run"
-    res = _run([f"model.model={folder}", "parallel=tp_pp", *TINY, f"hydra.run.dir={run_dir}"], cwd=tmp_path,
-               recipe=ROOT / "recipes" / "finetune.py")
+    tiny = [o for o in TINY if not o.startswith("data.max_bytes")]  # a corpus option the SFT data has not
+    res = _run([f"model.model={folder}", "data=sft", f"data.path={chat}", "data.block_size=64", "parallel=tp_pp",
+                *tiny, f"hydra.run.dir={run_dir}"], cwd=tmp_path, recipe=ROOT / "recipes" / "finetune.py")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     m = _check_metrics(run_dir / "metrics.json", "dp1xtp2xpp2", 4)
     assert m["model"] == "lightning_hybrid.hf.CausalLM"
+    data = m["data"]  # every record accounted for, and said before the first step
+    assert data["records"] == 200 and data["documents"] + data["val_documents"] == 200 and not data["dropped"]
+    assert re.search(r"data: .*records=200", (run_dir / "finetune.log").read_text())
     assert (run_dir / "checkpoints" / "last.ckpt").exists()
     exported = run_dir / "hf_model"
     model = AutoModelForCausalLM.from_pretrained(exported)  # the trained weights, as transformers reads them

@@ -1026,26 +1026,3 @@ def test_sft_config_composes_with_the_finetune_recipe(tmp_path):
         check(_compose_finetune(f"model.model={folder}", "data=sft"))
     assert check(_compose_finetune(f"model.model={folder}", "data=sft", f"data.path={path}", "parallel=dp_pp"))[
         "devices"] == 4  # the SFT module's arguments checked against its signature, before any process starts
-
-
-def test_finetune_recipe_on_chat_jsonl_end_to_end(tmp_path):
-    from transformers import AutoTokenizer
-
-    from tests.test_recipes import TINY, _check_metrics, _pretrained_folder_with_tokenizer, _run
-
-    folder = _pretrained_folder_with_tokenizer(tmp_path / "model")
-    tokenizer = AutoTokenizer.from_pretrained(folder)  # its 256 tokens are the model's vocabulary: no new ones
-    tokenizer.chat_template = ("{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n\n{% endfor %}"
-                               "{% if add_generation_prompt %}### assistant:\n{% endif %}")
-    tokenizer.save_pretrained(folder)
-    records = [{"messages": [{"role": "user", "content": f"What is {i} + {i}?"},
-                             {"role": "assistant", "content": f"{2 * i}."}]} for i in range(200)]
-    path = _jsonl(tmp_path / "chat.jsonl", records)
-    run_dir = tmp_path / "run"
-    tiny = [o for o in TINY if not o.startswith("data.max_bytes")]  # a corpus option the SFT data has not
-    # Rows of 64 tokens: enough full batches from 200 short records for each of the 2 data-parallel ranks.
-    res = _run([f"model.model={folder}", "data=sft", f"data.path={path}", "data.block_size=64", "parallel=dp_pp",
-                *tiny, f"hydra.run.dir={run_dir}"], cwd=tmp_path, recipe=ROOT / "recipes" / "finetune.py")
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    m = _check_metrics(run_dir / "metrics.json", "dp2xtp1xpp2", 4)
-    assert m["model"] == "lightning_hybrid.hf.CausalLM"

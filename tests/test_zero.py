@@ -66,7 +66,7 @@ def _peaks(ckpt_dir: str) -> dict:
     for name, layout in LAYOUTS.items():
         for stage in EXPECTED:
             L.seed_everything(0, verbose=False)
-            config = GPTConfig(vocab_size=256, block_size=32, n_layer=8, n_head=4, n_embd=128, mlp="swiglu")
+            config = GPTConfig(vocab_size=256, block_size=32, n_layer=6, n_head=4, n_embd=128, mlp="swiglu")
             module = GPTLightningModule(config=config)
             monitor = PeakMemoryMonitor(steps=3)
             trainer = L.Trainer(
