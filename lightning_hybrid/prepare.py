@@ -538,8 +538,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f" {len(index['splits'][split]['shards'])} shard(s)")
     if stats.malformed:
         print(f"{len(stats.malformed)} malformed records left out: {Path(args.out) / MALFORMED_FILE}")
-    print(f"train on it: data=shards data.path={Path(args.out).resolve()}"
-          + ("" if args.tokenizer else f" model.vocab_size={index['vocab_size']}"))
+    print(f"train on it: data=shards data.path={Path(args.out).resolve()} model.vocab_size={index['vocab_size']}"
+          " (the reference GPT's; a Hugging Face model has its own)")
     return 0
 
 

@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from lightning_hybrid.batch import IGNORE_INDEX
 from lightning_hybrid.data import DataError, DataPosition, ResumableDataLoader
 from lightning_hybrid.prepare import FORMAT, INDEX_FILE, token_dtype
+from lightning_hybrid.rank_zero import raise_from_rank_zero
 
 __all__ = [
     "FORMAT",
@@ -313,11 +314,11 @@ class ShardsDataModule(DataPosition, L.LightningDataModule):
         self.val_dataset = TokenWindows(TokenSplit(self.path, "val", self.index), self.block_size, eot)
         replicas, _ = self._data_parallel()
         need = self.batch_size * replicas
-        if len(self.train_dataset) < need:
-            raise DataError(
+        if len(self.train_dataset) < need:  # every rank finds it alike: one message, rank 0's
+            raise_from_rank_zero(DataError(
                 f"{self.path}: the train split has {len(self.train_dataset.tokens)} tokens, {len(self.train_dataset)}"
                 f" windows of block_size={self.block_size}; one batch of {self.batch_size} on each of {replicas}"
-                f" data-parallel ranks needs {need}: a smaller block_size or batch_size, or a larger corpus")
+                f" data-parallel ranks needs {need}: a smaller block_size or batch_size, or a larger corpus"))
         if len(self.val_dataset) < need:
             rank_zero_warn(f"{self.path}: the val split has {len(self.val_dataset)} windows of"
                            f" block_size={self.block_size}, fewer than one batch on each of {replicas} data-parallel"
