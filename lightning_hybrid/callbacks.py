@@ -297,7 +297,8 @@ class ValidationPrinter(Callback):
 class TrainLossHistory(Callback):
     """The value the module logs as ``metric`` (``train_loss``) at every optimizer step, on rank 0: ``steps`` (the
     global step each value ends) and ``values`` -- what a logger keeps only every ``log_every_n_steps``. Under
-    gradient accumulation a step's value is the one logged by the batch that ends it."""
+    gradient accumulation a step's value is the one logged by the batch that ends it. Saved in checkpoints: a
+    resumed run's history starts at step 1."""
 
     def __init__(self, metric: str = "train_loss") -> None:
         self.metric = metric
@@ -307,6 +308,14 @@ class TrainLossHistory(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._last_step = trainer.global_step  # a resumed run counts from its checkpoint's step
+
+    def state_dict(self) -> dict:
+        """The history so far, in every checkpoint: a run resumed from one -- after a kill too, before any file was
+        written -- has the steps before it."""
+        return {"steps": list(self.steps), "values": list(self.values)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.steps, self.values = list(state_dict.get("steps", [])), list(state_dict.get("values", []))
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
         stepped, self._last_step = trainer.global_step != self._last_step, trainer.global_step
