@@ -62,7 +62,7 @@ from lightning_hybrid.memory import PeakMemoryMonitor
 from lightning_hybrid.mesh import ParallelDims
 from lightning_hybrid.planner.auto import choose_layout, predicted_metrics
 from lightning_hybrid.rank_zero import BatchError
-from lightning_hybrid.resume import checkpoint_to_resume, merge_losses, register_run_dir_resolver
+from lightning_hybrid.resume import checkpoint_to_resume, register_run_dir_resolver
 
 __all__ = ["ConfigError", "check", "check_arguments", "exit_on_config_error", "import_target", "layout_label", "run",
            "run_log", "without_library_notices", "world_layout"]
@@ -421,9 +421,9 @@ def _fit(cfg: DictConfig, callbacks: Sequence[L.Callback]) -> Dict[str, Any]:
         }
         if trainer.is_global_zero:
             (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-            history = out_dir / "train_losses.json"  # every optimizer step's, those of the run's earlier segments too
-            per_step = merge_losses(history, losses.steps, losses.values, losses.metric)
-            history.write_text(json.dumps(per_step) + "\n")
+            # Every optimizer step's, from step 1: a resumed run's history comes back with its checkpoint.
+            per_step = {"step": losses.steps, losses.metric: losses.values}
+            (out_dir / "train_losses.json").write_text(json.dumps(per_step) + "\n")
             log.info(_final_line(metrics, out_dir / "metrics.json"))
     wait_for_launched_ranks(launched)
     return metrics

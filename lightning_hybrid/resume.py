@@ -8,23 +8,22 @@ recipes' ``hydra.run.dir`` calls::
 Without ``ckpt_path`` it is the new, time-stamped folder. With ``ckpt_path=last`` it is the run folder under
 ``outputs`` of the newest ``last.ckpt`` of the same recipe (its ``.hydra/hydra.yaml`` names the job); with a path,
 the run folder that holds it (``<run>/checkpoints/<name>.ckpt``, or ``<run>`` itself). The resumed run writes into
-that folder -- its checkpoints, ``metrics.json``, ``train_losses.json`` (the earlier steps kept), the job's log
-(appended) -- and its loggers into versions of their own (``csv/resumed_<date>-<time>``), whose earlier files
-Lightning's CSV logger would otherwise delete. A multirun resumes each job from ``last.ckpt`` in its own folder:
-point it at the sweep to resume with ``hydra.sweep.dir=...``. `checkpoint_to_resume` finds the checkpoint in the
+that folder -- its checkpoints, ``metrics.json``, ``train_losses.json`` (from step 1: the history is in the
+checkpoint), the job's log (appended) -- and its loggers into versions of their own
+(``csv/resumed_<date>-<time>``), whose earlier files Lightning's CSV logger would otherwise delete. A multirun
+resumes each job from ``last.ckpt`` in its own folder: point it at the sweep to resume with ``hydra.sweep.dir=...``. `checkpoint_to_resume` finds the checkpoint in the
 run function.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 from omegaconf import OmegaConf
 
-__all__ = ["RESOLVER", "checkpoint_to_resume", "merge_losses", "register_run_dir_resolver", "run_dir"]
+__all__ = ["RESOLVER", "checkpoint_to_resume", "register_run_dir_resolver", "run_dir"]
 
 #: The resolver's name in the recipes' YAML.
 RESOLVER = "lightning_hybrid.run_dir"
@@ -101,17 +100,3 @@ def checkpoint_to_resume(ckpt_path: Optional[str], out_dir: Path, job_name: str,
         raise ValueError(f"ckpt_path={ckpt_path!r} does not exist: give last, a checkpoint (a .ckpt file or folder) or"
                          " a run folder with checkpoints/last.ckpt")
     return str(path)
-
-
-def merge_losses(path: Path, steps: List[int], values: List[float], metric: str) -> Dict[str, list]:
-    """``train_losses.json``'s content: the steps of an earlier segment of the run (in ``path``) before this
-    segment's first, then this segment's."""
-    earlier: Dict[str, list] = {"step": [], metric: []}
-    if path.is_file() and steps:
-        try:
-            earlier = json.loads(path.read_text())
-        except json.JSONDecodeError:
-            pass
-    keep = [i for i, s in enumerate(earlier.get("step", [])) if s < (steps[0] if steps else 0)]
-    return {"step": [earlier["step"][i] for i in keep] + list(steps),
-            metric: [earlier[metric][i] for i in keep] + list(values)}

@@ -24,6 +24,7 @@ Shape legend: ``T`` = ``block_size``, ``B`` = ``batch_size``.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
@@ -135,7 +136,7 @@ class TokenSplit:
         if not 0 <= start <= stop <= len(self):
             raise IndexError(f"tokens [{start}, {stop}) outside [0, {len(self)})")
         parts: List[bytes] = []
-        shard = _bisect_right(self.starts, start) - 1
+        shard = bisect.bisect_right(self.starts, start) - 1
         while start < stop:
             end = min(stop, self.starts[shard + 1])
             offset, count = (start - self.starts[shard]) * self.width, (end - start) * self.width
@@ -149,17 +150,6 @@ class TokenSplit:
         if not data:
             return torch.empty(0, dtype=torch.int64, device="cpu")
         return torch.frombuffer(bytearray(data), dtype=self.dtype).to(torch.int64)
-
-
-def _bisect_right(values: List[int], x: int) -> int:
-    lo, hi = 0, len(values)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if x < values[mid]:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
 
 
 class TokenWindows(Dataset):
