@@ -11,8 +11,8 @@ the run folder that holds it (``<run>/checkpoints/<name>.ckpt``, or ``<run>`` it
 that folder -- its checkpoints, ``metrics.json``, ``train_losses.json`` (from step 1: the history is in the
 checkpoint), the job's log (appended) -- and its loggers into versions of their own
 (``csv/resumed_<date>-<time>``), whose earlier files Lightning's CSV logger would otherwise delete. A multirun
-resumes each job from ``last.ckpt`` in its own folder: point it at the sweep to resume with ``hydra.sweep.dir=...``. `checkpoint_to_resume` finds the checkpoint in the
-run function.
+resumes each job from ``last.ckpt`` in its own folder: point it at the sweep to resume with ``hydra.sweep.dir=...``.
+`checkpoint_to_resume` finds the checkpoint in the run function.
 """
 
 from __future__ import annotations
