@@ -38,7 +38,6 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
@@ -295,7 +294,9 @@ class MeshStrategy(ParallelStrategy):
         dp, tp, pp, cp = self._sizes
         self._dims = ParallelDims.resolve(dp, tp, pp, world_size=self.world_size, cp=cp)
         super().setup_environment()
-        reset_seed()
+        # No `reset_seed()` (Lightning's DDP re-seeds here): every rank ran the user's script up to `fit` (Lightning's
+        # subprocess launcher, torchrun, SLURM), so its random state is already one device's. Re-seeding discarded
+        # what the script drew after `seed_everything` (a model's default inits): dropout then drew other masks.
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )

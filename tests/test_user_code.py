@@ -338,3 +338,33 @@ def test_what_splitting_the_sequence_or_the_rows_would_change_is_refused_by_name
             message = out[case]
             assert message.startswith("ValueError: dp=2 would train another model than one device"), (case, message)
             assert "output for a row depends on the other rows of its batch" in message, (case, message)
+
+
+class GlobalInitDropoutLM(UserLM):
+    """As users write it: the default inits draw from the global random state after ``seed_everything`` (here one
+    draw stands for them), and dropout runs on the TP group's replicated activations."""
+
+    def __init__(self) -> None:
+        super().__init__(dropout=0.2)
+        torch.randn(3)
+
+
+def _dropout_losses(one_device: bool) -> list:
+    L.seed_everything(0, verbose=False)
+    module = GlobalInitDropoutLM()
+    losses = []
+
+    class Losses(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, *args) -> None:
+            losses.append(float(outputs["loss"]))
+
+    trainer = L.Trainer(accelerator="cpu", devices=1 if one_device else 2, max_steps=3, callbacks=[Losses()],
+                        strategy="auto" if one_device else HybridStrategy(tp=2), **QUIET_TRAINER)
+    trainer.fit(module, pairs_loader(4, one_device=one_device))
+    return losses
+
+
+def test_dropout_after_a_script_drew_from_the_global_state_draws_one_devices_masks():
+    """The random state a rank trains from is the one its script left (no re-seeding at set-up): the same masks,
+    the losses of one device (within the TP reductions' rounding; other masks move them by ~1e-3)."""
+    assert run_distributed(_dropout_losses, 2, False)[0] == pytest.approx(_dropout_losses(True), rel=1e-6, abs=0)
