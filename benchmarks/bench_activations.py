@@ -70,10 +70,10 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
-from lightning_hybrid.activation_checkpointing import apply_activation_checkpointing, recompute_selection  # noqa: E402
-from lightning_hybrid.memory import LiveTensorTracker, PeakMemoryMonitor, _storages  # noqa: E402
-from lightning_hybrid.tensor_parallel import apply_tp, resolve_tp_plan  # noqa: E402
-from lightning_hybrid.tensor_parallel.comm import sum_grads_over_tp_  # noqa: E402
+from lightning_hybrid.core.collectives import sum_grads_over_tp_  # noqa: E402
+from lightning_hybrid.parallel.activation_checkpointing import apply_activation_checkpointing, recompute_selection  # noqa: E402
+from lightning_hybrid.parallel.tensor_parallel import apply_tp, resolve_tp_plan  # noqa: E402
+from lightning_hybrid.runs.memory import LiveTensorTracker, PeakMemoryMonitor, _storages  # noqa: E402
 from lightning_hybrid.testing import run_distributed  # noqa: E402
 
 DROPOUT = 0.1
@@ -358,7 +358,7 @@ def _packed(batch: tuple, fractions: tuple[float, ...] = (0.15, 0.45, 0.7)) -> d
     """An ``(x, y)`` byte batch as packed documents: every row split where ``fractions`` of its length fall (four
     documents of unequal lengths), positions restarting at 0 in each, the label of each document's last token
     ignored (it would be the next document's first)."""
-    from lightning_hybrid.batch import IGNORE_INDEX
+    from lightning_hybrid.core.batch import IGNORE_INDEX
 
     x, y = batch
     length = x.size(1)
@@ -378,7 +378,7 @@ def _cp_worker(cfg: dict) -> list[dict]:
     import lightning as L
 
     from lightning_hybrid import HybridStrategy
-    from lightning_hybrid.data import ByteCorpusDataModule
+    from lightning_hybrid.data.corpus import ByteCorpusDataModule
     from lightning_hybrid.models import GPTConfig, GPTLightningModule
 
     class PackedCorpus(ByteCorpusDataModule):

@@ -4,7 +4,7 @@ and resuming a run.
     python benchmarks/bench_data.py [--large-mb 1024] [--small-mb 10] [--workers 2] [--work DIR]
 
 1. **Prepare**: a folder of text files (the standard library's Python sources, repeated with a number in each copy,
-   ~1 MiB per file) of ``--small-mb`` and ``--large-mb``, tokenised by `lightning_hybrid.prepare` with a byte-level
+   ~1 MiB per file) of ``--small-mb`` and ``--large-mb``, tokenised by `lightning_hybrid.data.prepare` with a byte-level
    BPE tokenizer of 8,192 tokens trained here, in ``--workers`` processes: MiB/s, and the peak resident memory of
    the preparing process and its workers together (sampled every 50 ms from /proc).
 2. **Train from shards**: the small recipe's model (`configs/model/small.yaml`: the reference GPT 4 x 256, sequences
@@ -43,10 +43,10 @@ import lightning as L  # noqa: E402
 
 from benchmarks.report import printed_to  # noqa: E402
 from lightning_hybrid import HybridStrategy  # noqa: E402
-from lightning_hybrid.data import default_corpus_files  # noqa: E402
+from lightning_hybrid.data.corpus import default_corpus_files  # noqa: E402
+from lightning_hybrid.data.prepare import prepare  # noqa: E402  (the small corpus of the resume runs)
+from lightning_hybrid.data.shards import ShardsDataModule  # noqa: E402
 from lightning_hybrid.models import GPTLightningModule  # noqa: E402
-from lightning_hybrid.prepare import prepare  # noqa: E402  (the small corpus of the resume runs)
-from lightning_hybrid.shards import ShardsDataModule  # noqa: E402
 from lightning_hybrid.testing import run_distributed  # noqa: E402
 
 MiB = 2**20
@@ -139,8 +139,8 @@ def _train_tokenizer(folder: Path) -> Path:
 
 
 def _prepare(corpus: Path, out: Path, tokenizer: Path, workers: int) -> dict:
-    """``python -m lightning_hybrid.prepare`` as a user runs it, its process tree's resident memory sampled."""
-    command = [sys.executable, "-m", "lightning_hybrid.prepare", str(corpus), "--out", str(out), "--tokenizer",
+    """``python -m lightning_hybrid.data.prepare`` as a user runs it, its process tree's resident memory sampled."""
+    command = [sys.executable, "-m", "lightning_hybrid.data.prepare", str(corpus), "--out", str(out), "--tokenizer",
                str(tokenizer), "--workers", str(workers), "--val-fraction", "0.001", "--overwrite"]
     start = time.perf_counter()
     proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,

@@ -14,7 +14,7 @@ process group (spawned like torchrun, `lightning_hybrid.testing.run_distributed`
 
 Same model (a SwiGLU GPT, default 8 layers x 512 wide, block 64), same data (per-rank batch 2), AdamW (fp32).
 
-memory     = `lightning_hybrid.memory.PeakMemoryMonitor` over the first ``--measure-steps`` training steps: the
+memory     = `lightning_hybrid.runs.memory.PeakMemoryMonitor` over the first ``--measure-steps`` training steps: the
              peak of live tensor bytes per rank and its breakdown by kind (parameters, gradients, optimizer
              state, activations + temporaries, the rest); a table shows the rank with the highest peak
 resident   = each rank's resident-set peak (``VmHWM``, /proc/self/status) over its whole life (setup, fit, every
@@ -56,9 +56,9 @@ import torch  # noqa: E402
 
 from benchmarks.machine_load import cpu_s, system_busy_s  # noqa: E402
 from lightning_hybrid import HybridStrategy  # noqa: E402
-from lightning_hybrid.data import ByteCorpusDataModule  # noqa: E402
-from lightning_hybrid.memory import PeakMemoryMonitor  # noqa: E402
+from lightning_hybrid.data.corpus import ByteCorpusDataModule  # noqa: E402
 from lightning_hybrid.models import GPT, GPTConfig, GPTLightningModule  # noqa: E402
+from lightning_hybrid.runs.memory import PeakMemoryMonitor  # noqa: E402
 from lightning_hybrid.testing import run_distributed  # noqa: E402
 
 VAL_FRACTION = 0.05  # ByteCorpusDataModule's default hold-out

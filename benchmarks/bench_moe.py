@@ -25,10 +25,11 @@ tokens/s       global tokens per step (dp * batch * T) / step time; step time = 
                on_train_batch_end, the slower rank per step, mean over the timed steps (no tracker is on then),
                mean over the runs; beside it the CPU time per step of all ranks together (process time)
 ep2 / ep1      tokens/s of the ep=2 row over the ep=1 row of the same dp, tp and stage, measured in this run
-expert params  the parameters of the experts modules on the rank (`lightning_hybrid.expert_parallel.find_experts`
+expert params  the parameters of the experts modules on the rank
+(`lightning_hybrid.parallel.expert_parallel.find_experts`
                on its model after setup) against the formula total / ep, total = layers * experts * 3 * H * I
                (gate_up (E, 2I, H) + down (E, H, I) per layer, counted on a one-device build)
-peak           `lightning_hybrid.memory.PeakMemoryMonitor`: the highest live tensor bytes of the rank over the
+peak           `lightning_hybrid.runs.memory.PeakMemoryMonitor`: the highest live tensor bytes of the rank over the
                measured steps (the first step left out), with its breakdown by kind; "state" = parameters +
                gradients (and their buckets) + optimizer state live when the last measured step ended (what the
                rank holds between steps)
@@ -73,9 +74,9 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from benchmarks.machine_load import cpu_s, system_busy_s  # noqa: E402
 from lightning_hybrid import HybridStrategy  # noqa: E402
-from lightning_hybrid.data import ByteCorpusDataModule  # noqa: E402
-from lightning_hybrid.expert_parallel import find_experts, iter_expert_modules  # noqa: E402
-from lightning_hybrid.memory import PeakMemoryMonitor  # noqa: E402
+from lightning_hybrid.data.corpus import ByteCorpusDataModule  # noqa: E402
+from lightning_hybrid.parallel.expert_parallel import find_experts, iter_expert_modules  # noqa: E402
+from lightning_hybrid.runs.memory import PeakMemoryMonitor  # noqa: E402
 from lightning_hybrid.testing import run_distributed  # noqa: E402
 
 VAL_FRACTION = 0.05  # ByteCorpusDataModule's default hold-out

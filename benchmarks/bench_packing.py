@@ -80,10 +80,10 @@ from torch import Tensor  # noqa: E402
 
 from benchmarks.machine_load import cpu_s, system_busy_s  # noqa: E402
 from benchmarks.report import printed_to  # noqa: E402
-from lightning_hybrid.batch import TokenBatch, document_causal_mask, document_ids, is_packed  # noqa: E402
+from lightning_hybrid.core.batch import TokenBatch, document_causal_mask, document_ids, is_packed  # noqa: E402
+from lightning_hybrid.data.sft import pack_documents  # noqa: E402
 from lightning_hybrid.models import GPTLightningModule  # noqa: E402
 from lightning_hybrid.models.gpt import CausalSelfAttention  # noqa: E402
-from lightning_hybrid.sft import pack_documents  # noqa: E402
 
 VOCAB = 256
 LAYERS, WIDTH, HEADS = 4, 256, 8

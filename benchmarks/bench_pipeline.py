@@ -54,9 +54,9 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
+from benchmarks.machine_load import cpu_s, system_busy_s  # noqa: E402
 from lightning_hybrid import HybridStrategy  # noqa: E402
 from lightning_hybrid.models import GPT, GPTConfig, GPTLightningModule  # noqa: E402
-from benchmarks.machine_load import cpu_s, system_busy_s  # noqa: E402
 from lightning_hybrid.testing import run_distributed  # noqa: E402
 
 PP = 2

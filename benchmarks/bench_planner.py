@@ -50,15 +50,25 @@ import lightning as L  # noqa: E402
 
 from benchmarks.bench_memory import StepTimer  # noqa: E402
 from lightning_hybrid import HybridStrategy  # noqa: E402
-from lightning_hybrid.data import ByteCorpusDataModule  # noqa: E402
-from lightning_hybrid.memory import PeakMemoryMonitor  # noqa: E402
+from lightning_hybrid.data.corpus import ByteCorpusDataModule  # noqa: E402
 from lightning_hybrid.models import GPTConfig, GPTLightningModule  # noqa: E402
-from lightning_hybrid.planner import Cluster, Layout, ModelSpec, calibrate, estimate_memory, estimate_time, evaluate  # noqa: E402
-from lightning_hybrid.planner import load_cluster, model_spec, plan  # noqa: E402
+from lightning_hybrid.parallel.zero import DEFAULT_BUCKET_CAP_MB  # noqa: E402
+from lightning_hybrid.planner import (  # noqa: E402  # noqa: E402
+    Cluster,
+    Layout,
+    ModelSpec,
+    calibrate,
+    estimate_memory,
+    estimate_time,
+    evaluate,
+    load_cluster,
+    model_spec,
+    plan,
+)
 from lightning_hybrid.planner.cluster import FA2_ON_HOPPER  # noqa: E402
 from lightning_hybrid.planner.memory import PRECISIONS, largest_block_params  # noqa: E402
-from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB  # noqa: E402
-from lightning_hybrid.sweep import spearman  # noqa: E402
+from lightning_hybrid.runs.memory import PeakMemoryMonitor  # noqa: E402
+from lightning_hybrid.runs.sweep import spearman  # noqa: E402
 from lightning_hybrid.testing import run_distributed  # noqa: E402
 
 MIB = 2**20

@@ -46,10 +46,10 @@ if str(REPO_ROOT) not in sys.path:
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from lightning_hybrid import HybridStrategy  # noqa: E402
-from lightning_hybrid.data import ByteCorpusDataModule  # noqa: E402
-from lightning_hybrid.models import GPT, GPTConfig, GPTLightningModule  # noqa: E402
 from benchmarks.machine_load import cpu_s, system_busy_s  # noqa: E402
+from lightning_hybrid import HybridStrategy  # noqa: E402
+from lightning_hybrid.data.corpus import ByteCorpusDataModule  # noqa: E402
+from lightning_hybrid.models import GPT, GPTConfig, GPTLightningModule  # noqa: E402
 from lightning_hybrid.testing import run_distributed  # noqa: E402
 
 WORLD_SIZE = 2
@@ -279,7 +279,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _hybrid_plan_summary(model: dict) -> str:
     """What HybridStrategy(tp=2, tp_plan="auto") splits in this model (resolved without processes)."""
     try:
-        from lightning_hybrid.tensor_parallel import resolve_tp_plan
+        from lightning_hybrid.parallel.tensor_parallel import resolve_tp_plan
 
         module = GPTLightningModule(config=GPTConfig(**model))
         module.configure_model()

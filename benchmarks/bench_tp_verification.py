@@ -5,7 +5,7 @@
 For each model (the reference GPT of `make run`, and two `transformers` families built from a config, random
 init), one `Trainer(strategy=HybridStrategy(tp=2))` fit on the byte corpus, 2 processes on the CPU:
 ``verification`` is the time `apply_tp` spent capturing the example forward and checking every kind of block
-(it is in the plan's log line, `HybridStrategy.tensor_parallel_report.seconds`); ``training`` is the time of
+(it is in the plan's log line, `HybridStrategy.parallelized.tp_report.seconds`); ``training`` is the time of
 the ``--steps`` training batches (on_train_batch_start of the first to on_train_batch_end of the last). The
 goal: verification under 2% of a 100-step run. The table is written to benchmarks/TP_VERIFICATION.md.
 """
@@ -26,9 +26,9 @@ if str(REPO_ROOT) not in sys.path:
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from lightning_hybrid import HybridStrategy  # noqa: E402
 from benchmarks.report import printed_to  # noqa: E402
-from lightning_hybrid.data import ByteCorpusDataModule  # noqa: E402
+from lightning_hybrid import HybridStrategy  # noqa: E402
+from lightning_hybrid.data.corpus import ByteCorpusDataModule  # noqa: E402
 from lightning_hybrid.models import GPTLightningModule  # noqa: E402
 from lightning_hybrid.testing import run_distributed  # noqa: E402
 
@@ -80,7 +80,7 @@ def _measure(models: list[str], steps: int, tp: int) -> dict[str, tuple[float, f
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, callbacks=[timer])
         trainer.fit(module, ByteCorpusDataModule(max_bytes=400_000, block_size=128, batch_size=8))
-        report = strategy.tensor_parallel_report
+        report = strategy.parallelized.tp_report
         out[name] = (report.seconds, timer.end - timer.start, report.summary())
     return out
 

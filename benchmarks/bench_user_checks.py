@@ -4,8 +4,8 @@
 
 For each layout (2 processes on the CPU, the reference GPT of 4 layers, 256 wide, sequences of 256, 8 rows per
 data-parallel rank): the median time of a training step (after the first three), the time of the first step's
-probe (`lightning_hybrid.probe.FirstStepProbe`: the model run whole and split, once), and the time of one batch
-check (`lightning_hybrid.batch_check.BatchCheck.check` on a checked batch: the fingerprint and one all-gather,
+probe (`lightning_hybrid.checks.probe.FirstStepProbe`: the model run whole and split, once), and the time of one batch
+check (`lightning_hybrid.checks.batch_check.BatchCheck.check` on a checked batch: the fingerprint and one all-gather,
 on the first 3 batches and every 100th). The table is written to benchmarks/USER_CHECKS.md.
 """
 
@@ -27,10 +27,10 @@ import lightning as L  # noqa: E402
 
 from benchmarks.report import printed_to  # noqa: E402
 from lightning_hybrid import HybridStrategy  # noqa: E402
-from lightning_hybrid.batch_check import BatchCheck  # noqa: E402
-from lightning_hybrid.data import ByteCorpusDataModule  # noqa: E402
+from lightning_hybrid.checks.batch_check import BatchCheck  # noqa: E402
+from lightning_hybrid.checks.probe import FirstStepProbe  # noqa: E402
+from lightning_hybrid.data.corpus import ByteCorpusDataModule  # noqa: E402
 from lightning_hybrid.models import GPTLightningModule  # noqa: E402
-from lightning_hybrid.probe import FirstStepProbe  # noqa: E402
 from lightning_hybrid.testing import run_distributed  # noqa: E402
 
 LAYOUTS = {"tp2": dict(tp=2), "dp2": dict(dp=2), "cp2": dict(dp=1, cp=2), "pp2": dict(pp=2, micro_batches=2)}
@@ -96,7 +96,7 @@ def main() -> None:
         print("| layout (2 ranks) | step, ms (median) | first-step probe, ms (once) | probe / step |"
               " batch check, ms (per checked batch) | batch check / step |")
         print("|---|---:|---:|---:|---:|---:|")
-        for name, (step, probe, check, calls) in results.items():
+        for name, (step, probe, check, _calls) in results.items():
             print(f"| {name} | {1e3 * step:.0f} | {1e3 * probe:.0f} | {probe / step:.2f} |"
                   f" {1e3 * check:.2f} | {100 * check / step:.2f}% |")
         print("\nThe probe runs once, at the first step (cp: the first row whole and split; dp, pp: two rows"

@@ -91,12 +91,12 @@ def _module(model_type: str, document_mask: bool = False):
 def _document_masked_class():
     """`CausalLM` whose every ``scaled_dot_product_attention`` runs under the causal document mask of the batch's
     positions, in place of the mask the model made (and its own-mask check skipped): the one-process computation
-    that CP's replaced mask (`lightning_hybrid.context_parallel`) must reproduce, for a model whose own mask at
+    that CP's replaced mask (`lightning_hybrid.parallel.context_parallel`) must reproduce, for a model whose own mask at
     cp=1 lets packed documents see each other."""
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
 
-    from lightning_hybrid.batch import document_causal_mask
+    from lightning_hybrid.core.batch import document_causal_mask
     from lightning_hybrid.hf import CausalLM
 
     class DocumentMask(TorchFunctionMode):

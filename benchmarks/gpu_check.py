@@ -6,7 +6,7 @@
 Every job runs in a subprocess of its own (its own CUDA context and memory, a time limit, and a crash or a
 hang there is a row of the table, not the end of the script), one after another, within ``--budget-s``:
 
-(a) tests: ``pytest -m cuda tests/test_cuda.py``, one row per test (its outcome and time; for a failure the
+(a) tests: ``pytest -m cuda tests/strategy/test_cuda.py``, one row per test (its outcome and time; for a failure the
     exception and the last lines of its traceback, recorded as it happens by this file acting as a pytest
     plugin, so a run cut short by the time limit keeps what finished).
 (b) throughput of a ~1B Llama (``--hidden 2048 --layers 16 --heads 32 --ffn 5632 --vocab 32000 --seq 2048
@@ -276,11 +276,12 @@ def _ended(code: Optional[int], seconds: float, log: Path) -> str:
 def section_tests(check: Check) -> None:
     timeout = check.limit("tests", RESERVE[check.kind]["throughput"] + RESERVE[check.kind]["multirank"])
     if timeout < 20:
-        check.row("a", "pytest -m cuda tests/test_cuda.py", "skipped", f"time budget: {check.left():.0f} s left")
+        check.row("a", "pytest -m cuda tests/strategy/test_cuda.py", "skipped",
+                  f"time budget: {check.left():.0f} s left")
         return
     record_path = check.log_dir / "pytest.jsonl"
     record_path.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "tests/test_cuda.py", "-q", "-rA", "--tb=short",
+    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "tests/strategy/test_cuda.py", "-q", "-rA", "--tb=short",
            "-p", "gpu_check", "-p", "no:cacheprovider"]
     code, seconds, log = check.run_process(cmd, "pytest", timeout,
                                            env=_job_env({"GPU_CHECK_PYTEST_LOG": str(record_path)}))
@@ -304,7 +305,7 @@ def section_tests(check: Check) -> None:
     skipped = [results[n]["reason"] for n in names if n in results and results[n]["outcome"] == "skipped"]
     if names and len(skipped) == len(names) and len(set(skipped)) == 1:  # e.g. no CUDA here: one row
         status = "skipped (no CUDA)" if not check.cuda else "skipped"
-        check.row("a", f"{len(names)} tests in tests/test_cuda.py", status, f"all skipped: {skipped[0]}")
+        check.row("a", f"{len(names)} tests in tests/strategy/test_cuda.py", status, f"all skipped: {skipped[0]}")
     else:
         for name in names:
             short = name.split("::", 1)[-1]
@@ -685,7 +686,7 @@ def multirank_fit(
     from torch.utils.data import DataLoader, DistributedSampler
 
     from lightning_hybrid import HybridStrategy
-    from lightning_hybrid.data import ByteCorpusDataModule
+    from lightning_hybrid.data.corpus import ByteCorpusDataModule
 
     class OneDeviceInDistributedOrder(ByteCorpusDataModule):
         """Lightning shuffles a distributed run's data with ``DistributedSampler(seed=0)``; the same order here."""
@@ -754,7 +755,7 @@ def multirank_bf16_fit(family: str, layout: dict, accelerator: str, backend: Opt
     import transformers as T
 
     from lightning_hybrid import HybridStrategy
-    from lightning_hybrid.data import ByteCorpusDataModule
+    from lightning_hybrid.data.corpus import ByteCorpusDataModule
     from lightning_hybrid.hf import CausalLM
 
     sizes = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

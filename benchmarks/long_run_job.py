@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from lightning_hybrid import HybridStrategy  # noqa: E402
-from lightning_hybrid.data import ByteCorpusDataModule  # noqa: E402
+from lightning_hybrid.data.corpus import ByteCorpusDataModule  # noqa: E402
 from lightning_hybrid.models import GPTLightningModule  # noqa: E402
 
 

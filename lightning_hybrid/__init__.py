@@ -1,20 +1,20 @@
 """lightning-hybrid: DP x TP x PP with ZeRO behind one PyTorch Lightning strategy.
 
 ``HybridStrategy`` and ``ParallelDims`` are imported on first use (PEP 562): importing one of the package's light
-modules -- ``lightning_hybrid.prepare``, whose tokenising worker processes need neither torch nor Lightning -- does
+modules -- ``lightning_hybrid.data.prepare``, whose tokenising worker processes need neither torch nor Lightning -- does
 not import torch.
 """
 
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_hybrid.mesh import ParallelDims
+    from lightning_hybrid.core.dims import ParallelDims
     from lightning_hybrid.strategy import HybridStrategy
 
 __all__ = ["HybridStrategy", "ParallelDims"]
 __version__ = "0.1.0"
 
-_LAZY = {"HybridStrategy": "lightning_hybrid.strategy", "ParallelDims": "lightning_hybrid.mesh"}
+_LAZY = {"HybridStrategy": "lightning_hybrid.strategy", "ParallelDims": "lightning_hybrid.core.dims"}
 
 
 def __getattr__(name: str) -> Any:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_hybrid.devices import local_tensor
+from lightning_hybrid.core.devices import local_tensor
 
 
 def _sum_of_squares(tensors: list[Tensor]) -> Tensor:

@@ -8,15 +8,17 @@ It owns
 * the **pipeline's gradient stash**: under ``pp > 1`` the schedule runs the backward inside ``training_step``;
   without buckets the gradients are kept away from Lightning's ``zero_grad`` (which comes between
   ``training_step`` and ``backward``) and given back in `unstash`;
-* the **DP reduction** (`reduce`): ZeRO 0-2's buckets (`lightning_hybrid.zero`; their layout stays private to
+* the **DP reduction** (`reduce`): ZeRO 0-2's buckets (`lightning_hybrid.parallel.zero`; their layout stays private to
   it) are waited for (or, under PP, reduced); ZeRO-3's FSDP2 has reduced in backward;
 * the **TP partial-gradient sum**: replicated parameters whose per-rank gradient is a part (norms and row biases in
   sequence-split regions, per-head norms) are summed over TP once per step, after the DP reduction;
-* the **loss's reduction** (`lightning_hybrid.loss_semantics`): where each batch's backward was that of its loss sum
+* the **loss's reduction** (`lightning_hybrid.checks.loss_semantics`): where each batch's backward was that of its loss
+sum
   (`add_loss_items`: token weighting) the reduced gradients are divided by the loss items of the whole window over
   DP (the global batch's token mean); for a loss that is a sum (``sum_loss``) the DP average is undone (the sum
   over the ranks);
-* the **tied parameters** across pipeline stages (`lightning_hybrid.tied`): each copy's gradient summed over the
+* the **tied parameters** across pipeline stages (`lightning_hybrid.parallel.tied`): each copy's gradient summed over
+the
   stages that hold one, counted once in norms;
 * the **gradient norm**: the global norm over TP and ZeRO shards and pipeline stages (clipping by it), and each
   parameter's whole-gradient norm.
@@ -32,12 +34,12 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_hybrid.devices import local_tensor
+from lightning_hybrid.core.collectives import sum_grads_over_tp_
+from lightning_hybrid.core.devices import local_tensor
 from lightning_hybrid.grad_norm import clip_grads_, global_grad_norm, parameter_grad_norms
+from lightning_hybrid.parallel.tied import sum_tied_grads
+from lightning_hybrid.parallel.zero import ZeroOptimizer
 from lightning_hybrid.parallelize import Parallelized
-from lightning_hybrid.tensor_parallel.comm import sum_grads_over_tp_
-from lightning_hybrid.tied import sum_tied_grads
-from lightning_hybrid.zero import ZeroOptimizer
 
 T = TypeVar("T")
 
@@ -47,17 +49,16 @@ class GradientSync:
 
     `wrap_optimizers` puts the user's optimizers on gradient buckets (ZeRO 0-2 with ``dp > 1``); the other methods
     are called by `HybridStrategy` at the points of Lightning's loop their names say. Collectives run on the
-    mesh's groups: the DP reduction over ``dp``, the partial sums over ``tp``, the norm over all three.
+    meshes' groups: the DP reduction over ``dp_cp``, the partial sums over ``tp``, the norm over all three.
     """
 
     def __init__(self, parallelized: Parallelized, zero_stage: int, bucket_cap_mb: float, device: torch.device) -> None:
         self.parallelized, self.zero_stage, self.bucket_cap_mb = parallelized, zero_stage, bucket_cap_mb
         self.device = device
-        mesh = parallelized.mesh
-        self.dp_group, self.tp_group, self.pp_group = (mesh[n].get_group() for n in ("dp", "tp", "pp"))
-        self.dp = mesh["dp"].size()
-        experts = parallelized.expert_mesh
-        self.ep_group = experts["ep"].get_group() if experts is not None else None
+        meshes = parallelized.meshes
+        self.dp_group, self.tp_group, self.pp_group = (meshes.group(n) for n in ("dp_cp", "tp", "pp"))
+        self.dp = meshes.size("dp_cp")
+        self.ep_group = meshes.group("ep") if "ep" in meshes else None
         self.optimizers: list[Optimizer] = []
         self.blocked = False
         self._items: Optional[Tensor] = None  # loss items of the window so far (token-weighted losses)
@@ -79,9 +80,9 @@ class GradientSync:
             names = {id(p): n for n, p in self.module.named_parameters()}
             tp_sharded = {i for i, n in names.items() if n in self.parallelized.tp_sharded}
             experts = None
-            if self.parallelized.expert_mesh is not None:
+            if "edp" in self.parallelized.meshes:
                 ids = {i for i, n in names.items() if n in self.parallelized.expert_params}
-                experts = (ids, self.parallelized.expert_mesh["edp"].get_group())
+                experts = (ids, self.parallelized.meshes.group("edp"))
             optimizers = [
                 ZeroOptimizer(opt, self.dp_group, self.zero_stage, tp_sharded, self.bucket_cap_mb, names, experts)
                 for opt in optimizers

@@ -9,9 +9,8 @@ param groups at flat bucket slices on the same device, so the choice holds there
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import math
+from collections.abc import Iterable
 
 import torch
 from torch import nn

@@ -1,8 +1,9 @@
-"""`ParallelOptions`: what a layout asks for beyond the mesh sizes, validated once, frozen.
+"""`ParallelOptions`: what a layout asks for beyond the sizes, validated once, frozen.
 
-`HybridStrategy` builds it from its arguments (every bad value is an error here, before any process exists) and
-hands it to `lightning_hybrid.parallelize.parallelize` and `lightning_hybrid.grad_sync.GradientSync`; nothing
-below them reads the strategy.
+The sizes live in `lightning_hybrid.core.dims.ParallelDims` alone; `ParallelOptions.create` validates the other
+arguments against them (every bad value is an error here, before any process exists). `HybridStrategy` hands both
+to `lightning_hybrid.parallelize.parallelize` and `lightning_hybrid.grad_sync.GradientSync`; nothing below them
+reads the strategy.
 """
 
 from __future__ import annotations
@@ -12,26 +13,26 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Optional, Union
 
-from lightning_hybrid.activation_checkpointing import Recompute, Selection, recompute_selection
-from lightning_hybrid.compile import Compile, compile_options
-from lightning_hybrid.mesh import ParallelDims, validate_zero_stage
-from lightning_hybrid.pipeline import resolve_schedule
-from lightning_hybrid.pipeline.executor import ScheduleSpec
-from lightning_hybrid.randomness import RANDOMNESS
-from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB
+import lightning.pytorch as pl
+import torch
+
+from lightning_hybrid.checks.randomness import RANDOMNESS
+from lightning_hybrid.core.dims import ParallelDims, validate_zero_stage
+from lightning_hybrid.parallel.activation_checkpointing import Recompute, Selection, recompute_selection
+from lightning_hybrid.parallel.compile import Compile, compile_options
+from lightning_hybrid.parallel.pipeline import resolve_schedule
+from lightning_hybrid.parallel.pipeline.executor import ScheduleSpec
+from lightning_hybrid.parallel.zero import DEFAULT_BUCKET_CAP_MB
 
 PIPELINE_ARGUMENTS = ("schedule", "micro_batches", "virtual_stages", "split_points")
 
 
 @dataclass(frozen=True)
 class ParallelOptions:
-    """The requested sizes (``dp=-1``: inferred from the world size by `ParallelDims.resolve`) and every option
-    of the layout, resolved: the schedule's spec and stages per rank, the recompute selection, the compile
-    arguments. `create` validates; the fields are then what the steps of `parallelize` read."""
+    """Every option of the layout that is not a size, resolved: the schedule's spec and stages per rank, the
+    recompute selection, the compile arguments. `create` validates; the fields are then what the steps of
+    `parallelize` read."""
 
-    dp: int = -1
-    tp: int = 1
-    pp: int = 1
     zero_stage: int = 0
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
     tp_plan: Union[str, Mapping[str, Any]] = "auto"
@@ -47,17 +48,13 @@ class ParallelOptions:
     activation_checkpointing: Union[bool, str] = False
     recompute: Optional[Selection] = None  # None: full recomputation of a checkpointed layer
     compile: Optional[Mapping[str, Any]] = None  # torch.compile's arguments; None: no compilation
-    ep: int = 1  # expert parallelism: ranks (of the DP ones) that split each experts module
-    cp: int = 1  # context parallelism: ranks that split each sequence
     batch_check_interval: int = 100  # after the first batches, every n-th batch is compared within its peers
     randomness: str = "exact"  # random ops: one device's draws or refused; "independent": per-rank streams
 
     @classmethod
     def create(
         cls,
-        dp: int = -1,
-        tp: int = 1,
-        pp: int = 1,
+        dims: Optional[ParallelDims] = None,
         zero_stage: int = 0,
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         tp_plan: Union[str, Mapping[str, Any]] = "auto",
@@ -70,16 +67,14 @@ class ParallelOptions:
         activation_checkpointing: Union[bool, str] = False,
         recompute: Recompute = "full",
         compile: Compile = False,
-        ep: int = 1,
-        cp: int = 1,
         batch_check_interval: int = 100,
         randomness: str = "exact",
     ) -> "ParallelOptions":
-        """Validate the `HybridStrategy` arguments of the same names. ``ValueError`` naming the bad value and
-        what would be valid; an argument that nothing would use with these sizes is refused (`refuse_unused`)."""
-        ParallelDims.check_sizes(dp, tp, pp)
-        ParallelDims.check_cp(cp)
-        ParallelDims.check_ep(ep, dp * cp if dp != -1 else -1)
+        """Validate the `HybridStrategy` arguments of the same names against the requested ``dims``.
+        ``ValueError`` naming the bad value and what would be valid; an argument that nothing would use with these
+        sizes is refused (`refuse_unused`)."""
+        dims = dims if dims is not None else ParallelDims.request()
+        tp, pp, cp = dims.tp, dims.pp, dims.cp
         refuse_unused(pp=pp, tp=tp, schedule=schedule, micro_batches=micro_batches, virtual_stages=virtual_stages,
                       split_points=split_points, sequence_parallel=sequence_parallel, tp_plan=tp_plan)
         spec, per_rank, schedule_default = None, 1, pp > 1 and schedule is None
@@ -108,7 +103,7 @@ class ParallelOptions:
             raise ValueError(f"cp={cp} with compile={compile!r}: context parallelism catches each layer's attention"
                              " at run time, which torch.compile does not trace; use compile=False with cp > 1.")
         return cls(
-            dp=dp, tp=tp, pp=pp, zero_stage=validate_zero_stage(zero_stage), bucket_cap_mb=float(bucket_cap_mb),
+            zero_stage=validate_zero_stage(zero_stage), bucket_cap_mb=float(bucket_cap_mb),
             tp_plan=MappingProxyType(dict(tp_plan)) if isinstance(tp_plan, Mapping) else tp_plan,
             sequence_parallel=bool(sequence_parallel), loss_parallel=bool(loss_parallel),
             schedule=schedule, schedule_default=schedule_default, schedule_spec=spec, stages_per_rank=per_rank,
@@ -116,18 +111,24 @@ class ParallelOptions:
             virtual_stages=virtual_stages, split_points=tuple(split_points) if split_points is not None else None,
             # anything but full recomputation checkpoints every layer unless told which
             activation_checkpointing=activation_checkpointing or selection is not None,
-            recompute=selection, compile=MappingProxyType(arguments) if arguments is not None else None, ep=ep,
-            cp=cp, batch_check_interval=batch_check_interval, randomness=randomness,
+            recompute=selection, compile=MappingProxyType(arguments) if arguments is not None else None,
+            batch_check_interval=batch_check_interval, randomness=randomness,
         )
 
-    @property
-    def example_multiple(self) -> int:
+    def example_multiple(self, dims: ParallelDims) -> int:
         """Example inputs of the TP verification have a sequence length divisible by this (the SP split)."""
-        return self.tp if self.sequence_parallel else 1
+        return dims.tp if self.sequence_parallel else 1
+
+    def data_error(self, data: Any) -> Optional[str]:
+        """Why a data module or data loader cannot train under this layout (`batch_size_error` of the batch size it
+        says it gives), or ``None``."""
+        batch_size = _batch_size_of(data)
+        return None if batch_size is None else self.batch_size_error(batch_size)
 
     def batch_size_error(self, batch_size: int) -> Optional[str]:
-        """Why a training batch of ``batch_size`` samples per data-parallel rank cannot run, or ``None``."""
-        if self.pp > 1 and self.micro_batches and batch_size % self.micro_batches != 0:
+        """Why a training batch of ``batch_size`` samples per data-parallel rank cannot run, or ``None``
+        (``micro_batches`` is set under ``pp > 1`` only)."""
+        if self.micro_batches and batch_size % self.micro_batches != 0:
             valid = f"{self.micro_batches}, {2 * self.micro_batches}, ..."
             return (f"batch_size={batch_size} (per data-parallel rank) does not split into micro_batches="
                     f"{self.micro_batches}: use a multiple of micro_batches ({valid}), or another micro_batches.")
@@ -148,3 +149,16 @@ def refuse_unused(pp: int, tp: int, **given: Any) -> None:
             f" arguments ({', '.join(PIPELINE_ARGUMENTS)}) need pp > 1, sequence_parallel and a tp_plan dict need"
             " tp > 1. Leave them unset for this layout."
         )
+
+
+def _batch_size_of(data: Any) -> Optional[int]:
+    """The per-rank training batch size a data module (``batch_size`` attribute or hyperparameter) or a data loader
+    says it gives, else ``None``."""
+    if isinstance(data, torch.utils.data.DataLoader):
+        return data.batch_size
+    if isinstance(data, pl.LightningDataModule):
+        size = getattr(data, "batch_size", None)
+        if size is None:
+            size = getattr(data, "hparams", {}).get("batch_size")
+        return size if isinstance(size, int) and not isinstance(size, bool) else None
+    return None

@@ -1,18 +1,21 @@
 """`parallelize`: the one place the parallel dimensions are composed, in the order they must run.
 
     plan -> checkpoint targets -> pipeline cut -> TP/SP split (verified) -> materialise
-         -> EP split (verified) -> activation checkpointing -> compile -> ZeRO-3 (FSDP2) -> pipeline executor
+         -> EP split (verified) -> context split (hooks) -> activation checkpointing -> compile
+         -> ZeRO-3 (FSDP2) -> pipeline executor
 
-Each step is one named function taking the mesh (or its sub-meshes and groups) and plain values from the frozen
-`ParallelOptions`, never the strategy; a new dimension is one more step here. `HybridStrategy.setup` calls
-`parallelize` and then moves the module to its device, applies the precision, wraps the optimizers and builds the
-`GradientSync` (`lightning_hybrid.grad_sync`) from the returned `Parallelized`. It runs without a ``Trainer``:
-``parallelize(module, mesh, options, device)`` on every rank of a process group (collective over the mesh).
+Each step is one named function taking the meshes (`lightning_hybrid.core.dims.Meshes`, built once from
+`ParallelDims`) and plain values from the frozen `ParallelOptions`, never the strategy; a new dimension is one more
+step here, and what it does during a step a `StepHooks` it appends to ``Parallelized.hooks``
+(docs/adding-a-dimension.md). `HybridStrategy.setup` calls `parallelize` and then moves the module to its device,
+applies the precision, builds the `GradientSync` (`lightning_hybrid.grad_sync`) and the `TrainingSteps`
+(`lightning_hybrid.steps`) from the returned `Parallelized`. It runs without a ``Trainer``:
+``parallelize(module, meshes, options, device)`` on every rank of a process group (collective over the meshes).
 
 Building per rank: a module whose layers are still to be built (`builds_per_rank`: it says so, or the strategy's
 init context built it on the meta device under ``pp > 1``) is cut on the meta device, split over TP there, and
 then each rank materialises only its own layers -- under TP only its slices of them
-(`lightning_hybrid.tensor_parallel.layerwise`).
+(`lightning_hybrid.parallel.tensor_parallel.layerwise`).
 """
 
 from __future__ import annotations
@@ -28,29 +31,41 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_hybrid.activation_checkpointing import apply_activation_checkpointing, checkpoint_targets
-from lightning_hybrid.compile import apply_compile
-from lightning_hybrid.devices import module_device
-from lightning_hybrid.expert_parallel import apply_ep, check_experts, expert_parameter_names, iter_expert_modules
-from lightning_hybrid.context_parallel import ContextParallel, kv_group_of
-from lightning_hybrid.mesh import build_context_mesh, build_expert_mesh
+from lightning_hybrid.core.devices import module_device
+from lightning_hybrid.core.dims import Meshes, ParallelDims
+from lightning_hybrid.core.hooks import StepHooks
+from lightning_hybrid.core.protocol import LayerwiseInit, PipelineAuxLoss, builds_per_rank
 from lightning_hybrid.options import ParallelOptions
-from lightning_hybrid.pipeline import PipelineExecutor, check_protocol, stage_module
-from lightning_hybrid.pipeline.executor import SCHEDULES, forward_through_stages
-from lightning_hybrid.pipeline.aux import AuxLossExchange, Source
-from lightning_hybrid.pipeline.protocol import PipelineAuxLoss, builds_per_rank
-from lightning_hybrid.pipeline.stages import (
+from lightning_hybrid.parallel.activation_checkpointing import apply_activation_checkpointing, checkpoint_targets
+from lightning_hybrid.parallel.compile import apply_compile
+from lightning_hybrid.parallel.context_parallel import ContextParallel, ContextParallelHooks, kv_group_of
+from lightning_hybrid.parallel.expert_parallel import (
+    apply_ep,
+    check_experts,
+    expert_parameter_names,
+    iter_expert_modules,
+)
+from lightning_hybrid.parallel.pipeline import PipelineExecutor, check_protocol, stage_module
+from lightning_hybrid.parallel.pipeline.aux import AuxLossExchange, Source
+from lightning_hybrid.parallel.pipeline.executor import SCHEDULES, forward_through_stages
+from lightning_hybrid.parallel.pipeline.stages import (
     StageLayout,
     check_materialised,
     drop_remote_layers,
     keep_local_layers,
     plan_stages,
 )
-from lightning_hybrid.tensor_parallel import TPPlan, TPResult, apply_tp, resolve_tp_plan, tp_sharded_parameter_names
-from lightning_hybrid.tensor_parallel.examples import first_layer_example, model_example, synthetic_call
-from lightning_hybrid.tensor_parallel.layerwise import Representatives, materialise_split_layers
-from lightning_hybrid.tied import TiedAcrossStages, broadcast_tied, shared_parameters, ties_across_stages
-from lightning_hybrid.zero import apply_fsdp, apply_fsdp_experts, apply_fsdp_units
+from lightning_hybrid.parallel.tensor_parallel import (
+    TPPlan,
+    TPResult,
+    apply_tp,
+    resolve_tp_plan,
+    tp_sharded_parameter_names,
+)
+from lightning_hybrid.parallel.tensor_parallel.examples import first_layer_example, model_example, synthetic_call
+from lightning_hybrid.parallel.tensor_parallel.layerwise import Representatives, materialise_split_layers
+from lightning_hybrid.parallel.tied import TiedAcrossStages, broadcast_tied, shared_parameters, ties_across_stages
+from lightning_hybrid.parallel.zero import apply_fsdp, apply_fsdp_experts, apply_fsdp_units
 
 __all__ = ["Parallelized", "parallelize"]
 
@@ -64,14 +79,15 @@ class Parallelized:
     step. ``fsdp_roots``: the FSDP2 roots of ZeRO-3 (their gradient sync is switched off inside an accumulation
     window). ``pipeline``: the executor under ``pp > 1``. ``remote_prefixes``: module names of the pipeline layers
     other ranks hold. ``tp_report``: what TP split and how. ``expert_params``: names of the parameters that are
-    this rank's experts (`lightning_hybrid.expert_parallel`), split over ``expert_mesh["ep"]`` and reduced over
-    ``expert_mesh["edp"]``. ``context``: the attention over the CP group under ``cp > 1``
-    (`lightning_hybrid.context_parallel`). ``tied``: parameters shared by modules on different pipeline stages, of
-    which this rank may hold a copy (`lightning_hybrid.tied`).
+    this rank's experts (`lightning_hybrid.parallel.expert_parallel`), split over ``meshes["ep"]`` and reduced
+    over ``meshes["edp"]``. ``context``: the attention over the CP group under ``cp > 1``
+    (`lightning_hybrid.parallel.context_parallel`). ``tied``: parameters shared by modules on different pipeline
+    stages, of which this rank may hold a copy (`lightning_hybrid.parallel.tied`). ``hooks``: what the dimensions do
+    during a step (`lightning_hybrid.core.hooks.StepHooks`), called by the strategy in this order.
     """
 
     module: nn.Module
-    mesh: DeviceMesh
+    meshes: Meshes
     tp_sharded: frozenset[str] = frozenset()
     partial_grads: tuple[str, ...] = ()
     fsdp_roots: list[nn.Module] = field(default_factory=list)
@@ -79,20 +95,21 @@ class Parallelized:
     remote_prefixes: tuple[str, ...] = ()
     tp_report: Optional[TPResult] = None
     expert_params: frozenset[str] = frozenset()
-    expert_mesh: Optional[DeviceMesh] = None
     context: Optional[ContextParallel] = None
     tied: tuple[TiedAcrossStages, ...] = ()
+    hooks: tuple[StepHooks, ...] = ()
 
 
-def parallelize(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, device: torch.device) -> Parallelized:
-    """Parallelise ``module`` in place over the ``(pp, dp, tp)`` ``mesh`` as ``options`` say; its layers end on
-    ``device`` where they were built here (the rest moves with the strategy's ``model_to_device``). Collective over
-    the mesh; an error on any rank is raised on every rank before the next collective."""
-    pp, dp, tp = (mesh[name].size() for name in ("pp", "dp", "tp"))
+def parallelize(module: nn.Module, meshes: Meshes, options: ParallelOptions, device: torch.device) -> Parallelized:
+    """Parallelise ``module`` in place over ``meshes`` (`ParallelDims.build_meshes`) as ``options`` say; its layers
+    end on ``device`` where they were built here (the rest moves with the strategy's ``model_to_device``). Collective
+    over the meshes; an error on any rank is raised on every rank before the next collective."""
+    dims = meshes.dims
+    pp, tp, ep, cp, gradient_ranks = dims.pp, dims.tp, dims.ep, dims.cp, meshes.size("dp_cp")
     per_rank = builds_per_rank(module)
     shared = shared_parameters(module)  # before any dimension replaces a module that holds one
     # Split on the meta device, then materialise (or read) each rank's slices: TP's, and its experts.
-    layerwise = (tp > 1 or options.ep > 1) and per_rank
+    layerwise = (tp > 1 or ep > 1) and per_rank
     layer_names = pipeline_layer_names(module) if pp > 1 or layerwise else ()
     plan = plan_tp(module, tp, options, layer_names)
     checkpointed = []
@@ -100,44 +117,46 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, d
         checkpointed = checkpoint_targets(module, options.activation_checkpointing, pp > 1)
     first_input = None
     if pp > 1 or layerwise:  # known on every rank before the cut (the layers are still there, perhaps on meta)
-        first_input = first_layer_example(module, module.pipeline_layers()[0], device, options.example_multiple)
+        first_input = first_layer_example(module, module.pipeline_layers()[0], device, options.example_multiple(dims))
     ties = []
     if pp > 1 and shared:  # read on the whole model, before the cut
-        ties = tie_across_stages(module, shared, layer_names, mesh, options)
-    layout = cut_pipeline(module, mesh, options, device, keep_unbuilt=layerwise) if pp > 1 else None
+        ties = tie_across_stages(module, shared, layer_names, meshes, options)
+    layout = cut_pipeline(module, meshes, options, device, keep_unbuilt=layerwise) if pp > 1 else None
     unbuilt = unsplit_copies(module, layout) if layerwise else {}  # on meta: what random init fills, layer by layer
     report = None
     if plan is not None:
-        report = split_tp(module, mesh, plan, options, device, layer_names, layout, first_input, layerwise)
-    expert_mesh = None
-    if options.ep > 1 and layerwise:  # on the meta device: verified once materialised
-        expert_mesh = split_experts(module, mesh, options.ep, verify=False)
+        report = split_tp(module, meshes, plan, options, device, layer_names, layout, first_input, layerwise)
+    if ep > 1 and layerwise:  # on the meta device: verified once materialised
+        split_experts(module, meshes, verify=False)
     if layerwise:
         materialise(module, unbuilt, device)
-    if options.ep > 1 and layerwise:
+    if ep > 1 and layerwise:
         verify_experts(module)
-    elif options.ep > 1:
-        expert_mesh = split_experts(module, mesh, options.ep)
+    elif ep > 1:
+        split_experts(module, meshes)
     experts = expert_parameter_names(module)
     tp_sharded = frozenset(tp_sharded_parameter_names(module)) - experts
     remote = tuple(layout.remote_prefixes) if layout is not None else ()
-    context = split_context(module, mesh, options, remote) if options.cp > 1 else None
+    context = split_context(module, meshes, options, remote) if cp > 1 else None
+    hooks: list[StepHooks] = []
+    if context is not None:
+        hooks.append(ContextParallelHooks(context, type(module).__name__, device))
     apply_activation_checkpointing(module, _held_here(checkpointed, remote), options.recompute,
                                    compiled=options.compile is not None)
     if options.compile is not None:
         apply_compile(module, _held_here(checkpoint_targets(module, True, pp > 1), remote), dict(options.compile))
     stages = local_stages(module, layout) if layout is not None else None
     if ties:  # every holder's copy from the first holder's, before ZeRO-3 shards them
-        broadcast_tied(ties, module, mesh["pp"].get_group(), device)
+        broadcast_tied(ties, module, meshes.group("pp"), device)
     fsdp_roots = []
-    if options.zero_stage == 3 and dp > 1:
-        fsdp_roots = apply_zero3(module, stages, mesh["dp"], expert_mesh, parts=options.compile is None,
-                                 shared=shared)
-    pipeline = build_pipeline(module, stages, layout, mesh, options, device) if layout is not None else None
+    if options.zero_stage == 3 and gradient_ranks > 1:
+        fsdp_roots = apply_zero3(module, stages, meshes["dp_cp"], meshes["edp"] if ep > 1 else None,
+                                 parts=options.compile is None, shared=shared)
+    pipeline = build_pipeline(module, stages, layout, meshes, options, device) if layout is not None else None
     return Parallelized(
-        module, mesh, tp_sharded,
+        module, meshes, tp_sharded,
         tuple(sorted(report.partial_grads)) if report is not None else (), fsdp_roots, pipeline, remote, report,
-        experts, expert_mesh, context, tuple(ties),
+        experts, context, tuple(ties), hooks=tuple(hooks),
     )
 
 
@@ -151,13 +170,13 @@ def plan_tp(module: nn.Module, tp: int, options: ParallelOptions, layer_names: t
 
 
 def tie_across_stages(
-    module: nn.Module, shared: list[tuple[str, ...]], layer_names: tuple[str, ...], mesh: DeviceMesh,
+    module: nn.Module, shared: list[tuple[str, ...]], layer_names: tuple[str, ...], meshes: Meshes,
     options: ParallelOptions,
 ) -> list[TiedAcrossStages]:
     """The groups of one shared Parameter whose modules the pipeline cut puts on different PP ranks
-    (`lightning_hybrid.tied`), from the stages `cut_pipeline` will make (planned here alike on every rank)."""
+    (`lightning_hybrid.parallel.tied`), from the stages `cut_pipeline` will make (planned here alike on every rank)."""
     assert options.schedule_spec is not None
-    pp_mesh = mesh["pp"]
+    pp_mesh = meshes["pp"]
     plan = plan_stages(module, pp_mesh.size(), pp_mesh.get_local_rank(), options.stages_per_rank,
                        options.schedule_spec.style, list(options.split_points) if options.split_points else None)
     owner_of_layer = [plan.owners[s] for i in range(len(layer_names)) for s, r in enumerate(plan.ranges) if i in r]
@@ -165,12 +184,12 @@ def tie_across_stages(
 
 
 def cut_pipeline(
-    module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, device: torch.device, keep_unbuilt: bool
+    module: nn.Module, meshes: Meshes, options: ParallelOptions, device: torch.device, keep_unbuilt: bool
 ) -> StageLayout:
     """Partition the pipeline layers into stages and keep this rank's: the others become `RemoteLayer` stand-ins.
     The kept layers are materialised on ``device`` here, unless ``keep_unbuilt`` (TP splits them on meta first)."""
     assert options.schedule_spec is not None
-    pp_mesh = mesh["pp"]
+    pp_mesh = meshes["pp"]
     layout = plan_stages(module, pp_mesh.size(), pp_mesh.get_local_rank(), options.stages_per_rank,
                          options.schedule_spec.style, list(options.split_points) if options.split_points else None)
     if keep_unbuilt:
@@ -181,7 +200,7 @@ def cut_pipeline(
 
 
 def split_tp(
-    module: nn.Module, mesh: DeviceMesh, plan: TPPlan, options: ParallelOptions, device: torch.device,
+    module: nn.Module, meshes: Meshes, plan: TPPlan, options: ParallelOptions, device: torch.device,
     layer_names: tuple[str, ...], layout: Optional[StageLayout], first_input: Optional[Tensor], layerwise: bool,
 ) -> TPResult:
     """Split this rank's modules over TP, each kind of block verified against its unsplit self first (an example
@@ -189,7 +208,7 @@ def split_tp(
     model is on the meta device: each kind is verified on a materialised copy of one block (`Representatives`:
     called with its pipeline layer's input, ``first_input`` for layer 0, random hidden states for the others) and
     the split is made on meta. A split that is not exact on any rank is a ``ValueError`` on every rank."""
-    multiple = options.example_multiple
+    multiple = options.example_multiple(meshes.dims)
     run_example: Optional[Callable[[], Any]] = None
     representative = example_input_for = None
     if layerwise:
@@ -199,10 +218,10 @@ def split_tp(
         run_example = model_example(module, module_device(module), multiple)
     elif first_input is not None:
         stages = local_stages(module, layout)
-        pp_group = mesh["pp"].get_group()
+        pp_group = meshes.group("pp")
         run_example = lambda: forward_through_stages(stages, layout.owners, [first_input], pp_group, device)  # noqa: E731
     result = apply_tp(
-        module, mesh["tp"].get_group(), plan, run_example=run_example, pipeline_layers=layer_names, device=device,
+        module, meshes.group("tp"), plan, run_example=run_example, pipeline_layers=layer_names, device=device,
         example_input_for=example_input_for or (lambda name, block: synthetic_call(block, multiple)),
         representative=representative, sequence_parallel=options.sequence_parallel, split_logits=options.loss_parallel,
     )
@@ -211,20 +230,20 @@ def split_tp(
     return result
 
 
-def split_experts(module: nn.Module, mesh: DeviceMesh, ep: int, verify: bool = True) -> DeviceMesh:
-    """Split this rank's experts modules over ``ep`` ranks of DP (`lightning_hybrid.expert_parallel.apply_ep`;
-    built ones verified first, ``verify=False`` for those still on the meta device: `verify_experts` once they are
-    materialised); returns the ``(pp, edp, ep, tp)`` mesh. An error on any rank is raised on every rank."""
-    expert_mesh = build_expert_mesh(mesh, ep)
-    raise_on_every_rank(apply_ep(module, expert_mesh["ep"].get_group(), verify), "Expert parallelism")
+def split_experts(module: nn.Module, meshes: Meshes, verify: bool = True) -> None:
+    """Split this rank's experts modules over the ``ep`` ranks of ``meshes["ep"]``
+    (`lightning_hybrid.parallel.expert_parallel.apply_ep`; built ones verified first, ``verify=False`` for those
+    still on the meta device: `verify_experts` once they are materialised). An error on any rank is raised on every
+    rank."""
+    raise_on_every_rank(apply_ep(module, meshes.group("ep"), verify), "Expert parallelism")
     count = len(list(iter_expert_modules(module)))
-    rank_zero_info(f"expert parallelism: {count} experts modules split over ep={ep} (their gradients reduced over"
-                   f" {mesh['dp'].size() // ep} data-parallel ranks each)")
-    return expert_mesh
+    rank_zero_info(f"expert parallelism: {count} experts modules split over ep={meshes.dims.ep} (their gradients"
+                   f" reduced over {meshes.size('edp')} data-parallel ranks each)")
 
 
 def verify_experts(module: nn.Module) -> None:
-    """`lightning_hybrid.expert_parallel.check_experts` on this rank's experts, split on the meta device and now
+    """`lightning_hybrid.parallel.expert_parallel.check_experts` on this rank's experts, split on the meta device and
+    now
     materialised; an error on any rank is raised on every rank."""
     split = set(iter_expert_modules(module))
     reasons = [check_experts(name, experts) for name, experts in module.named_modules() if experts in split]
@@ -269,14 +288,14 @@ def local_stages(module: nn.Module, layout: StageLayout) -> dict[int, nn.Module]
 
 def apply_zero3(
     module: nn.Module, stages: Optional[dict[int, nn.Module]], dp_mesh: DeviceMesh,
-    expert_mesh: Optional[DeviceMesh] = None, parts: bool = True, shared: Sequence[tuple[str, ...]] = (),
+    edp_mesh: Optional[DeviceMesh] = None, parts: bool = True, shared: Sequence[tuple[str, ...]] = (),
 ) -> list[nn.Module]:
     """ZeRO-3 over DP with FSDP2; returns the FSDP roots. Expert-parallel experts first, each over its own DP
-    group (``expert_mesh["edp"]``). Under PP each stage is a root (the pipeline stage drives its gradient sync)
+    group (``edp_mesh``). Under PP each stage is a root (the pipeline stage drives its gradient sync)
     and each of its layers a unit; else `apply_fsdp` picks the units of the whole module. A parameter that several
-    modules share (``shared``, `lightning_hybrid.tied`) stays in one unit."""
-    if expert_mesh is not None:
-        apply_fsdp_experts(list(iter_expert_modules(module)), expert_mesh["edp"], dp_mesh.size())
+    modules share (``shared``, `lightning_hybrid.parallel.tied`) stays in one unit."""
+    if edp_mesh is not None:
+        apply_fsdp_experts(list(iter_expert_modules(module)), edp_mesh, dp_mesh.size())
     tied = {id(p) for names in shared for p in [_parameter_or_none(module, names)] if p is not None}
     if stages is None:
         return apply_fsdp(module, dp_mesh, parts, tied)
@@ -290,17 +309,17 @@ def _parameter_or_none(module: nn.Module, names: tuple[str, ...]) -> Optional[nn
 
 
 def split_context(
-    module: nn.Module, mesh: DeviceMesh, options: ParallelOptions, remote: tuple[str, ...],
+    module: nn.Module, meshes: Meshes, options: ParallelOptions, remote: tuple[str, ...],
 ) -> ContextParallel:
     """Context parallelism (``cp > 1``): each of this rank's layers (those activation checkpointing takes, wrapped
     first so that recomputation runs through it too) attends over the CP group. Collective (it creates the CP
     groups)."""
     try:
-        layers = _held_here(checkpoint_targets(module, True, mesh["pp"].size() > 1), remote)
+        layers = _held_here(checkpoint_targets(module, True, meshes.dims.pp > 1), remote)
     except ValueError as e:  # no layer found: the message says where the layers must be
-        raise ValueError(f"cp={options.cp}: context parallelism wraps the layers. {e}") from e
+        raise ValueError(f"cp={meshes.dims.cp}: context parallelism wraps the layers. {e}") from e
     # A layer checkpointed as a whole (or selectively) recomputes its attention already.
-    context = ContextParallel(build_context_mesh(mesh, options.cp)["cp"].get_group(),
+    context = ContextParallel(meshes.group("cp"),
                               not options.activation_checkpointing, kv_group_of(module))
     for name in layers:
         context.wrap(module.get_submodule(name))
@@ -308,11 +327,11 @@ def split_context(
 
 
 def build_pipeline(
-    module: nn.Module, stages: Optional[dict[int, nn.Module]], layout: StageLayout, mesh: DeviceMesh,
+    module: nn.Module, stages: Optional[dict[int, nn.Module]], layout: StageLayout, meshes: Meshes,
     options: ParallelOptions, device: torch.device,
 ) -> PipelineExecutor:
     assert stages is not None and options.schedule_spec is not None and options.micro_batches is not None
-    aux = pipeline_aux_loss(module, layout, mesh, device)
+    aux = pipeline_aux_loss(module, layout, meshes, device)
     schedule, spec = options.schedule, options.schedule_spec
     if aux is not None and schedule != "gpipe":
         if not options.schedule_default:
@@ -324,18 +343,18 @@ def build_pipeline(
             )
         schedule, spec = "gpipe", SCHEDULES["gpipe"]  # the default schedule, for such a module
     rank_zero_info(
-        f"pipeline: {len(layout.ranges)} stages over pp={mesh['pp'].size()} ({schedule},"
+        f"pipeline: {len(layout.ranges)} stages over pp={meshes.dims.pp} ({schedule},"
         f" {options.micro_batches} micro-batches), layers per stage {[len(r) for r in layout.ranges]}"
         + (" -- GPipe: the module adds an auxiliary loss of the whole batch" if aux is not None else "")
     )
     return PipelineExecutor(
         stages, len(layout.ranges), layout.owners, spec, options.micro_batches, module.loss_fn,
-        mesh["pp"].get_group(), device, aux=aux, dp_group=mesh["dp"].get_group(),
+        meshes.group("pp"), device, aux=aux, dp_group=meshes.group("dp_cp"),
     )
 
 
 def pipeline_aux_loss(
-    module: nn.Module, layout: StageLayout, mesh: DeviceMesh, device: torch.device,
+    module: nn.Module, layout: StageLayout, meshes: Meshes, device: torch.device,
 ) -> Optional[AuxLossExchange]:
     """The exchange of the module's auxiliary loss of the whole batch (`PipelineAuxLoss`), where any rank's layers
     hold a source of it (every rank decides alike: collective)."""
@@ -349,11 +368,18 @@ def pipeline_aux_loss(
     dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
     if not int(anywhere):
         return None
-    return AuxLossExchange(sources, local, module.pipeline_aux_loss, mesh["dp"].get_group(), mesh["pp"].get_group(),
+    return AuxLossExchange(sources, local, module.pipeline_aux_loss, meshes.group("dp_cp"), meshes.group("pp"),
                            device)
 
 
 # ----------------------------------------------------------------------------------------------- helpers
+def builds_on_meta(dims: ParallelDims, module: Any) -> bool:
+    """Whether the strategy's init context builds ``module`` on the meta device: under ``pp > 1`` a module that can
+    initialise single pipeline layers (`LayerwiseInit`), so that each rank materialises only its own. (A module may
+    also leave its layers to the strategy by itself: `lightning_hybrid.core.protocol.DeferredLayers`.)"""
+    return dims.pp > 1 and isinstance(module, LayerwiseInit)
+
+
 def pipeline_layer_names(module: nn.Module) -> tuple[str, ...]:
     """The module-tree names of the pipeline layers, in order (checks the pipeline protocol first)."""
     check_protocol(module)

@@ -16,25 +16,10 @@ import contextlib
 import functools
 from typing import Any, Callable, ContextManager, Union
 
-import torch
 from lightning.pytorch.plugins.precision import Precision
-from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["GlobalNormClipping", "autocast_inputs", "with_global_norm_clipping"]
-
-
-def autocast_inputs(*tensors: Tensor) -> tuple[Tensor, ...]:
-    """``tensors`` as autocast casts the inputs of one of its lower-precision ops (a matmul, SDPA): the floating ones
-    in its dtype where it is on for their device, else unchanged. For this codebase's own ops that autocast does not
-    see: a custom op (a TP row layer under a selective checkpoint, `lightning_hybrid.tensor_parallel.layers`) and SDPA
-    caught by a ``TorchFunctionMode`` before autocast casts its inputs (`lightning_hybrid.context_parallel`, where
-    transformers' Llama hands fp32 queries and keys beside a bf16 value)."""
-    device = tensors[0].device.type
-    if not torch.is_autocast_enabled(device):
-        return tensors
-    dtype = torch.get_autocast_dtype(device)
-    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
+__all__ = ["GlobalNormClipping", "with_global_norm_clipping"]
 
 
 class GlobalNormClipping:
@@ -44,7 +29,7 @@ class GlobalNormClipping:
     the TP, DP and PP groups) and scales the local gradients by ``min(1, max_norm / norm)``. ``prepare_gradients()``
     runs before any clipping (manual optimization's deferred reduction); ``watch_gradients()`` is the context in
     which the hooks between the backward and the optimizer step run
-    (`lightning_hybrid.gradient_guard.LocalGradientNorms`).
+    (`lightning_hybrid.checks.gradient_guard.LocalGradientNorms`).
     """
 
     clip_by_global_norm: Callable[[Optimizer, float], None]

@@ -8,14 +8,14 @@ trained model exported to `<run dir>/hf_model`, a folder `AutoModelForCausalLM.f
     python recipes/finetune.py model.model=/models/my-llama 'data.paths=[/my/text]' parallel=tp_pp trainer=gpu
     python recipes/finetune.py -m model.model=/models/my-llama parallel=dp,tp,dp_pp  # layout sweep -> summary.*
 
-Same run function as recipes/pretrain.py (lightning_hybrid.recipe.run): metrics.json, CSV logs and checkpoints in
+Same run function as recipes/pretrain.py (lightning_hybrid.runs.recipe.run): metrics.json, CSV logs and checkpoints in
 the Hydra output dir; a bad config prints one `error: ...` line and exits with code 2.
 """
 
 import hydra
 from omegaconf import DictConfig
 
-from lightning_hybrid.recipe import exit_on_config_error, run
+from lightning_hybrid.runs.recipe import exit_on_config_error, run
 
 
 @hydra.main(config_path="../configs", config_name="finetune", version_base="1.3")

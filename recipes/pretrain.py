@@ -17,7 +17,7 @@ A bad config prints one `error: ...` line to stderr and exits with code 2.
 import hydra
 from omegaconf import DictConfig
 
-from lightning_hybrid.recipe import exit_on_config_error, run
+from lightning_hybrid.runs.recipe import exit_on_config_error, run
 
 
 @hydra.main(config_path="../configs", config_name="pretrain", version_base="1.3")

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_hybrid import HybridStrategy
-from lightning_hybrid.data import ByteCorpusDataModule
+from lightning_hybrid.data.corpus import ByteCorpusDataModule
 from lightning_hybrid.models import GPTLightningModule
 from tests.helpers import QUIET_TRAINER, Recorder, run_distributed, storage_bytes
 
@@ -27,10 +27,10 @@ GLOBAL_BATCH = 8
 CLIP = 0.5
 BLOCK = 32
 # Set from the measured noise of every layout against one device (fp32; `PARITY_DEVIATIONS=deviations.jsonl pytest
-# tests/test_strategy_parity.py tests/test_hf.py tests/test_tensor_parallel_models.py` writes it): losses,
-# global norms and validation loss at most 2.6e-7 relative, a tensor's gradient norm 4.9e-7, final parameters
-# 1.2e-6 absolute for the reference GPT (3.1e-6 for transformers families, 7.6e-6 for the user module at lr 3e-3,
-# where Adam turns eps-scale gradient noise into updates of order lr).
+# tests/strategy/test_strategy_parity.py tests/hf/test_hf.py tests/tensor_parallel/test_tensor_parallel_models.py`
+# writes it): losses, global norms and validation loss at most 2.6e-7 relative, a tensor's gradient norm 4.9e-7,
+# final parameters 1.2e-6 absolute for the reference GPT (3.1e-6 for transformers families, 7.6e-6 for the user
+# module at lr 3e-3, where Adam turns eps-scale gradient noise into updates of order lr).
 RTOL = 1e-6
 TENSOR_RTOL = 2e-6
 PARAM_ATOL = 5e-6
@@ -46,7 +46,7 @@ class OneDeviceInDistributedOrder(ByteCorpusDataModule):
 
 
 class DocumentSamples(Dataset):
-    """The byte blocks of ``blocks`` as fine-tuning samples (`lightning_hybrid.batch` dicts), each drawn from its
+    """The byte blocks of ``blocks`` as fine-tuning samples (`lightning_hybrid.core.batch` dicts), each drawn from its
     index alone: ``"padded"``, one document of 12-32 tokens padded on the right (even index) or the left;
     ``"packed"``, 1-3 documents and 0-5 tokens of padding at the end. Every document has a prompt (its first
     0-40% of tokens) that takes no loss, and its last token none: the rows' loss tokens differ, so a mean of
@@ -151,7 +151,7 @@ def fit_and_record(strategy, devices: int, make_module, dp: int = 1, steps: int 
     hybrid = isinstance(trainer.strategy, HybridStrategy)
     full = trainer.strategy.full_state_dict() if hybrid else module.state_dict()
     initial_state = {} if hybrid else initial.state
-    report = trainer.strategy.tensor_parallel_report if hybrid else None
+    report = trainer.strategy.parallelized.tp_report if hybrid else None
     graphs, breaks = _dynamo_counts()
     return {
         "compiled_graphs": graphs - graphs_before,  # torch.compile's graphs made in this run (0 in eager)

@@ -1,5 +1,6 @@
-"""What users write, as they write it, for `tests/test_user_code.py`: LightningModules with their own losses, masks,
-dropout, ties and hooks, and their own loaders. No helper of this package is used by the modules themselves."""
+"""What users write, as they write it, for `tests/strategy/test_user_code.py`: LightningModules with their own
+losses, masks, dropout, ties and hooks, and their own loaders. No helper of this package is used by the modules
+themselves."""
 
 from __future__ import annotations
 
@@ -318,7 +319,7 @@ class SequenceLM(UserLM):
         return self.head(h)
 
     def training_step(self, batch, batch_idx):
-        from lightning_hybrid.batch import TokenBatch
+        from lightning_hybrid.core.batch import TokenBatch
 
         tokens = TokenBatch.from_batch(batch)
         return self.loss_fn(self(tokens.input_ids, position_ids=tokens.position_ids), tokens.labels)

@@ -39,9 +39,9 @@ folder per layer and TP slice; `export_pretrained`), `config` (the model's confi
 """
 
 from lightning_hybrid.hf.decomposition import check_decomposition
+from lightning_hybrid.hf.export import ExportPretrained, export_pretrained
 from lightning_hybrid.hf.module import CausalLM
 from lightning_hybrid.hf.structure import PipelineDecompositionError, pipeline_structure
-from lightning_hybrid.hf.weights import ExportPretrained, export_pretrained
 
 __all__ = [
     "CausalLM", "ExportPretrained", "PipelineDecompositionError", "check_decomposition", "export_pretrained",

@@ -12,10 +12,9 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
-
 from torch.utils._pytree import tree_leaves
 
-from lightning_hybrid.batch import document_ids
+from lightning_hybrid.core.batch import document_ids
 from lightning_hybrid.hf.structure import PipelineDecompositionError, _embedding_dim, _Structure
 
 __all__ = ["PipelineDecompositionError", "check_decomposition", "check_document_masks"]
@@ -337,7 +336,7 @@ _CHECK_POSITIONS = (0, 1, 2, 0, 1, 0, 1, 2)  # three packed documents
 
 def check_document_masks(structure: _Structure, device: torch.device) -> None:
     """``ValueError`` unless, for packed ``position_ids`` (several documents in a row, as padded and packed batches
-    give them, `lightning_hybrid.batch`), the attention mask the model's own code hands every decoder layer lets
+    give them, `lightning_hybrid.core.batch`), the attention mask the model's own code hands every decoder layer lets
     no token see another document's, nor a later token: the trunk's forward run on stand-ins, its masks read."""
     model = structure.model
     name = type(model).__name__

@@ -11,13 +11,14 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from lightning_hybrid.devices import module_device
+from lightning_hybrid.core.batch import TokenBatch
+from lightning_hybrid.core.devices import module_device
+from lightning_hybrid.core.dims import layout_size
 from lightning_hybrid.hf.config import _resolve_config
-from lightning_hybrid.batch import TokenBatch
 from lightning_hybrid.hf.decomposition import _PipelineCalls, check_decomposition, check_document_masks
 from lightning_hybrid.hf.moe import RouterAuxLoss, gather_rows
 from lightning_hybrid.hf.structure import PipelineDecompositionError, _Structure
-from lightning_hybrid.hf.weights import _Safetensors, _tied_keys
+from lightning_hybrid.hf.weights import Safetensors, tied_keys
 from lightning_hybrid.models.language_model import LanguageModel
 
 __all__ = ["CausalLM"]
@@ -38,7 +39,7 @@ class CausalLM(LanguageModel):
         attn_implementation: passed to ``transformers`` (``None``: its default for the model, SDPA where supported).
 
     Batches are ``(x, y)`` token tensors ``(B, T)``, ``y`` being ``x`` shifted by one (as the package's data
-    modules give them), or dict batches of padded or packed documents (`lightning_hybrid.batch`), whose
+    modules give them), or dict batches of padded or packed documents (`lightning_hybrid.core.batch`), whose
     ``position_ids`` the model's own code turns into its masks (documents kept apart: verified once,
     `check_document_masks`). ``self(x)`` is the logits ``(B, T, V)``. Steps, loss (in float32), optimizer and checkpoint
     loading are those of `lightning_hybrid.models.language_model.LanguageModel` (accuracy on validation only).
@@ -77,7 +78,7 @@ class CausalLM(LanguageModel):
         self.folder: Optional[Path] = Path(spec) if isinstance(spec, str) and Path(spec).is_dir() else None
         self._structure: Optional[_Structure] = None
         self._calls: Optional[_PipelineCalls] = None
-        self._weights: Optional[_Safetensors] = None
+        self._weights: Optional[Safetensors] = None
         self._n_params = 0
         self._aux: Optional[RouterAuxLoss] = None  # the router's auxiliary loss, where the model adds one
         self._router_logits: Optional[tuple[Tensor, ...]] = None
@@ -85,7 +86,7 @@ class CausalLM(LanguageModel):
         self._batch_tokens = 0  # and its tokens
         self._pipeline_aux_value: Optional[Tensor] = None  # under pp > 1: the last step's load-balancing loss
         #: Whether `configure_model` left the pipeline layers unbuilt, on the meta device, for the strategy to build
-        #: per rank (`lightning_hybrid.pipeline.protocol.DeferredLayers`).
+        #: per rank (`lightning_hybrid.core.protocol.DeferredLayers`).
         self.layers_deferred = False
 
     # ------------------------------------------------------------------ model
@@ -95,7 +96,7 @@ class CausalLM(LanguageModel):
         is the meta device (``pp > 1``), or under ``tp > 1`` (the model's device mesh), where each rank
         materialises only its TP slices of its layers -- for a model the pipeline layers reproduce (untied
         embeddings; see `check_decomposition`), the others are materialised whole here. ``layers_deferred`` says
-        which (`lightning_hybrid.pipeline.protocol.DeferredLayers`)."""
+        which (`lightning_hybrid.core.protocol.DeferredLayers`)."""
         if self.model is not None:
             return
         from transformers import AutoModelForCausalLM
@@ -115,7 +116,7 @@ class CausalLM(LanguageModel):
         self._structure = _Structure(model)
         self._calls = _PipelineCalls(self._structure)
         if self.folder is not None:
-            self._weights = _Safetensors(self.folder)
+            self._weights = Safetensors(self.folder)
             self._weights.check(model)
         with torch.device("cpu"):
             for name in self._structure.shared:  # rotary embeddings and the like: on every stage
@@ -139,7 +140,7 @@ class CausalLM(LanguageModel):
 
     def _expert_parallel_size(self) -> int:
         trainer = self._trainer
-        return int(getattr(getattr(trainer, "strategy", None), "expert_parallel_size", 1) or 1)
+        return layout_size(getattr(trainer, "strategy", None), "ep")
 
     def _pipeline_size(self) -> int:
         mesh = self._device_mesh
@@ -160,7 +161,7 @@ class CausalLM(LanguageModel):
         (`_PipelineCalls.sequence_split`)."""
         strategy = self.trainer.strategy
         if self._calls is not None:
-            sequence_parallel = getattr(strategy, "sequence_parallel", False)
+            sequence_parallel = getattr(getattr(strategy, "options", None), "sequence_parallel", False)
             self._calls.sequence_split = strategy.parallel_dims.tp if sequence_parallel else 1
 
     def on_fit_start(self) -> None:
@@ -252,7 +253,7 @@ class CausalLM(LanguageModel):
     def _load(self, index: int, layer: nn.Module) -> None:
         """Layer ``index``'s tensors from the folder: whole, or this rank's pieces of those TP split."""
         assert self.model is not None and self._weights is not None
-        from lightning_hybrid.tensor_parallel.layers import tp_shard_specs
+        from lightning_hybrid.parallel.tensor_parallel.layers import tp_shard_specs
 
         specs = tp_shard_specs(layer)
         params = dict(layer.named_parameters(remove_duplicate=False))
@@ -263,7 +264,7 @@ class CausalLM(LanguageModel):
                 if local not in params:  # a buffer the folder does not hold (rotary inv_freq ...)
                     missing_buffers.append(local.rpartition(".")[0])
                     continue
-                if full in _tied_keys(self.model):  # the input embedding's, tied after loading (pp=1)
+                if full in tied_keys(self.model):  # the input embedding's, tied after loading (pp=1)
                     continue
                 raise KeyError(f"{self.folder} holds no tensor {full!r} (pipeline layer {index}).")
             if local not in specs:
@@ -285,14 +286,14 @@ class CausalLM(LanguageModel):
         self, idx: Tensor, position_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None
     ) -> Tensor:
         """``idx (B, T) -> logits (B, T, V)``; ``position_ids`` ``(B, T)`` and/or ``attention_mask``: of a padded or
-        packed batch (`lightning_hybrid.batch`: both become positions), checked once to keep documents apart in the
+        packed batch (`lightning_hybrid.core.batch`: both become positions), checked once to keep documents apart in the
         model's own masks (`check_document_masks`)."""
         if self.model is None:
             raise RuntimeError("call configure_model() before using the model")
         cp = self._context_parallel_size()
         position_ids = self._positions(idx, position_ids, attention_mask)
         # Under context parallelism the attention's mask is the strategy's, made for the whole sequence from the
-        # positions (`lightning_hybrid.context_parallel`): the model's own masks are replaced, not relied on.
+        # positions (`lightning_hybrid.parallel.context_parallel`): the model's own masks are replaced, not relied on.
         if position_ids is not None and self._calls is not None and not self._calls.documents_checked and cp == 1:
             check_document_masks(self._structure, idx.device)
             self._calls.documents_checked = True
@@ -351,7 +352,7 @@ class CausalLM(LanguageModel):
         through ``transformers``' output capture (whose hooks name the router class), or sequence parallelism
         (each TP rank's routers then see part of the sequence). The schedule (GPipe) is checked by the strategy."""
         strategy = getattr(self._trainer, "strategy", None)
-        if self._tp_size() > 1 and getattr(strategy, "sequence_parallel", False):
+        if self._tp_size() > 1 and getattr(getattr(strategy, "options", None), "sequence_parallel", False):
             raise ValueError(
                 f"{type(model).__name__} has output_router_logits=True: under pp > 1 its load-balancing loss is"
                 " computed from the routers' logits of the whole batch, which sequence parallelism splits over the TP"
@@ -376,7 +377,7 @@ class CausalLM(LanguageModel):
         return getattr(spec, "target_class", None), getattr(spec, "class_name", None), getattr(spec, "index", 0)
 
     def pipeline_aux_sources(self, layer: nn.Module) -> list[tuple[nn.Module, Optional[int]]]:
-        """The routers inside pipeline ``layer`` (`lightning_hybrid.pipeline.protocol.PipelineAuxLoss`): the modules
+        """The routers inside pipeline ``layer`` (`lightning_hybrid.core.protocol.PipelineAuxLoss`): the modules
         ``transformers`` records the router logits of, with the element of their output it records."""
         if self._aux is None or self.model is None:
             return []
@@ -406,11 +407,11 @@ class CausalLM(LanguageModel):
         self._batch_padding, self._batch_tokens = tokens.padding, tokens.input_ids.numel()
 
     def _data_parallel_group(self) -> Optional[torch.distributed.ProcessGroup]:
-        """The ranks that hold other parts of the batch: the mesh's ``dp`` group under ``HybridStrategy``, every
+        """The ranks that hold other parts of the batch: the mesh's ``dp_cp`` group under ``HybridStrategy``, every
         rank under another distributed strategy (DDP, FSDP), none on one process."""
         mesh = self._device_mesh
-        if mesh is not None and "dp" in (mesh.mesh_dim_names or ()):
-            return mesh["dp"].get_group()
+        if mesh is not None and "dp_cp" in (mesh.mesh_dim_names or ()):
+            return mesh["dp_cp"].get_group()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             return torch.distributed.group.WORLD
         return None

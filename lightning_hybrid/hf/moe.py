@@ -60,8 +60,8 @@ class RouterAuxLoss:
                 f" auxiliary loss, but it has {what}: lightning_hybrid cannot reproduce that loss. Set"
                 " output_router_logits=False in the config to train on the cross entropy alone."
             )
-        coef = float(getattr(model, "router_aux_loss_coef"))
-        return cls(fn, int(getattr(model, "num_experts")), int(getattr(model, "num_experts_per_tok")), coef)
+        coef = float(model.router_aux_loss_coef)
+        return cls(fn, int(model.num_experts), int(model.num_experts_per_tok), coef)
 
     def __call__(
         self, router_logits: Sequence[Tensor], padding: Optional[Tensor], group: Optional[dist.ProcessGroup],

@@ -1,26 +1,22 @@
-"""Weights in and out of a `CausalLM`: the tensors of a local pretrained folder, read whole or one TP slice at a
-time (`_Safetensors`), and `export_pretrained` / `ExportPretrained`, which write a trained run back to a folder
-that ``AutoModelForCausalLM.from_pretrained`` loads."""
+"""Weights into a `CausalLM`: the tensors of a local pretrained folder, read whole or one TP slice at a time
+(`Safetensors`), and the names of tied weights (`tied_keys`). Writing a trained run back to a folder is
+`lightning_hybrid.hf.export`'s."""
 
 from __future__ import annotations
 
 import copy
 import functools
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any, NamedTuple, Optional, Union
 
-import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
-__all__ = ["ExportPretrained", "export_pretrained"]
+__all__ = ["Safetensors", "tied_keys"]
 
 
-class _Safetensors:
+class Safetensors:
     """The tensors of a local Hugging Face folder (``model.safetensors`` or an index): their shapes (from the
     headers), and each read on its own, whole or a slice along one dimension.
 
@@ -160,7 +156,7 @@ class _Safetensors:
         the model's shape, as it is or composed as transformers' loader would (then also in ``files``,
         ``shapes`` and `read`): raised on every rank at ``configure_model``, before any collective."""
         self._resolve(model)
-        tied = set(_tied_keys(model))
+        tied = set(tied_keys(model))
         for name, p in model.named_parameters(remove_duplicate=False):
             if name not in self.shapes:
                 if name in tied:
@@ -209,93 +205,9 @@ def _slice_source(ops: list, dim: int) -> Optional[int]:
     return -1 if dim == stacked else dim - (dim > stacked)
 
 
-# ---------------------------------------------------------------------------------------------- export
-def export_pretrained(trainer: "L.Trainer", folder: Union[str, os.PathLike], max_shard_bytes: int = 2 * 2**30) -> Path:
-    """Write the trained `CausalLM` of ``trainer`` to ``folder`` as ``save_pretrained`` does (``config.json`` and
-    safetensors, names as ``transformers`` writes them; shards of at most ``max_shard_bytes`` with their index
-    when the model is larger), from any layout. Every rank calls it. The weights go through a sharded
-    checkpoint (each tensor unsplit once, by one rank); rank 0 then reads it back part by part, so it holds
-    one shard at a time, never the whole model. The source folder's tokenizer files are copied along."""
-    from safetensors.torch import save_file
-
-    from lightning_hybrid.checkpoint import model_parts
-    from lightning_hybrid.hf.module import CausalLM  # here: module.py imports this file
-
-    module = trainer.lightning_module
-    if not isinstance(module, CausalLM) or module.model is None:
-        raise TypeError("export_pretrained exports a trained lightning_hybrid.hf.CausalLM")
-    folder = Path(folder)
-    staging = folder / ".export-checkpoint"
-    trainer.save_checkpoint(staging, weights_only=True)  # the weights only: no optimizer state
-    if trainer.is_global_zero:
-        tied = set(_tied_keys(module.model))
-        shard: dict[str, Tensor] = {}
-        written: list[tuple[Path, list[str]]] = []  # (file, its tensors)
-        total = 0
-
-        def flush() -> None:
-            path = folder / f".shard-{len(written)}.safetensors"
-            save_file(shard, str(path), metadata={"format": "pt"})
-            written.append((path, list(shard)))
-            shard.clear()
-
-        parts = model_parts(staging) if staging.is_dir() else [torch.load(staging, map_location="cpu")["state_dict"]]
-        held = 0
-        for part in parts:
-            for key, value in part.items():
-                name = key[len("model."):]
-                if not key.startswith("model.") or name in tied:
-                    continue
-                size = value.numel() * value.element_size()
-                if shard and held + size > max_shard_bytes:
-                    flush()
-                    held = 0
-                shard[name] = value.contiguous()
-                held += size
-                total += size
-        flush()
-        _name_shards(folder, written, total)
-        module.model.config.save_pretrained(folder)
-        if module.folder is not None:  # the tokenizer and generation settings of the folder it came from
-            for f in module.folder.iterdir():
-                own = f.name.endswith(".safetensors") or f.name in ("config.json", "model.safetensors.index.json")
-                if f.is_file() and not own:
-                    shutil.copy2(f, folder / f.name)
-        shutil.rmtree(staging, ignore_errors=True) if staging.is_dir() else staging.unlink(missing_ok=True)
-    trainer.strategy.barrier("export_pretrained")
-    return folder
-
-
-def _name_shards(folder: Path, written: list[tuple[Path, list[str]]], total: int) -> None:
-    """``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``."""
-    if len(written) == 1:
-        written[0][0].rename(folder / "model.safetensors")
-        return
-    weight_map = {}
-    for k, (path, keys) in enumerate(written, start=1):
-        name = f"model-{k:05d}-of-{len(written):05d}.safetensors"
-        path.rename(folder / name)
-        weight_map.update(dict.fromkeys(keys, name))
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _tied_keys(model: nn.Module) -> list[str]:
+def tied_keys(model: nn.Module) -> list[str]:
     if not getattr(model.config, "tie_word_embeddings", False):
         return []
     head = model.get_output_embeddings()
     names = {id(m): n for n, m in model.named_modules()}
     return [f"{names[id(head)]}.weight"] if head is not None and id(head) in names else []
-
-
-class ExportPretrained(L.Callback):
-    """At the end of training, `export_pretrained` the trained `CausalLM` to ``folder`` (the fine-tuning recipe's
-    last step; every rank takes part)."""
-
-    def __init__(self, folder: Union[str, os.PathLike]) -> None:
-        self.folder = str(folder)
-
-    def on_train_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
-        export_pretrained(trainer, self.folder)
-        # Lightning's logger: on the console, and in a recipe's log file too.
-        rank_zero_info(f"exported the trained model to {self.folder} (AutoModelForCausalLM.from_pretrained loads it)")

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_hybrid.batch import document_causal_mask
+from lightning_hybrid.core.batch import document_causal_mask
 
 __all__ = ["GPTConfig", "CausalSelfAttention", "MLP", "GatedMLP", "Block", "GPT"]
 
@@ -102,7 +102,7 @@ class CausalSelfAttention(nn.Module):
     """Causal multi-head (or grouped-query) self-attention.
 
     ``forward(x: (B, T, C), position_ids: (B, T) | None) -> (B, T, C)``; with ``position_ids`` (a padded or packed
-    batch, `lightning_hybrid.batch`) each token attends only to the tokens of its own document.
+    batch, `lightning_hybrid.core.batch`) each token attends only to the tokens of its own document.
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -218,7 +218,7 @@ class GPT(nn.Module):
 
     ``forward(idx: LongTensor (B, T), position_ids=None) -> logits (B, T, V)`` with ``T <= block_size``;
     ``position_ids`` ``(B, T)``: each token's position in its document (padded or packed batches,
-    `lightning_hybrid.batch`), every layer taking them as a keyword.
+    `lightning_hybrid.core.batch`), every layer taking them as a keyword.
     `layers()` lists those pieces in order (what pipeline parallelism splits into stages), and
     `init_layer(i)` initialises piece ``i`` from ``(init_seed, i)`` alone, so a rank that materialises
     only some pieces gets exactly the weights a one-device init gives.

@@ -7,7 +7,7 @@ rest is here, the same for both:
 
 * ``training_step`` / ``validation_step`` / ``test_step`` on ``(x, y)`` batches of token ids ``(B, T)``, ``y``
   being ``x`` shifted by one, or on dict batches (``input_ids``, ``labels``, ``attention_mask``, ``position_ids``:
-  padded and packed fine-tuning data, `lightning_hybrid.batch`), whose positions reach the model as
+  padded and packed fine-tuning data, `lightning_hybrid.core.batch`), whose positions reach the model as
   ``self(input_ids, position_ids=...)``: logged are ``train_loss`` (per step), ``val_loss`` / ``test_loss`` and
   the accuracies ``val_acc`` (and ``test_acc`` where the subclass measures it) per epoch, every loss the mean over
   the loss-taking tokens of the whole (data-parallel) batch;
@@ -35,13 +35,14 @@ import torchmetrics
 from torch import Tensor, nn
 from typing_extensions import Self
 
-from lightning_hybrid.batch import TokenBatch, count_loss_items
 from lightning_hybrid.checkpoint import lightning_checkpoint
+from lightning_hybrid.core.batch import TokenBatch, count_loss_items
+from lightning_hybrid.core.dims import layout_size
 from lightning_hybrid.optim import adamw, check_schedule, lr_factor
 
 __all__ = ["Batch", "LanguageModel"]
 
-#: ``(x, y)`` token tensors, or a dict batch (`lightning_hybrid.batch`).
+#: ``(x, y)`` token tensors, or a dict batch (`lightning_hybrid.core.batch`).
 Batch = Union[tuple[Tensor, Tensor], dict[str, Tensor]]
 
 
@@ -133,7 +134,7 @@ class LanguageModel(L.LightningModule):
         idx: Tensor, position_ids: Optional[Tensor], attention_mask: Optional[Tensor]
     ) -> Optional[Tensor]:
         """The one side input the models take, from ``self(idx, position_ids=..., attention_mask=...)`` as a
-        ``transformers`` user would call it (`lightning_hybrid.batch.TokenBatch`)."""
+        ``transformers`` user would call it (`lightning_hybrid.core.batch.TokenBatch`)."""
         if attention_mask is None:
             return position_ids
         batch = {"input_ids": idx, "attention_mask": attention_mask, "position_ids": position_ids}
@@ -150,7 +151,7 @@ class LanguageModel(L.LightningModule):
             self.flops_per_batch = per_token * x.numel() * cp
 
     def _context_parallel_size(self) -> int:
-        return int(getattr(getattr(self._trainer, "strategy", None), "context_parallel_size", 1))
+        return layout_size(getattr(self._trainer, "strategy", None), "cp")
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         tokens = TokenBatch.from_batch(batch)

@@ -37,7 +37,7 @@ class GPTLightningModule(LanguageModel):
             (e.g. ``n_layer=4``).
 
     Batches are ``(x, y)`` pairs of ``LongTensor (B, T)`` (``y`` is ``x`` shifted by one), or dict batches of
-    padded or packed documents (`lightning_hybrid.batch`).
+    padded or packed documents (`lightning_hybrid.core.batch`).
 
     ``GPTLightningModule.load_from_checkpoint(path)`` also takes the checkpoint folder a ``HybridStrategy`` run
     writes: the consolidated weights are loaded on this one process.
@@ -81,7 +81,7 @@ class GPTLightningModule(LanguageModel):
         )
         self.init_seed = init_seed
         self.model: Optional[GPT] = None
-        # ``layers_deferred`` (`lightning_hybrid.pipeline.protocol.DeferredLayers`) is set by configure_model, not
+        # ``layers_deferred`` (`lightning_hybrid.core.protocol.DeferredLayers`) is set by configure_model, not
         # here: a subclass building another model in its own configure_model keeps the strategy's default (its
         # layers are built per rank where they are still on the meta device).
 
@@ -113,7 +113,7 @@ class GPTLightningModule(LanguageModel):
     def forward(self, idx: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``idx: LongTensor (B, T) -> logits (B, T, V)``; ``position_ids`` ``(B, T)`` and/or ``attention_mask``:
-        of a padded or packed batch (`lightning_hybrid.batch`)."""
+        of a padded or packed batch (`lightning_hybrid.core.batch`)."""
         if self.model is None:
             raise RuntimeError("call configure_model() before using the model")
         return self.model(idx, self._positions(idx, position_ids, attention_mask))

@@ -41,7 +41,7 @@ import re
 import sys
 from typing import Any, Optional
 
-from lightning_hybrid.pipeline.executor import SCHEDULES, resolve_schedule
+from lightning_hybrid.parallel.pipeline.executor import SCHEDULES, resolve_schedule
 
 from .cluster import DEFAULT_CALIBRATION, FA2_ON_HOPPER, USABLE_MEMORY, Cluster, calibrate, load_cluster
 from .layout import Layout

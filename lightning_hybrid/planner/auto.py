@@ -24,8 +24,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .cluster import Cluster, cpu_cluster, load_cluster
 from .layout import Layout
-from .model import ModelSpec, hf_config
 from .memory import estimate_memory
+from .model import ModelSpec, hf_config
 from .search import Plan, plan
 from .time import estimate_time
 
@@ -38,7 +38,7 @@ class AutoLayoutConfig:
     `this_machine`); ``global_batch`` sequences per optimizer step (null: ``data.batch_size x
     trainer.accumulate_grad_batches``); ``show``: how many ranked layouts the log lists; ``documents``: the
     batches hold documents (packed, padded), whose attention takes a mask (null: when the data config packs or
-    pads rows, `lightning_hybrid.sft.SFTDataModule`'s ``pack``)."""
+    pads rows, `lightning_hybrid.data.sft.SFTDataModule`'s ``pack``)."""
 
     cluster: Optional[str] = None
     global_batch: Optional[int] = None
@@ -89,7 +89,7 @@ def _hf_config(cfg: DictConfig) -> Any:
 
 def _documents(cfg: DictConfig) -> bool:
     """Whether the recipe's batches hold documents (`AutoLayoutConfig.documents`; null: a data config that packs or
-    pads rows -- one with ``pack``, as `lightning_hybrid.sft.SFTDataModule`'s)."""
+    pads rows -- one with ``pack``, as `lightning_hybrid.data.sft.SFTDataModule`'s)."""
     documents = cfg.planner.get("documents") if cfg.get("planner") is not None else None
     return bool(documents) if documents is not None else "pack" in cfg.data
 
@@ -182,7 +182,7 @@ def _recipe_layout(cfg: DictConfig, world: dict[str, int], batch_size: Optional[
 def predicted_metrics(cfg: DictConfig, world: dict[str, int], module: Any = None,
                       batch_size: Optional[int] = None) -> dict[str, Any]:
     """``predicted_peak_mib``, ``predicted_tokens_per_s`` and ``predicted_step_s`` of the layout ``cfg`` runs
-    (``world``: `lightning_hybrid.recipe.world_layout`; ``module``: the model the run built; ``batch_size``: the
+    (``world``: `lightning_hybrid.runs.recipe.world_layout`; ``module``: the model the run built; ``batch_size``: the
     data module's, where its config does not name it), on ``planner.cluster`` or this machine; empty when the
     planner cannot describe the model, the batch or the machine."""
     try:

@@ -317,7 +317,7 @@ def _allreduce_worker(sizes: list[int], repeats: int) -> list[float]:
     for n in sizes:
         t = torch.zeros(n, device="cpu")
         dist.barrier()
-        times.append(_fastest(lambda: dist.all_reduce(t), repeats))
+        times.append(_fastest(lambda t=t: dist.all_reduce(t), repeats))
     return times
 
 
@@ -352,9 +352,9 @@ def calibrate(out: Optional[Union[str, Path]] = None) -> Cluster:
 
     All-reduce between 2 processes: ``t(n) = 2 (latency) + 2 * (1/2) * 4n / bandwidth`` (a ring of 2, `time.py`)
     fitted at 256 and 4M fp32 elements."""
-    from lightning_hybrid.testing import run_distributed
-
     import torch
+
+    from lightning_hybrid.testing import run_distributed
 
     torch.set_num_threads(1)  # ranks run with one thread each (as run_distributed and Lightning's CPU ranks)
     flops = _matmul_flops()

@@ -17,7 +17,7 @@ RECOMPUTE_MODES = ("none", "full", "attention", "pointwise")
 class Layout:
     """``dp x tp x pp`` (x ``cp``) with ZeRO ``zero_stage``; each replica's batch is ``micro_batches`` micro-batches of
     ``micro_batch`` sequences (a pipeline's micro-batches, or gradient accumulation when ``pp == 1``);
-    ``schedule``/``virtual_stages`` as `lightning_hybrid.pipeline.resolve_schedule` takes them;
+    ``schedule``/``virtual_stages`` as `lightning_hybrid.parallel.pipeline.resolve_schedule` takes them;
     ``loss_parallel``: the LM head's logits stay split over the vocabulary under TP (the strategy's default;
     not searched: it only saves); ``ep``: expert parallelism, each experts module split over ``ep`` of the ``dp``
     ranks (``ep`` divides ``dp``; 1: none; the model must have experts that ``ep`` divides: `check_model`);
@@ -29,7 +29,8 @@ class Layout:
     ``activation_checkpointing``), ``"attention"`` (selective recompute, Korthikanti et al. 2022: every layer keeps
     its activations but the attention core's, which backward recomputes) or ``"pointwise"`` (selective recompute of
     the attention core and every element-wise op: a layer keeps only its matmul, norm and reduction outputs;
-    `lightning_hybrid.activation_checkpointing`); with either selective mode ``activation_checkpointing`` is False,
+    `lightning_hybrid.parallel.activation_checkpointing`); with either selective mode ``activation_checkpointing`` is
+    False,
     as the strategy checkpoints every layer selectively. `recompute_mode` names the four choices."""
 
     dp: int

@@ -235,7 +235,7 @@ class ModelSpec:
         projections and norms: ``attention_matrices``, ``extra_norms``; heads of ``qk_nope_head_dim +
         qk_rope_head_dim``) and the experts (`_hf_experts`). ``seq_len`` defaults to ``max_position_embeddings``
         (``n_positions``). What it does not model: `hf_notes`; the parameter count it derives equals
-        ``AutoModelForCausalLM.from_config(config)``'s for the families tests/test_planner_hf.py builds
+        ``AutoModelForCausalLM.from_config(config)``'s for the families tests/planner/test_planner_hf.py builds
         (`hf_parameter_count` checks any other)."""
         def first(*names: str, default: Any = None) -> Any:
             for n in names:

@@ -25,8 +25,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
-from lightning_hybrid.mesh import ParallelDims, divisors
-from lightning_hybrid.pipeline.executor import SCHEDULES, resolve_schedule
+from lightning_hybrid.core.dims import ParallelDims, divisors
+from lightning_hybrid.parallel.pipeline.executor import SCHEDULES, resolve_schedule
 
 from .cluster import USABLE_MEMORY, Cluster
 from .layout import Layout
@@ -40,8 +40,9 @@ __all__ = ["Candidate", "EP_ZERO_STAGES", "MIN_CP_TOKENS", "Plan", "RECOMPUTE_CH
 
 GIB = 2**30
 #: ZeRO stages the search combines with ``ep > 1``: all of them (0-2: the experts' buckets reduced and sharded over
-#: their own dp/ep group; 3: the experts ``fully_shard``-ed over that group, `lightning_hybrid.zero.apply_fsdp_experts`;
-#: tests/test_moe.py).
+#: their own dp/ep group; 3: the experts ``fully_shard``-ed over that group,
+#: `lightning_hybrid.parallel.zero.apply_fsdp_experts`;
+#: tests/context_expert/test_moe.py).
 EP_ZERO_STAGES = (0, 1, 2, 3)
 #: Recompute modes searched, as ``(activation_checkpointing, recompute)``: none, full (the whole layer), selective
 #: (``recompute="attention"``: the attention core only) and pointwise selective (``recompute="pointwise"``: the
@@ -144,7 +145,7 @@ def enumerate_layouts(model: ModelSpec, cluster: Cluster, devices: int, global_b
     fewest tokens of a sequence a context-parallel rank may keep (`MIN_CP_TOKENS`).
     ``pipeline=False``: ``pp = 1`` only (a model that cannot train under a pipeline). ``whole_batch_loss``: the
     model adds a loss of the whole batch (its routers' load-balancing loss), which a pipeline computes under GPipe
-    only, without sequence parallelism (`lightning_hybrid.pipeline.aux`)."""
+    only, without sequence parallelism (`lightning_hybrid.parallel.pipeline.aux`)."""
     invalid = Counter() if invalid is None else invalid
     pipeline_layers = model.n_layer + 2
     recomputes = tuple(c for c in RECOMPUTE_CHOICES

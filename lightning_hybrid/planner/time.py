@@ -26,10 +26,11 @@ Per micro-batch of ``b`` sequences (``T = b s`` tokens) and per block on one dev
   when the block is recomputed (none for selective recompute, ``"attention"`` or ``"pointwise"``: the attention
   core and the element-wise ops have no TP collective, the reductions are kept, and sequence parallelism's
   all-gathers, which the recomputation runs again, are what SP's backward gathers again without recompute too --
-  `lightning_hybrid.activation_checkpointing`); not
+  `lightning_hybrid.parallel.activation_checkpointing`); not
   overlapped with compute in this codebase's TP layers; for a runtime that overlaps them with the GEMMs
   (`Cluster.tp_comm_overlap`, Megatron-Core) only the latency and what exceeds the block's GEMM time show;
-* PP (`pipeline_p2p_time`; the runtime: ``torch.distributed.pipelining``, `lightning_hybrid.pipeline.executor`):
+* PP (`pipeline_p2p_time`; the runtime: ``torch.distributed.pipelining``,
+`lightning_hybrid.parallel.pipeline.executor`):
   per micro-batch each stage boundary between two ranks carries one tensor forward, the hidden states, and its
   gradient back (the side inputs -- positions -- are split on every rank, not sent). Its bytes: ``T h`` elements
   of the residual stream's dtype, the parameters' (the embedding's output; fp32 under Lightning's autocast, whose
@@ -58,7 +59,7 @@ times for GPipe and 1F1B -- a bubble fraction ``(pp-1)/m`` of the ideal time -- 
 interleaved schedule with ``v`` stages per rank, and a third of 1F1B's for zero-bubble (Qi et al. 2024, ZB-H1's
 figure; a conservative bound for ZB-V).
 
-DP (this codebase's buckets, `lightning_hybrid.zero`): stage 0 all-reduces the gradients, stages 1-2
+DP (this codebase's buckets, `lightning_hybrid.parallel.zero`): stage 0 all-reduces the gradients, stages 1-2
 reduce-scatter them and all-gather the updated parameters, stage 3 all-gathers the parameters in forward and
 backward and reduce-scatters the gradients (ZeRO: 2 Psi vs 3 Psi of traffic). Each overlap is modelled once, only
 where the schedule allows it, as ``max(0, communication - its compute window)``, plus what cannot overlap:
@@ -78,7 +79,7 @@ where the schedule allows it, as ``max(0, communication - its compute window)``,
 Every term keeps its collectives' latency, so no layout's DP communication is 0 at scale. The optimizer step reads
 and writes its states once (memory bound), or takes the measured time per parameter (CPU).
 
-Mixture of experts (`ModelSpec.experts`; `lightning_hybrid.expert_parallel`), per MoE block and micro-batch:
+Mixture of experts (`ModelSpec.experts`; `lightning_hybrid.parallel.expert_parallel`), per MoE block and micro-batch:
 
 * compute: attention and the shared experts as a dense block's (``/tp``); the router (``2 E h``) and the experts
   (``2 x`` one expert's weights per (token, expert) pair, ``k`` pairs per token under uniform routing) on the
@@ -94,7 +95,7 @@ Mixture of experts (`ModelSpec.experts`; `lightning_hybrid.expert_parallel`), pe
   ``dp/ep`` ranks (``ep tp`` apart), in their own buckets; the rest over ``dp`` as above; the optimizer steps
   ``1/(dp/ep)`` of them under ZeRO.
 
-Context parallelism (`Layout.cp` = ``c``; `lightning_hybrid.context_parallel`), per block and micro-batch:
+Context parallelism (`Layout.cp` = ``c``; `lightning_hybrid.parallel.context_parallel`), per block and micro-batch:
 
 * compute: ``1/c`` of the block's -- its ``T/c`` tokens through the matrices, and attention's ``T/c`` queries
   against all ``T`` keys (``4 h s`` FLOPs per query: ``1/c`` as well; the zigzag split balances the causal mask's
@@ -127,6 +128,9 @@ threads that wake; measured on CPU, milliseconds; 0 on the GPU presets), counted
 CPU (``compute_units`` > 0): the transfers are the cores' own work, so nothing overlaps computation; and the
 node's ranks share its cores: with more ranks than cores everything a rank does (computation, communication,
 the training loop) runs ``ranks / cores`` times slower.
+
+The collectives' and transfers' own times and volumes are in `lightning_hybrid.planner.communication` (re-exported
+here); this module the compute, the bubble and the step.
 """
 
 from __future__ import annotations
@@ -135,135 +139,43 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from lightning_hybrid.pipeline.executor import SCHEDULES
-from lightning_hybrid.zero import DEFAULT_BUCKET_CAP_MB
+from lightning_hybrid.parallel.pipeline.executor import SCHEDULES
+from lightning_hybrid.parallel.zero import DEFAULT_BUCKET_CAP_MB
 
-from .cluster import Cluster, Link
+from .activations import (
+    PRECISIONS,
+    ActivationCoefficients,
+    block_activation_bytes,
+    block_activations,
+    block_coefficients,
+    pointwise_recomputed_bytes,
+    routed_tokens,
+)
+from .cluster import Cluster
+
+# The collectives' times and volumes (re-exported here, as they were defined here).
+from .communication import (
+    _exchange_bytes,
+    all_to_all_bytes,
+    all_to_all_time,
+    kv_exchange_bytes,
+    kv_exchange_time,
+    kv_exchanges,
+    mask_gather_time,
+    pipeline_boundaries,
+    pipeline_p2p_time,
+    ring_time,
+    ring_volume,
+)
+from .context_memory import PLAIN_KV_COPIES, context_mask_bytes, context_transient_bytes, gathered_kv_bytes
 from .layout import Layout
-from .memory import (PLAIN_KV_COPIES, PRECISIONS, ActivationCoefficients, block_activation_bytes, block_activations,
-                     block_coefficients, context_mask_bytes, context_transient_bytes, gathered_kv_bytes,
-                     moe_block_count, pipeline_stages, rank_block_counts, rank_expert_params, rank_layers, rank_params,
-                     pointwise_recomputed_bytes, routed_tokens)
 from .model import ModelSpec
+from .placement import rank_block_counts, rank_expert_params, rank_layers, rank_params
 
 __all__ = ["TimeEstimate", "all_to_all_bytes", "all_to_all_time", "bubble_fraction", "estimate_time",
            "matmul_time_factor", "pipeline_boundaries", "pipeline_p2p_time",
            "kv_exchange_bytes", "kv_exchange_time", "kv_exchanges", "mask_gather_time", "ring_time", "ring_volume"]
 
-
-def ring_volume(n: int, nbytes: float, op: str = "all_reduce") -> float:
-    """Bytes each rank sends in a ring ``op`` over ``n`` ranks: ``2 (n-1)/n B`` for all-reduce, ``(n-1)/n B``
-    for reduce-scatter and all-gather."""
-    if n <= 1:
-        return 0.0
-    return (2.0 if op == "all_reduce" else 1.0) * (n - 1) / n * nbytes
-
-
-def ring_time(n: int, nbytes: float, link: Link, op: str = "all_reduce", messages: int = 1) -> float:
-    """Seconds of a ring ``op`` of ``nbytes`` in all, sent as ``messages`` collectives: their steps' latency
-    plus the volume at the link's bandwidth."""
-    if n <= 1:
-        return 0.0
-    steps = (2 if op == "all_reduce" else 1) * (n - 1)
-    return messages * steps * link.latency + ring_volume(n, nbytes, op) / link.bandwidth
-
-
-def all_to_all_time(n: int, sent: float, link: Link, messages: int = 1) -> float:
-    """Seconds of ``messages`` all-to-alls over ``n`` ranks in which a rank sends ``sent`` bytes in all (and
-    receives as many): pairwise exchanges, ``n - 1`` steps of latency each, and the bytes at the link's bandwidth
-    per direction."""
-    if n <= 1:
-        return 0.0
-    return messages * (n - 1) * link.latency + sent / link.bandwidth
-
-
-def _pipeline_ranks(model: ModelSpec, layout: Layout) -> tuple[tuple[int, ...], ...]:
-    spec = SCHEDULES[layout.schedule] if layout.pp > 1 else SCHEDULES["1f1b"]
-    return rank_layers(model, layout.pp, layout.virtual_stages if layout.pp > 1 else 1, spec.style)
-
-
-def _exchange_bytes(model: ModelSpec, layout: Layout, tokens: float, element: float) -> float:
-    """Bytes a rank sends in one all-to-all of one MoE layer for ``tokens`` of its replica: ``(ep-1)/ep`` of its
-    ``N k`` rows of ``h`` elements (``N`` the tokens it routes: `routed_tokens`)."""
-    ep = layout.ep
-    routed = routed_tokens(tokens, layout.tp, layout.sequence_parallel)
-    return routed * model.top_k * model.hidden * element * (ep - 1) / ep
-
-
-def kv_exchanges(layout: Layout) -> int:
-    """Key/value exchanges per block and micro-batch under context parallelism (each an all-gather, or the
-    reduce-scatter of the gradients, of K and of V): 3, with or without activation checkpointing; 0 at ``cp = 1``.
-
-    Without activation checkpointing the implementation runs the gather and the attention under
-    ``torch.utils.checkpoint`` (non-reentrant): (1) the forward gathers; (2) backward, reaching the attention's
-    nodes, recomputes the attention from its saved inputs, gathering again; (3) the reduce-scatter of the
-    gradients. With activation checkpointing (full or selective) the attention is not checkpointed of its own
-    (``ContextParallel(recompute_attention=False)``): (1) the layer's forward gathers (keeping nothing); (2)
-    backward recomputes the layer, whose forward gathers again and keeps what SDPA saves for the layer's backward;
-    (3) the reduce-scatter. Counted on CPU (one layer's attention, 2 ranks emulated in one process, with and without
-    the layer checkpointed): 4 all-gathers (K and V, twice) and 2 gradient reductions per layer and micro-batch.
-    """
-    if layout.cp == 1:
-        return 0
-    return 3
-
-
-def kv_exchange_bytes(model: ModelSpec, layout: Layout, *, precision: str = "bf16-mixed",
-                      bytes_per_element: float | None = None, pipeline_rank: int | None = None,
-                      gathers_kv_heads: bool = True) -> float:
-    """Bytes one rank sends in the context-parallel key/value exchanges of one optimizer step:
-
-        X * L * m * (cp - 1)/cp * 2 b s (a_kv/tp) d e
-
-    ``X = 3`` exchanges per block and micro-batch (`kv_exchanges`: the forward's all-gather of K and V, the
-    backward's gather again -- the checkpointed attention's recomputation, or with activation checkpointing the
-    layer's -- and the reduce-scatter of their gradients), ``L`` the blocks of the rank's
-    pipeline stages (``pipeline_rank``; default the rank with the most), ``m`` the micro-batches, ``2 b s (a_kv/tp) d
-    e`` the gathered K and V of a micro-batch (`gathered_kv_bytes` of the rank's ``a/tp`` query heads times ``a_kv /
-    a``: grouped-query attention's key/value heads are gathered once and repeated after; ``gathers_kv_heads=False``
-    for a runtime repeating them first; ``b`` sequences of ``s`` tokens, heads of ``d``, ``e`` bytes per element:
-    ``bytes_per_element``, else the activation size of ``precision``) of which a rank sends ``(cp - 1)/cp`` in a
-    ring. 0 for ``cp = 1``. Not counted: the tokens' positions gathered for the mask (``8 b s (cp -
-    1)/cp`` bytes per micro-batch), and on gloo the backward's all-reduce in place of the reduce-scatter (twice the
-    volume; `estimate_time` counts both)."""
-    layout.check_model(model)
-    if layout.cp == 1:
-        return 0.0
-    element = bytes_per_element if bytes_per_element is not None else PRECISIONS[precision][3]
-    blocks = [sum(1 for i in layers if 0 < i <= model.n_layer) for layers in _pipeline_ranks(model, layout)]
-    count = max(blocks) if pipeline_rank is None else blocks[pipeline_rank]
-    kv = gathered_kv_bytes(model, layout.micro_batch, element, layout.tp, layout.cp)
-    volume = ring_volume(layout.cp, kv * (model.kv_heads / model.heads if gathers_kv_heads else 1.0), "all_gather")
-    return kv_exchanges(layout) * count * layout.micro_batches * volume
-
-
-def kv_exchange_time(model: ModelSpec, layout: Layout, cluster: Cluster) -> float:
-    """Seconds of one block's context-parallel key/value exchanges for one micro-batch, all on the critical path:
-    the all-gathers of K and of V in forward, again in backward (the checkpointed attention's recomputation, or with
-    activation checkpointing the layer's), and the reduce-scatter of their gradients (two; on a CPU cluster gloo's
-    all-reduce in its place) (`kv_exchanges`); each a ring over the ``cp`` ranks
-    (``tp`` apart: `Cluster.link`). 0 for ``cp = 1``. Not overlapped with computation (attention waits for the
-    keys). The positions' gather, once per micro-batch, is `mask_gather_time`."""
-    cp = layout.cp
-    if cp == 1:
-        return 0.0
-    kv = gathered_kv_bytes(model, layout.micro_batch, PRECISIONS[cluster.precision][3], layout.tp, cp)
-    if cluster.cp_gathers_kv_heads:  # grouped-query attention's own K/V heads gathered, repeated after
-        kv *= model.kv_heads / model.heads
-    link = cluster.link(cp, layout.tp)
-    gathers = kv_exchanges(layout) - 1
-    backward_op = "all_reduce" if cluster.compute_units else "reduce_scatter"  # gloo: no reduce-scatter of its own
-    return gathers * ring_time(cp, kv, link, "all_gather", messages=2) + ring_time(cp, kv, link, backward_op, 2)
-
-
-def mask_gather_time(model: ModelSpec, layout: Layout, cluster: Cluster) -> float:
-    """Seconds of the all-gather of a micro-batch's token positions (int64) over the ``cp`` ranks, from which each
-    rank finds, once before its first layer, whether the micro-batch is plain causal or makes its documents' mask;
-    0 for ``cp = 1``."""
-    if layout.cp == 1:
-        return 0.0
-    return ring_time(layout.cp, 8 * layout.micro_batch * model.seq_len, cluster.link(layout.cp, layout.tp),
-                     "all_gather")
 
 
 def context_attention_traffic(model: ModelSpec, b: int, precision: str, tp: int = 1, cp: int = 1,
@@ -279,36 +191,6 @@ def context_attention_traffic(model: ModelSpec, b: int, precision: str, tp: int 
     masks = 1.5 * context_mask_bytes(model, b, 1 + e, cp) if documents else 0.0
     scores = context_transient_bytes(model, b, precision, tp, cp) - PLAIN_KV_COPIES * kv  # KORTHIKANTI's, else 0
     return 2 * kv + masks + scores
-
-
-def all_to_all_bytes(model: ModelSpec, layout: Layout, tokens_per_rank: float | None = None, *,
-                     precision: str = "bf16-mixed", bytes_per_element: float | None = None,
-                     pipeline_rank: int | None = None) -> float:
-    """Bytes one rank sends (and, under uniform routing, receives) in the expert-parallel all-to-alls of one
-    optimizer step:
-
-        X * L_moe * N * k * h * e * (ep - 1) / ep
-
-    ``X = 4`` exchanges per MoE layer (dispatch and combine in forward, their reverses in backward; 6 with
-    activation checkpointing, whose recomputed forward exchanges again), ``L_moe`` the MoE layers of the rank's
-    pipeline stages (``pipeline_rank``; default the rank with the most), ``N`` the tokens the rank routes in the
-    step -- ``tokens_per_rank``, its data-parallel replica's tokens over all micro-batches (default ``micro_batch x
-    micro_batches x seq_len``; ``/cp`` under context parallelism: the rank's part of each sequence), divided by ``tp``
-    under sequence parallelism (each TP rank routes its part of the sequence; without it every TP rank routes all of
-    them) -- ``k`` the experts per token, ``h`` the width, ``e`` bytes per element (``bytes_per_element``, else the
-    activation size of ``precision``: `PRECISIONS`), and ``(ep - 1)/ep`` the pairs that leave the rank under uniform
-    routing. 0 for ``ep = 1``. Not counted: the split sizes exchanged before each forward dispatch (``8 (ep - 1)``
-    bytes per layer)."""
-    layout.check_model(model)
-    if layout.ep == 1:
-        return 0.0
-    tokens = (layout.micro_batch * layout.micro_batches * model.seq_len // layout.cp if tokens_per_rank is None
-              else tokens_per_rank)
-    element = bytes_per_element if bytes_per_element is not None else PRECISIONS[precision][3]
-    counts = [moe_block_count(model, layers) for layers in _pipeline_ranks(model, layout)]
-    moe_layers = max(counts) if pipeline_rank is None else counts[pipeline_rank]
-    exchanges = 6 if layout.activation_checkpointing else 4
-    return exchanges * moe_layers * _exchange_bytes(model, layout, tokens, element)
 
 
 def matmul_time_factor(model: ModelSpec, tp: int = 1, k0: float = 0.0) -> float:
@@ -335,59 +217,6 @@ def matmul_time_factor(model: ModelSpec, tp: int = 1, k0: float = 0.0) -> float:
 #: steady-state transfers run under the rank's computation.
 _ASYNC_P2P = ("interleaved_1f1b", "zero_bubble")
 
-
-def pipeline_boundaries(model: ModelSpec, layout: Layout, precision: str = "bf16-mixed", *,
-                        scatter_gather: bool = False) -> list[tuple[int, int, float]]:
-    """The stage boundaries between two pipeline ranks, in stage order, as ``(sending rank, receiving rank, bytes)``
-    of the tensor one crosses per micro-batch forward (its gradient, as large, crosses back): the last layer's
-    output of the sending stage, ``b s / c`` tokens of ``h`` elements of the parameters' size (the residual stream:
-    fp32 under ``bf16-mixed``), ``/tp`` under sequence parallelism where both sides are blocks (the split hidden
-    states; the embedding's output and the last block's are whole), or everywhere with ``scatter_gather``
-    (Megatron's). Stages split as the strategy splits them; consecutive stages on one rank (ZB-V's turn) send
-    nothing. Empty for ``pp = 1``."""
-    if layout.pp == 1:
-        return []
-    stages, owners = pipeline_stages(model, layout.pp, layout.virtual_stages, SCHEDULES[layout.schedule].style)
-    whole = layout.micro_batch * model.seq_len // layout.cp * model.hidden * PRECISIONS[precision][0]
-    out = []
-    for stage in range(len(stages) - 1):
-        if owners[stage] == owners[stage + 1]:
-            continue
-        last = stages[stage][-1]  # the layer whose output crosses: 0 the embedding, 1..L the blocks
-        split = scatter_gather or (layout.sequence_parallel and 0 < last < model.n_layer)
-        out.append((owners[stage], owners[stage + 1], whole / layout.tp if split else whole))
-    return out
-
-
-def pipeline_p2p_time(model: ModelSpec, layout: Layout, cluster: Cluster) -> tuple[float, float]:
-    """Seconds of the pipeline's point-to-point transfers, as ``(ramp, steady)``: ``ramp`` once per step -- the
-    first micro-batch's forward crossing every boundary between ranks in turn and the last one's backward crossing
-    them back (`pipeline_boundaries`) -- and ``steady`` per micro-batch, before any overlap with computation
-    (`estimate_time` takes it for the interleaved and ZB-V schedules): 1F1B the messages of the rank with the most
-    neighbours (each exchange with a neighbour, a send and a receive batched, waited for), GPipe the slowest
-    boundary once per pass (each receive waited for), interleaved and ZB-V a rank's sends of both passes. A message
-    is the link's latency plus its bytes at the link's bandwidth, over the link of its two ranks (``dp c tp`` apart
-    per rank between them: `Cluster.link`); with `Cluster.pp_scatter_gather` plus the receiver's all-gather over
-    TP. (0, 0) for ``pp = 1``."""
-    bounds = pipeline_boundaries(model, layout, cluster.precision, scatter_gather=cluster.pp_scatter_gather)
-    if not bounds:
-        return 0.0, 0.0
-    stride = layout.dp * layout.cp * layout.tp  # ranks between two consecutive pipeline ranks
-
-    def message(src: int, dst: int, nbytes: float) -> float:
-        link = cluster.link(2, abs(src - dst) * stride)
-        gather = (ring_time(layout.tp, nbytes * layout.tp, cluster.link(layout.tp, 1), "all_gather")
-                  if cluster.pp_scatter_gather else 0.0)
-        return link.latency + nbytes / link.bandwidth + gather
-
-    times = [message(*bound) for bound in bounds]
-    ramp = 2 * sum(times)
-    if layout.schedule == "gpipe":
-        return ramp, 2 * max(times)
-    # 1F1B: one exchange per neighbour; interleaved, ZB-V: per boundary a rank touches its forward send (it sends)
-    # or its backward send (it receives) -- ``v`` times 1F1B's boundaries per rank for the interleaved schedule.
-    return ramp, max(sum(x for (src, dst, _), x in zip(bounds, times) if rank in (src, dst))
-                     for rank in range(layout.pp))
 
 
 def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1) -> float:

@@ -14,7 +14,7 @@ from datetime import timedelta
 import lightning as L
 
 from lightning_hybrid import HybridStrategy
-from lightning_hybrid.data import ByteCorpusDataModule
+from lightning_hybrid.data.corpus import ByteCorpusDataModule
 from lightning_hybrid.models import GPTLightningModule
 
 

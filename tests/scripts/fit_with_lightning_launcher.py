@@ -8,7 +8,7 @@ cannot create its store there after starting the other ranks (which then connect
 the data comes as a loader whose batch sampler gives that size (nothing says it before the ranks start).
 ``--busy-worker-at-exit``: after the fit, every rank leaves one of gloo's worker threads busy with a finished
 collective (a callback on its future, computing for about a second) as the script ends: what a loaded machine does
-to a worker that is descheduled before it has dropped its last work (`lightning_hybrid.clean_exit`).
+to a worker that is descheduled before it has dropped its last work (`lightning_hybrid.runtime.clean_exit`).
 """
 
 import argparse
@@ -21,8 +21,9 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from lightning_hybrid import HybridStrategy
-from lightning_hybrid.data import ByteCorpusDataModule
+from lightning_hybrid.data.corpus import ByteCorpusDataModule
 from lightning_hybrid.models import GPTLightningModule
+
 
 class Batches:
     """A loader's batches as a plain iterable: nothing says their size before they come."""

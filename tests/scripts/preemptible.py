@@ -10,9 +10,11 @@ import time
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
+
 from lightning_hybrid import HybridStrategy
-from lightning_hybrid.data import ByteCorpusDataModule
+from lightning_hybrid.data.corpus import ByteCorpusDataModule
 from lightning_hybrid.models import GPTLightningModule
+
 
 class Losses(L.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):

@@ -1,0 +1,354 @@
+"""ZeRO 0-2's gradient buckets and their reduction over the data-parallel group.
+
+`_layout` cuts a param group's trainable parameters into size-capped buckets (``DEFAULT_BUCKET_CAP_MB``) in
+backward order; a `_Bucket` holds the flat gradient buffer its parameters' ``.grad`` are views of and runs its
+reduction (stage 0: all-reduce; stages 1-2: reduce-scatter into this rank's slice, on gloo an in-place all-reduce:
+`_COPYING_COLLECTIVES`). `GradientBuckets` starts each bucket's reduction from post-accumulate-grad hooks as soon
+as backward has filled it and waits for them before the step; under stages 1-2 a parameter's ``.grad`` is then a
+`ShardedGradient` placeholder until the step (no rank holds the whole reduced gradient).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+DEFAULT_BUCKET_CAP_MB = 25.0
+# Backends whose reduce-scatter may write into its own input at ``input[rank * n : (rank + 1) * n]`` (NCCL
+# documents it).
+_IN_PLACE_REDUCE_SCATTER = ("nccl",)
+# Backends whose collectives copy the whole buffer inside the call, out of the live-tensor tracker's sight: gloo's
+# reduce-scatter all-reduces a clone of its input, its all-gather fills a temporary as large as its output (+1x
+# the bucket of resident memory per call, measured; under stage 1 every bucket of a backward is in flight at once).
+# There a bucket all-reduces its buffer in place -- the all-reduce gloo's reduce-scatter runs, so the same sums,
+# bit for bit, at any dp -- and its slices are gathered by one in-place broadcast per rank (copies): both allocate
+# no more than a fixed ~2 MiB (tests/zero/test_zero.py measures both).
+_COPYING_COLLECTIVES = ("gloo",)
+MAX_IN_FLIGHT = 1  # stage 2: reductions running while backward fills the next bucket
+
+
+class _Bucket:
+    """Some parameters of one param group (one dtype, device and TP category) whose gradients are reduced as one.
+
+    ``grad``: ``[padded]`` flat gradient buffer (the parameters' ``.grad`` are views ``views[i]`` of it; under
+    stage 2 it exists only while the bucket accumulates). Stages 1-2 also own ``flat`` (``[padded]``, the
+    parameters are views of it) and ``shard``: this rank's ``[padded/dp]`` slice ``flat[lo:hi]``, a Parameter
+    the user's optimizer steps, whose ``.grad`` is the reduced slice of ``grad``.
+    """
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, stage: int, tp_sharded: bool,
+                 divisor: int | None = None):
+        self.params, self.group, self.stage, self.tp_sharded = params, group, stage, tp_sharded
+        # The reduced sum is divided by this: the group's size, or for experts (reduced over their own data-parallel
+        # group, having met the tokens of the whole expert-parallel group) the full data-parallel size.
+        self.divisor = divisor or dist.get_world_size(group)
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.offsets, total = [], 0
+        for p in params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.padded = -(-total // world) * world if stage else total
+        size = self.padded // world
+        self.lo, self.hi = rank * size, (rank + 1) * size
+        like = params[0]
+        self.grad: Tensor | None = None
+        self.views: list[Tensor] = []
+        self.shard_grad: Tensor | None = None
+        if stage:
+            self.flat = torch.zeros(self.padded, dtype=like.dtype, device=like.device)
+            for p, offset in zip(params, self.offsets):
+                self.flat[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+                p.data = self.flat[offset : offset + p.numel()].view_as(p)
+            self.shard = nn.Parameter(self.flat[self.lo : self.hi])
+            if stage == 2:  # persistent: the reduce-scatter writes straight into it
+                self.shard_grad = torch.zeros(size, dtype=like.dtype, device=like.device)
+        if stage < 2:
+            self.allocate()
+        self.work = None  # the running reduction
+        self.scattered: Tensor | None = None  # stages 1-2: where the reduction leaves this rank's slice
+
+    def offset(self, param: nn.Parameter) -> int:
+        """Where ``param`` starts in the bucket's flat buffers."""
+        return self.offsets[next(i for i, p in enumerate(self.params) if p is param)]
+
+    def allocate(self) -> None:
+        """The flat gradient buffer (zeros) and the parameters' views of it."""
+        self.grad = torch.zeros(self.padded, dtype=self.params[0].dtype, device=self.params[0].device)
+        self.views = [self.grad[o : o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
+
+    def release(self) -> None:
+        """Stage 2: drop the full gradient buffer (the slice has been reduced out of it)."""
+        for p in self.params:
+            p.grad = None
+        self.grad, self.views = None, []
+
+    def launch(self) -> None:
+        """Start the reduction of ``grad`` over the DP group (asynchronous)."""
+        assert self.grad is not None
+        if self.stage == 0:  # averaged here, while backward still runs (as DDP does)
+            self.work = dist.all_reduce(self.grad.div_(self.divisor), group=self.group, async_op=True)
+            return
+        backend = dist.get_backend(self.group)
+        if backend in _COPYING_COLLECTIVES:  # the sum lands in the whole buffer, this rank's slice included
+            self.scattered = self.grad[self.lo : self.hi]
+            self.work = dist.all_reduce(self.grad, group=self.group, async_op=True)
+            return
+        if self.stage == 2:
+            out = self.shard_grad
+        elif backend in _IN_PLACE_REDUCE_SCATTER:  # this rank's slice of the buffer itself
+            out = self.grad[self.lo : self.hi]
+        else:
+            out = self.grad.new_empty(self.hi - self.lo)
+        self.scattered = out
+        self.work = dist.reduce_scatter_single(out, self.grad, group=self.group, async_op=True)
+
+    def finish(self) -> None:
+        """Wait for the reduction; average it; stages 1-2 hand the slice to ``shard.grad``."""
+        assert self.work is not None
+        self.work.wait()
+        self.work = None
+        if self.stage == 0:
+            return
+        assert self.grad is not None and self.scattered is not None
+        # Stage 1: the slice of the full buffer (gradients stay one buffer of Psi); stage 2: the persistent slice.
+        mine = self.grad[self.lo : self.hi] if self.stage == 1 else self.shard_grad
+        assert mine is not None
+        if self.scattered.data_ptr() != mine.data_ptr():
+            mine.copy_(self.scattered)
+        self.shard.grad = mine.div_(self.divisor)
+        self.scattered = None
+        for p in self.params:  # the full views hold unreduced sums: not a gradient to read
+            p.grad = None
+        if self.stage == 2:
+            self.release()
+
+    @torch.no_grad()
+    def gather_parameters(self) -> None:
+        """Every rank's updated slice into ``flat`` (stages 1-2, after the step), over the DP group."""
+        if dist.get_backend(self.group) in _COPYING_COLLECTIVES:  # rank r's slice, from rank r, in place
+            size = self.hi - self.lo
+            works = [dist.broadcast(self.flat[r * size : (r + 1) * size], group_src=r, group=self.group,
+                                    async_op=True) for r in range(dist.get_world_size(self.group))]
+            for work in works:
+                work.wait()
+            return
+        dist.all_gather_single(self.flat, self.shard.detach().clone(), group=self.group)
+
+
+class ShardedGradient(Tensor):
+    """What ``p.grad`` of a parameter is under ZeRO 1-2 from the gradient reduction to the optimizer step: the
+    reduced gradient lives in bucket slices spread over the data-parallel ranks (this rank holds ``1/dp`` of it,
+    which the optimizer steps), so no rank has ``p``'s gradient. Any use of it -- ``torch.nn.utils.clip_grad_norm_``,
+    ``p.grad.norm()``, adding to it -- raises a ``RuntimeError`` that says what to use instead (where ``None`` would
+    let a hand-called ``clip_grad_norm_`` silently clip nothing). ``is None`` checks see a gradient; the optimizer
+    step and ``zero_grad`` set it back to ``None``."""
+
+    _name: str
+    _stage: int
+
+    @staticmethod
+    def __new__(cls, param: Tensor, name: str, stage: int) -> "ShardedGradient":
+        out = Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype, device=param.device)
+        out._name, out._stage = name, stage
+        return out
+
+    def __init__(self, param: Tensor, name: str, stage: int) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"ShardedGradient({self._name!r}, zero_stage={self._stage})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_leaves
+
+        grad = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, ShardedGradient))
+        raise RuntimeError(
+            f"{func.__name__} on the gradient of {grad._name}: under zero_stage={grad._stage} the reduced gradient is"
+            " split over the data-parallel ranks' bucket slices (the optimizer steps this rank's slice), so no rank"
+            " holds p.grad. Clip with Trainer(gradient_clip_val=...) or self.clip_gradients(optimizer,"
+            " gradient_clip_val=..., gradient_clip_algorithm='norm') (by the global norm, as one device), read each"
+            " parameter's whole-gradient norm with trainer.strategy.parameter_grad_norms(), or use zero_stage 0 or 3."
+        )
+
+
+def _layout(params: list[nn.Parameter], cap_bytes: int, key) -> list[list[nn.Parameter]]:
+    """Parameters grouped by ``key`` and cut into buckets of at most ``cap_bytes`` (a larger parameter gets a
+    bucket of its own), in backward order: the reverse of registration, as DDP does."""
+    by_kind: dict[tuple, list[nn.Parameter]] = defaultdict(list)
+    for p in reversed(params):
+        by_kind[key(p)].append(p)
+    out = []
+    for kind_params in by_kind.values():
+        current, size = [], 0
+        for p in kind_params:
+            nbytes = p.numel() * p.element_size()
+            if current and size + nbytes > cap_bytes:
+                out.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        if current:
+            out.append(current)
+    return out
+
+
+class GradientBuckets:
+    """The gradient buckets of one optimizer and the hooks that reduce them as backward completes them.
+
+    ``sync``: whether this backward is the last of an accumulation window (reductions start during it).
+    `wait` (after the backward) waits for every reduction; `reduce` (after a pipeline schedule, which ran its
+    backward passes with ``sync = False``) starts and waits for all of them. Collective over the DP ``group``.
+    """
+
+    def __init__(
+        self, buckets: list[_Bucket], group: dist.ProcessGroup, stage: int, names: dict[int, str] | None = None,
+    ) -> None:
+        self.buckets, self.group, self.stage = buckets, group, stage
+        self.names = names or {}  # id(parameter) -> its name, for errors
+        self.sync = True
+        self._where = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
+        self._seen: set[int] = set()  # parameters whose gradient is in their bucket in this window
+        self._fired: dict[int, int] = defaultdict(int)  # bucket -> gradients completed in this backward
+        self._in_backward = False
+        self._launched: set[int] = set()  # buckets whose reduction of this window has started
+        self._pending: list[_Bucket] = []  # started, not yet finished
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for b in buckets for p in b.params]
+
+    @torch.no_grad()
+    def _on_grad(self, p: nn.Parameter) -> None:
+        bucket, i = self._where[id(p)]
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if self.stage == 2:  # free the buckets whose reduce-scatter is done
+            while self._pending and self._pending[0].work.is_completed():
+                self._pending.pop(0).finish()
+        self._adopt(bucket, i, p)
+        self._fired[id(bucket)] += 1
+        if self.sync and self._fired[id(bucket)] == len(bucket.params):
+            self._launch(bucket)
+
+    def _adopt(self, bucket: _Bucket, i: int, p: nn.Parameter) -> None:
+        """Make ``p.grad`` its view of the bucket, adding a gradient autograd put elsewhere (the first of the
+        window after ``zero_grad``, or one assigned by a pipeline schedule)."""
+        if bucket.grad is None:
+            bucket.allocate()
+        view, grad = bucket.views[i], p.grad
+        if isinstance(grad, ShardedGradient):  # the placeholder of the last step (`wait`)
+            grad = None
+        if grad is not None and grad is not view:
+            if id(p) in self._seen:
+                view.add_(grad)
+            else:
+                view.copy_(grad)
+            p.grad = view
+        if grad is not None:
+            self._seen.add(id(p))
+
+    def _end_of_backward(self) -> None:
+        self._in_backward = False
+        self._fired.clear()
+        if self.sync:
+            self._launch_rest()
+
+    def _launch_rest(self) -> None:
+        for bucket in self.buckets:
+            if id(bucket) not in self._launched:
+                self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        self._launched.add(id(bucket))
+        if bucket.grad is None:
+            bucket.allocate()
+        for p, view in zip(bucket.params, bucket.views):  # no gradient in this window: contributes zeros
+            if id(p) not in self._seen:
+                view.zero_()
+        bucket.launch()
+        self._pending.append(bucket)
+        if self.stage == 2:
+            while len(self._pending) > MAX_IN_FLIGHT:
+                self._pending.pop(0).finish()
+
+    @torch.no_grad()
+    def wait(self) -> None:
+        """Wait for the reductions the backward started (and start those it did not, e.g. for parameters
+        without a gradient); then the window is over."""
+        self._in_backward = False
+        self._fired.clear()
+        self._launch_rest()
+        for bucket in self._pending:
+            bucket.finish()
+        self._pending = []
+        self._presence()
+        self._seen.clear()
+        self._launched.clear()
+        if self.stage:  # the reduced gradient is in the slices: p.grad says so until the step (`ShardedGradient`)
+            for bucket in self.buckets:
+                for p in bucket.params:
+                    p.grad = ShardedGradient(p, self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}"),
+                                             self.stage)
+
+    @torch.no_grad()
+    def reduce(self) -> None:
+        """Reduce now (after a pipeline schedule): take in the gradients it left, start every bucket, wait."""
+        self.adopt()
+        self.wait()
+
+    @torch.no_grad()
+    def adopt(self) -> None:
+        """Take into the buckets the gradients backward left outside them (`_adopt`)."""
+        for bucket in self.buckets:
+            for i, p in enumerate(bucket.params):
+                if p.grad is not None:
+                    self._adopt(bucket, i, p)
+
+    def gradient_of(self, param: nn.Parameter) -> Tensor | None:
+        """``param``'s unreduced gradient of this window as the buckets hold it (its view; ``None`` where it has
+        none or is not this optimizer's)."""
+        where = self._where.get(id(param))
+        if where is None or id(param) not in self._seen:
+            return None
+        bucket, i = where
+        return bucket.views[i] if bucket.grad is not None else None
+
+    def _presence(self) -> None:
+        """A parameter without a gradient on every rank: under stage 0 it keeps ``grad=None`` (the optimizer skips
+        it, as on one device; one with a gradient somewhere gets the average with zeros from the others); stages
+        1-2 would step it with a zero gradient in its slice, so they raise ``RuntimeError`` naming it (on every
+        rank alike)."""
+        params = [p for b in self.buckets for p in b.params]
+        seen = torch.tensor([id(p) in self._seen for p in params], dtype=torch.int32, device=params[0].device)
+        dist.all_reduce(seen, group=self.group)
+        counts = seen.tolist()
+        if self.stage == 0:
+            views = [v for b in self.buckets for v in b.views]
+            for p, view, count in zip(params, views, counts):
+                p.grad = view if count else None
+            return
+        absent = [self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
+                  for p, count in zip(params, counts) if not count]
+        if absent:
+            raise RuntimeError(
+                f"zero_stage={self.stage}: {absent} got no gradient on any data-parallel rank in this step. One device"
+                " would skip them; ZeRO-1/2 step flat slices and would update them with a zero gradient (weight decay,"
+                " moments): another model. Freeze them (requires_grad=False), leave them out of the optimizer, or use"
+                " zero_stage 0 or 3."
+            )
+
+    def clear(self) -> None:
+        """Gradients to ``None`` (``zero_grad``); the buffers keep their memory and are written fresh by the
+        next window. Under a pipeline, Lightning's ``zero_grad`` comes after the schedule's backward passes:
+        the gradients of the window are kept in the buckets."""
+        for bucket in self.buckets:
+            for p in bucket.params:
+                p.grad = None
+
+    def remove(self) -> None:
+        """Detach the hooks from the parameters (the optimizer is done with)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

@@ -1,0 +1,282 @@
+"""HybridStrategy's contract with Lightning and with the user: launchers, and clear errors raised before any
+process could hang."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+
+from lightning_hybrid import HybridStrategy, ParallelDims
+from lightning_hybrid.data.corpus import ByteCorpusDataModule
+from lightning_hybrid.models import GPTLightningModule
+from tests.helpers import QUIET_TRAINER, run_distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(zero_stage=4), r"zero_stage=4 is invalid: valid stages are \[0, 1, 2, 3\]"),
+        (dict(tp=0), r"tp=0 is invalid"),
+        (dict(dp=0), r"dp=0 is invalid"),
+        (dict(pp=2, schedule="round_robin"),
+         r"schedule='round_robin' is unknown: valid schedules are \['1f1b', 'gpipe', 'interleaved_1f1b',"
+         r" 'zero_bubble'\]"),
+        (dict(pp=2, schedule="interleaved_1f1b", virtual_stages=2, micro_batches=3), r"multiple of pp \(2\), got 3"),
+        (dict(pp=2, schedule="interleaved_1f1b"), r"needs virtual_stages >= 2"),
+        (dict(pp=2, schedule="gpipe", virtual_stages=2), r"schedule='gpipe' runs 1 stage\(s\) per rank"),
+        (dict(pp=4, schedule="1f1b", micro_batches=2), r"needs micro_batches >= pp \(4\), got 2"),
+        (dict(tp_plan="everything"), r"tp_plan='everything' is invalid"),
+        (dict(bucket_cap_mb=0), r"bucket_cap_mb=0 is invalid: it must be a positive number of MiB"),
+        # Accepted and unused is refused: nothing trains differently from what was asked without an error.
+        (dict(schedule="round_robin"), r"schedule='round_robin' is not used with pp=1, tp=1"),
+        (dict(tp=2, micro_batches=4, virtual_stages=2, split_points=[1]),
+         r"micro_batches=4, virtual_stages=2, split_points=\[1\] are not used with pp=1, tp=2"),
+        (dict(pp=2, sequence_parallel=True), r"sequence_parallel=True is not used with pp=2, tp=1"),
+        (dict(tp_plan={"*.q_proj": "colwise"}), r"tp_plan=\{'\*.q_proj': 'colwise'\} is not used with pp=1, tp=1"),
+        (dict(checkpoint_io=object()), r"checkpoint_io=<object object at .*> would not be used: HybridStrategy writes"),
+        (dict(recompute="most"), r"recompute='most' is invalid: use 'full' \(the whole layer\), 'attention'"),
+        (dict(recompute=["gelu", "no_such_op"]), r"recompute names unknown aten ops \['aten.no_such_op'\]"),
+        (dict(compile="yes"), r"compile='yes' is invalid: use True, False, or a dict of torch.compile arguments"),
+        (dict(compile={"modes": "max-autotune"}), r"\['modes'\] are not arguments of torch.compile"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        HybridStrategy(**kwargs)
+
+
+def test_layout_must_fit_the_world():
+    assert ParallelDims.resolve(dp=-1, tp=2, pp=1, world_size=8).dp == 4
+    with pytest.raises(ValueError, match=r"dp\*tp\*pp = 4\*1\*1 = 4 does not equal the world size 2"):
+        ParallelDims.resolve(dp=4, tp=1, pp=1, world_size=2)
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by tp\*pp = 4\*1 = 4.*\[1, 2, 3, 6\]"):
+        ParallelDims.resolve(dp=-1, tp=4, pp=1, world_size=6)
+
+
+class WithoutPipelineProtocol(GPTLightningModule):
+    pipeline_layers = None  # a LightningModule that does not list its layers
+
+
+def _fit_expecting_errors() -> dict[str, str]:
+    """Each case fails on every rank with the same error; the next case reuses the surviving processes."""
+    cases = {
+        "world size": (HybridStrategy(dp=4), {}),
+        # q_proj's output is 4 heads of 16: parts [16, 48] hand each rank the wrong rows (setup-time verification).
+        "wrong split": (HybridStrategy(tp=2, tp_plan={"*.q_proj": {"style": "colwise", "part_sizes": [16, 48]}}), {}),
+        "plan pattern": (HybridStrategy(tp=2, tp_plan={"*.nonexistent": "colwise"}), {}),
+        "no pipeline protocol": (HybridStrategy(pp=2), None),
+        "too few layers": (HybridStrategy(pp=2, schedule="zero_bubble"), dict(n_layer=1)),
+    }
+    errors = {}
+    for name, (strategy, overrides) in cases.items():
+        module = (WithoutPipelineProtocol(n_layer=1, block_size=16) if overrides is None
+                  else GPTLightningModule(block_size=16, **{"n_layer": 1, **overrides}))
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, **QUIET_TRAINER)
+        try:
+            trainer.fit(module, ByteCorpusDataModule(max_bytes=20_000, block_size=16, batch_size=2))
+            errors[name] = "no error"
+        except (ValueError, TypeError) as err:
+            errors[name] = str(err)
+    return errors
+
+
+def test_bad_layouts_fail_on_every_rank_without_hanging():
+    for errors in run_distributed(_fit_expecting_errors, 2):
+        assert re.search(r"dp\*tp\*pp = 4\*1\*1 = 4 does not equal the world size 2", errors["world size"])
+        assert re.search(r"tp_plan splits model\.blocks\.0\.attn in a way that changes its results",
+                         errors["wrong split"])
+        assert re.search(r"tp_plan pattern '\*\.nonexistent' matches no nn\.Linear", errors["plan pattern"])
+        assert re.search(r"WithoutPipelineProtocol does not implement \['pipeline_layers'\]",
+                         errors["no pipeline protocol"])
+        assert re.search(r"4 pipeline stages need at least 4 layers; the model has 3", errors["too few layers"])
+
+
+def test_lightning_launcher_starts_the_ranks_and_every_run_exits_cleanly():
+    """`Trainer(devices=2)` from a plain script: Lightning's subprocess launcher starts rank 1; the script exits 0
+    with no rank aborting at interpreter exit -- also when, as the script ends, a gloo worker thread is still busy
+    with a finished collective (`--busy-worker-at-exit`: what a loaded machine does to a worker descheduled before
+    it has dropped its last work). Without `lightning_hybrid.runtime.clean_exit`'s wait every rank of that run aborts
+    ("terminate called without an active exception", exit code 134)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    script = ROOT / "tests" / "scripts" / "fit_with_lightning_launcher.py"
+    for extra in ([], ["--busy-worker-at-exit"]):
+        done = subprocess.run([sys.executable, str(script), "--devices", "2", "--tp", "2", *extra], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "terminate called" not in done.stderr and "Aborted" not in done.stderr, done.stderr[-3000:]
+        assert re.search(r"world=2 dp=1 tp=2 val_loss=\d+\.\d+", done.stdout), done.stdout[-2000:]
+
+
+def test_rank_zero_failing_after_starting_the_ranks_stops_them():
+    """Rank 0 fails after Lightning's launcher started rank 1 (here: its store's port is taken): the run ends
+    with rank 0's error instead of rank 1 waiting for a rank 0 that is gone (the run returns only once no rank
+    holds its output open)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    script = ROOT / "tests" / "scripts" / "fit_with_lightning_launcher.py"
+    done = subprocess.run([sys.executable, str(script), "--devices", "2", "--tp", "2", "--occupy-main-port"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert re.search(r"(?i)address already in use|failed to listen", done.stderr), done.stderr[-3000:]
+
+
+@pytest.mark.parametrize(("hidden", "message"), [
+    (False, "batch_size=6 (per data-parallel rank) does not split into micro_batches=4: use a multiple"),
+    (True, "The batch of 6 samples (per data-parallel rank) does not split into micro_batches=4"),
+])
+def test_a_batch_the_pipeline_cannot_split_is_one_error(hidden, message):
+    """A data module that tells its batch size is checked before the other ranks start; a loader that does not is
+    found on the ranks, and only rank 0 says so (the others exit quietly): one traceback, not one per rank."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    script = ROOT / "tests" / "scripts" / "fit_with_lightning_launcher.py"
+    args = ["--devices", "2", "--tp", "1", "--pp", "2", "--micro-batches", "4", "--batch-size", "6"]
+    done = subprocess.run([sys.executable, str(script), *args, *(["--hidden-batch-size"] if hidden else [])],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert message in done.stderr and done.stderr.count("Traceback") == 1, done.stderr[-3000:]
+    assert ("Initializing distributed" in done.stderr + done.stdout) == hidden  # no rank started: checked before
+
+
+def test_a_rank_that_stops_answering_ends_the_job_with_a_report_naming_it():
+    """Rank 1 sleeps before a batch: rank 0's next collective times out (20 s), the job ends (no rank left behind),
+    and rank 0 names the collective, where it was called, and rank 1 with the batch it had reached."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    script = ROOT / "tests" / "scripts" / "stuck_rank.py"
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode != 0 and time.monotonic() - start < 200
+    report = [line for line in done.stderr.splitlines() if line.startswith("error: rank 0 waited 20 s in")]
+    assert report and re.search(r"torch\.distributed\.\w+ called from .*:\d+ \(\w+\), and a rank never joined"
+                                r" it; ranks that never reached this rank's batch 2: rank 1 \(at batch 1\)\.",
+                                report[0]), done.stderr[-3000:]
+
+
+def test_a_rank_that_dies_ends_the_job_with_a_report_naming_it():
+    """Rank 1 SIGKILLs itself before a batch: rank 0's next collective fails at once (gloo: the connection closed),
+    the job ends within seconds of the death, and rank 0 names the collective, where it was called, and rank 1 as
+    dead: its process, which rank 0 launched, ended by SIGKILL (instead of gloo's bare "Connection closed by
+    peer")."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    script = ROOT / "tests" / "scripts" / "dead_rank.py"
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=240)
+    ended = time.time()
+    died = re.search(r"rank 1: SIGKILL at (\d+\.\d+)", done.stderr)
+    assert done.returncode != 0 and died, done.stderr[-3000:]
+    assert ended - float(died.group(1)) < 60, done.stderr[-3000:]
+    report = [line for line in done.stderr.splitlines() if line.startswith("error: rank 0 lost a peer in")]
+    assert report and re.search(r"torch\.distributed\.\w+ called from .*:\d+ \(\w+\) \(\"(Connection closed by peer"
+                                r" \[127\.0\.0\.1\]:\d+|Read error \[127\.0\.0\.1\]:\d+: Connection reset by peer)\"\):"
+                                r" rank 1 died \(pid \d+ on this host, killed by SIGKILL, at batch 1\)\.$",
+                                report[0]), done.stderr[-3000:]
+
+
+def test_a_lost_peer_is_recognised_and_a_dead_process_told_from_a_live_one():
+    """What `Forensics.report_dead_peer` relies on, without a process group: gloo's and NCCL's errors for a peer that
+    went
+    away are told from a timeout, with the peer's address; a process on this host is alive, or dead also while
+    its parent has not reaped it yet (a zombie), with its exit status where this process launched it."""
+    import signal
+
+    from lightning_hybrid.runtime.forensics import (
+        _ABORTED,
+        _PEER_ADDRESS,
+        _PEER_LOST,
+        _clause,
+        _process_gone,
+        _ranks,
+        _start_time,
+        _this_process,
+    )
+
+    lost = {
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:30408. "
+        "This is typically caused by a remote worker crashing.": "[127.0.0.1]:30408",
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:414: Connection reset by "
+        "peer. This is typically caused by a remote worker hanging": "[10.0.0.2]:414",
+        "NCCL error in: ProcessGroupNCCL.cpp:3763, remote process exited or there was a network error, NCCL version "
+        "2.21.5\nncclRemoteError: A call failed possibly due to a network error or a remote process exiting "
+        "prematurely.\nLast error:\nsocketProgressOpt: Call to recv from 10.0.0.3<33759> failed": "10.0.0.3<33759>",
+    }
+    clauses = ["Connection closed by peer [127.0.0.1]:30408", "Read error [10.0.0.2]:414: Connection reset by peer",
+               "remote process exited or there was a network error"]
+    for (text, address), clause in zip(lost.items(), clauses):
+        assert _PEER_LOST.search(text) and _PEER_ADDRESS.search(text).group(0) == address, text
+        assert _clause(text, _PEER_LOST.search(text)) == clause
+    assert _ABORTED.search("NCCL communicator was aborted on rank 1.")
+    assert not _PEER_LOST.search("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv "
+                                 "operation to complete")
+    assert _ranks([3]) == "rank 3" and _ranks([7, 1, 4, 5, 6]) == "ranks 1, 4-7"
+
+    me = _this_process()
+    assert _process_gone(me, {}) is None
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        record = {"pid": child.pid, "start": _start_time(child.pid)}
+        assert _process_gone(record, {}) is None
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while _process_gone(record, {}) is None and time.monotonic() < deadline:  # not reaped: a zombie
+            time.sleep(0.05)
+        assert _process_gone(record, {}) in ("exited", "gone")
+        assert _process_gone(record, {child.pid: child.wait()}) == "killed by SIGKILL"
+        assert _process_gone(record, {}) == "gone"
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_checkpoint_io_plugin_is_refused_when_the_trainer_is_built():
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    with pytest.raises(ValueError, match=r"checkpoint_io=<.*TorchCheckpointIO.*> would not be used"):
+        L.Trainer(accelerator="cpu", devices=1, strategy=HybridStrategy(), plugins=[TorchCheckpointIO()],
+                  **QUIET_TRAINER)
+
+
+def test_layer_by_layer_options_find_the_layers_or_refuse():
+    """activation_checkpointing=True and compile apply to the layers: the elements of nn.ModuleLists, else the
+    pipeline layers of a module that holds its blocks as plain attributes; with neither, an error -- the option
+    was once accepted and did nothing."""
+    from torch import nn
+
+    from lightning_hybrid.parallel.activation_checkpointing import checkpoint_targets
+    from tests.user_modules import UserLM
+
+    class Attributes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.block_a, self.block_b = nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def pipeline_layers(self) -> list[nn.Module]:
+            return [self.embed, self.block_a, self.block_b]
+
+    assert checkpoint_targets(UserLM(), True) == ["blocks.0", "blocks.1"]
+    assert checkpoint_targets(Attributes(), True) == ["embed", "block_a", "block_b"]
+    # A glob: the outermost matches ('*' matches the blocks' submodules too, which their checkpoint covers).
+    assert checkpoint_targets(UserLM(), "blocks.*") == ["blocks.0", "blocks.1"]
+    assert checkpoint_targets(UserLM(), "*norm1") == ["blocks.0.norm1", "blocks.1.norm1"]
+
+    class Nested(nn.Module):  # a ModuleList inside each element of another (a MoE block's experts): the blocks
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.ModuleDict({"experts": nn.ModuleList([nn.Linear(4, 4)])}) for _ in "ab")
+
+    assert checkpoint_targets(Nested(), True) == ["blocks.0", "blocks.1"]
+    with pytest.raises(ValueError,
+                       match=r"Sequential holds its layers neither in an nn.ModuleList nor in pipeline_layers"):
+        checkpoint_targets(nn.Sequential(nn.Linear(4, 4)), True)

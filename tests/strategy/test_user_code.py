@@ -1,0 +1,371 @@
+"""Exact or refused for what users write (docs/correctness.md, "What the strategy verifies"): their own loaders,
+losses, random ops, gradient hooks and tied parameters, each under the layouts that would otherwise train another
+model without a word. Every refusal here is a test that fails when its mechanism is switched off (the run would
+train); every "matches" compares against Lightning's one-device run."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_hybrid import HybridStrategy
+from lightning_hybrid.checks.batch_check import fingerprint
+from lightning_hybrid.hf import CausalLM
+from lightning_hybrid.models import GPTLightningModule
+from lightning_hybrid.runtime.rank_zero import BatchError
+from tests.families import tiny_config
+from tests.helpers import QUIET_TRAINER, run_distributed
+from tests.user_code import (
+    BLOCK,
+    VOCAB,
+    BatchNormBlock,
+    ConvBlock,
+    DeclaredMeanDictLM,
+    DictLM,
+    DropoutLM,
+    DropoutMasks,
+    HandClippingLM,
+    ManualLM,
+    MiscountedLM,
+    SequenceLM,
+    SumLM,
+    TiedLM,
+    TiedTrunkLM,
+    UndeclaredSumLM,
+    UserLM,
+    WindowBlock,
+    padded_loader,
+    pairs_loader,
+    stream_loader,
+    token_rows,
+)
+
+GLOBAL_BATCH = 8
+PARAM_ATOL = 1e-5
+
+
+def _outcome(call) -> str:
+    try:
+        call()
+        return "ran"
+    except (ValueError, TypeError, RuntimeError, BatchError) as e:
+        return f"{type(e).__name__}: {e}"
+    except SystemExit as e:  # rank 0 says it, the others leave quietly
+        return f"SystemExit: {e.code}"
+
+
+def _fit(strategy, module, loader_of, steps: int = 2, devices: int = 2, **trainer_kwargs) -> L.Trainer:
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps,
+                        **{**QUIET_TRAINER, "limit_val_batches": 0, **trainer_kwargs})
+    trainer.fit(module, train_dataloaders=loader_of(trainer))
+    return trainer
+
+
+def _state(trainer: L.Trainer) -> dict[str, torch.Tensor]:
+    """The whole model's final parameters (gathered from every rank's pieces)."""
+    strategy, module = trainer.strategy, trainer.lightning_module
+    state = strategy.full_state_dict() if isinstance(strategy, HybridStrategy) else module.state_dict()
+    return {k: v.detach().cpu().clone() for k, v in state.items()}
+
+
+class SGDCausalLM(CausalLM):
+    """Trained with plain SGD: an update is the learning rate times the gradient (Adam turns fp32 noise in gradients
+    of nearly zero into updates of order its learning rate)."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _llama4(temperature_tuning: bool = False) -> CausalLM:
+    """A transformers Llama 4 text model whose first layer attends within chunks of 4 tokens (its
+    ``attention_chunk_size``), dense; with ``temperature_tuning`` its second layer has no rotary embedding and scales
+    its queries by each token's position (its attention temperature, from positions 0..T-1 of the tokens it is
+    given); SGD."""
+    import transformers as T
+
+    config = T.Llama4TextConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        intermediate_size_mlp=64, vocab_size=VOCAB, max_position_embeddings=64, num_local_experts=2,
+        num_experts_per_tok=1, moe_layers=[], attention_chunk_size=4, no_rope_layers=[1, int(not temperature_tuning)],
+        layer_types=["chunked_attention", "full_attention"], attn_temperature_tuning=temperature_tuning,
+        floor_scale=4, attn_scale=0.5, tie_word_embeddings=False)
+    return SGDCausalLM(config)
+
+
+def _dynamic_rope_llama() -> CausalLM:
+    """A transformers Llama whose rotary embedding is scaled by the longest position it sees (beyond 8)."""
+    config = tiny_config("llama")
+    config.max_position_embeddings = 8
+    config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    return CausalLM(config)
+
+
+#: Runs compared against one device: name -> (strategy arguments, module factory, loader factory (per-rank batch
+#: size -> loader), trainer arguments).
+PARITY = {
+    "declared sum, dp2": (dict(dp=2), SumLM, pairs_loader, {}),
+    "declared sum, dp2, accumulation": (dict(dp=2), SumLM, pairs_loader, {"accumulate_grad_batches": 2}),
+    "declared sum, pp2, accumulation": (dict(pp=2, micro_batches=2), SumLM, pairs_loader,
+                                        {"accumulate_grad_batches": 2}),
+    # Two manual_backward calls before one (clipped) step: the first gradient must not be lost to the second.
+    "manual optimization, dp2 ZeRO-1": (dict(dp=2, zero_stage=1), ManualLM, pairs_loader, {}),
+    "manual optimization, dp2 ZeRO-2": (dict(dp=2, zero_stage=2), ManualLM, pairs_loader, {}),
+    # An LM head tied to the embedding: one parameter on one device, a copy per stage under pp2 (clipped by the
+    # global norm, which must count it once), one FSDP unit under ZeRO-3.
+    "tied head, pp2": (dict(pp=2, micro_batches=2), TiedLM, pairs_loader, {"gradient_clip_val": 0.5}),
+    "tied head in a submodule, pp2 ZeRO-1": (dict(pp=2, micro_batches=2, zero_stage=1), TiedTrunkLM, pairs_loader,
+                                             {"gradient_clip_val": 0.5}),
+    "tied head in a submodule, dp2 ZeRO-3": (dict(dp=2, zero_stage=3), TiedTrunkLM, pairs_loader,
+                                             {"gradient_clip_val": 0.5}),
+    # Chunked attention (Llama 4's first layer): the CP attention keeps the chunks.
+    "chunked attention, cp2": (dict(dp=1, cp=2), _llama4, pairs_loader, {}),
+    # Dropout where a TP rank holds what one device holds (after the row-split projection): one device's masks.
+    "dropout on replicated activations, tp2": (dict(tp=2), lambda: DropoutLM(whole_p=0.3), pairs_loader, {}),
+}
+
+
+def _parity_on_2_ranks() -> dict[str, dict[str, torch.Tensor]]:
+    out = {}
+    for name, (kwargs, make, loader, trainer_kwargs) in PARITY.items():
+        dp = kwargs.get("dp", 1)
+        batches = GLOBAL_BATCH // dp
+        out[name] = _state(_fit(HybridStrategy(**kwargs), make(), lambda t, n=batches, loader=loader: loader(n),
+                                **trainer_kwargs))
+    return out
+
+
+def _masks(kwargs: dict, module) -> dict[str, torch.Tensor]:
+    """The first training step's dropout masks under ``randomness="independent"``."""
+    masks = DropoutMasks()
+    _fit(HybridStrategy(randomness="independent", **kwargs), module, lambda t: pairs_loader(), steps=1,
+         callbacks=[masks])
+    return masks.masks
+
+
+def _on_2_ranks() -> dict[str, str]:
+    return {
+        # A stream split by torch.distributed's rank under tp2: the two TP ranks would train on other rows.
+        "rank-split stream, tp2": _outcome(lambda: _fit(HybridStrategy(tp=2), UserLM(), lambda t: stream_loader(None))),
+        "rank-split stream, pp2": _outcome(lambda: _fit(HybridStrategy(pp=2, micro_batches=2), UserLM(),
+                                                        lambda t: stream_loader(None))),
+        # The same stream split by the strategy's data-parallel rank and size: every TP rank reads it whole.
+        "dp-split stream, tp2": _outcome(lambda: _fit(HybridStrategy(tp=2), UserLM(), stream_loader)),
+        # A mean over padded rows, not declared: under a split it would be a mean of the parts' means.
+        **{f"undeclared mean on padding, {name}": _outcome(lambda k=kwargs: _fit(HybridStrategy(**k), DictLM(),
+                                                                                 lambda t: padded_loader()))
+           for name, kwargs in (("dp2", dict(dp=2)), ("cp2", dict(dp=1, cp=2)), ("pp2", dict(pp=2, micro_batches=2)))},
+        "declared mean on padding, dp2": _outcome(lambda: _fit(HybridStrategy(dp=2), DeclaredMeanDictLM(),
+                                                               lambda t: padded_loader())),
+        "undeclared sum, dp2": _outcome(lambda: _fit(HybridStrategy(dp=2), UndeclaredSumLM(),
+                                                     lambda t: pairs_loader())),
+        "miscounted loss items, dp2": _outcome(lambda: _fit(HybridStrategy(dp=2), MiscountedLM(),
+                                                            lambda t: pairs_loader())),
+        "miscounted loss items, pp2": _outcome(lambda: _fit(HybridStrategy(pp=2, micro_batches=2), MiscountedLM(),
+                                                            lambda t: pairs_loader())),
+        # torch.nn.utils.clip_grad_norm_ by hand: a shard's, a stage's norm; under ZeRO-1 no rank holds p.grad.
+        **{f"hand clipping, {name}": _outcome(lambda k=kwargs: _fit(HybridStrategy(**k), HandClippingLM(),
+                                                                    lambda t: pairs_loader()))
+           for name, kwargs in (("tp2", dict(tp=2)), ("pp2", dict(pp=2, micro_batches=2)),
+                                ("dp2 ZeRO-1", dict(dp=2, zero_stage=1)), ("dp2", dict(dp=2)))},
+        # Random ops where ranks hold other data: refused by default ...
+        **{f"dropout, {name}": _outcome(lambda k=kwargs, m=make: _fit(HybridStrategy(**k), m(),
+                                                                      lambda t: pairs_loader()))
+           for name, kwargs, make in (("dp2", dict(dp=2), lambda: DropoutLM(whole_p=0.3)),
+                                      ("split by tp2", dict(tp=2), lambda: DropoutLM(split_p=0.3)),
+                                      ("pp2", dict(pp=2, micro_batches=2), lambda: DropoutLM(whole_p=0.3)))},
+        # ... and with independent streams, whose masks are kept for the test to compare between the ranks.
+        "masks, dp2": _masks(dict(dp=2), DropoutLM(split_p=0.5, whole_p=0.5)),
+        "masks, tp2": _masks(dict(tp=2), DropoutLM(split_p=0.5, whole_p=0.5)),
+        "masks, tp2 SP": _masks(dict(tp=2, sequence_parallel=True), GPTLightningModule(
+            n_layer=1, n_embd=16, n_head=2, block_size=BLOCK, vocab_size=VOCAB, dropout=0.5)),
+        # A router's load-balancing loss, per batch, under accumulation over batches of other token counts.
+        "moe aux loss, padding, accumulation, dp2": _outcome(lambda: _fit(
+            HybridStrategy(dp=2), CausalLM(tiny_config("mixtral")), lambda t: padded_loader(),
+            accumulate_grad_batches=2)),
+        # What context parallelism cannot split, found by running the model on the whole sequence and on the shares:
+        **{f"cp2: {name}": _outcome(lambda m=make: _fit(HybridStrategy(dp=1, cp=2), m(), lambda t: pairs_loader()))
+           for name, make in (("a window mask of its own", lambda: SequenceLM(block=WindowBlock)),
+                              ("a convolution along the sequence", lambda: SequenceLM(block=ConvBlock)),
+                              ("positions from torch.arange", lambda: SequenceLM(own_positions=True)),
+                              ("positions from the batch", lambda: SequenceLM()),
+                              ("dynamic RoPE", _dynamic_rope_llama),
+                              ("attention temperature", lambda: _llama4(temperature_tuning=True)))},
+        # ... and what splitting the rows cannot (dynamic RoPE over left-padded rows of other lengths: the positions
+        # of each row count from its first real token).
+        "dp2: dynamic RoPE on padded rows": _outcome(lambda: _fit(HybridStrategy(dp=2), _dynamic_rope_llama(),
+                                                                  lambda t: padded_loader(left=True))),
+        "dp2: BatchNorm": _outcome(lambda: _fit(HybridStrategy(dp=2), SequenceLM(block=BatchNormBlock),
+                                                lambda t: pairs_loader())),
+        "tied head held directly, dp2 ZeRO-3": _outcome(lambda: _fit(HybridStrategy(dp=2, zero_stage=3), TiedLM(),
+                                                                     lambda t: pairs_loader())),
+        **{f"parity: {name}": state for name, state in _parity_on_2_ranks().items()},
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, str]]:
+    return run_distributed(_on_2_ranks, 2)
+
+
+@pytest.mark.parametrize("name", sorted(PARITY))
+def test_declared_losses_match_one_device(two_ranks, name):
+    kwargs, make, loader, trainer_kwargs = PARITY[name]
+    # One device reads an accumulation window as one batch (the global batch of the optimizer step).
+    window = trainer_kwargs.get("accumulate_grad_batches", 1)
+    reference = _state(_fit("auto", make(), lambda t: loader(GLOBAL_BATCH * window, one_device=True), devices=1,
+                            **{**trainer_kwargs, "accumulate_grad_batches": 1}))
+    fresh = make()
+    fresh.configure_model()  # a module that builds its model there (CausalLM)
+    initial = fresh.state_dict()
+    moved = max((reference[k] - v).abs().max().item() for k, v in initial.items())
+    assert moved > 20 * PARAM_ATOL, moved
+    for rank_states in two_ranks:
+        got = rank_states[f"parity: {name}"]
+        apart = max((got[k] - v).abs().max().item() for k, v in reference.items())
+        assert apart < PARAM_ATOL, (name, apart, moved)
+
+
+def test_an_undeclared_loss_is_refused_where_a_split_would_change_it(two_ranks):
+    first, other = two_ranks
+    for layout in ("dp2", "cp2", "pp2"):
+        message = first[f"undeclared mean on padding, {layout}"]
+        assert message.startswith("BatchError: DictLM does not say how its loss reduces over tokens"), message
+        assert "loss_reduction = 'mean'" in message and "loss_items(target)" in message, message
+        assert other[f"undeclared mean on padding, {layout}"] == "SystemExit: 1"
+    assert first["declared mean on padding, dp2"] == "ran"
+    for out in (first, other):
+        assert "adds up over the batch like a sum" in out["undeclared sum, dp2"], out["undeclared sum, dp2"]
+        assert "loss_items does not count the items its loss_fn averages over" in out["miscounted loss items, dp2"]
+    # Under pp the last stage finds it and every pipeline rank raises it after the schedule.
+    assert first["miscounted loss items, pp2"] == other["miscounted loss items, pp2"]
+    assert "loss_items does not count the items" in first["miscounted loss items, pp2"]
+
+
+def test_peers_that_get_different_batches_are_an_error_naming_them(two_ranks):
+    first, other = two_ranks
+    for layout, how in (("tp2", "tensor-parallel"), ("pp2", "pipeline stage")):
+        message = first[f"rank-split stream, {layout}"]
+        assert message.startswith("BatchError: The ranks that must train on the same batch got different ones"), message
+        assert f"they differ as {how} peers" in message and "trainer.strategy.dp_rank" in message, message
+        assert other[f"rank-split stream, {layout}"] == "SystemExit: 1"
+    assert first["dp-split stream, tp2"] == other["dp-split stream, tp2"] == "ran"
+
+
+def test_a_batch_fingerprint_sees_every_byte_and_the_structure():
+    rows = token_rows()
+    batch = (rows[:4, :-1], rows[:4, 1:])
+    base = fingerprint(batch, rows.device)
+    assert base.equal(fingerprint((rows[:4, :-1].clone(), rows[:4, 1:].clone()), rows.device))
+    changed = rows[:4, 1:].clone()
+    changed[3, 7] += 1
+    assert not base.equal(fingerprint((rows[:4, :-1], changed), rows.device))
+    assert not base.equal(fingerprint({"input_ids": batch[0], "labels": batch[1]}, rows.device))
+    assert not base.equal(fingerprint((batch[0], batch[1].float()), rows.device))
+    assert not base.equal(fingerprint((batch[1], batch[0]), rows.device))
+
+
+def test_gradients_a_rank_holds_pieces_of_are_not_normed_by_hand(two_ranks):
+    for out in two_ranks:
+        for layout in ("tp2", "pp2"):
+            message = out[f"hand clipping, {layout}"]
+            assert message.startswith("RuntimeError: a norm of parameters' gradients computed on this rank alone"), \
+                message
+            assert "gradient_clip_val" in message and "parameter_grad_norms()" in message, message
+        message = out["hand clipping, dp2 ZeRO-1"]
+        assert "under zero_stage=1 the reduced gradient is split over the data-parallel ranks" in message, message
+        assert out["hand clipping, dp2"] == "ran"  # whole gradients on every rank: its norm is one device's
+
+
+def test_a_tie_zero3_cannot_keep_in_one_unit_is_refused_by_name(two_ranks):
+    for out in two_ranks:
+        message = out["tied head held directly, dp2 ZeRO-3"]
+        assert message.startswith("ValueError: zero_stage=3 shards each of TiedLM's children"), message
+        assert "['embed', 'head'] share one parameter" in message, message
+
+
+def test_random_ops_that_cannot_draw_one_devices_values_are_refused_by_name(two_ranks):
+    first, other = two_ranks
+    for layout, where in (("dp2", "blocks.0.drop_whole"), ("split by tp2", "blocks.0.drop_split (inside a TP split"),
+                          ("pp2", "drop_whole")):
+        message = first[f"dropout, {layout}"]
+        assert message.startswith("ValueError: DropoutLM runs random ops in training that cannot draw"), message
+        assert where in message and "randomness='independent'" in message, message
+        assert other[f"dropout, {layout}"] == message
+
+
+def _agreement(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a == b).float().mean().item()
+
+
+def test_independent_streams_never_draw_one_mask_for_other_data(two_ranks):
+    """Masks of p=0.5 (equal draws agree on 1.0 of the elements, independent ones on about 0.5): data-parallel ranks
+    hold other samples; TP ranks hold the same activations outside the split spans (identical masks, or the replicas
+    would diverge) and other heads inside them; under SP other tokens everywhere."""
+    first, other = two_ranks
+    for name, layout in (("blocks.0.drop_split", "dp2"), ("blocks.0.drop_whole", "dp2"),
+                         ("blocks.0.drop_split", "tp2"), ("blocks.1.drop_split", "tp2"),
+                         ("model.blocks.0.attn.resid_dropout", "tp2 SP"), ("model.blocks.0.mlp.dropout", "tp2 SP")):
+        a, b = first[f"masks, {layout}"][name], other[f"masks, {layout}"][name]
+        assert abs(_agreement(a, b) - 0.5) < 0.1, (name, layout, _agreement(a, b))
+    for name in ("blocks.0.drop_whole", "blocks.1.drop_whole"):
+        assert first["masks, tp2"][name].equal(other["masks, tp2"][name]), name
+    # Two spans of one rank (two layers) draw other masks too.
+    assert abs(_agreement(first["masks, tp2"]["blocks.0.drop_split"],
+                          first["masks, tp2"]["blocks.1.drop_split"]) - 0.5) < 0.1
+
+
+def test_an_auxiliary_loss_of_the_batch_is_refused_where_accumulation_would_weigh_it_otherwise(two_ranks):
+    for out in two_ranks:
+        message = out["moe aux loss, padding, accumulation, dp2"]
+        assert message.startswith("ValueError: CausalLM adds an auxiliary loss of the whole batch"), message
+        assert "accumulate_grad_batches=2" in message and "1/2" in message, message
+
+
+def test_what_splitting_the_sequence_or_the_rows_would_change_is_refused_by_name(two_ranks):
+    first, other = two_ranks
+    for case, where in (("a window mask of its own", "blocks.0 differs"),
+                        ("a convolution along the sequence", "blocks.0 differs"),
+                        ("positions from torch.arange", "the input of blocks.0"),
+                        ("dynamic RoPE", "differs"), ("attention temperature", "differs")):
+        for out in (first, other):
+            message = out[f"cp2: {case}"]
+            assert message.startswith("ValueError: cp=2 would train another model than one device"), (case, message)
+            assert where in message and "Train this model with cp=1" in message, (case, message)
+    assert first["cp2: positions from the batch"] == other["cp2: positions from the batch"] == "ran"
+    for out in (first, other):
+        for case in ("dp2: dynamic RoPE on padded rows", "dp2: BatchNorm"):
+            message = out[case]
+            assert message.startswith("ValueError: dp=2 would train another model than one device"), (case, message)
+            assert "output for a row depends on the other rows of its batch" in message, (case, message)
+
+
+class GlobalInitDropoutLM(UserLM):
+    """As users write it: the default inits draw from the global random state after ``seed_everything`` (here one
+    draw stands for them), and dropout runs on the TP group's replicated activations."""
+
+    def __init__(self) -> None:
+        super().__init__(dropout=0.2)
+        torch.randn(3)
+
+
+def _dropout_losses(one_device: bool) -> list:
+    L.seed_everything(0, verbose=False)
+    module = GlobalInitDropoutLM()
+    losses = []
+
+    class Losses(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, *args) -> None:
+            losses.append(float(outputs["loss"]))
+
+    trainer = L.Trainer(accelerator="cpu", devices=1 if one_device else 2, max_steps=3, callbacks=[Losses()],
+                        strategy="auto" if one_device else HybridStrategy(tp=2), **QUIET_TRAINER)
+    trainer.fit(module, pairs_loader(4, one_device=one_device))
+    return losses
+
+
+def test_dropout_after_a_script_drew_from_the_global_state_draws_one_devices_masks():
+    """The random state a rank trains from is the one its script left (no re-seeding at set-up): the same masks,
+    the losses of one device (within the TP reductions' rounding; other masks move them by ~1e-3)."""
+    assert run_distributed(_dropout_losses, 2, False)[0] == pytest.approx(_dropout_losses(True), rel=1e-6, abs=0)
