@@ -31,7 +31,7 @@ from lightning_hybrid.checks.user_checks import UserCodeChecks
 from lightning_hybrid.core.dims import ParallelDims
 from lightning_hybrid.grad_sync import GradientSync
 from lightning_hybrid.mesh_strategy import MeshStrategy
-from lightning_hybrid.options import ParallelOptions
+from lightning_hybrid.options import DEFAULT_BUCKET_CAP_MB, Compile, ParallelOptions, Recompute
 from lightning_hybrid.parallelize import Parallelized, builds_on_meta, parallelize
 from lightning_hybrid.precision import with_global_norm_clipping
 from lightning_hybrid.runtime.preemption import Preemption
@@ -57,12 +57,12 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
     strategy_name = "hybrid"
 
     def __init__(
-        self, dp: int = -1, tp: int = 1, pp: int = 1, zero_stage: int = 0, bucket_cap_mb: Optional[float] = None,
+        self, dp: int = -1, tp: int = 1, pp: int = 1, zero_stage: int = 0, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
         tp_plan: Union[str, dict[str, Any]] = "auto", sequence_parallel: bool = False, loss_parallel: bool = True,
         micro_batches: Optional[int] = None, schedule: Optional[str] = None, virtual_stages: Optional[int] = None,
         split_points: Optional[list[int]] = None, activation_checkpointing: Union[bool, str] = False,
-        recompute: Any = "full", compile: Any = False, ep: int = 1, cp: int = 1, batch_check_interval: int = 100,
-        randomness: str = "exact", process_group_backend: Optional[str] = None,
+        recompute: Recompute = "full", compile: Compile = False, ep: int = 1, cp: int = 1,
+        batch_check_interval: int = 100, randomness: str = "exact", process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout, accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None, cluster_environment: Optional[Any] = None,
         checkpoint_io: Optional[Any] = None, precision_plugin: Optional[Any] = None,
@@ -76,7 +76,7 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
             loss_parallel=loss_parallel, micro_batches=micro_batches, schedule=schedule,
             virtual_stages=virtual_stages, split_points=split_points, activation_checkpointing=activation_checkpointing,
             recompute=recompute, compile=compile, batch_check_interval=batch_check_interval, randomness=randomness,
-            **({"bucket_cap_mb": bucket_cap_mb} if bucket_cap_mb is not None else {}),
+            bucket_cap_mb=bucket_cap_mb,
         )
         refuse_checkpoint_io(checkpoint_io)
         self._parallelized: Optional[Parallelized] = None
