@@ -108,7 +108,9 @@ class MeshStrategy(ParallelStrategy):
     def dp_size(self) -> int:
         """How many ranks see other samples: the data-parallel size (``dp``; not ``dp * cp``, the gradient ranks).
         A loader that splits its data itself splits it by `dp_rank` and `dp_size` (docs/data.md)."""
-        return self.parallel_dims.dp
+        if self._dims is None:
+            raise RuntimeError("dp_size is known once the processes have started (in `setup_environment`).")
+        return self._dims.dp
 
     @property
     def is_distributed(self) -> bool:

@@ -5,12 +5,15 @@
          -> ZeRO-3 (FSDP2) -> pipeline executor
 
 Each step is one named function taking the meshes (`lightning_hybrid.core.dims.Meshes`, built once from
-`ParallelDims`) and plain values from the frozen `ParallelOptions`, never the strategy; a new dimension is one more
-step here, and what it does during a step a `StepHooks` it appends to ``Parallelized.hooks``
-(docs/adding-a-dimension.md). `HybridStrategy.setup` calls `parallelize` and then moves the module to its device,
-applies the precision, builds the `GradientSync` (`lightning_hybrid.grad_sync`) and the `TrainingSteps`
-(`lightning_hybrid.steps`) from the returned `Parallelized`. It runs without a ``Trainer``:
-``parallelize(module, meshes, options, device)`` on every rank of a process group (collective over the meshes).
+`ParallelDims`) and plain values from the frozen `ParallelOptions`, never the strategy. The steps here are named by
+what they do (plan, cut, split, materialise, shard, build); each calls its dimension's entry point in the wing,
+``apply_*`` (`apply_tp`, `apply_ep`, `apply_cp`, `apply_activation_checkpointing`, `apply_compile`, `apply_fsdp`)
+or the pipeline's stages and executor. A new dimension is one more step here, and what it does during a step a
+`StepHooks` it appends to ``Parallelized.hooks`` (docs/adding-a-dimension.md). `HybridStrategy.setup` calls
+`parallelize` and then moves the module to its device, applies the precision, builds the `GradientSync`
+(`lightning_hybrid.grad_sync`) and the `TrainingSteps` (`lightning_hybrid.steps`) from the returned
+`Parallelized`. It runs without a ``Trainer``: ``parallelize(module, meshes, options, device)`` on every rank of a
+process group (collective over the meshes).
 
 Building per rank: a module whose layers are still to be built (`builds_per_rank`: it says so, or the strategy's
 init context built it on the meta device under ``pp > 1``) is cut on the meta device, split over TP there, and
@@ -38,7 +41,7 @@ from lightning_hybrid.core.protocol import LayerwiseInit, PipelineAuxLoss, build
 from lightning_hybrid.options import ParallelOptions
 from lightning_hybrid.parallel.activation_checkpointing import apply_activation_checkpointing, checkpoint_targets
 from lightning_hybrid.parallel.compile import apply_compile
-from lightning_hybrid.parallel.context_parallel import ContextParallel, ContextParallelHooks, kv_group_of
+from lightning_hybrid.parallel.context_parallel import ContextParallel, ContextParallelHooks, apply_cp
 from lightning_hybrid.parallel.expert_parallel import (
     apply_ep,
     check_experts,
@@ -137,10 +140,12 @@ def parallelize(module: nn.Module, meshes: Meshes, options: ParallelOptions, dev
     experts = expert_parameter_names(module)
     tp_sharded = frozenset(tp_sharded_parameter_names(module)) - experts
     remote = tuple(layout.remote_prefixes) if layout is not None else ()
-    context = split_context(module, meshes, options, remote) if cp > 1 else None
-    hooks: list[StepHooks] = []
-    if context is not None:
-        hooks.append(ContextParallelHooks(context, type(module).__name__, device))
+    hooks: list[StepHooks] = []  # what the dimensions do during a step, in this order
+    context = None
+    if cp > 1:
+        context_hooks = split_context(module, meshes, options, remote, device)
+        hooks.append(context_hooks)
+        context = context_hooks.context
     apply_activation_checkpointing(module, _held_here(checkpointed, remote), options.recompute,
                                    compiled=options.compile is not None)
     if options.compile is not None:
@@ -150,7 +155,7 @@ def parallelize(module: nn.Module, meshes: Meshes, options: ParallelOptions, dev
         broadcast_tied(ties, module, meshes.group("pp"), device)
     fsdp_roots = []
     if options.zero_stage == 3 and gradient_ranks > 1:
-        fsdp_roots = apply_zero3(module, stages, meshes["dp_cp"], meshes["edp"] if ep > 1 else None,
+        fsdp_roots = shard_zero3(module, stages, meshes["dp_cp"], meshes["edp"] if ep > 1 else None,
                                  parts=options.compile is None, shared=shared)
     pipeline = build_pipeline(module, stages, layout, meshes, options, device) if layout is not None else None
     return Parallelized(
@@ -286,7 +291,7 @@ def local_stages(module: nn.Module, layout: StageLayout) -> dict[int, nn.Module]
     return {s: stage_module([layers[i] for i in layout.ranges[s]]) for s in layout.local_stages}
 
 
-def apply_zero3(
+def shard_zero3(
     module: nn.Module, stages: Optional[dict[int, nn.Module]], dp_mesh: DeviceMesh,
     edp_mesh: Optional[DeviceMesh] = None, parts: bool = True, shared: Sequence[tuple[str, ...]] = (),
 ) -> list[nn.Module]:
@@ -309,21 +314,17 @@ def _parameter_or_none(module: nn.Module, names: tuple[str, ...]) -> Optional[nn
 
 
 def split_context(
-    module: nn.Module, meshes: Meshes, options: ParallelOptions, remote: tuple[str, ...],
-) -> ContextParallel:
-    """Context parallelism (``cp > 1``): each of this rank's layers (those activation checkpointing takes, wrapped
-    first so that recomputation runs through it too) attends over the CP group. Collective (it creates the CP
-    groups)."""
+    module: nn.Module, meshes: Meshes, options: ParallelOptions, remote: tuple[str, ...], device: torch.device,
+) -> ContextParallelHooks:
+    """Context parallelism (``cp > 1``, `apply_cp`): each of this rank's layers (those activation checkpointing
+    takes, wrapped first so that recomputation runs through it too) attends over ``meshes["cp"]``; returns the
+    hooks of its steps."""
     try:
         layers = _held_here(checkpoint_targets(module, True, meshes.dims.pp > 1), remote)
     except ValueError as e:  # no layer found: the message says where the layers must be
         raise ValueError(f"cp={meshes.dims.cp}: context parallelism wraps the layers. {e}") from e
     # A layer checkpointed as a whole (or selectively) recomputes its attention already.
-    context = ContextParallel(meshes.group("cp"),
-                              not options.activation_checkpointing, kv_group_of(module))
-    for name in layers:
-        context.wrap(module.get_submodule(name))
-    return context
+    return apply_cp(module, layers, meshes.group("cp"), not options.activation_checkpointing, device)
 
 
 def build_pipeline(

@@ -197,5 +197,7 @@ def _positive(value: object) -> bool:
 def layout_size(strategy: object, name: str) -> int:
     """The size ``name`` (``"tp"``, ``"cp"``, ``"ep"``, ...) of a strategy's layout (`MeshStrategy.parallel_dims`),
     1 for a strategy without one: what a module reads to adapt to the layout it runs under."""
+    if name not in SIZES:
+        raise ValueError(f"{name!r} is not a size of the layout: the sizes are {list(SIZES)}.")
     dims = getattr(strategy, "parallel_dims", None)
     return int(getattr(dims, name)) if isinstance(dims, ParallelDims) else 1

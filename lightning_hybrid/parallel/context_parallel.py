@@ -48,7 +48,7 @@ from lightning_hybrid.core.autocast import autocast_inputs
 from lightning_hybrid.core.batch import TokenBatch, document_ids
 from lightning_hybrid.core.hooks import StepHooks
 
-__all__ = ["ContextParallel", "ContextParallelHooks", "block_mask", "gather_prefixes", "kv_group_of",
+__all__ = ["ContextParallel", "ContextParallelHooks", "apply_cp", "block_mask", "gather_prefixes", "kv_group_of",
            "restricted_attention_of",
            "split_batch", "zigzag_indices"]
 
@@ -452,11 +452,20 @@ class _GatherPrefixes(torch.autograd.Function):
         return buf[rank].clone(), None, None, None
 
 
+def apply_cp(module: nn.Module, layers: list[str], group: dist.ProcessGroup, recompute_attention: bool,
+             device: torch.device) -> "ContextParallelHooks":
+    """Context parallelism on ``module``: each of its ``layers`` (module names) attends over the CP ``group``
+    (`ContextParallel.wrap`); returns the hooks of its steps, which hold the `ContextParallel`."""
+    context = ContextParallel(group, recompute_attention, kv_group_of(module))
+    for name in layers:
+        context.wrap(module.get_submodule(name))
+    return ContextParallelHooks(context, type(module).__name__, device)
+
+
 class ContextParallelHooks(StepHooks):
-    """What context parallelism does during a step (`lightning_hybrid.core.hooks.StepHooks`): each batch becomes
-    this rank's share of its sequences (`split_batch`, as a `TokenBatch` with the tokens' positions); after the first
-    training step, a module none of whose attentions went through SDPA is refused on every rank; after backward, the
-    batch's documents are let go."""
+    """What context parallelism does during a step: each batch becomes this rank's share of its sequences
+    (`split_batch`, a `TokenBatch` with the tokens' positions); after the first training step, a module none of
+    whose attentions went through SDPA is refused on every rank; after backward, the batch's documents are let go."""
 
     def __init__(self, context: ContextParallel, module_name: str, device: torch.device) -> None:
         self.context, self.module_name, self.device = context, module_name, device

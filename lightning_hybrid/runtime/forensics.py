@@ -70,7 +70,7 @@ class Forensics:
         if store is not None:
             store.set(f"{_PROGRESS_KEY}/{self.rank}", str(batch))
             self.batch = batch
-            if getattr(self, "_processes", None) is None:
+            if self.processes is None:
                 keys = [f"{_PROCESS_KEY}/{rank}" for rank in range(self.world_size)]
                 if store.check(keys):
                     self.processes = _read_processes(store, self.world_size)
@@ -92,7 +92,7 @@ class Forensics:
         if collective is None:
             return
         behind = []
-        mine = getattr(self, "_batch", None)
+        mine = self.batch
         if mine is not None:
             batches = _bounded_store_read(lambda store: _read_batches(store, range(self.world_size)),
                                           seconds=10 * _STORE_SECONDS) or {}
@@ -131,7 +131,7 @@ class Forensics:
         head = (f"error: rank {self.rank} lost a peer in {collective}{where} (\"{quote}\")")
 
         me = _this_process()
-        processes = getattr(self, "_processes", None)
+        processes = self.processes
         store_answers = True
         if processes is None:  # failed before the first batch: read them now
             processes = _bounded_store_read(lambda store: _read_processes(store, self.world_size))

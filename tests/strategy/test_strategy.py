@@ -14,6 +14,7 @@ import lightning as L
 import pytest
 
 from lightning_hybrid import HybridStrategy, ParallelDims
+from lightning_hybrid.core.hooks import StepHooks
 from lightning_hybrid.data.corpus import ByteCorpusDataModule
 from lightning_hybrid.models import GPTLightningModule
 from tests.helpers import QUIET_TRAINER, run_distributed
@@ -66,8 +67,38 @@ class WithoutPipelineProtocol(GPTLightningModule):
     pipeline_layers = None  # a LightningModule that does not list its layers
 
 
+class ToyDimension(StepHooks):
+    """A toy dimension's hooks, as a new dimension registers them (docs/adding-a-dimension.md): every call recorded,
+    the batch passed on as it is."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def on_batch(self, batch, stage):
+        self.calls.append(f"batch:{stage}")
+        return batch
+
+    def after_training_step(self) -> None:
+        self.calls.append("step")
+
+    def after_backward(self) -> None:
+        self.calls.append("backward")
+
+
+class RegistersToyDimension(L.Callback):
+    """Appends `ToyDimension` to what `parallelize` made, where a dimension's own step would have."""
+
+    def __init__(self) -> None:
+        self.toy = ToyDimension()
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        parallelized = trainer.strategy.parallelized
+        parallelized.hooks = (*parallelized.hooks, self.toy)
+
+
 def _fit_expecting_errors() -> dict[str, str]:
     """Each case fails on every rank with the same error; the next case reuses the surviving processes."""
+    toy = RegistersToyDimension()
     cases = {
         "world size": (HybridStrategy(dp=4), {}),
         # q_proj's output is 4 heads of 16: parts [16, 48] hand each rank the wrong rows (setup-time verification).
@@ -75,17 +106,22 @@ def _fit_expecting_errors() -> dict[str, str]:
         "plan pattern": (HybridStrategy(tp=2, tp_plan={"*.nonexistent": "colwise"}), {}),
         "no pipeline protocol": (HybridStrategy(pp=2), None),
         "too few layers": (HybridStrategy(pp=2, schedule="zero_bubble"), dict(n_layer=1)),
+        "toy dimension": (HybridStrategy(tp=2), {}),
     }
     errors = {}
     for name, (strategy, overrides) in cases.items():
         module = (WithoutPipelineProtocol(n_layer=1, block_size=16) if overrides is None
                   else GPTLightningModule(block_size=16, **{"n_layer": 1, **overrides}))
-        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, **QUIET_TRAINER)
+        toy_run = dict(max_steps=2, callbacks=[toy], val_check_interval=2, limit_val_batches=1,
+                       num_sanity_val_steps=0)  # two training steps, then one validation batch
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, **QUIET_TRAINER,
+                            **(toy_run if name == "toy dimension" else dict(max_steps=1)))
         try:
             trainer.fit(module, ByteCorpusDataModule(max_bytes=20_000, block_size=16, batch_size=2))
             errors[name] = "no error"
         except (ValueError, TypeError) as err:
             errors[name] = str(err)
+    errors["toy dimension calls"] = " ".join(toy.toy.calls)
     return errors
 
 
@@ -98,6 +134,10 @@ def test_bad_layouts_fail_on_every_rank_without_hanging():
         assert re.search(r"WithoutPipelineProtocol does not implement \['pipeline_layers'\]",
                          errors["no pipeline protocol"])
         assert re.search(r"4 pipeline stages need at least 4 layers; the model has 3", errors["too few layers"])
+        # A dimension's hooks, called by the strategy without naming it: each batch through on_batch, then (training)
+        # after the step and after its backward.
+        assert errors["toy dimension"] == "no error"
+        assert errors["toy dimension calls"] == "batch:train step backward batch:train step backward batch:validate"
 
 
 def test_lightning_launcher_starts_the_ranks_and_every_run_exits_cleanly():

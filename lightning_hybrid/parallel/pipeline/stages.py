@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -188,18 +189,19 @@ def _side_inputs(args: tuple, kwargs: dict) -> dict[str, Tensor]:
 
 
 @contextmanager
-def instance_attributes(module: nn.Module, **attributes) -> Iterator[None]:
-    """Within the block, ``module``'s attributes ``attributes`` are the values given (in the instance's
-    ``__dict__``, past ``nn.Module.__setattr__``); afterwards what they were. The one place a step binds what the
-    user's ``training_step`` calls (``self(x)``, ``self.loss_fn``): `lightning_hybrid.steps`."""
-    saved = {name: module.__dict__[name] for name in attributes if name in module.__dict__}
+def instance_attributes(module: nn.Module, **attributes: Callable[..., Any]) -> Iterator[None]:
+    """Within the block, ``module``'s methods named in ``attributes`` are the functions given (set on the instance,
+    as Lightning's own strategies redirect ``forward`` for a step: ``_ForwardRedirection``); afterwards what they
+    were. The one place a step redirects what the user's ``training_step`` calls (``self(x)``, ``self.loss_fn``),
+    used by `lightning_hybrid.steps` and this module's bindings; the module's class is never touched."""
+    saved = {name: vars(module)[name] for name in attributes if name in vars(module)}
     for name, value in attributes.items():
-        object.__setattr__(module, name, value)
+        setattr(module, name, value)
     try:
         yield
     finally:
         for name in attributes:
             if name in saved:
-                object.__setattr__(module, name, saved[name])
+                setattr(module, name, saved[name])
             else:
-                object.__delattr__(module, name)
+                delattr(module, name)
