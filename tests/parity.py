@@ -42,7 +42,10 @@ class OneDeviceInDistributedOrder(ByteCorpusDataModule):
 
     def train_dataloader(self) -> DataLoader:
         sampler = DistributedSampler(self.train_dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
-        return DataLoader(self.train_dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True)
+        # A generator of its own, as the distributed runs' loader (`resumable_loader`) has: making its iterator draws
+        # its base seed from it, not from the global random state, which a module's dropout then draws from alike.
+        return DataLoader(self.train_dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True,
+                          generator=torch.Generator(device="cpu").manual_seed(0))
 
 
 class DocumentSamples(Dataset):
@@ -105,7 +108,10 @@ class DocumentData(ByteCorpusDataModule):
         if not self.one_device:
             return super().train_dataloader()
         sampler = DistributedSampler(self.train_dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
-        return DataLoader(self.train_dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True)
+        # A generator of its own, as the distributed runs' loader (`resumable_loader`) has: making its iterator draws
+        # its base seed from it, not from the global random state, which a module's dropout then draws from alike.
+        return DataLoader(self.train_dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True,
+                          generator=torch.Generator(device="cpu").manual_seed(0))
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_dataset, batch_size=self.val_batch_size, shuffle=False, drop_last=True)

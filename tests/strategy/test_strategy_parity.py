@@ -18,6 +18,7 @@ from tests.parity import (
     RTOL,
     SGDGPT,
     DoubleOneGradient,
+    OneDeviceInDistributedOrder,
     check_world,
     mismatches,
     run_world,
@@ -123,6 +124,18 @@ def test_the_harness_sees_a_doubled_gradient_of_one_small_tensor_on_one_rank():
         assert any("tensor_grad_norm" in bad for bad in seen), (name, seen)
         if name.endswith("-sgd"):
             assert any("param" in bad for bad in seen), (name, seen)
+
+
+def test_the_one_device_reference_reads_its_data_without_drawing_from_the_global_random_state():
+    """The reference's loader, like the distributed runs' (`resumable_loader`), draws its iterator's base seed from a
+    generator of its own: a module's dropout then draws one device's masks from the same global state as the ranks'
+    (one draw apart, every mask was shifted: a user module's tp2 dropout run looked 2e-3 off one device)."""
+    data = OneDeviceInDistributedOrder(max_bytes=20_000, block_size=BLOCK, batch_size=2)
+    data.setup("fit")
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    next(iter(data.train_dataloader()))
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 def test_world4_layouts_match_one_device():
