@@ -26,8 +26,8 @@ tokens/s       global tokens per step (dp * batch * T) / step time; step time = 
                mean over the runs; beside it the CPU time per step of all ranks together (process time)
 ep2 / ep1      tokens/s of the ep=2 row over the ep=1 row of the same dp, tp and stage, measured in this run
 expert params  the parameters of the experts modules on the rank
-(`lightning_hybrid.parallel.expert_parallel.find_experts`
-               on its model after setup) against the formula total / ep, total = layers * experts * 3 * H * I
+               (`lightning_hybrid.parallel.expert_parallel.find_experts` on its model after setup) against the formula
+               total / ep, total = layers * experts * 3 * H * I
                (gate_up (E, 2I, H) + down (E, H, I) per layer, counted on a one-device build)
 peak           `lightning_hybrid.runs.memory.PeakMemoryMonitor`: the highest live tensor bytes of the rank over the
                measured steps (the first step left out), with its breakdown by kind; "state" = parameters +

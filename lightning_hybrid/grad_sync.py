@@ -13,13 +13,11 @@ It owns
 * the **TP partial-gradient sum**: replicated parameters whose per-rank gradient is a part (norms and row biases in
   sequence-split regions, per-head norms) are summed over TP once per step, after the DP reduction;
 * the **loss's reduction** (`lightning_hybrid.checks.loss_semantics`): where each batch's backward was that of its loss
-sum
-  (`add_loss_items`: token weighting) the reduced gradients are divided by the loss items of the whole window over
+  sum (`add_loss_items`: token weighting) the reduced gradients are divided by the loss items of the whole window over
   DP (the global batch's token mean); for a loss that is a sum (``sum_loss``) the DP average is undone (the sum
   over the ranks);
 * the **tied parameters** across pipeline stages (`lightning_hybrid.parallel.tied`): each copy's gradient summed over
-the
-  stages that hold one, counted once in norms;
+  the stages that hold one, counted once in norms;
 * the **gradient norm**: the global norm over TP and ZeRO shards and pipeline stages (clipping by it), and each
   parameter's whole-gradient norm.
 """

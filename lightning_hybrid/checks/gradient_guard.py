@@ -11,8 +11,7 @@ optimizer steps and raises where a norm (``torch._foreach_norm``, ``torch.linalg
 ``self.clip_gradients(...)`` (the strategy clips by the global norm) and ``trainer.strategy.parameter_grad_norms()``.
 The strategy's own norms run with the watch suspended. Under ZeRO 1-2 the parameters' ``.grad`` are placeholders
 that refuse any use (`lightning_hybrid.parallel.zero.ShardedGradient`); where the gradients a rank holds are whole (DP,
-CP,
-ZeRO-3 alone, whose DTensor gradients torch's clipping reduces itself) nothing is watched.
+CP, ZeRO-3 alone, whose DTensor gradients torch's clipping reduces itself) nothing is watched.
 """
 
 from __future__ import annotations

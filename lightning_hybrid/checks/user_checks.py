@@ -4,8 +4,8 @@ gradient hooks -- every check of docs/correctness.md's "What the strategy verifi
 The strategy calls it at the points of Lightning's loop the method names say; each check is a module of its own:
 `lightning_hybrid.checks.batch_check` (peers get the same batch), `lightning_hybrid.checks.loss_semantics` (how the loss
 reduces), `lightning_hybrid.checks.probe` (what splitting the sequence or the rows changes),
-`lightning_hybrid.checks.randomness`
-(random ops), `lightning_hybrid.checks.gradient_guard` (norms of gradients a rank holds pieces of). Every check raises
+`lightning_hybrid.checks.randomness` (random ops), `lightning_hybrid.checks.gradient_guard` (norms of gradients a rank
+holds pieces of). Every check raises
 alike
 on every rank, before the first optimizer step.
 """

@@ -12,8 +12,7 @@ before any dimension is applied. What each dimension then does with them:
   reduction: both are sums), so every holder steps the same update -- one device's, whose single parameter
   collects the gradient of both uses. Norms count it once (the first holder's), under its first name;
 * ZeRO-3: a group must lie in one FSDP unit (`lightning_hybrid.parallel.zero.apply_fsdp`): units that hold part of a
-group
-  are left to their root, and roots that would split a group are refused by name;
+  group are left to their root, and roots that would split a group are refused by name;
 * ZeRO 0-2 put the one Parameter in one bucket (the optimizer sees it once).
 """
 

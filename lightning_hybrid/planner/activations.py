@@ -98,8 +98,8 @@ def selective_coefficients(c: ActivationCoefficients, model: ModelSpec, precisio
 
 def attention_coefficients(model: ModelSpec, element: float, params: float = 4) -> ActivationCoefficients:
     """This codebase's block under ``recompute="attention"`` (`lightning_hybrid.parallel.activation_checkpointing`:
-    SDPA and
-    eager attention's core recomputed; views, copies -- autocast's casts, GQA's ``repeat_interleave`` --, in-place and
+    SDPA and eager attention's core recomputed; views, copies -- autocast's casts, GQA's ``repeat_interleave`` --,
+    in-place and
     random ops too; every other op's output kept, needed by backward or not), ``element`` ``e`` (matmul outputs),
     ``params`` ``p`` (the residual stream's dtype: fp32 under ``bf16-mixed``). ``rep``: the block's input and the
     residual sum between its halves (``2 p``), the output and down projections' outputs (``2 e``), per norm (two)
@@ -211,8 +211,7 @@ def _mlp_split(model: ModelSpec, element: float, width: int, tensors: int, plain
 def context_unsaved_split(model: ModelSpec, element: float) -> float:
     """The part of `codebase_coefficients`' ``split`` that a context-parallel block does not keep without activation
     checkpointing (its attention checkpointed, `lightning_hybrid.parallel.context_parallel`): SDPA's logsumexp (``4
-    a/h``,
-    fp32 per head). SDPA's output is replaced by the ``cat`` of the two chunks' outputs, which nothing keeps, and
+    a/h``, fp32 per head). SDPA's output is replaced by the ``cat`` of the two chunks' outputs, which nothing keeps, and
     its copy in the tokens' order, which the output projection keeps (as it keeps SDPA's output at ``cp = 1``: one
     ``e q``); and a rotary model's Q and K are kept as the checkpoint's inputs -- the fp32 sums of the rotation
     (``4``) -- rather than as SDPA's casts (``e``): ``- (4 - e)(q + kv)`` (negative: more kept under

@@ -30,8 +30,7 @@ class Layout:
     its activations but the attention core's, which backward recomputes) or ``"pointwise"`` (selective recompute of
     the attention core and every element-wise op: a layer keeps only its matmul, norm and reduction outputs;
     `lightning_hybrid.parallel.activation_checkpointing`); with either selective mode ``activation_checkpointing`` is
-    False,
-    as the strategy checkpoints every layer selectively. `recompute_mode` names the four choices."""
+    False, as the strategy checkpoints every layer selectively. `recompute_mode` names the four choices."""
 
     dp: int
     tp: int

@@ -7,8 +7,8 @@ Model states (ZeRO, Rajbhandari et al. 2020, Table 1, generalised to bytes per e
 parameters, gradients and optimizer state, `PRECISIONS`): stage 0 ``(p + g + o) P``; 1 ``(p + g) P + o P/dp``;
 2 ``p P + (g + o) P/dp``; 3 ``(p + g + o) P/dp``. With mixed precision and Adam ``(2, 2, 12)`` this is the
 paper's 16Psi / 4Psi + 12Psi/Nd / 2Psi + 14Psi/Nd / 16Psi/Nd (`zero_model_states`). What
-`lightning_hybrid.parallel.zero`
-does on top (docs/zero.md): stage 2 keeps the bucket backward fills and ``MAX_IN_FLIGHT`` being reduced
+`lightning_hybrid.parallel.zero` does on top (docs/zero.md): stage 2 keeps the bucket backward fills and
+``MAX_IN_FLIGHT`` being reduced
 (``bucket_cap_mb`` each) beside its ``P/dp`` slices, and its full buffers ``P`` under PP or accumulation
 (nothing is reduced before the window's last backward); stage 3 (FSDP2) keeps two units gathered (the one
 running and the one prefetched; on gloo, which prefetches nothing, the one unit twice for a moment: FSDP2's flat
@@ -88,8 +88,7 @@ for backward, ``b s^2 e`` bytes per held block (one for all heads, whole on ever
 the recomputed block's only under activation checkpointing.
 
 Context parallelism (`Layout.cp` = ``c``; `lightning_hybrid.parallel.context_parallel`): each rank holds ``s/c`` tokens
-of
-every sequence (the zigzag split: chunks ``r`` and ``2c-1-r`` of ``2c``). Everything outside attention is local
+of every sequence (the zigzag split: chunks ``r`` and ``2c-1-r`` of ``2c``). Everything outside attention is local
 to them, and attention computes ``s/c`` queries against all ``s`` keys: each layer all-gathers the keys and values
 (``G`` = `gathered_kv_bytes`, ``2 b s (a/tp) d e``: per query head -- the implementation gathers grouped-query
 attention's key/value heads once and repeats them per query head after the gather -- ``a/tp`` heads of ``d``

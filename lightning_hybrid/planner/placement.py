@@ -106,8 +106,8 @@ def largest_block_params(model: ModelSpec, tp: int, ep: int) -> float:
 
 def fsdp_unit_params(model: ModelSpec, tp: int, ep: int, compile: bool = False) -> float:
     """The parameters on a device of the largest FSDP2 unit of a block
-    (`lightning_hybrid.parallel.zero.apply_fsdp_units`):
-    the whole block under ``torch.compile`` (`largest_block_params`), else the largest of its parts -- the attention
+    (`lightning_hybrid.parallel.zero.apply_fsdp_units`): the whole block under ``torch.compile``
+    (`largest_block_params`), else the largest of its parts -- the attention
     (``/tp``), the MLP or shared experts (``/tp``), a MoE block's experts (``E/ep``, whole across TP)."""
     if compile or not model.n_layer:
         return largest_block_params(model, tp, ep)

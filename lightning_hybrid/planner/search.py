@@ -41,8 +41,7 @@ __all__ = ["Candidate", "EP_ZERO_STAGES", "MIN_CP_TOKENS", "Plan", "RECOMPUTE_CH
 GIB = 2**30
 #: ZeRO stages the search combines with ``ep > 1``: all of them (0-2: the experts' buckets reduced and sharded over
 #: their own dp/ep group; 3: the experts ``fully_shard``-ed over that group,
-#: `lightning_hybrid.parallel.zero.apply_fsdp_experts`;
-#: tests/context_expert/test_moe.py).
+#: `lightning_hybrid.parallel.zero.apply_fsdp_experts`; tests/context_expert/test_moe.py).
 EP_ZERO_STAGES = (0, 1, 2, 3)
 #: Recompute modes searched, as ``(activation_checkpointing, recompute)``: none, full (the whole layer), selective
 #: (``recompute="attention"``: the attention core only) and pointwise selective (``recompute="pointwise"``: the

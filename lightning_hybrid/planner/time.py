@@ -30,8 +30,8 @@ Per micro-batch of ``b`` sequences (``T = b s`` tokens) and per block on one dev
   overlapped with compute in this codebase's TP layers; for a runtime that overlaps them with the GEMMs
   (`Cluster.tp_comm_overlap`, Megatron-Core) only the latency and what exceeds the block's GEMM time show;
 * PP (`pipeline_p2p_time`; the runtime: ``torch.distributed.pipelining``,
-`lightning_hybrid.parallel.pipeline.executor`):
-  per micro-batch each stage boundary between two ranks carries one tensor forward, the hidden states, and its
+  `lightning_hybrid.parallel.pipeline.executor`): per micro-batch each stage boundary between two ranks carries one
+  tensor forward, the hidden states, and its
   gradient back (the side inputs -- positions -- are split on every rank, not sent). Its bytes: ``T h`` elements
   of the residual stream's dtype, the parameters' (the embedding's output; fp32 under Lightning's autocast, whose
   residual additions keep it; `PRECISIONS`' ``p``), ``T/c`` tokens under CP, and under sequence parallelism

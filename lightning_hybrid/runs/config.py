@@ -166,8 +166,7 @@ TokenCorpusConfig = schema_from_signature(
 SFTConfig = schema_from_signature("SFTConfig", SFTDataModule, "lightning_hybrid.data.sft.SFTDataModule")
 
 #: `lightning_hybrid.data.shards.ShardsDataModule`: pretraining on the token shards ``python -m
-#: lightning_hybrid.data.prepare``
-#: writes, streamed, split by the data-parallel rank. ``path`` is required.
+#: lightning_hybrid.data.prepare`` writes, streamed, split by the data-parallel rank. ``path`` is required.
 ShardsConfig = schema_from_signature("ShardsConfig", ShardsDataModule, "lightning_hybrid.data.shards.ShardsDataModule")
 
 
@@ -191,8 +190,8 @@ def _recipe_config() -> type:
 #: ``callbacks`` and ``loggers`` by name (each a ``_target_`` node), ``planner`` (set by ``parallel=auto``: the
 #: planner chooses the layout, `lightning_hybrid.planner.auto`), ``seed`` (``seed_everything`` before anything is
 #: built), ``max_steps``, ``ckpt_path`` (``last`` or a checkpoint / run folder to resume,
-#: `lightning_hybrid.runs.resume`)
-#: and ``checkpoint_every`` (save ``last.ckpt`` every that many optimizer steps; 0: after validations only).
+#: `lightning_hybrid.runs.resume`) and ``checkpoint_every`` (save ``last.ckpt`` every that many optimizer steps; 0:
+#: after validations only).
 RecipeConfig = _recipe_config()
 
 

@@ -1,6 +1,6 @@
 """Token shards (`lightning_hybrid.data.prepare`, `lightning_hybrid.data.shards`): what a preparation writes from text
-folders,
-JSON lines (plain, gzip, arrays) and `datasets` files, with bytes and with a tokenizer; what it leaves out and says;
+folders, JSON lines (plain, gzip, arrays) and `datasets` files, with bytes and with a tokenizer; what it leaves out and
+says;
 the windows, document positions, the order and its split over data-parallel ranks, and the exact mid-epoch resume.
 One process throughout: the recipe runs (dp2, resumed) are in tests/recipes/test_recipes.py."""
 

@@ -1,6 +1,5 @@
 """`lightning_hybrid.parallel.tensor_parallel.layerwise` without a process group: the blocks TP verification
-materialises
-for a model on the meta device, and their inputs. (Splitting on meta and loading slices run under
+materialises for a model on the meta device, and their inputs. (Splitting on meta and loading slices run under
 `tests/hf/test_hf.py` and the pipeline x TP parity tests.)"""
 
 from __future__ import annotations
