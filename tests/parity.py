@@ -36,16 +36,22 @@ TENSOR_RTOL = 2e-6
 PARAM_ATOL = 5e-6
 
 
+def one_device_loader(dataset: Dataset, batch_size: int) -> DataLoader:
+    """The one-device reference's training loader: the samples in the order of Lightning's ``DistributedSampler(
+    seed=0)`` on every distributed run, and a generator of its own, as the distributed runs' loader
+    (`resumable_loader`) has: making its iterator draws its base seed from it, not from the global random state,
+    which a module's dropout then draws from alike."""
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
+                      generator=torch.Generator(device="cpu").manual_seed(0))
+
+
 class OneDeviceInDistributedOrder(ByteCorpusDataModule):
     """Lightning shuffles the training data of every distributed run with ``DistributedSampler(seed=0)``
     (whatever the DataLoader says). The one-device reference reads the samples in that same order."""
 
     def train_dataloader(self) -> DataLoader:
-        sampler = DistributedSampler(self.train_dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
-        # A generator of its own, as the distributed runs' loader (`resumable_loader`) has: making its iterator draws
-        # its base seed from it, not from the global random state, which a module's dropout then draws from alike.
-        return DataLoader(self.train_dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True,
-                          generator=torch.Generator(device="cpu").manual_seed(0))
+        return one_device_loader(self.train_dataset, self.batch_size)
 
 
 class DocumentSamples(Dataset):
@@ -107,11 +113,7 @@ class DocumentData(ByteCorpusDataModule):
     def train_dataloader(self) -> DataLoader:
         if not self.one_device:
             return super().train_dataloader()
-        sampler = DistributedSampler(self.train_dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
-        # A generator of its own, as the distributed runs' loader (`resumable_loader`) has: making its iterator draws
-        # its base seed from it, not from the global random state, which a module's dropout then draws from alike.
-        return DataLoader(self.train_dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True,
-                          generator=torch.Generator(device="cpu").manual_seed(0))
+        return one_device_loader(self.train_dataset, self.batch_size)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_dataset, batch_size=self.val_batch_size, shuffle=False, drop_last=True)

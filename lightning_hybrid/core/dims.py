@@ -129,14 +129,13 @@ class ParallelDims:
         world = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIM_NAMES)
         views: dict[str, DeviceMesh] = {name: world[name] for name in MESH_DIM_NAMES}
         views["dp"] = views["dp_cp"]
-        expert = None
         if self.cp > 1:
             context = world._unflatten("dp_cp", (self.dp, self.cp), ("dp", "cp"))
             views["dp"], views["cp"] = context["dp"], context["cp"]
         if self.ep > 1:
             expert = world._unflatten("dp_cp", (self.dp * self.cp // self.ep, self.ep), ("edp", "ep"))
             views["edp"], views["ep"] = expert["edp"], expert["ep"]
-        return Meshes(self, world, views, expert)
+        return Meshes(self, world, views)
 
 
 @dataclass(frozen=True)
@@ -144,12 +143,11 @@ class Meshes:
     """The named views of the ranks (`ParallelDims.build_meshes`): ``meshes["tp"]``, ``["pp"]``, ``["dp_cp"]`` (the
     gradient ranks: DDP's reduction, ZeRO's shards), ``["dp"]`` (the ranks with other samples), and where the
     dimension is on: ``["cp"]``, ``["ep"]`` and ``["edp"]``. ``world``: the ``(pp, dp_cp, tp)`` mesh (what a
-    LightningModule sees as its ``device_mesh``); ``expert``: the ``(pp, edp, ep, tp)`` one under ``ep > 1``."""
+    LightningModule sees as its ``device_mesh``)."""
 
     dims: ParallelDims
     world: DeviceMesh
     views: Mapping[str, DeviceMesh]
-    expert: Optional[DeviceMesh] = None
 
     def __getitem__(self, name: str) -> DeviceMesh:
         try:

@@ -4,6 +4,7 @@ import, no import circle, no file over 500 lines, every module in the architectu
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -21,6 +22,7 @@ ABOVE_THE_WING = {"parallelize", "options", "grad_sync", "steps", "strategy", "s
                   "runs", "checks"}
 
 
+@functools.cache
 def modules() -> dict[str, Path]:
     return {".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): path
             for path in PACKAGE.rglob("*.py")}
