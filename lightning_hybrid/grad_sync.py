@@ -25,7 +25,8 @@ It owns
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from functools import partial
 from typing import Optional, TypeVar
 
 import torch
@@ -33,7 +34,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_hybrid.core.collectives import sum_grads_over_tp_
-from lightning_hybrid.core.devices import local_tensor
+from lightning_hybrid.core.devices import device_memory_bytes, local_tensor
 from lightning_hybrid.grad_norm import clip_grads_, global_grad_norm, parameter_grad_norms
 from lightning_hybrid.parallel.tied import sum_tied_grads
 from lightning_hybrid.parallel.zero import ZeroOptimizer
@@ -50,11 +51,14 @@ class GradientSync:
     meshes' groups: the DP reduction over ``dp_cp``, the partial sums over ``tp``, the norm over all three.
     """
 
-    def __init__(self, parallelized: Parallelized, zero_stage: int, bucket_cap_mb: float, device: torch.device) -> None:
+    def __init__(self, parallelized: Parallelized, zero_stage: int, bucket_cap_mb: float, device: torch.device,
+                 grad_reduce: str = "auto") -> None:
         self.parallelized, self.zero_stage, self.bucket_cap_mb = parallelized, zero_stage, bucket_cap_mb
         self.device = device
         meshes = parallelized.meshes
         self.dp_group, self.tp_group, self.pp_group = (meshes.group(n) for n in ("dp_cp", "tp", "pp"))
+        # What a ZeRO-3 shard is split over: the DP group, or under HSDP the shard group (replicated across others).
+        self.shard_group = meshes.group("dp_shard_cp")
         self.dp = meshes.size("dp_cp")
         self.ep_group = meshes.group("ep") if "ep" in meshes else None
         self.optimizers: list[Optimizer] = []
@@ -64,6 +68,8 @@ class GradientSync:
         self.manual = False  # manual optimization: every backward before a step adds up, reduced once (`flush`)
         self._pending = False  # manual optimization: backward passes since the last reduction
         self._stash: list[tuple[torch.nn.Parameter, Optional[Tensor]]] = []
+        #: ZeRO-3 under accumulation: reduce-scatter every batch of the window (else once, after the last).
+        self.reduce_every_batch = resolve_grad_reduce(grad_reduce, parallelized, device)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -105,7 +111,7 @@ class GradientSync:
         """The backward passes of an accumulation window but the last: no reduction anywhere."""
         self.blocked = True
         for root in self.parallelized.fsdp_roots:
-            root.set_requires_gradient_sync(False)
+            root.set_requires_gradient_sync(self.reduce_every_batch)
         for opt in self._zero():
             opt.gradients.sync = False
         try:
@@ -123,16 +129,25 @@ class GradientSync:
         starts a window (the ``zero_grad`` Lightning would have done before a backward is done here)."""
         pipeline = self.parallelized.pipeline
         assert pipeline is not None
-        pipeline.reduce_grads = not self.blocked
+        pipeline.reduce_grads = not self.blocked or self.reduce_every_batch
         zero = self._zero()
+        pipeline.on_last_backward = None
         if zero:
-            # Gradients collect in the buckets (Lightning's zero_grad, which comes after this, leaves them there)
-            # and are reduced in `reduce`.
+            # Gradients collect in the buckets (Lightning's zero_grad, which comes after this, leaves them there);
+            # each stage's last backward of the window starts the reductions of the buckets it completes, `reduce`
+            # the rest and waits. Not with copies of a tied parameter, whose sum over the stages comes first.
             for opt in zero:
                 if first_in_window:
                     opt.gradients.clear()
                 opt.gradients.sync = False
-            return run()
+            if not self.parallelized.tied and not self.manual:
+                pipeline.on_last_backward = partial(_eager, [opt.gradients for opt in zero])
+            output = run()
+            # A zero-bubble schedule's weight pass sets .grad itself (no post-accumulate hook): into the buckets
+            # now, or Lightning's zero_grad would drop this batch's gradients of the window.
+            for opt in zero:
+                opt.gradients.adopt()
+            return output
         # No buckets (dp=1, ZeRO-3): the schedule starts from no gradients; what earlier batches of the window
         # left is added back afterwards; the sum is kept away from Lightning's zero_grad until `unstash`.
         params = list(self.module.parameters())
@@ -269,7 +284,8 @@ class GradientSync:
                 for name, p in self.module.named_parameters()
                 if id(p) in wanted and p.grad is not None
             ]
-        return global_grad_norm(grads, self.tp_group, self.dp_group, self.pp_group, device=self.device,
+        group = self.shard_group if not isinstance(optimizer, ZeroOptimizer) else self.dp_group
+        return global_grad_norm(grads, self.tp_group, group, self.pp_group, device=self.device,
                                 ep_group=self.ep_group)
 
     def clip(self, optimizer: Optimizer, max_norm: float) -> Tensor:
@@ -297,7 +313,8 @@ class GradientSync:
                 pieces[name].append(p.grad)
         dp_sharded = sliced | {n for n, p in named if hasattr(p, "_local_tensor")}
         norms = parameter_grad_norms(
-            pieces, self.parallelized.tp_sharded, dp_sharded, self.tp_group, self.dp_group, self.device,
+            pieces, self.parallelized.tp_sharded, dp_sharded, self.tp_group,
+            self.dp_group if sliced else self.shard_group, self.device,
             self.parallelized.expert_params, self.ep_group,
         )
         # A tied parameter's copies on several stages: one device names it once, by its first name.
@@ -308,6 +325,35 @@ class GradientSync:
                 if id(self.module.get_parameter(tie.local)) not in uncounted:
                     norms[tie.name] = norm
         return norms
+
+
+#: ``grad_reduce="auto"``: ZeRO-3 keeps a window's gradients unsharded (one reduce-scatter per optimizer step) while
+#: they take at most this fraction of the device's memory, else reduce-scatters every batch of the window.
+AUTO_WINDOW_FRACTION = 0.1
+
+
+def resolve_grad_reduce(grad_reduce: str, parallelized: Parallelized, device: torch.device) -> bool:
+    """Whether ZeRO-3 reduce-scatters every batch of an accumulation window (``grad_reduce``: ``"micro_batch"``;
+    ``"window"``: once, after the last; ``"auto"``: every batch when this rank's unsharded gradients would take more
+    than `AUTO_WINDOW_FRACTION` of its device's memory). Without FSDP2 roots (no ZeRO-3 over more than one rank):
+    ``False``. ``"auto"`` is agreed over the world (the fullest rank decides), so that every rank reduces alike."""
+    if not parallelized.fsdp_roots:
+        return False
+    if grad_reduce != "auto":
+        return grad_reduce == "micro_batch"
+    unsharded = sum(p.numel() * p.element_size() for p in parallelized.module.parameters() if p.requires_grad)
+    every_batch = torch.tensor(int(unsharded > AUTO_WINDOW_FRACTION * device_memory_bytes(device)), device=device)
+    torch.distributed.all_reduce(every_batch, op=torch.distributed.ReduceOp.MAX)
+    return bool(every_batch.item())
+
+
+@contextmanager
+def _eager(buckets: list) -> Iterator[None]:
+    """Every optimizer's gradient buckets `eager` at once (`GradientBuckets.eager`)."""
+    with ExitStack() as stack:
+        for each in buckets:
+            stack.enter_context(each.eager())
+        yield
 
 
 def _take_grads(params: list[torch.nn.Parameter]) -> list[Optional[Tensor]]:

@@ -25,6 +25,8 @@ from lightning_hybrid.parallel.pipeline.executor import ScheduleSpec
 from lightning_hybrid.parallel.zero import DEFAULT_BUCKET_CAP_MB
 
 PIPELINE_ARGUMENTS = ("schedule", "micro_batches", "virtual_stages", "split_points")
+#: When ZeRO-3 reduce-scatters under gradient accumulation (`lightning_hybrid.grad_sync.GradientSync`).
+GRAD_REDUCE = ("auto", "micro_batch", "window")
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class ParallelOptions:
     compile: Optional[Mapping[str, Any]] = None  # torch.compile's arguments; None: no compilation
     batch_check_interval: int = 100  # after the first batches, every n-th batch is compared within its peers
     randomness: str = "exact"  # random ops: one device's draws or refused; "independent": per-rank streams
+    grad_reduce: str = "auto"  # ZeRO-3 under accumulation: reduce-scatter each batch ("micro_batch") or once ("window")
 
     @classmethod
     def create(
@@ -69,6 +72,7 @@ class ParallelOptions:
         compile: Compile = False,
         batch_check_interval: int = 100,
         randomness: str = "exact",
+        grad_reduce: str = "auto",
     ) -> "ParallelOptions":
         """Validate the `HybridStrategy` arguments of the same names against the requested ``dims``.
         ``ValueError`` naming the bad value and what would be valid; an argument that nothing would use with these
@@ -93,6 +97,23 @@ class ParallelOptions:
             raise ValueError(f"randomness={randomness!r} is invalid: use 'exact' (random ops draw what one device"
                              " draws, or the run is refused) or 'independent' (every rank's own streams: statistically,"
                              " not bitwise, one device's run).")
+        validate_zero_stage(zero_stage)
+        if grad_reduce not in GRAD_REDUCE:
+            raise ValueError(f"grad_reduce={grad_reduce!r} is invalid: use 'micro_batch' (ZeRO-3 reduce-scatters every"
+                             " batch of an accumulation window into the sharded gradients), 'window' (once, after the"
+                             " last: unsharded gradients kept through the window) or 'auto' (by memory).")
+        if zero_stage != 3 and grad_reduce != "auto":
+            raise ValueError(f"grad_reduce={grad_reduce!r} chooses when ZeRO-3 reduce-scatters under gradient"
+                             f" accumulation; zero_stage={zero_stage} reduces its buckets once per window. Use"
+                             " zero_stage=3, or leave grad_reduce='auto'.")
+        if dims.dp_shard is not None and zero_stage != 3:
+            raise ValueError(f"dp_shard={dims.dp_shard} shards ZeRO-3 within groups of dp_shard data-parallel ranks"
+                             f" (hybrid sharding); zero_stage={zero_stage} does not shard parameters. Use zero_stage=3,"
+                             " or leave dp_shard=None.")
+        if dims.dp_shard is not None and dims.ep > 1:
+            raise ValueError(f"dp_shard={dims.dp_shard} with ep={dims.ep}: hybrid sharding of expert-parallel experts"
+                             " (sharded over their own data-parallel group) is not implemented; use dp_shard=None"
+                             " (ZeRO-3 over the whole dp) with ep > 1.")
         selection = recompute_selection(recompute)
         arguments = compile_options(compile)
         if randomness == "independent" and tp > 1 and not sequence_parallel and arguments is not None:
@@ -112,7 +133,7 @@ class ParallelOptions:
             # anything but full recomputation checkpoints every layer unless told which
             activation_checkpointing=activation_checkpointing or selection is not None,
             recompute=selection, compile=MappingProxyType(arguments) if arguments is not None else None,
-            batch_check_interval=batch_check_interval, randomness=randomness,
+            batch_check_interval=batch_check_interval, randomness=randomness, grad_reduce=grad_reduce,
         )
 
     def example_multiple(self, dims: ParallelDims) -> int:

@@ -155,7 +155,7 @@ def parallelize(module: nn.Module, meshes: Meshes, options: ParallelOptions, dev
         broadcast_tied(ties, module, meshes.group("pp"), device)
     fsdp_roots = []
     if options.zero_stage == 3 and gradient_ranks > 1:
-        fsdp_roots = shard_zero3(module, stages, meshes["dp_cp"], meshes["edp"] if ep > 1 else None,
+        fsdp_roots = shard_zero3(module, stages, meshes["fsdp"], meshes["edp"] if ep > 1 else None,
                                  parts=options.compile is None, shared=shared)
     pipeline = build_pipeline(module, stages, layout, meshes, options, device) if layout is not None else None
     return Parallelized(

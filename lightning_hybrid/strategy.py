@@ -45,7 +45,9 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
 
     Every argument is described in docs/strategy.md; in short: ``dp``, ``tp``, ``pp``, ``cp``, ``ep`` are the sizes
     (``dp=-1``: ``world_size // (tp * pp * cp)``; ``ep`` divides ``dp * cp``); ``zero_stage`` 0-3 over the
-    gradient ranks, with gradient buckets of ``bucket_cap_mb``; ``tp_plan`` (``"auto"`` or glob patterns ->
+    gradient ranks, with gradient buckets of ``bucket_cap_mb``; under ZeRO-3 ``dp_shard`` (hybrid sharding: shard
+    within groups of ``dp_shard`` ranks, replicate across them) and ``grad_reduce`` (``"micro_batch"``, ``"window"``
+    or ``"auto"``: when gradients are reduce-scattered under accumulation); ``tp_plan`` (``"auto"`` or glob patterns ->
     ``"colwise" | "rowwise" | "replicate"``), ``sequence_parallel``, ``loss_parallel`` for TP; ``micro_batches``,
     ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"``), ``virtual_stages``,
     ``split_points`` for PP (refused at ``pp=1``); ``activation_checkpointing``, ``recompute``, ``compile``;
@@ -62,12 +64,13 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
         micro_batches: Optional[int] = None, schedule: Optional[str] = None, virtual_stages: Optional[int] = None,
         split_points: Optional[list[int]] = None, activation_checkpointing: Union[bool, str] = False,
         recompute: Recompute = "full", compile: Compile = False, ep: int = 1, cp: int = 1,
-        batch_check_interval: int = 100, randomness: str = "exact", process_group_backend: Optional[str] = None,
+        batch_check_interval: int = 100, randomness: str = "exact", dp_shard: Optional[int] = None,
+        grad_reduce: str = "auto", process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout, accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None, cluster_environment: Optional[Any] = None,
         checkpoint_io: Optional[Any] = None, precision_plugin: Optional[Any] = None,
     ) -> None:
-        requested = ParallelDims.request(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+        requested = ParallelDims.request(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_shard=dp_shard)
         super().__init__(requested, process_group_backend, timeout, accelerator=accelerator,
                          parallel_devices=parallel_devices, cluster_environment=cluster_environment,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
@@ -76,7 +79,7 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
             loss_parallel=loss_parallel, micro_batches=micro_batches, schedule=schedule,
             virtual_stages=virtual_stages, split_points=split_points, activation_checkpointing=activation_checkpointing,
             recompute=recompute, compile=compile, batch_check_interval=batch_check_interval, randomness=randomness,
-            bucket_cap_mb=bucket_cap_mb,
+            bucket_cap_mb=bucket_cap_mb, grad_reduce=grad_reduce,
         )
         refuse_checkpoint_io(checkpoint_io)
         self._parallelized: Optional[Parallelized] = None
@@ -149,7 +152,7 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         if self._sync is None or self._sync.parallelized is not self._parallelized:
             self._sync = GradientSync(self._parallelized, self.options.zero_stage, self.options.bucket_cap_mb,
-                                      self.root_device)
+                                      self.root_device, self.options.grad_reduce)
         self._steps = TrainingSteps(module, self._parallelized, self._sync, self._checks,
                                     trainer.accumulate_grad_batches)
         if trainer.state.fn == "fit":  # the optimizers, wrapped by the gradient sync (ZeRO 0-2 over DP)

@@ -198,7 +198,9 @@ def _dynamo_counts() -> tuple[int, int]:
 
 class DPReductions(L.Callback):
     """Counts, at the dispatcher, the elements that collectives reduce over the strategy's DP group (all-reduces and
-    reduce-scatters, whoever issues them: the buckets, FSDP2, the norm, logging), per optimizer step. One gradient
+    reduce-scatters, whoever issues them: the buckets, FSDP2, the norm, logging) -- under hybrid sharding also over
+    the shard group, where FSDP2 reduce-scatters (its all-reduce of the shards across groups is counted only where
+    the shard group has one rank: then there is nothing else) -- per optimizer step. One gradient
     reduction per optimizer step is then about this rank's parameter count -- not twice it under accumulation or
     pipeline micro-batches, and not twice it with an extra all-reduce."""
 
@@ -206,7 +208,11 @@ class DPReductions(L.Callback):
         self.per_step: list[int] = []
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self._mode = _ReductionCounter(trainer.strategy.dp_group)
+        meshes = trainer.strategy.meshes
+        groups = [trainer.strategy.dp_group, meshes.group("dp_shard_cp")]
+        if "dp_replicate" in meshes and meshes.size("dp_shard_cp") == 1:  # no reduce-scatter: only the all-reduce
+            groups.append(meshes.group("dp_replicate"))
+        self._mode = _ReductionCounter(*groups)
         self._mode.__enter__()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
@@ -218,16 +224,16 @@ class DPReductions(L.Callback):
 
 
 class _ReductionCounter(TorchDispatchMode):
-    def __init__(self, group) -> None:
+    def __init__(self, *groups) -> None:
         super().__init__()
-        self.group, self.elements = group, 0
+        self.groups, self.elements = groups, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d" and ("allreduce" in func._opname or "reduce_scatter" in func._opname):
             leaves = tree_leaves((args, kwargs))
             groups = [dist.ProcessGroup.unbox(a) for a in leaves
                       if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type())]
-            if groups and groups[0] is self.group:
+            if groups and any(groups[0] is group for group in self.groups):
                 reduced = args[0] if "allreduce" in func._opname else args[1]  # reduce-scatter: (output, input, ...)
                 self.elements += sum(t.numel() for t in tree_leaves(reduced) if isinstance(t, torch.Tensor))
         return func(*args, **(kwargs or {}))
@@ -372,6 +378,9 @@ def check_world(world: int, runs: dict[str, tuple], steps: int = STEPS, referenc
                 low = local - per_run[name]["expert_params"]
                 gradient_ranks = dp_size(run[0], world) * run[0].get("cp", 1)  # CP ranks reduce gradients too
                 low, high = (low, 1.02 * local + 256) if gradient_ranks > 1 else (0, 256)
+                if run[0].get("grad_reduce") == "micro_batch":  # ZeRO-3 reduce-scatters every batch of the window
+                    window = run[2].get("accumulate_grad_batches", 1)
+                    low, high = low * window, high * window
                 if run[0].get("cp", 1) > 1:  # + the keys' and values' gradients, over the CP group (within DP's)
                     high = float("inf")
                 assert all(low <= n <= high for n in reduced), (name, rank, reduced, local)

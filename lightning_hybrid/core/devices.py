@@ -21,3 +21,12 @@ def is_meta(module: nn.Module) -> bool:
 def local_tensor(t: Tensor) -> Tensor:
     """A DTensor's local shard (FSDP2's parameters and their gradients); a plain tensor as it is."""
     return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """The memory of ``device``: a CUDA device's total, else the host's physical memory (a CPU rank's bound)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    import os
+
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

@@ -10,8 +10,11 @@ The ranks, outermost first: ``pp``, then the ``dp * cp`` ranks over which gradie
 data-parallel ranks, as TorchTitan's ``dp_shard_cp``), then ``tp`` innermost (adjacent ranks: one node's links).
 A gradient rank ``g`` is ``(dp, cp) = divmod(g, cp)`` (``"dp"``: ranks with other samples; ``"cp"``: the ranks that
 split each sequence) and ``(edp, ep) = divmod(g, ep)`` (``"ep"``: the ranks that split each experts module;
-``"edp"``: those holding the same experts). ``dp`` itself is ``dp_replicate * dp_shard`` with ``dp_replicate = 1``
-today: hybrid sharding adds its size here and its view to `Meshes`.
+``"edp"``: those holding the same experts). ``dp`` itself is ``dp_replicate * dp_shard``: ZeRO-3 shards over the
+``dp_shard * cp`` ranks of a gradient group (``"dp_shard_cp"``) and, where ``dp_shard < dp`` (hybrid sharding, HSDP),
+replicates over the ``dp_replicate`` such groups (``"dp_replicate"``); ``"fsdp"`` is the mesh ZeRO-3 shards over:
+``dp_cp`` itself, or the 2-D ``(dp_replicate, dp_shard_cp)`` mesh FSDP2 takes for HSDP. A gradient rank ``g`` is
+also ``(dp_replicate, dp_shard_cp) = divmod(g, dp_shard * cp)``.
 
 torch 2.13 has no public API to view one dimension of a mesh as several; ``DeviceMesh._unflatten`` (what
 TorchTitan's ``ParallelDims.build_mesh`` uses) is called here and nowhere else.
@@ -30,13 +33,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 MESH_DIM_NAMES = ("pp", "dp_cp", "tp")
 ZERO_STAGES = (0, 1, 2, 3)
 #: Every size, in the order of `ParallelDims`' fields.
-SIZES = ("pp", "dp", "cp", "ep", "tp")
+SIZES = ("pp", "dp", "cp", "ep", "tp", "dp_shard")
 
 
 @dataclass(frozen=True)
 class ParallelDims:
     """The sizes of every dimension; ``dp=-1`` (requested) is ``world_size // (pp * cp * tp)`` once resolved
     (`for_world`). ``ep`` splits experts over ranks carved out of the ``dp * cp`` gradient ranks: it divides them.
+    ``dp_shard`` (ZeRO-3's shard groups: HSDP where it is less than ``dp``) divides ``dp``; ``None`` is ``dp``.
     ``world_size`` is ``None`` until resolved."""
 
     pp: int = 1
@@ -44,12 +48,14 @@ class ParallelDims:
     cp: int = 1
     ep: int = 1
     tp: int = 1
+    dp_shard: Optional[int] = None
     world_size: Optional[int] = None
 
     @classmethod
-    def request(cls, dp: int = -1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> "ParallelDims":
-        """The sizes a user asked for, each checked on its own (``ep`` also against ``dp * cp`` where ``dp`` is
-        given); ``ValueError`` naming the bad value and what would be valid."""
+    def request(cls, dp: int = -1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                dp_shard: Optional[int] = None) -> "ParallelDims":
+        """The sizes a user asked for, each checked on its own (``ep`` and ``dp_shard`` also against ``dp`` where
+        it is given); ``ValueError`` naming the bad value and what would be valid."""
         for name, value in (("tp", tp), ("pp", pp)):
             if not _positive(value):
                 raise ValueError(f"{name}={value!r} is invalid: it must be a positive integer.")
@@ -59,15 +65,20 @@ class ParallelDims:
             raise ValueError(f"cp={cp!r} is invalid: it must be a positive integer (1: no context parallelism).")
         if not _positive(ep):
             raise ValueError(f"ep={ep!r} is invalid: it must be a positive integer (1: no expert parallelism).")
-        dims = cls(pp=pp, dp=dp, cp=cp, ep=ep, tp=tp)
+        if dp_shard is not None and not _positive(dp_shard):
+            raise ValueError(f"dp_shard={dp_shard!r} is invalid: it must be a positive integer (the ranks of one ZeRO-3"
+                             " shard group) or None (shard over the whole dp).")
+        dims = cls(pp=pp, dp=dp, cp=cp, ep=ep, tp=tp, dp_shard=dp_shard)
         if dp != -1:
             dims._check_ep()
+            dims._check_dp_shard()
         return dims
 
     @classmethod
-    def resolve(cls, dp: int, tp: int, pp: int, world_size: int, cp: int = 1, ep: int = 1) -> "ParallelDims":
+    def resolve(cls, dp: int, tp: int, pp: int, world_size: int, cp: int = 1, ep: int = 1,
+                dp_shard: Optional[int] = None) -> "ParallelDims":
         """`request` and `for_world` at once."""
-        return cls.request(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep).for_world(world_size)
+        return cls.request(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_shard=dp_shard).for_world(world_size)
 
     def for_world(self, world_size: int) -> "ParallelDims":
         """These sizes on ``world_size`` ranks (``dp=-1`` inferred); ``ValueError`` where they do not fit it."""
@@ -89,7 +100,31 @@ class ParallelDims:
             )
         dims = replace(self, dp=dp, world_size=world_size)
         dims._check_ep()
+        dims._check_dp_shard()
         return dims
+
+    def _check_dp_shard(self) -> None:
+        if self.dp_shard is not None and self.dp % self.dp_shard:
+            raise ValueError(
+                f"dp_shard={self.dp_shard} does not divide dp={self.dp}: ZeRO-3 shards within groups of dp_shard"
+                f" data-parallel ranks and replicates across dp / dp_shard of them. Valid dp_shard for dp={self.dp}:"
+                f" {divisors(self.dp)} (dp itself, or None: no hybrid sharding)."
+            )
+
+    @property
+    def shard_size(self) -> int:
+        """ZeRO-3's data-parallel shard group (``dp`` unless hybrid)."""
+        return self.dp if self.dp_shard is None else self.dp_shard
+
+    @property
+    def dp_replicate(self) -> int:
+        """The replicas of each ZeRO-3 shard group (1 unless hybrid)."""
+        return self.dp // self.shard_size
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether ZeRO-3 shards within groups and replicates across them (HSDP)."""
+        return self.dp_replicate > 1
 
     def _check_ep(self) -> None:
         ranks = self.dp * self.cp
@@ -135,6 +170,12 @@ class ParallelDims:
         if self.ep > 1:
             expert = world._unflatten("dp_cp", (self.dp * self.cp // self.ep, self.ep), ("edp", "ep"))
             views["edp"], views["ep"] = expert["edp"], expert["ep"]
+        views["dp_shard_cp"] = views["fsdp"] = views["dp_cp"]
+        if self.hybrid:
+            shard = self.shard_size * self.cp
+            hybrid = world._unflatten("dp_cp", (self.dp_replicate, shard), ("dp_replicate", "dp_shard_cp"))
+            views["dp_replicate"], views["dp_shard_cp"] = hybrid["dp_replicate"], hybrid["dp_shard_cp"]
+            views["fsdp"] = hybrid["dp_replicate", "dp_shard_cp"]
         return Meshes(self, world, views)
 
 
@@ -142,8 +183,9 @@ class ParallelDims:
 class Meshes:
     """The named views of the ranks (`ParallelDims.build_meshes`): ``meshes["tp"]``, ``["pp"]``, ``["dp_cp"]`` (the
     gradient ranks: DDP's reduction, ZeRO's shards), ``["dp"]`` (the ranks with other samples), and where the
-    dimension is on: ``["cp"]``, ``["ep"]`` and ``["edp"]``. ``world``: the ``(pp, dp_cp, tp)`` mesh (what a
-    LightningModule sees as its ``device_mesh``)."""
+    dimension is on: ``["cp"]``, ``["ep"]`` and ``["edp"]``; ``["dp_shard_cp"]`` (the ranks one ZeRO-3 shard is split
+    over) and ``["fsdp"]`` (the mesh ZeRO-3 shards over: 1-D, or with ``["dp_replicate"]`` the 2-D HSDP mesh).
+    ``world``: the ``(pp, dp_cp, tp)`` mesh (what a LightningModule sees as its ``device_mesh``)."""
 
     dims: ParallelDims
     world: DeviceMesh
@@ -153,8 +195,9 @@ class Meshes:
         try:
             return self.views[name]
         except KeyError:
+            where = "cp, ep and edp exist where cp > 1 or ep > 1, dp_replicate where dp_shard < dp"
             raise KeyError(f"No {name!r} mesh in this layout ({self.dims}): the meshes are {sorted(self.views)}"
-                           " (cp, ep and edp exist where cp > 1 or ep > 1).") from None
+                           f" ({where}).") from None
 
     def __contains__(self, name: str) -> bool:
         return name in self.views
@@ -198,4 +241,6 @@ def layout_size(strategy: object, name: str) -> int:
     if name not in SIZES:
         raise ValueError(f"{name!r} is not a size of the layout: the sizes are {list(SIZES)}.")
     dims = getattr(strategy, "parallel_dims", None)
-    return int(getattr(dims, name)) if isinstance(dims, ParallelDims) else 1
+    if not isinstance(dims, ParallelDims):
+        return 1
+    return int(dims.shard_size if name == "dp_shard" else getattr(dims, name))

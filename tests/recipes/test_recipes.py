@@ -38,7 +38,7 @@ CONFIGS = ROOT / "configs"
 RECIPE = ROOT / "recipes" / "pretrain.py"
 LAYOUTS = {"single": (1, 1, 1, 0), "dp": (2, 1, 1, 0), "tp": (1, 2, 1, 0), "dp_tp": (2, 2, 1, 0),
            "zero1": (2, 1, 1, 1), "zero2": (2, 1, 1, 2), "zero3": (2, 1, 1, 3),
-           "dp_pp": (2, 1, 2, 0), "tp_pp": (1, 2, 2, 0), "3d": (2, 2, 2, 0)}
+           "dp_pp": (2, 1, 2, 0), "tp_pp": (1, 2, 2, 0), "3d": (2, 2, 2, 0), "hsdp": (4, 1, 1, 3)}
 TINY = ["trainer.max_steps=3", "data.max_bytes=30000", "data.batch_size=4", "trainer.limit_val_batches=1",
         "trainer.enable_progress_bar=false"]
 TIMEOUT_S = 240

@@ -27,9 +27,10 @@ from tests.strategy.test_strategy_parity import gpt
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = gpt(n_layer=2)
 SAVED_LAYOUT = dict(dp=2, tp=2, pp=2, zero_stage=1)
-# Each changes every dimension it can: pp 2 -> 1 and dp 2 -> 4 and ZeRO 1 -> 0; tp 2 -> 1, pp 2 -> 4, ZeRO 1 -> 3.
+# Each changes every dimension it can: pp 2 -> 1 and dp 2 -> 4 and ZeRO 1 -> 0; tp 2 -> 1, dp 2 -> 4 and ZeRO 1 -> 3
+# hybrid-sharded (over 2 ranks, replicated across 2).
 RESHARDED = {"dp4xtp2-zero0": dict(dp=4, tp=2, zero_stage=0),
-             "pp4xdp2-zero3": dict(dp=2, pp=4, zero_stage=3, micro_batches=4)}
+             "pp2xdp4-zero3-hsdp2": dict(dp=4, pp=2, zero_stage=3, dp_shard=2, micro_batches=2)}
 
 
 def _fit(

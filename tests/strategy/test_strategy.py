@@ -48,6 +48,12 @@ ROOT = Path(__file__).resolve().parents[2]
         (dict(recompute=["gelu", "no_such_op"]), r"recompute names unknown aten ops \['aten.no_such_op'\]"),
         (dict(compile="yes"), r"compile='yes' is invalid: use True, False, or a dict of torch.compile arguments"),
         (dict(compile={"modes": "max-autotune"}), r"\['modes'\] are not arguments of torch.compile"),
+        (dict(dp=4, dp_shard=3, zero_stage=3), r"dp_shard=3 does not divide dp=4: .*dp_shard for dp=4: \[1, 2, 4\]"),
+        (dict(dp_shard=0, zero_stage=3), r"dp_shard=0 is invalid: it must be a positive integer"),
+        (dict(dp_shard=2, zero_stage=1), r"dp_shard=2 shards ZeRO-3 .*; zero_stage=1 does not shard parameters"),
+        (dict(dp_shard=2, zero_stage=3, ep=2), r"dp_shard=2 with ep=2: hybrid sharding of expert-parallel experts"),
+        (dict(grad_reduce="sometimes", zero_stage=3), r"grad_reduce='sometimes' is invalid: use 'micro_batch'"),
+        (dict(grad_reduce="micro_batch", zero_stage=2), r"grad_reduce='micro_batch' chooses when ZeRO-3"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, message):
@@ -61,6 +67,12 @@ def test_layout_must_fit_the_world():
         ParallelDims.resolve(dp=4, tp=1, pp=1, world_size=2)
     with pytest.raises(ValueError, match=r"world size 6 is not divisible by tp\*pp = 4\*1 = 4.*\[1, 2, 3, 6\]"):
         ParallelDims.resolve(dp=-1, tp=4, pp=1, world_size=6)
+    # dp inferred, then checked against dp_shard; the hybrid sizes follow from dp and dp_shard.
+    with pytest.raises(ValueError, match=r"dp_shard=4 does not divide dp=2"):
+        ParallelDims.resolve(dp=-1, tp=2, pp=2, world_size=8, dp_shard=4)
+    hybrid = ParallelDims.resolve(dp=-1, tp=1, pp=1, world_size=8, cp=2, dp_shard=2)
+    assert (hybrid.dp, hybrid.shard_size, hybrid.dp_replicate, hybrid.hybrid) == (4, 2, 2, True)
+    assert not ParallelDims.resolve(dp=4, tp=1, pp=1, world_size=4).hybrid
 
 
 class WithoutPipelineProtocol(GPTLightningModule):

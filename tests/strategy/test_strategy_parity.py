@@ -146,6 +146,8 @@ def test_world4_layouts_match_one_device():
         "dp2xtp2-zero1": dict(dp=2, tp=2, zero_stage=1),
         "dp2xtp2-zero2": dict(dp=2, tp=2, zero_stage=2),
         "dp2xtp2-zero3": dict(dp=2, tp=2, zero_stage=3),
+        # Hybrid sharding: ZeRO-3 within pairs of ranks, replicated across the two pairs (FSDP2's 2-D mesh).
+        "dp4-zero3-hsdp2": dict(dp=4, zero_stage=3, dp_shard=2),
         "dp2xtp2-zero2-sp": dict(dp=2, tp=2, zero_stage=2, sequence_parallel=True),
         "dp2xtp2-zero1-sp-recompute-attention": dict(dp=2, tp=2, zero_stage=1, sequence_parallel=True,
                                                      recompute="attention"),
@@ -158,6 +160,9 @@ def test_accumulation_foreign_model_and_bf16_match_one_device():
     check_world(4, {
         "dp2xtp2-zero2-accumulate2": (dict(dp=2, tp=2, zero_stage=2), gpt(), {"accumulate_grad_batches": 2}),
         "dp2xtp2-zero0-accumulate2": (dict(dp=2, tp=2), gpt(), {"accumulate_grad_batches": 2}),
+        # ZeRO-3 reduce-scattering every batch of the window into the sharded gradients (the reductions counted).
+        "dp2xtp2-zero3-accumulate2-micro_batch": (dict(dp=2, tp=2, zero_stage=3, grad_reduce="micro_batch"), gpt(),
+                                                  {"accumulate_grad_batches": 2}),
         "llama-dp2xtp2-zero1": (dict(dp=2, tp=2, zero_stage=1), partial(TinyLlama, lr=5e-4), {}),
         "llama-dp2xtp2-zero3-sp": (dict(dp=2, tp=2, zero_stage=3, sequence_parallel=True), partial(TinyLlama, lr=5e-4),
                                    {}),
@@ -205,6 +210,17 @@ def test_pipeline_with_dp_and_tp_match_one_device():
                                       {"accumulate_grad_batches": 2}),
         "pp2xdp2-zero3-accumulate2": (dict(pp=2, dp=2, zero_stage=3, micro_batches=2), model,
                                       {"accumulate_grad_batches": 2}),
+        "pp2xdp2-zero3-accumulate2-micro_batch": (
+            dict(pp=2, dp=2, zero_stage=3, micro_batches=2, grad_reduce="micro_batch"), model,
+            {"accumulate_grad_batches": 2}),
+        # Each stage's buckets reduce during its last backward: with two stages per rank (a bucket filled by one
+        # stage's last backward is reduced, and under ZeRO-2 freed, while the other stage still runs) ...
+        "pp2xdp2-zero2-interleaved": (dict(pp=2, dp=2, zero_stage=2, schedule="interleaved_1f1b", virtual_stages=2),
+                                      model, {}),
+        # ... and under zero-bubble, whose weight pass sets .grad itself (no hook): taken into the buckets after
+        # each schedule, not dropped by the zero_grad that follows it.
+        "pp2xdp2-zero2-zero-bubble-accumulate2": (dict(pp=2, dp=2, zero_stage=2, schedule="zero_bubble"), model,
+                                                  {"accumulate_grad_batches": 2}),
         # An LM head tied to the embedding, on the first and the last stage: each copy steps with the sum of both
         # gradients (in ZeRO-1's buckets, before the DP reduction), counted once in the clipping norm.
         "pp2xdp2-zero1-tied-user": (dict(pp=2, dp=2, zero_stage=1, micro_batches=2), TiedUserLM, {},

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Optional
+from typing import ContextManager, Optional
 
 import torch
 import torch.distributed as dist
@@ -77,7 +77,8 @@ def resolve_schedule(
 
 
 class _Stage(PipelineStage):
-    """A `PipelineStage` whose FSDP2 (ZeRO-3) gradient reduction can wait for the end of an accumulation window.
+    """A `PipelineStage` whose FSDP2 (ZeRO-3) gradient reduction can wait for the end of an accumulation window,
+    and whose last backward of a window can start the gradient buckets' reductions (`on_last_backward`).
 
     torch's stage reduce-scatters an FSDP2 stage's gradients at the end of every schedule step. With
     ``reduce_grads = False`` (a batch that is not the last of an accumulation window) the end of the step
@@ -92,6 +93,16 @@ class _Stage(PipelineStage):
 
     #: Whether a micro-batch's forward has run (the schedule's metadata inference runs the loss on empty tensors).
     forwarded = False
+
+    #: Entered around this stage's last backward of a batch that ends an accumulation window: there the gradient
+    #: buckets reduce as the backward completes them (`PipelineExecutor.on_last_backward`).
+    on_last_backward: Optional[Callable[[], ContextManager[None]]] = None
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if last_backward and self.reduce_grads and self.on_last_backward is not None:
+            with self.on_last_backward():
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
     def forward_one_chunk(self, *args, **kwargs):
         self.forwarded = True
@@ -185,6 +196,9 @@ class PipelineExecutor:
         self.verify_loss: Optional[Callable[[Callable, Tensor, Tensor], Optional[str]]] = None
         self._loss_error: Optional[str] = None
         self.reduce_grads = True  # whether this batch ends an accumulation window (ZeRO-3 reduces then)
+        # Entered around each stage's last backward of such a batch (`_Stage.on_last_backward`): None, or what
+        # makes the gradient buckets reduce during it (`lightning_hybrid.grad_sync.GradientSync.pipeline_step`).
+        self.on_last_backward: Optional[Callable[[], ContextManager[None]]] = None
         self.stages = [
             _Stage(module, index, num_stages, device, group=group) for index, module in self.stage_modules.items()
         ]
@@ -213,7 +227,7 @@ class PipelineExecutor:
         inputs); the batch's loss (float32 scalar) on every PP rank: the token mean with ``loss_items``, else the
         mean of the micro-batch means."""
         for stage in self.stages:
-            stage.reduce_grads = self.reduce_grads
+            stage.reduce_grads, stage.on_last_backward = self.reduce_grads, self.on_last_backward
         if inputs.size(0) % self.micro_batches != 0:
             raise_from_rank_zero(BatchError(
                 f"The batch of {inputs.size(0)} samples (per data-parallel rank) does not split into"

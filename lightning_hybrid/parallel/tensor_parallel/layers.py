@@ -303,13 +303,19 @@ def unsplit(name: str, tensor: Tensor, specs: dict) -> Tensor:
 
 def local_piece(name: str, full: Tensor, target: Tensor, specs: dict) -> Tensor:
     """The piece of the unsplit ``full`` that ``target`` holds: its TP piece and, for a ZeRO-3 DTensor, its
-    rows of that piece (FSDP2 chunks dim 0 over the DP mesh as ``torch.chunk`` does)."""
+    rows of that piece (FSDP2 chunks dim 0 over each sharded dimension of its mesh as ``torch.chunk`` does: the DP
+    mesh, or HSDP's shard dimension, the replicate dimension holding it whole)."""
     if name in specs:
         spec, group = specs[name]
         full = split_shard(full, spec, dist.get_rank(group), dist.get_world_size(group))
     if hasattr(target, "_local_tensor"):
+        from torch.distributed.tensor import Shard
+
         mesh = target.device_mesh
-        full = full.chunk(mesh.size(), dim=0)[mesh.get_local_rank()]
+        for i, placement in enumerate(target.placements):
+            if isinstance(placement, Shard):
+                chunks, rank = full.chunk(mesh.size(i), dim=placement.dim), mesh.get_local_rank(i)
+                full = chunks[rank] if rank < len(chunks) else full.narrow(placement.dim, 0, 0)
     return full
 
 

@@ -15,13 +15,15 @@
   Stages 1 and 2 then all-gather the updated slices into the flat parameter buffers the model's parameters are
   views of (the same communication as DDP's all-reduce in total). On gloo, whose reduce-scatter and all-gather
   copy the whole buffer inside the call, both run as in-place collectives instead (`_COPYING_COLLECTIVES`).
-* stage 3 (`apply_fsdp`): FSDP2 (`fully_shard`) over the DP sub-mesh; parameters, gradients and optimizer
-  state are all 1/dp, parameters are gathered per layer for forward and backward (expert-parallel experts over
-  their own DP group first: `apply_fsdp_experts`). On gloo FSDP2's all-gather and
-  reduce-scatter are replaced by the same in-place collectives, and it prefetches nothing (`_fsdp_on_gloo`).
+* stage 3 (`apply_fsdp`): FSDP2 (`fully_shard`) over the DP sub-mesh (or HSDP's 2-D mesh); parameters, gradients
+  and optimizer state are all 1/dp, parameters are gathered per layer for forward and backward (expert-parallel
+  experts over their own DP group first: `apply_fsdp_experts`). On gloo FSDP2's all-gather and reduce-scatter are
+  replaced by the same in-place collectives, and it prefetches nothing (`_fsdp_on_gloo`).
 
 Gradients are reduced once per optimizer step: nothing is reduced during the earlier backward passes of an
-accumulation window (``sync = False``) or inside a pipeline schedule (`GradientBuckets.reduce` after it).
+accumulation window (``sync = False``); inside a pipeline schedule each stage's last backward of the window starts
+the buckets it completes (`GradientBuckets.eager`), `GradientBuckets.reduce` the rest after it. ZeRO-3 shards over
+the `fsdp` mesh: the DP group, or HSDP's 2-D ``(dp_replicate, dp_shard_cp)`` mesh.
 Element-wise optimizers (SGD, Adam, AdamW, ...) give exactly the one-device update on the flat slices; an
 optimizer that looks across a whole tensor (LAMB, Adafactor, Muon, LBFGS) does not, and stages 1-2 refuse it
 (`check_elementwise`; a custom optimizer declares itself with a class attribute ``elementwise_update = True``).

@@ -11,6 +11,8 @@ as backward has filled it and waits for them before the step; under stages 1-2 a
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -201,7 +203,10 @@ class GradientBuckets:
 
     ``sync``: whether this backward is the last of an accumulation window (reductions start during it).
     `wait` (after the backward) waits for every reduction; `reduce` (after a pipeline schedule, which ran its
-    backward passes with ``sync = False``) starts and waits for all of them. Collective over the DP ``group``.
+    backward passes with ``sync = False``) starts and waits for all of them. Under a pipeline each stage's last
+    backward of a window runs `eager` (`lightning_hybrid.grad_sync.GradientSync.pipeline_step`): a bucket that
+    backward completes starts its reduction then, the others wait for `reduce` (another stage of this rank may
+    still add to them). Collective over the DP ``group``.
     """
 
     def __init__(
@@ -210,6 +215,7 @@ class GradientBuckets:
         self.buckets, self.group, self.stage = buckets, group, stage
         self.names = names or {}  # id(parameter) -> its name, for errors
         self.sync = True
+        self.partial = False  # with ``sync``: only the buckets this backward completes start (`eager`)
         self._where = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
         self._seen: set[int] = set()  # parameters whose gradient is in their bucket in this window
         self._fired: dict[int, int] = defaultdict(int)  # bucket -> gradients completed in this backward
@@ -221,6 +227,11 @@ class GradientBuckets:
     @torch.no_grad()
     def _on_grad(self, p: nn.Parameter) -> None:
         bucket, i = self._where[id(p)]
+        if id(bucket) in self._launched:
+            raise RuntimeError(
+                f"{self.names.get(id(p), 'a parameter')} got a gradient after its bucket's reduction had started:"
+                " its gradient of this window was complete (a pipeline stage's last backward) but another backward"
+                " added to it. Parameters shared between stages must be tied (lightning_hybrid.parallel.tied).")
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -252,8 +263,19 @@ class GradientBuckets:
     def _end_of_backward(self) -> None:
         self._in_backward = False
         self._fired.clear()
-        if self.sync:
+        if self.sync and not self.partial:
             self._launch_rest()
+
+    @contextmanager
+    def eager(self) -> Iterator[None]:
+        """A backward during which a bucket starts its reduction as soon as this backward has given each of its
+        parameters its last gradient of the window (a pipeline stage's last backward); nothing else starts."""
+        sync, partial = self.sync, self.partial
+        self.sync, self.partial = True, True
+        try:
+            yield
+        finally:
+            self.sync, self.partial = sync, partial
 
     def _launch_rest(self) -> None:
         for bucket in self.buckets:
@@ -305,6 +327,11 @@ class GradientBuckets:
             for i, p in enumerate(bucket.params):
                 if p.grad is not None:
                     self._adopt(bucket, i, p)
+
+    def started(self, bucket: _Bucket) -> bool:
+        """Whether ``bucket``'s reduction of this window has started (under a pipeline: during a stage's last
+        backward, before Lightning's ``zero_grad``; under stage 2 it may have finished, its slice's gradient set)."""
+        return id(bucket) in self._launched
 
     def gradient_of(self, param: nn.Parameter) -> Tensor | None:
         """``param``'s unreduced gradient of this window as the buckets hold it (its view; ``None`` where it has

@@ -1,4 +1,4 @@
-"""ZeRO-3: FSDP2 (``fully_shard``) over the DP sub-mesh.
+"""ZeRO-3: FSDP2 (``fully_shard``) over the DP sub-mesh, or HSDP's 2-D ``(dp_replicate, dp_shard_cp)`` mesh.
 
 `apply_fsdp` shards every layer of a module and then each of its children that holds parameters (the FSDP roots);
 `apply_fsdp_units` shards given units (and their parts) under one root; `apply_fsdp_experts` shards expert-parallel
@@ -135,7 +135,7 @@ def apply_fsdp_units(units: list[nn.Module], root: nn.Module, dp_mesh: DeviceMes
                         and shardable(child)]
         sharded.append(fully_shard(unit, mesh=dp_mesh, reshard_after_forward=True))
     sharded.append(fully_shard(root, mesh=dp_mesh, reshard_after_forward=True))
-    if dp_mesh.ndim == 1 and dist.get_backend(dp_mesh.get_group()) in _COPYING_COLLECTIVES:
+    if dist.get_backend(dp_mesh.get_group(dp_mesh.ndim - 1)) in _COPYING_COLLECTIVES:  # (HSDP: the shard group)
         for module in sharded:
             _fsdp_on_gloo(module)
     return root

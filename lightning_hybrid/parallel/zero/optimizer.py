@@ -132,7 +132,9 @@ class ZeroOptimizer(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.gradients.clear()
         for bucket in self.buckets:
-            if self.stage:
+            # Under a pipeline Lightning's zero_grad follows the schedule, whose stages' last backward passes may
+            # have reduced a bucket into its slice already: that slice's gradient is this window's.
+            if self.stage and not self.gradients.started(bucket):
                 bucket.shard.grad = None
 
     def grad_shards(self) -> list[tuple[Tensor, bool]]:
