@@ -98,7 +98,8 @@ SOURCES = {
         "Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
         " (SC'21), Table 1 (and section 5.1, GPT-3 175B on 1,024 GPUs): fp16, full recomputation, micro-batch 1,"
         " interleaved schedule where pp > 2 (v = 2 assumed: not in Table 1)",
-        "TFLOP/s per GPU as Megatron counts them (with the recomputed forward)", "megatron", {}),
+        "TFLOP/s per GPU as Megatron counts them (with the recomputed forward)", "megatron",
+        {"grad_reduce_overlap_pp": False}),
     "korthikanti2022": (
         "selective recompute + sequence parallelism, A100",
         "Korthikanti et al. 2022, Reducing Activation Recomputation in Large Transformer Models (MLSys'23): the"
@@ -106,7 +107,8 @@ SOURCES = {
         " size of one'); layouts tp8 x pp1/8/35/64 with global batch 4/64/280/512 (micro-batch 4 for 22B, else 1)"
         " from the paper's Table 3 (the corpus here confirms tp8 x pp35, 105 layers, h 20480, 128 heads for 530B"
         " in Megatron-LM's own script; the batch sizes were not re-checked); 1F1B assumed",
-        "MFU (model FLOPs, no recomputation, over the 312 TFLOP/s peak)", "megatron", {}),
+        "MFU (model FLOPs, no recomputation, over the 312 TFLOP/s peak)", "megatron",
+        {"grad_reduce_overlap_pp": False}),
     "llama3": (
         "TP + PP (+ CP) on H100 with 2024 techniques",
         "Llama Team, AI @ Meta 2024, The Llama 3 Herd of Models, Table 4 (Llama 3 405B, 16M tokens per batch: 8,192"

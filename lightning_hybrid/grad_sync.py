@@ -37,7 +37,7 @@ from lightning_hybrid.core.collectives import sum_grads_over_tp_
 from lightning_hybrid.core.devices import device_memory_bytes, local_tensor
 from lightning_hybrid.grad_norm import clip_grads_, global_grad_norm, parameter_grad_norms
 from lightning_hybrid.parallel.tied import sum_tied_grads
-from lightning_hybrid.parallel.zero import ZeroOptimizer
+from lightning_hybrid.parallel.zero import AUTO_WINDOW_FRACTION, ZeroOptimizer
 from lightning_hybrid.parallelize import Parallelized
 
 T = TypeVar("T")
@@ -50,6 +50,10 @@ class GradientSync:
     are called by `HybridStrategy` at the points of Lightning's loop their names say. Collectives run on the
     meshes' groups: the DP reduction over ``dp_cp``, the partial sums over ``tp``, the norm over all three.
     """
+
+    #: Under PP, each stage's last backward of a window starts the buckets it completes (else all after the
+    #: schedule, as before: `benchmarks/bench_overlap.py --cpu` compares the two in one run).
+    reduce_during_last_backward = True
 
     def __init__(self, parallelized: Parallelized, zero_stage: int, bucket_cap_mb: float, device: torch.device,
                  grad_reduce: str = "auto") -> None:
@@ -140,7 +144,7 @@ class GradientSync:
                 if first_in_window:
                     opt.gradients.clear()
                 opt.gradients.sync = False
-            if not self.parallelized.tied and not self.manual:
+            if self.reduce_during_last_backward and not self.parallelized.tied and not self.manual:
                 pipeline.on_last_backward = partial(_eager, [opt.gradients for opt in zero])
             output = run()
             # A zero-bubble schedule's weight pass sets .grad itself (no post-accumulate hook): into the buckets
@@ -325,11 +329,6 @@ class GradientSync:
                 if id(self.module.get_parameter(tie.local)) not in uncounted:
                     norms[tie.name] = norm
         return norms
-
-
-#: ``grad_reduce="auto"``: ZeRO-3 keeps a window's gradients unsharded (one reduce-scatter per optimizer step) while
-#: they take at most this fraction of the device's memory, else reduce-scatters every batch of the window.
-AUTO_WINDOW_FRACTION = 0.1
 
 
 def resolve_grad_reduce(grad_reduce: str, parallelized: Parallelized, device: torch.device) -> bool:

@@ -108,15 +108,15 @@ class Cluster:
     predicted activation bytes (``step_overhead`` and ``activation_scale`` are fitted by
     ``benchmarks/bench_planner.py`` from single-device runs and written into this machine's file).
 
-    What the runtime overlaps (``False`` for this codebase, whose TP layers are synchronous and whose pipeline
-    reduces the gradients after its schedule): ``tp_comm_overlap``: TP's collectives run under the block's GEMMs
-    (Megatron-Core's ``--tp-comm-overlap``, Transformer Engine's userbuffers); ``grad_reduce_overlap_pp``: under PP
-    each stage's gradient buckets are reduced during its last micro-batch's backward (Megatron-Core's
-    ``--overlap-grad-reduce``); ``param_gather_overlap``: ZeRO 1-2's all-gather of the updated parameters runs under
-    the next step's first forward, bucket by bucket (Megatron-Core's ``--overlap-param-gather``; this codebase
-    gathers after the optimizer step); ``cp_gathers_kv_heads`` (``True``): context parallelism all-gathers grouped-query
-    attention's ``a_kv`` key/value heads and repeats them after (this codebase, Llama 3's CP); ``False`` for a
-    runtime that repeats them to ``a`` heads first;
+    What the runtime overlaps (the defaults: this codebase, whose TP layers are synchronous): ``tp_comm_overlap``:
+    TP's collectives run under the block's GEMMs (Megatron-Core's ``--tp-comm-overlap``, Transformer Engine's
+    userbuffers); ``grad_reduce_overlap_pp`` (``True``): under PP each stage's gradient buckets are reduced during its
+    last micro-batch's backward (this codebase, Megatron-Core's ``--overlap-grad-reduce``; ``False`` for a runtime
+    that reduces after the schedule, Megatron-LM 2021); ``param_gather_overlap``: ZeRO 1-2's all-gather of the
+    updated parameters runs under the next step's first forward, bucket by bucket (Megatron-Core's
+    ``--overlap-param-gather``; this codebase gathers after the optimizer step); ``cp_gathers_kv_heads``
+    (``True``): context parallelism all-gathers grouped-query attention's ``a_kv`` key/value heads and repeats them
+    after (this codebase, Llama 3's CP); ``False`` for a runtime that repeats them to ``a`` heads first;
     ``attention_speed`` (``1``): the attention core's speed -- its counted ``4 h s`` FLOPs per token forward, twice
     that backward -- relative to the GEMMs' ``matmul_efficiency`` (its kernel is not a GEMM: on A100 the
     published runs the planner is checked on agree with 1, on H100 too for a kernel written for it; FlashAttention-2,
@@ -143,7 +143,7 @@ class Cluster:
     precision: str = "bf16-mixed"
     notes: dict = field(default_factory=dict)
     tp_comm_overlap: bool = False
-    grad_reduce_overlap_pp: bool = False
+    grad_reduce_overlap_pp: bool = True
     cp_gathers_kv_heads: bool = True
     pp_scatter_gather: bool = False
     matmul_k0: float = 0.0

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Optional
 
 __all__ = ["Layout", "RECOMPUTE_MODES"]
 
 #: What a layer recomputes in backward: nothing, the whole layer (activation checkpointing), the attention core only
 #: (selective recompute), or the attention core and every element-wise op (pointwise selective recompute).
 RECOMPUTE_MODES = ("none", "full", "attention", "pointwise")
+#: When ZeRO-3 reduce-scatters under gradient accumulation (the strategy's ``grad_reduce``).
+GRAD_REDUCE = ("auto", "window", "micro_batch")
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,11 @@ class Layout:
     its activations but the attention core's, which backward recomputes) or ``"pointwise"`` (selective recompute of
     the attention core and every element-wise op: a layer keeps only its matmul, norm and reduction outputs;
     `lightning_hybrid.parallel.activation_checkpointing`); with either selective mode ``activation_checkpointing`` is
-    False, as the strategy checkpoints every layer selectively. `recompute_mode` names the four choices."""
+    False, as the strategy checkpoints every layer selectively. `recompute_mode` names the four choices.
+    ``dp_shard`` (ZeRO-3 only, ``ep = 1``): hybrid sharding -- ZeRO-3 within groups of ``dp_shard cp`` ranks,
+    replicated across ``dp / dp_shard`` of them (``None``: over all ``dp cp``); ``grad_reduce`` (ZeRO-3 under
+    accumulation, ``pp = 1``): ``"window"`` (reduce-scatter once per optimizer step, unsharded gradients kept through
+    the window), ``"micro_batch"`` (every micro-batch) or ``"auto"`` (`resolve_grad_reduce`, as the strategy)."""
 
     dp: int
     tp: int
@@ -46,8 +52,19 @@ class Layout:
     ep: int = 1
     cp: int = 1
     recompute: str = "full"
+    dp_shard: Optional[int] = None
+    grad_reduce: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.dp_shard is not None:
+            if not isinstance(self.dp_shard, int) or self.dp_shard < 1 or self.dp % self.dp_shard:
+                raise ValueError(f"dp_shard={self.dp_shard!r} is invalid for dp={self.dp}: it must be a positive"
+                                 " divisor of dp (ZeRO-3's shard groups), or None.")
+            if self.zero_stage != 3 or self.ep > 1:
+                raise ValueError(f"dp_shard={self.dp_shard} (hybrid sharding) takes zero_stage=3 and ep=1, got"
+                                 f" zero_stage={self.zero_stage}, ep={self.ep}.")
+        if self.grad_reduce not in GRAD_REDUCE:
+            raise ValueError(f"grad_reduce={self.grad_reduce!r} is invalid: use one of {list(GRAD_REDUCE)}.")
         if self.recompute not in RECOMPUTE_MODES[1:]:
             raise ValueError(f"recompute={self.recompute!r} is invalid: use 'full', 'attention' or 'pointwise'.")
         if self.recompute != "full" and self.activation_checkpointing:
@@ -93,6 +110,16 @@ class Layout:
         return self.dp * self.cp
 
     @property
+    def zero3_shard(self) -> int:
+        """Ranks one ZeRO-3 shard is split over (``dp_shard cp``; ``dp cp`` without hybrid sharding)."""
+        return (self.dp_shard or self.dp) * self.cp
+
+    @property
+    def replicas(self) -> int:
+        """Hybrid sharding's replicas of each shard group (``dp / dp_shard``; 1 without it)."""
+        return self.dp // (self.dp_shard or self.dp)
+
+    @property
     def devices(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
@@ -108,6 +135,8 @@ class Layout:
         parts += [f"cp{self.cp}"] if self.cp > 1 else []
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
         parts += [f"zero{self.zero_stage}"] if self.zero_stage else []
+        parts += [f"hsdp{self.dp_shard}"] if self.replicas > 1 else []
+        parts += ["rs-mb"] if self.grad_reduce == "micro_batch" else []
         parts.append(f"mb{self.micro_batch}x{self.micro_batches}")
         if self.pp > 1:
             parts.append(self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
@@ -142,6 +171,13 @@ class Layout:
             kwargs["recompute"] = self.recompute
         if "loss_parallel" in accepted:
             kwargs["loss_parallel"] = self.loss_parallel
+        if self.dp_shard is not None:
+            if "dp_shard" not in accepted:
+                raise ValueError(f"dp_shard={self.dp_shard}: {strategy_cls.__name__} takes no dp_shard"
+                                 " (hybrid sharding).")
+            kwargs["dp_shard"] = self.dp_shard
+        if self.zero_stage == 3 and self.grad_reduce != "auto" and "grad_reduce" in accepted:
+            kwargs["grad_reduce"] = self.grad_reduce  # what the plan modelled
         return kwargs
 
     def as_dict(self) -> dict[str, Any]:

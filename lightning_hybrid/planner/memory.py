@@ -151,10 +151,10 @@ schedule holds and the estimate.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lightning_hybrid.parallel.pipeline.executor import SCHEDULES
-from lightning_hybrid.parallel.zero import DEFAULT_BUCKET_CAP_MB, MAX_IN_FLIGHT
+from lightning_hybrid.parallel.zero import AUTO_WINDOW_FRACTION, DEFAULT_BUCKET_CAP_MB, MAX_IN_FLIGHT
 
 # The parts (re-exported here, as they were defined here): a block's activations, context parallelism's and the
 # documents' masks, and where the layers and parameters are.
@@ -219,6 +219,7 @@ __all__ = ["CODEBASE_GATED_TENSORS", "DOCUMENT_KV_COPIES", "KORTHIKANTI", "MEGAT
            "fsdp_unit_params", "gathered_kv_bytes", "held_micro_batches", "in_flight", "korthikanti_coefficients",
            "largest_block_params", "mlp_tensors", "moe_block_count", "moe_coefficients", "pipeline_stages",
            "rank_block_counts", "rank_chunk_blocks", "rank_expert_params", "rank_layers", "rank_params",
+           "resolve_grad_reduce",
            "pointwise_coefficients", "pointwise_recomputed_bytes", "routed_tokens", "selective_coefficients",
            "uses_layer_norm", "zero_model_states"]
 
@@ -324,6 +325,8 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
     kept = s * b * h * pb / (t if lay.sequence_parallel else 1) / cp
     unit_p = fsdp_unit_params(model, t, ep, compile)  # the largest FSDP2 unit
     whole_window = lay.pp > 1 or lay.accumulation > 1  # gradients not reduced before the window ends
+    # ZeRO-3 reduce-scattering every micro-batch (``grad_reduce``) keeps no unsharded gradients through the window
+    zero3_window = lay.pp > 1 or (lay.accumulation > 1 and lay.grad_reduce != "micro_batch")
     bucket = bucket_cap_mb * 2**20
     best = None
     for rank in sorted({0, lay.pp - 1}):
@@ -332,13 +335,14 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
         experts = rank_expert_params(model, layers, ep)  # sharded over dp cp/ep ranks, the rest over dp cp
         dense_blocks, moe_blocks = counts[rank]
         sharded = lay.zero_stage > 0 and lay.shard > 1
-        dp, edp = (lay.shard, lay.edp) if sharded else (1, 1)
+        # ZeRO-3 shards over dp_shard cp ranks under hybrid sharding (replicated across the groups)
+        dp, edp = ((lay.zero3_shard if lay.zero_stage == 3 else lay.shard), lay.edp) if sharded else (1, 1)
         slices = (P - experts) / dp + experts / edp  # this device's share of what ZeRO shards
         if lay.zero_stage == 3 and sharded:
-            gathered = P if whole_window else min(P, 2 * unit_p)  # the running unit and the prefetched one
+            gathered = P if zero3_window else min(P, 2 * unit_p)  # the running unit and the prefetched one
             params = pb * (slices + gathered)
             # the running unit's unsharded gradients until its reduce-scatter (all of the stage's in a window)
-            grads = gb * (slices + (P if whole_window else min(P, unit_p)))
+            grads = gb * (slices + (P if zero3_window else min(P, unit_p)))
         else:
             params = pb * P
             if lay.zero_stage == 2 and sharded and not whole_window:
@@ -368,3 +372,21 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
             best = est
     assert best is not None
     return best
+
+
+def resolve_grad_reduce(model: ModelSpec, layout: Layout, precision: str, device_memory: float) -> Layout:
+    """``layout`` with ``grad_reduce="auto"`` resolved as the strategy resolves it
+    (`lightning_hybrid.grad_sync.resolve_grad_reduce`): ZeRO-3 reduce-scatters every micro-batch where the fullest
+    rank's unsharded gradients would take more than `AUTO_WINDOW_FRACTION` of ``device_memory``, else once per
+    window; any other layout keeps ``"window"`` (nothing to choose)."""
+    if layout.grad_reduce != "auto":
+        return layout
+    every = False
+    if layout.zero_stage == 3 and layout.shard > 1 and layout.accumulation > 1:
+        spec = SCHEDULES[layout.schedule] if layout.pp > 1 else SCHEDULES["1f1b"]
+        per_rank = layout.virtual_stages if layout.pp > 1 else 1
+        gb = PRECISIONS[precision][1]
+        fullest = max(rank_params(model, layers, layout.tp, layout.ep)
+                      for layers in rank_layers(model, layout.pp, per_rank, spec.style))
+        every = gb * fullest > AUTO_WINDOW_FRACTION * device_memory
+    return replace(layout, grad_reduce="micro_batch" if every else "window")

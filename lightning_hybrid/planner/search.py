@@ -30,7 +30,7 @@ from lightning_hybrid.parallel.pipeline.executor import SCHEDULES, resolve_sched
 
 from .cluster import USABLE_MEMORY, Cluster
 from .layout import Layout
-from .memory import MEGATRON_PRECISIONS, MemoryEstimate, estimate_memory
+from .memory import MEGATRON_PRECISIONS, MemoryEstimate, estimate_memory, resolve_grad_reduce
 from .model import ModelSpec
 from .time import TimeEstimate, estimate_time
 
@@ -177,11 +177,19 @@ def enumerate_layouts(model: ModelSpec, cluster: Cluster, devices: int, global_b
                                               recomputes)
                         continue
                     yield from _schedules(model, dims, cp, b, m, pipeline_layers, sequence_parallel, schedules,
-                                          max_virtual_stages, invalid, recomputes)
+                                          max_virtual_stages, invalid, recomputes,
+                                          _node_shard(dims.dp, tp, cp, cluster.devices_per_node))
+
+
+def _node_shard(dp: int, tp: int, cp: int, devices_per_node: int) -> Optional[int]:
+    """The ``dp_shard`` of hybrid sharding within one node (TorchTitan's and Accelerate's usual HSDP): the data-parallel
+    ranks of a node, where they are fewer than ``dp`` and divide it; else ``None`` (not searched)."""
+    per_node = devices_per_node // (tp * cp)
+    return per_node if 1 <= per_node < dp and dp % per_node == 0 and per_node * tp * cp == devices_per_node else None
 
 
 def _schedules(model, dims, cp, b, m, pipeline_layers, sequence_parallel, schedules, max_virtual_stages, invalid,
-               recomputes=RECOMPUTE_CHOICES):
+               recomputes=RECOMPUTE_CHOICES, node_shard: Optional[int] = None):
     tp, pp, dp = dims.tp, dims.pp, dims.dp
     choices = [("1f1b", 1)] if pp == 1 else []
     for name in (schedules if pp > 1 else ()):
@@ -201,14 +209,19 @@ def _schedules(model, dims, cp, b, m, pipeline_layers, sequence_parallel, schedu
             for zero in ((0, 1, 2, 3) if dp * cp > 1 else (0,)):
                 if ep > 1 and zero not in EP_ZERO_STAGES:
                     continue
+                shards = (None, node_shard) if zero == 3 and ep == 1 and node_shard is not None else (None,)
                 for ac, recompute in recomputes:
                     for sp in ((False, True) if tp > 1 and sequence_parallel else (False,)):
-                        yield Layout(dp, tp, pp, zero, b, m, name, v, ac, sp, ep=ep, cp=cp, recompute=recompute)
+                        for dp_shard in shards:
+                            yield Layout(dp, tp, pp, zero, b, m, name, v, ac, sp, ep=ep, cp=cp, recompute=recompute,
+                                         dp_shard=dp_shard)
 
 
 def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: int,
              documents: bool = False, compile: bool = False) -> Candidate:
-    """Predictions for one layout: memory always, time when it fits (``documents``, ``compile``: `plan`'s)."""
+    """Predictions for one layout: memory always, time when it fits (``documents``, ``compile``: `plan`'s).
+    ``grad_reduce="auto"`` is resolved first, as the strategy resolves it (`resolve_grad_reduce`)."""
+    layout = resolve_grad_reduce(model, layout, cluster.precision, cluster.memory)
     memory = estimate_memory(model, layout, cluster.precision, cluster.activation_scale, documents=documents,
                              compile=compile)
     usable = USABLE_MEMORY * cluster.memory

@@ -66,15 +66,17 @@ where the schedule allows it, as ``max(0, communication - its compute window)``,
 
 * stages 0-2: gradients are reduced once per optimizer step, the buckets launching during the backward that ends
   the accumulation window: ``max(R/u, R - B)`` (``R`` the reduction, ``u`` buckets, ``B`` the last micro-batch's
-  backward with its recomputation: the last bucket is reduced after it); under PP this codebase reduces after the
-  schedule (``R``), a runtime reducing during the stage's last backward (`Cluster.grad_reduce_overlap_pp`,
-  Megatron-Core) as without PP; stages 1-2's all-gather of the updated parameters follows the step (exposed: ``G``),
-  or for a runtime gathering them under the next step's first forward ``F``, bucket by bucket
+  backward with its recomputation: the last bucket is reduced after it); under PP a runtime reducing during the
+  stage's last backward (`Cluster.grad_reduce_overlap_pp`: this codebase, Megatron-Core) as without PP, one reducing
+  after the schedule (Megatron-LM 2021) ``R``; stages 1-2's all-gather of the updated parameters follows the step
+  (exposed: ``G``), or for a runtime gathering them under the next step's first forward ``F``, bucket by bucket
   (`Cluster.param_gather_overlap`, Megatron-Core's ``--overlap-param-gather``) ``max(G/u, G - F)``;
 * stage 3 (FSDP2, ``u`` units, ``G`` one pass of gathers): per micro-batch ``G/u + max(0, G - F)`` in forward (each
   unit prefetched under the previous one's forward ``F``, the first exposed), ``max(0, G - B)`` in backward, and in
   the window's last micro-batch ``max(0, G + R - B) + R/u`` (the reduce-scatters in the same window as the
-  gathers; the last unit's after it). Under PP a stage is gathered once and reduced after the schedule.
+  gathers; the last unit's after it), in every micro-batch with ``grad_reduce="micro_batch"``. Under PP a stage is
+  gathered once and reduced after the schedule. Hybrid sharding (``dp_shard``): the gathers and reduce-scatters
+  over the ``dp_shard cp`` ranks of a group, then each shard all-reduced across the ``dp / dp_shard`` replicas.
 
 Every term keeps its collectives' latency, so no layout's DP communication is 0 at scale. The optimizer step reads
 and writes its states once (memory bound), or takes the measured time per parameter (CPU).
@@ -360,6 +362,8 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
             return 0
         return units if lay.zero_stage == 3 else max(1, math.ceil(params * gb / (bucket_cap_mb * 2**20)))
 
+    if lay.zero_stage == 3:  # hybrid sharding: gathered and reduce-scattered within the dp_shard cp ranks
+        n = lay.zero3_shard
     groups = [(n, P - P_x, cluster.ring_link(n, t), messages(P - P_x, dense_units + moe_units_dp + 1)),
               (edp, P_x, cluster.ring_link(edp, ep * t), messages(P_x, moe_units_dp))]
     groups = [g for g in groups if g[0] > 1 and g[3] > 0]
@@ -369,6 +373,9 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     else:
         reduce = sum(ring_time(size, p * gb, link, "reduce_scatter", k) for size, p, link, k in groups)
         gather = sum(ring_time(size, p * pb, link, "all_gather", k) for size, p, link, k in groups)
+    if lay.zero_stage == 3 and lay.replicas > 1:  # then each shard all-reduced across the replicas (n t ranks apart)
+        reduce += ring_time(lay.replicas, (P - P_x) / n * gb, cluster.ring_link(lay.replicas, n * t),
+                            messages=messages(P - P_x, dense_units + moe_units_dp + 1))
     units = max(1, max((k for *_, k in groups), default=1))  # buckets (stages 0-2) or FSDP2 units (stage 3)
     # Each overlap once, only where the schedule allows it; what a compute window cannot hide shows, and so does
     # the one message that cannot start before the window ends (or must end before it starts): never 0 at scale.
@@ -376,16 +383,19 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     forward = compute_mb / passes
     backward = compute_mb - forward
     if cluster.compute_units:  # on a CPU the transfers are the cores' own work: nothing overlaps computation
-        dp_comm = reduce + (gather if lay.zero_stage != 3 else (1 if lay.pp > 1 else 2 * m) * gather)
+        reductions = m if lay.zero_stage == 3 and lay.pp == 1 and lay.grad_reduce == "micro_batch" else 1
+        dp_comm = reductions * reduce + (gather if lay.zero_stage != 3 else (1 if lay.pp > 1 else 2 * m) * gather)
     elif lay.zero_stage == 3 and lay.pp > 1:  # a stage gathered once, reduced after the schedule
         dp_comm = reduce + gather
     elif lay.zero_stage == 3:
         # FSDP2, per micro-batch: forward gathers unit by unit, each prefetched under the previous unit's forward
         # (the first shows: G/u); backward gathers again under the previous unit's backward, and in the window's
         # last micro-batch (gradients are reduced once per step) the reduce-scatters run in the same window, the
-        # last unit's after it (R/u).
-        dp_comm = (m * (gather / units + max(0.0, gather - forward)) + (m - 1) * max(0.0, gather - backward)
-                   + max(0.0, gather + reduce - backward) + reduce / units)
+        # last unit's after it (R/u); reduce-scattering every micro-batch (``grad_reduce``), in each of them.
+        reducing = m if lay.grad_reduce == "micro_batch" else 1
+        dp_comm = (m * (gather / units + max(0.0, gather - forward))
+                   + (m - reducing) * max(0.0, gather - backward)
+                   + reducing * (max(0.0, gather + reduce - backward) + reduce / units))
     else:
         # Buckets launch during the backward that ends the accumulation window (nothing is reduced before it): the
         # last micro-batch's backward hides them, the last bucket's shows; under PP (this codebase reduces after

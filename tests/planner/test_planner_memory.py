@@ -292,3 +292,35 @@ def test_codebase_model_states_per_zero_stage():
     assert mem[3].optimizer == 2 * P and mem[3].params == 4 * (P / 4 + 2 * unit)  # 2 units gathered
     assert mem[3].grads == 4 * (P / 4 + unit)  # and the running unit's unsharded gradients
     assert mem[0].activations == mem[3].activations > 0
+
+
+def test_hybrid_sharding_and_zero3_reduction_per_micro_batch():
+    """HSDP (``dp_shard``): ZeRO-3's model states over the shard group, plus an all-reduce of the shards across the
+    replicas; ZeRO-3 reduce-scattering every micro-batch (``grad_reduce``) keeps no unsharded gradients through the
+    window, at m times the reduce-scatters; "auto" resolved as the strategy resolves it."""
+    from lightning_hybrid.planner.cluster import CLUSTER_PRESETS
+    from lightning_hybrid.planner.memory import resolve_grad_reduce
+    from lightning_hybrid.planner.model import MODEL_PRESETS
+
+    model, h100 = MODEL_PRESETS["llama3-70b"], CLUSTER_PRESETS["h100"]
+    whole = Layout(64, 1, 1, 3, 1, 4, grad_reduce="micro_batch")
+    hybrid = dataclasses.replace(whole, dp_shard=8)
+    mem_whole, mem_hybrid = (estimate_memory(model, lay, "bf16-mixed") for lay in (whole, hybrid))
+    assert mem_hybrid.optimizer == pytest.approx(8 * mem_whole.optimizer)  # states over 8 ranks, not 64
+    time_whole, time_hybrid = (estimate_time(model, lay, h100) for lay in (whole, hybrid))
+    assert time_hybrid.dp_comm != time_whole.dp_comm and time_hybrid.total > 0
+    window = dataclasses.replace(whole, grad_reduce="window")
+    assert estimate_memory(model, window, "bf16-mixed").grads > 10 * mem_whole.grads  # unsharded through the window
+    assert estimate_time(model, window, h100).dp_comm < time_whole.dp_comm  # one reduce-scatter per step, not four
+    auto = dataclasses.replace(whole, grad_reduce="auto")
+    assert resolve_grad_reduce(model, auto, "bf16-mixed", h100.memory).grad_reduce == "micro_batch"  # 70B: too big
+    tiny = resolve_grad_reduce(MODEL_PRESETS["small"], auto, "bf16-mixed", h100.memory)
+    assert tiny.grad_reduce == "window"
+    assert "hsdp8" in hybrid.label() and "rs-mb" in hybrid.label()
+    assert parse_layout("dp64 zero3 hsdp8 rs-mb mb1x4", model, 64, 256) == hybrid
+    kwargs = hybrid.strategy_kwargs()
+    assert (kwargs["dp_shard"], kwargs["grad_reduce"]) == (8, "micro_batch")
+    with pytest.raises(ValueError, match=r"dp_shard=3 is invalid for dp=64"):
+        Layout(64, 1, 1, 3, 1, 4, dp_shard=3)
+    with pytest.raises(ValueError, match=r"dp_shard=8 \(hybrid sharding\) takes zero_stage=3 and ep=1"):
+        Layout(64, 1, 1, 1, 1, 4, dp_shard=8)

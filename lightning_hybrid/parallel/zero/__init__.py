@@ -43,9 +43,9 @@ from lightning_hybrid.parallel.zero.buckets import (
     GradientBuckets,
     ShardedGradient,
 )
+from lightning_hybrid.parallel.zero.fsdp import AUTO_WINDOW_FRACTION, apply_fsdp, apply_fsdp_experts, apply_fsdp_units
 from lightning_hybrid.parallel.zero.fsdp import _InPlaceAllGather as _InPlaceAllGather  # tests/zero use both
 from lightning_hybrid.parallel.zero.fsdp import _InPlaceReduceScatter as _InPlaceReduceScatter
-from lightning_hybrid.parallel.zero.fsdp import apply_fsdp, apply_fsdp_experts, apply_fsdp_units
 from lightning_hybrid.parallel.zero.optimizer import (
     ELEMENTWISE_OPTIMIZERS,
     SlicePlace,
@@ -54,6 +54,7 @@ from lightning_hybrid.parallel.zero.optimizer import (
 )
 
 __all__ = [
+    "AUTO_WINDOW_FRACTION",
     "DEFAULT_BUCKET_CAP_MB",
     "ELEMENTWISE_OPTIMIZERS",
     "MAX_IN_FLIGHT",

@@ -17,6 +17,11 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from lightning_hybrid.parallel.zero.buckets import _COPYING_COLLECTIVES
 
+#: ``grad_reduce="auto"``: ZeRO-3 keeps an accumulation window's gradients unsharded (one reduce-scatter per optimizer
+#: step) while they take at most this fraction of the device's memory, else reduce-scatters every batch of the window
+#: (`lightning_hybrid.grad_sync.resolve_grad_reduce`; the planner's `resolve_grad_reduce` alike).
+AUTO_WINDOW_FRACTION = 0.1
+
 
 class _InPlaceAllGather(AllGather):
     """FSDP2's parameter all-gather on gloo, whose ``all_gather_single`` fills a temporary as large as its output

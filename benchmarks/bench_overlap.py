@@ -1,0 +1,195 @@
+"""How much of Megatron-Core's communication overlap this codebase gives up, as the planner sees it.
+
+    python benchmarks/bench_overlap.py [--out benchmarks/OVERLAP.md]
+    python benchmarks/bench_overlap.py --cpu [--steps 8]    # also the CPU measurements (~5 min)
+
+For each workload (Llama 3 8B on 8 and 64 H100, 70B on 64 and 512, 405B on 2,048; the global batches below), the
+planner searches every layout twice on the same H100 preset: once as this codebase runs (`Cluster`'s defaults:
+its overlaps as they are now) and once for a runtime with Megatron-Core's overlaps (``tp_comm_overlap``,
+``grad_reduce_overlap_pp``, ``param_gather_overlap`` all on), and compares the best MFU of each. The same search as
+the codebase before this change (``grad_reduce_overlap_pp`` off: the pipeline reduced its gradients after the
+schedule) is the third column. Goal: this codebase's best >= 0.99x the overlapped runtime's on every workload.
+These are the planner's predictions (`benchmarks/PLANNER.md` says how close they come to published runs).
+
+``--cpu`` also measures on this machine (gloo, one thread per rank, the reference GPT, AdamW), each layout in a
+fresh process group, every pair in the same run: ZeRO-1 against ZeRO-0 at dp2 (goal: <= 1.05x ZeRO-0's step), and
+dp2 x pp2 (ZeRO-1, 1F1B) with each stage's buckets reduced during its last backward against the same run reducing
+them after the schedule (`GradientSync.reduce_during_last_backward`; goal: faster). Step time: the slower rank's
+``on_train_batch_start -> end``, the median over the timed steps after two warm-up steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import lightning as L  # noqa: E402
+
+from benchmarks.bench_memory import StepTimer  # noqa: E402
+from lightning_hybrid import HybridStrategy  # noqa: E402
+from lightning_hybrid.data.corpus import ByteCorpusDataModule  # noqa: E402
+from lightning_hybrid.grad_sync import GradientSync  # noqa: E402
+from lightning_hybrid.models import GPTConfig, GPTLightningModule  # noqa: E402
+from lightning_hybrid.planner import ModelSpec  # noqa: E402
+from lightning_hybrid.planner.cluster import CLUSTER_PRESETS  # noqa: E402
+from lightning_hybrid.planner.model import MODEL_PRESETS  # noqa: E402
+from lightning_hybrid.planner.search import plan  # noqa: E402
+from lightning_hybrid.testing import run_distributed  # noqa: E402
+
+GOAL = 0.99
+
+
+def _llama(name: str, n_layer: int, hidden: int, heads: int, ffn: int) -> ModelSpec:
+    return ModelSpec(name, n_layer, hidden, heads, 8, ffn, 128256, 8192, gated_mlp=True, bias=False,
+                     learned_positions=False)
+
+
+#: (model, devices, global batch in sequences of 8,192 tokens): 0.25M-16M tokens per step (Llama 3's 405B: 16M).
+WORKLOADS = [
+    (_llama("llama3-8b", 32, 4096, 32, 14336), 8, 32),
+    (_llama("llama3-8b", 32, 4096, 32, 14336), 64, 256),
+    (MODEL_PRESETS["llama3-70b"], 64, 256),
+    (MODEL_PRESETS["llama3-70b"], 512, 512),
+    (_llama("llama3-405b", 126, 16384, 128, 53248), 2048, 2048),
+]
+#: What each searched runtime overlaps, on the H100 preset.
+RUNTIMES = {
+    "this codebase": {},
+    "Megatron-Core overlaps": {"tp_comm_overlap": True, "grad_reduce_overlap_pp": True, "param_gather_overlap": True},
+    "codebase before (PP reduced after the schedule)": {"grad_reduce_overlap_pp": False},
+}
+
+
+#: The CPU runs: name -> (world, HybridStrategy arguments, buckets reduced during the last backward).
+CPU_RUNS = {
+    "dp2 zero0": (2, dict(dp=2, zero_stage=0), True),
+    "dp2 zero1": (2, dict(dp=2, zero_stage=1), True),
+    "dp2xpp2 zero1, reduced after the schedule": (4, dict(dp=2, pp=2, zero_stage=1, micro_batches=4), False),
+    "dp2xpp2 zero1, reduced during the last backward": (4, dict(dp=2, pp=2, zero_stage=1, micro_batches=4), True),
+}
+CPU_MODEL = dict(n_layer=8, n_embd=256, n_head=8, block_size=128, mlp="swiglu")
+
+
+def _cpu_worker(kwargs: dict, during: bool, steps: int) -> list[float]:
+    import logging
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_hybrid"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    GradientSync.reduce_during_last_backward = during  # this process's runs only
+    L.seed_everything(0, verbose=False)
+    module = GPTLightningModule(config=GPTConfig(**CPU_MODEL), lr=1e-3)
+    data = ByteCorpusDataModule(max_bytes=400_000, block_size=CPU_MODEL["block_size"], batch_size=8)
+    timer = StepTimer(2)
+    trainer = L.Trainer(accelerator="cpu", devices=len_world(kwargs), strategy=HybridStrategy(**kwargs),
+                        max_steps=2 + steps, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
+    trainer.fit(module, data)
+    return timer.times
+
+
+def len_world(kwargs: dict) -> int:
+    return kwargs.get("dp", 1) * kwargs.get("pp", 1) * kwargs.get("tp", 1)
+
+
+def cpu_rows(steps: int) -> tuple[list[str], list[str]]:
+    """Median step time per run (the slower rank per step), then the goals."""
+    import statistics
+
+    medians = {}
+    for name, (world, kwargs, during) in CPU_RUNS.items():
+        ranks = run_distributed(_cpu_worker, world, kwargs, during, steps)
+        medians[name] = statistics.median(max(step) for step in zip(*ranks))
+        print(f"{name}: {medians[name]:.3f} s", flush=True)
+    names = list(CPU_RUNS)
+    rows = [f"| {name} | {medians[name]:.3f} |" for name in names]
+    zero1 = medians[names[1]] / medians[names[0]]
+    pipeline = medians[names[3]] / medians[names[2]]
+    goals = [f"- ZeRO-1 dp2 step / ZeRO-0 dp2 step = {zero1:.3f} (goal <= 1.05):"
+             f" {'met' if zero1 <= 1.05 else 'NOT MET'}",
+             f"- dp2xpp2 ZeRO-1 step, reduced during the last backward / after the schedule = {pipeline:.3f}"
+             f" (goal < 1): {'met' if pipeline < 1 else 'NOT MET'}"]
+    return rows, goals
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "OVERLAP.md"))
+    p.add_argument("--cpu", action="store_true", help="also measure the CPU runs (CPU_RUNS)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per CPU run (after 2 warm-up steps)")
+    args = p.parse_args(argv)
+    rows, met = [], True
+    for model, devices, batch in WORKLOADS:
+        best = {}
+        for name, flags in RUNTIMES.items():
+            cluster = dataclasses.replace(CLUSTER_PRESETS["h100"], **flags)
+            start = time.perf_counter()
+            result = plan(model, cluster, devices, batch)
+            best[name] = (result.best, time.perf_counter() - start)
+        ours, theirs, before = (best[n][0] for n in RUNTIMES)
+        ratio, ratio_before = ours.mfu / theirs.mfu, before.mfu / theirs.mfu
+        met = met and ratio >= GOAL
+        rows.append(f"| {model.name} | {devices} | {batch} | {ours.layout.label()} | {ours.mfu:.3f} |"
+                    f" {theirs.layout.label()} | {theirs.mfu:.3f} | **{ratio:.3f}** | {ratio_before:.3f} |"
+                    f" {sum(t for _, t in best.values()):.1f} |")
+        print(rows[-1], flush=True)
+    lines = [
+        "# Communication overlap: this codebase against Megatron-Core's overlaps, as the planner predicts",
+        "",
+        f"Written by `python benchmarks/bench_overlap.py` on {time.strftime('%Y-%m-%d %H:%M')}. Rerun it to refresh"
+        " this file; nothing here is edited by hand.",
+        "",
+        "Each workload searched over every layout on the `h100` preset three times: as this codebase runs now, as a"
+        " runtime with Megatron-Core's overlaps (TP collectives under the GEMMs, ZeRO 1-2's parameter all-gather"
+        " under the next forward, gradient buckets reduced during each pipeline stage's last backward), and as the"
+        " codebase ran before its pipeline reduced the buckets during the last backward. bf16-mixed, sequences of"
+        " 8,192 tokens.",
+        "",
+        "| model | H100 | global batch | this codebase's best layout | MFU | overlapped runtime's best layout | MFU |"
+        " ratio | ratio before | search s |",
+        "|---|---:|---:|---|---:|---|---:|---:|---:|---:|",
+        *rows,
+        "",
+        f"- this codebase's best MFU / the overlapped runtime's >= {GOAL} on every workload:"
+        f" {'met' if met else 'NOT MET'}",
+        "",
+    ]
+    if args.cpu:
+        import os
+        import platform
+
+        import torch
+
+        measured, goals = cpu_rows(args.steps)
+        lines += [
+            "## Measured on this machine (`--cpu`)",
+            "",
+            f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, gloo, one thread per rank;"
+            f" GPT {CPU_MODEL}, AdamW, batch 8 per data-parallel rank, {args.steps} timed steps after"
+            " 2 warm-up; the machine is shared (a run can be twice as slow as the last one).",
+            "",
+            "| run | step s (median, slower rank) |",
+            "|---|---:|",
+            *measured,
+            "",
+            *goals,
+            "",
+        ]
+    Path(args.out).write_text("\n".join(lines))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
