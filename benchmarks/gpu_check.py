@@ -413,6 +413,10 @@ def section_multirank(check: Check) -> None:
         backend = None
     check.row("c", "set-up", "info", f"{what}; small GPT fp32, 6 steps, clipping 0.5; losses and grad norms against one"
                                      f" device (plain Lightning) within {MULTIRANK_RTOL:g} relative")
+    devices = _cuda_devices() if check.kind == "gpu" else 0
+    check.row("c", "async TP (tp2 + SP, compiled, async_tp=True)", "not run" if devices else "skipped (no CUDA)",
+              "micro-pipelined TP needs >= 2 CUDA devices with NCCL (symmetric memory); this machine has"
+              f" {devices}, and the rows here run 2 ranks on one device: whether it engages is not checked")
     bf16 = [(name, family, kwargs, check.kind == "gpu") for name, (family, kwargs) in MULTIRANK_BF16.items()]
     job_args = {"world": 2, "accelerator": check.accelerator, "backend": backend, "steps": 6, "bf16": bf16,
                 "layouts": layouts, "layout_timeout_s": max(30.0, (timeout - 20) / max(1, len(layouts) + len(bf16)))}
@@ -429,6 +433,12 @@ def section_multirank(check: Check) -> None:
                       _ended(code, seconds, log) if code != 0 else f"the job ended before it (log {log})")
         else:
             check.row("c", label, r["status"], r["text"])
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 # ================================================================================================ (d) planner

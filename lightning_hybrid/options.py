@@ -53,6 +53,7 @@ class ParallelOptions:
     batch_check_interval: int = 100  # after the first batches, every n-th batch is compared within its peers
     randomness: str = "exact"  # random ops: one device's draws or refused; "independent": per-rank streams
     grad_reduce: str = "auto"  # ZeRO-3 under accumulation: reduce-scatter each batch ("micro_batch") or once ("window")
+    async_tp: bool = False  # compiled SP collectives fused with their matmuls (`parallel.compile.enable_async_tp`)
 
     @classmethod
     def create(
@@ -73,6 +74,7 @@ class ParallelOptions:
         batch_check_interval: int = 100,
         randomness: str = "exact",
         grad_reduce: str = "auto",
+        async_tp: bool = False,
     ) -> "ParallelOptions":
         """Validate the `HybridStrategy` arguments of the same names against the requested ``dims``.
         ``ValueError`` naming the bad value and what would be valid; an argument that nothing would use with these
@@ -120,6 +122,14 @@ class ParallelOptions:
             raise ValueError("randomness='independent' with tp > 1 and compile: each TP rank's stream is switched in"
                              " hooks at the TP layers, which torch.compile does not trace; use sequence_parallel=True"
                              " (every TP rank then has its own streams throughout), or compile=False.")
+        if async_tp not in (True, False):
+            raise ValueError(f"async_tp={async_tp!r} is invalid: use True or False.")
+        if async_tp and (tp == 1 or not sequence_parallel or arguments is None):
+            missing = [need for need, ok in (("tp > 1", tp > 1), ("sequence_parallel=True", sequence_parallel),
+                                             ("compile=True", arguments is not None)) if not ok]
+            raise ValueError(f"async_tp=True fuses the compiled layers' sequence-parallel all-gathers and"
+                             f" reduce-scatters with their matmuls; it needs {', '.join(missing)} (got tp={tp},"
+                             f" sequence_parallel={sequence_parallel}, compile={compile!r}).")
         if cp > 1 and arguments is not None:
             raise ValueError(f"cp={cp} with compile={compile!r}: context parallelism catches each layer's attention"
                              " at run time, which torch.compile does not trace; use compile=False with cp > 1.")
@@ -134,6 +144,7 @@ class ParallelOptions:
             activation_checkpointing=activation_checkpointing or selection is not None,
             recompute=selection, compile=MappingProxyType(arguments) if arguments is not None else None,
             batch_check_interval=batch_check_interval, randomness=randomness, grad_reduce=grad_reduce,
+            async_tp=bool(async_tp),
         )
 
     def example_multiple(self, dims: ParallelDims) -> int:

@@ -40,7 +40,7 @@ from lightning_hybrid.core.hooks import StepHooks
 from lightning_hybrid.core.protocol import LayerwiseInit, PipelineAuxLoss, builds_per_rank
 from lightning_hybrid.options import ParallelOptions
 from lightning_hybrid.parallel.activation_checkpointing import apply_activation_checkpointing, checkpoint_targets
-from lightning_hybrid.parallel.compile import apply_compile
+from lightning_hybrid.parallel.compile import apply_compile, enable_async_tp
 from lightning_hybrid.parallel.context_parallel import ContextParallel, ContextParallelHooks, apply_cp
 from lightning_hybrid.parallel.expert_parallel import (
     apply_ep,
@@ -109,6 +109,8 @@ def parallelize(module: nn.Module, meshes: Meshes, options: ParallelOptions, dev
     over the meshes; an error on any rank is raised on every rank before the next collective."""
     dims = meshes.dims
     pp, tp, ep, cp, gradient_ranks = dims.pp, dims.tp, dims.ep, dims.cp, meshes.size("dp_cp")
+    if options.async_tp:  # refused off CUDA/NCCL here, alike on every rank, before any collective
+        enable_async_tp(meshes.group("tp"), device)
     per_rank = builds_per_rank(module)
     shared = shared_parameters(module)  # before any dimension replaces a module that holds one
     # Split on the meta device, then materialise (or read) each rank's slices: TP's, and its experts.

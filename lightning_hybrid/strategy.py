@@ -48,7 +48,8 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
     gradient ranks, with gradient buckets of ``bucket_cap_mb``; under ZeRO-3 ``dp_shard`` (hybrid sharding: shard
     within groups of ``dp_shard`` ranks, replicate across them) and ``grad_reduce`` (``"micro_batch"``, ``"window"``
     or ``"auto"``: when gradients are reduce-scattered under accumulation); ``tp_plan`` (``"auto"`` or glob patterns ->
-    ``"colwise" | "rowwise" | "replicate"``), ``sequence_parallel``, ``loss_parallel`` for TP; ``micro_batches``,
+    ``"colwise" | "rowwise" | "replicate"``), ``sequence_parallel``, ``loss_parallel``, ``async_tp`` (CUDA, compiled)
+    for TP; ``micro_batches``,
     ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"``), ``virtual_stages``,
     ``split_points`` for PP (refused at ``pp=1``); ``activation_checkpointing``, ``recompute``, ``compile``;
     ``randomness`` (``"exact"``: one device's draws or refused; ``"independent"``: per-rank streams);
@@ -65,7 +66,7 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
         split_points: Optional[list[int]] = None, activation_checkpointing: Union[bool, str] = False,
         recompute: Recompute = "full", compile: Compile = False, ep: int = 1, cp: int = 1,
         batch_check_interval: int = 100, randomness: str = "exact", dp_shard: Optional[int] = None,
-        grad_reduce: str = "auto", process_group_backend: Optional[str] = None,
+        grad_reduce: str = "auto", async_tp: bool = False, process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout, accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None, cluster_environment: Optional[Any] = None,
         checkpoint_io: Optional[Any] = None, precision_plugin: Optional[Any] = None,
@@ -79,7 +80,7 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
             loss_parallel=loss_parallel, micro_batches=micro_batches, schedule=schedule,
             virtual_stages=virtual_stages, split_points=split_points, activation_checkpointing=activation_checkpointing,
             recompute=recompute, compile=compile, batch_check_interval=batch_check_interval, randomness=randomness,
-            bucket_cap_mb=bucket_cap_mb, grad_reduce=grad_reduce,
+            bucket_cap_mb=bucket_cap_mb, grad_reduce=grad_reduce, async_tp=async_tp,
         )
         refuse_checkpoint_io(checkpoint_io)
         self._parallelized: Optional[Parallelized] = None

@@ -46,3 +46,26 @@ def apply_compile(module: nn.Module, names: list[str], options: dict[str, Any]) 
     torch._dynamo.reset()
     for name in names:
         module.get_submodule(name).compile(**options)
+
+
+def enable_async_tp(tp_group, device) -> None:
+    """Asynchronous (micro-pipelined) TP: Inductor's ``micro_pipeline_tp`` pass (as TorchTitan enables it) fuses each
+    sequence-parallel all-gather with the matmul that reads it, and each matmul with the reduce-scatter of its
+    output, into symmetric-memory kernels that compute on the chunks already received while the rest is in flight.
+    It rewrites the compiled layers' functional collectives (`lightning_hybrid.core.collectives` issues them under
+    ``torch.compile``), so it needs ``compile``, ``sequence_parallel`` and ``tp > 1`` (`ParallelOptions.create`
+    checks) and CUDA with NCCL: symmetric memory exists only there. ``ValueError`` on any other device or backend,
+    alike on every rank, before any collective. The fused kernels compute the same products and sums in another
+    order: equal within the run's floating-point tolerance, not bitwise (checked on a GPU by
+    ``benchmarks/gpu_check.py`` where one is lent with two or more devices)."""
+    import torch
+    import torch.distributed as dist
+
+    backend = dist.get_backend(tp_group)
+    if device.type != "cuda" or backend != "nccl":
+        raise ValueError(
+            f"async_tp=True needs CUDA with NCCL: torch's micro-pipelined TP runs on symmetric memory, which exists on"
+            f" CUDA devices only; this run is on {device.type} with {backend}. Use async_tp=False (the TP collectives"
+            " then run between the matmuls, as they do without it)."
+        )
+    torch._inductor.config._micro_pipeline_tp = True

@@ -54,6 +54,8 @@ ROOT = Path(__file__).resolve().parents[2]
         (dict(dp_shard=2, zero_stage=3, ep=2), r"dp_shard=2 with ep=2: hybrid sharding of expert-parallel experts"),
         (dict(grad_reduce="sometimes", zero_stage=3), r"grad_reduce='sometimes' is invalid: use 'micro_batch'"),
         (dict(grad_reduce="micro_batch", zero_stage=2), r"grad_reduce='micro_batch' chooses when ZeRO-3"),
+        (dict(tp=2, async_tp=True), r"async_tp=True fuses .*; it needs sequence_parallel=True, compile=True"),
+        (dict(async_tp=True, compile=True), r"it needs tp > 1, sequence_parallel=True \(got tp=1"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, message):
@@ -119,6 +121,8 @@ def _fit_expecting_errors() -> dict[str, str]:
         "no pipeline protocol": (HybridStrategy(pp=2), None),
         "too few layers": (HybridStrategy(pp=2, schedule="zero_bubble"), dict(n_layer=1)),
         "toy dimension": (HybridStrategy(tp=2), {}),
+        # Micro-pipelined TP exists on CUDA/NCCL only: refused by name here, on every rank, before a collective.
+        "async tp on cpu": (HybridStrategy(tp=2, sequence_parallel=True, compile=True, async_tp=True), {}),
     }
     errors = {}
     for name, (strategy, overrides) in cases.items():
@@ -148,6 +152,8 @@ def test_bad_layouts_fail_on_every_rank_without_hanging():
         assert re.search(r"4 pipeline stages need at least 4 layers; the model has 3", errors["too few layers"])
         # A dimension's hooks, called by the strategy without naming it: each batch through on_batch, then (training)
         # after the step and after its backward.
+        assert re.search(r"async_tp=True needs CUDA with NCCL: .*this run is on cpu with gloo",
+                         errors["async tp on cpu"])
         assert errors["toy dimension"] == "no error"
         assert errors["toy dimension calls"] == "batch:train step backward batch:train step backward batch:validate"
 
