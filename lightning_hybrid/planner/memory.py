@@ -155,6 +155,7 @@ from dataclasses import dataclass, replace
 
 from lightning_hybrid.parallel.pipeline.executor import SCHEDULES
 from lightning_hybrid.parallel.zero import AUTO_WINDOW_FRACTION, DEFAULT_BUCKET_CAP_MB, MAX_IN_FLIGHT
+from lightning_hybrid.parallel.zero.buckets import stage2_cap
 
 # The parts (re-exported here, as they were defined here): a block's activations, context parallelism's and the
 # documents' masks, and where the layers and parameters are.
@@ -346,7 +347,8 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
         else:
             params = pb * P
             if lay.zero_stage == 2 and sharded and not whole_window:
-                grads = gb * (slices + min(P, (1 + MAX_IN_FLIGHT) * bucket / gb))
+                # stage 2 cuts its buckets at most 1/32 of the gradients (`stage2_cap`)
+                grads = gb * (slices + min(P, (1 + MAX_IN_FLIGHT) * stage2_cap(int(bucket), int(gb * P)) / gb))
             elif lay.pp > 1 and not sharded and lay.shard == 1:
                 grads = 2 * gb * P  # no buckets: a micro-batch's new gradients beside the accumulated ones
             else:

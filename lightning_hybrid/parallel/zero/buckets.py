@@ -1,11 +1,12 @@
 """ZeRO 0-2's gradient buckets and their reduction over the data-parallel group.
 
-`_layout` cuts a param group's trainable parameters into size-capped buckets (``DEFAULT_BUCKET_CAP_MB``) in
-backward order; a `_Bucket` holds the flat gradient buffer its parameters' ``.grad`` are views of and runs its
-reduction (stage 0: all-reduce; stages 1-2: reduce-scatter into this rank's slice, on gloo an in-place all-reduce:
-`_COPYING_COLLECTIVES`). `GradientBuckets` starts each bucket's reduction from post-accumulate-grad hooks as soon
-as backward has filled it and waits for them before the step; under stages 1-2 a parameter's ``.grad`` is then a
-`ShardedGradient` placeholder until the step (no rank holds the whole reduced gradient).
+`_layout` cuts a param group's trainable parameters into size-capped buckets (``DEFAULT_BUCKET_CAP_MB``; stage 2
+also at `stage2_cap` of the group) in backward order; a `_Bucket` holds the flat gradient buffer its parameters'
+``.grad`` are views of and runs its reduction (stage 0: all-reduce; stages 1-2: reduce-scatter into this rank's
+slice, on gloo an in-place all-reduce: `_COPYING_COLLECTIVES`). `GradientBuckets` starts each bucket's reduction
+from post-accumulate-grad hooks as soon as backward has filled it and waits for them before the step; under stages
+1-2 a parameter's ``.grad`` is then a `ShardedGradient` placeholder until the step (no rank holds the whole reduced
+gradient).
 """
 
 from __future__ import annotations
@@ -30,6 +31,23 @@ _IN_PLACE_REDUCE_SCATTER = ("nccl",)
 # no more than a fixed ~2 MiB (tests/zero/test_zero.py measures both).
 _COPYING_COLLECTIVES = ("gloo",)
 MAX_IN_FLIGHT = 1  # stage 2: reductions running while backward fills the next bucket
+STAGE2_MIN_BUCKETS = 32  # stage 2 cuts a param group into at least this many buckets (`stage2_cap`) ...
+STAGE2_MIN_BUCKET_BYTES = 2**20  # ... of at least this size
+
+
+def stage2_cap(cap_bytes: int, grad_bytes: int) -> int:
+    """Stage 2's bucket cap for a param group of ``grad_bytes`` of gradients: ``cap_bytes``, and at most
+    ``grad_bytes / STAGE2_MIN_BUCKETS`` (not under ``STAGE2_MIN_BUCKET_BYTES``).
+
+    Beside its 1/dp slices stage 2 holds full buffers -- the bucket backward is filling and up to ``MAX_IN_FLIGHT``
+    being reduced, and at the start of backward the first bucket beside all the activations -- so its saving over
+    stage 0 falls short of the formula's by about two buckets. With the default 25 MiB cap that is ~50 MiB: the
+    whole gradient saving (Psi - Psi/dp) of a 25M-parameter GPT at dp=2, where ZeRO-2 saved 74% of the formula's
+    promise at its peak (live tensors; the resident set with freed blocks unmapped alike) against 94% once its
+    buckets are cut at 1/32 of the gradients. A model of over 32 caps of gradients (~210M fp32 parameters at
+    25 MiB) keeps ``cap_bytes``. Where the cut moves a bucket's ends, dp > 2 sums each gradient in another order
+    (last-bit differences, as with any other ``bucket_cap_mb``); at dp = 2 the bits are the same."""
+    return min(cap_bytes, max(STAGE2_MIN_BUCKET_BYTES, grad_bytes // STAGE2_MIN_BUCKETS))
 
 
 class _Bucket:
@@ -67,6 +85,8 @@ class _Bucket:
             self.shard = nn.Parameter(self.flat[self.lo : self.hi])
             if stage == 2:  # persistent: the reduce-scatter writes straight into it
                 self.shard_grad = torch.zeros(size, dtype=like.dtype, device=like.device)
+        # Stage 2: where `allocate` takes its full buffer from (`GradientBuckets` sets it; None: a new one each time).
+        self.buffers: _FlatBuffers | None = None
         if stage < 2:
             self.allocate()
         self.work = None  # the running reduction
@@ -78,13 +98,18 @@ class _Bucket:
 
     def allocate(self) -> None:
         """The flat gradient buffer (zeros) and the parameters' views of it."""
-        self.grad = torch.zeros(self.padded, dtype=self.params[0].dtype, device=self.params[0].device)
+        if self.buffers is not None:
+            self.grad = self.buffers.take(self.padded, self.params[0].dtype, self.params[0].device)
+        else:
+            self.grad = torch.zeros(self.padded, dtype=self.params[0].dtype, device=self.params[0].device)
         self.views = [self.grad[o : o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
 
     def release(self) -> None:
         """Stage 2: drop the full gradient buffer (the slice has been reduced out of it)."""
         for p in self.params:
             p.grad = None
+        if self.buffers is not None and self.grad is not None:
+            self.buffers.give(self.grad)
         self.grad, self.views = None, []
 
     def launch(self) -> None:
@@ -140,6 +165,47 @@ class _Bucket:
         dist.all_gather_single(self.flat, self.shard.detach().clone(), group=self.group)
 
 
+class _FlatBuffers:
+    """Stage 2's full gradient buffers of one dtype and device, reused from bucket to bucket within a window.
+
+    A new buffer per bucket, freed after its reduction, came from glibc's heap (its mmap threshold rises to up to
+    32 MiB once a large block is freed) between the activations and gradients backward allocates and frees: the
+    next bucket often found no hole left that fitted and grew the heap, which keeps what is freed resident (the
+    33.9M-parameter GPT of benchmarks/bench_memory.py at dp=2 ended with 158 MiB free in its heap against stage
+    0's 84). So the buckets take up to ``keep`` buffers of ``numel`` elements (the largest bucket; ``keep = 1 +
+    MAX_IN_FLIGHT``, as many as are alive at once), made as first needed and handed on as each is freed, and
+    let them go at the end of the window (`drop`): nothing stays between steps. A bucket under half of ``numel``
+    (such as the head's, filled first, beside all the activations) gets a buffer of its own size, as does one
+    that finds none free (accumulation and pipelines hold every bucket until the reduction): lent a whole one it
+    would hold more than twice its size. `take` zeroes the part a bucket uses, as a fresh buffer would be."""
+
+    def __init__(self, numel: int, keep: int) -> None:
+        self.numel, self.keep = numel, keep
+        self.free: list[Tensor] = []
+        self.made = 0  # buffers of ``numel`` made in this window
+
+    def take(self, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A zero-filled ``[n]`` buffer: the start of a free one, of a new one of ``numel``, or a new one of ``n``."""
+        if 2 * n <= self.numel or not (self.free or self.made < self.keep):
+            return torch.zeros(n, dtype=dtype, device=device)
+        if self.free:
+            buffer = self.free.pop()
+        else:
+            self.made += 1
+            buffer = torch.empty(self.numel, dtype=dtype, device=device)
+        return buffer[:n].zero_()
+
+    def give(self, grad: Tensor) -> None:
+        """``grad`` (from `take`) is no longer used: its buffer is kept for the next bucket if it is one of ours."""
+        base = grad if grad._base is None else grad._base
+        if base.numel() == self.numel and len(self.free) < self.keep and all(b is not base for b in self.free):
+            self.free.append(base)
+
+    def drop(self) -> None:
+        """The window is over: let the buffers go."""
+        self.free, self.made = [], 0
+
+
 class ShardedGradient(Tensor):
     """What ``p.grad`` of a parameter is under ZeRO 1-2 from the gradient reduction to the optimizer step: the
     reduced gradient lives in bucket slices spread over the data-parallel ranks (this rank holds ``1/dp`` of it,
@@ -177,9 +243,12 @@ class ShardedGradient(Tensor):
         )
 
 
-def _layout(params: list[nn.Parameter], cap_bytes: int, key) -> list[list[nn.Parameter]]:
+def _layout(params: list[nn.Parameter], cap_bytes: int, key, stage: int = 0) -> list[list[nn.Parameter]]:
     """Parameters grouped by ``key`` and cut into buckets of at most ``cap_bytes`` (a larger parameter gets a
-    bucket of its own), in backward order: the reverse of registration, as DDP does."""
+    bucket of its own), in backward order: the reverse of registration, as DDP does. Under ``stage`` 2 the cap is
+    also `stage2_cap` of all of ``params`` (the param group)."""
+    if stage == 2:
+        cap_bytes = stage2_cap(cap_bytes, sum(p.numel() * p.element_size() for p in params))
     by_kind: dict[tuple, list[nn.Parameter]] = defaultdict(list)
     for p in reversed(params):
         by_kind[key(p)].append(p)
@@ -222,6 +291,15 @@ class GradientBuckets:
         self._in_backward = False
         self._launched: set[int] = set()  # buckets whose reduction of this window has started
         self._pending: list[_Bucket] = []  # started, not yet finished
+        self._buffers: dict[tuple, _FlatBuffers] = {}  # stage 2: its buckets' full buffers, by dtype and device
+        if stage == 2:
+            by_kind: dict[tuple, list[_Bucket]] = defaultdict(list)
+            for b in buckets:
+                by_kind[b.params[0].dtype, b.params[0].device].append(b)
+            for kind, group in by_kind.items():
+                self._buffers[kind] = _FlatBuffers(max(b.padded for b in group), 1 + MAX_IN_FLIGHT)
+                for b in group:
+                    b.buffers = self._buffers[kind]
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for b in buckets for p in b.params]
 
     @torch.no_grad()
@@ -305,6 +383,8 @@ class GradientBuckets:
         for bucket in self._pending:
             bucket.finish()
         self._pending = []
+        for buffers in self._buffers.values():
+            buffers.drop()
         self._presence()
         self._seen.clear()
         self._launched.clear()

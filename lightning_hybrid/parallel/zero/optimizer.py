@@ -93,7 +93,8 @@ class ZeroOptimizer(Optimizer):
             group_buckets = [
                 _Bucket(ps, expert_group if id(ps[0]) in expert_ids else group, stage, id(ps[0]) in tp_sharded, dp)
                 for ps in _layout(trainable, cap,
-                                  lambda p: (p.dtype, p.device, id(p) in tp_sharded, id(p) in expert_ids))  # noqa: B023
+                                  lambda p: (p.dtype, p.device, id(p) in tp_sharded, id(p) in expert_ids),  # noqa: B023
+                                  stage)
             ]
             self.buckets.extend(group_buckets)
             if stage:
