@@ -210,9 +210,6 @@ def test_pipeline_with_dp_and_tp_match_one_device():
                                       {"accumulate_grad_batches": 2}),
         "pp2xdp2-zero3-accumulate2": (dict(pp=2, dp=2, zero_stage=3, micro_batches=2), model,
                                       {"accumulate_grad_batches": 2}),
-        "pp2xdp2-zero3-accumulate2-micro_batch": (
-            dict(pp=2, dp=2, zero_stage=3, micro_batches=2, grad_reduce="micro_batch"), model,
-            {"accumulate_grad_batches": 2}),
         # Each stage's buckets reduce during its last backward: with two stages per rank (a bucket filled by one
         # stage's last backward is reduced, and under ZeRO-2 freed, while the other stage still runs) ...
         "pp2xdp2-zero2-interleaved": (dict(pp=2, dp=2, zero_stage=2, schedule="interleaved_1f1b", virtual_stages=2),
