@@ -22,11 +22,9 @@ from lightning_hybrid.parallel.activation_checkpointing import Recompute, Select
 from lightning_hybrid.parallel.compile import Compile, compile_options
 from lightning_hybrid.parallel.pipeline import resolve_schedule
 from lightning_hybrid.parallel.pipeline.executor import ScheduleSpec
-from lightning_hybrid.parallel.zero import DEFAULT_BUCKET_CAP_MB
+from lightning_hybrid.parallel.zero import DEFAULT_BUCKET_CAP_MB, GRAD_REDUCE
 
 PIPELINE_ARGUMENTS = ("schedule", "micro_batches", "virtual_stages", "split_points")
-#: When ZeRO-3 reduce-scatters under gradient accumulation (`lightning_hybrid.grad_sync.GradientSync`).
-GRAD_REDUCE = ("auto", "micro_batch", "window")
 
 
 @dataclass(frozen=True)

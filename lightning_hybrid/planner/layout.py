@@ -6,13 +6,13 @@ import inspect
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+from lightning_hybrid.parallel.zero import GRAD_REDUCE
+
 __all__ = ["Layout", "RECOMPUTE_MODES"]
 
 #: What a layer recomputes in backward: nothing, the whole layer (activation checkpointing), the attention core only
 #: (selective recompute), or the attention core and every element-wise op (pointwise selective recompute).
 RECOMPUTE_MODES = ("none", "full", "attention", "pointwise")
-#: When ZeRO-3 reduce-scatters under gradient accumulation (the strategy's ``grad_reduce``).
-GRAD_REDUCE = ("auto", "window", "micro_batch")
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,13 @@ from lightning_hybrid.parallel.zero.buckets import (
     GradientBuckets,
     ShardedGradient,
 )
-from lightning_hybrid.parallel.zero.fsdp import AUTO_WINDOW_FRACTION, apply_fsdp, apply_fsdp_experts, apply_fsdp_units
+from lightning_hybrid.parallel.zero.fsdp import (
+    AUTO_WINDOW_FRACTION,
+    GRAD_REDUCE,
+    apply_fsdp,
+    apply_fsdp_experts,
+    apply_fsdp_units,
+)
 from lightning_hybrid.parallel.zero.fsdp import _InPlaceAllGather as _InPlaceAllGather  # tests/zero use both
 from lightning_hybrid.parallel.zero.fsdp import _InPlaceReduceScatter as _InPlaceReduceScatter
 from lightning_hybrid.parallel.zero.optimizer import (
@@ -56,6 +62,7 @@ from lightning_hybrid.parallel.zero.optimizer import (
 __all__ = [
     "AUTO_WINDOW_FRACTION",
     "DEFAULT_BUCKET_CAP_MB",
+    "GRAD_REDUCE",
     "ELEMENTWISE_OPTIMIZERS",
     "MAX_IN_FLIGHT",
     "GradientBuckets",

@@ -21,6 +21,8 @@ from lightning_hybrid.parallel.zero.buckets import _COPYING_COLLECTIVES
 #: step) while they take at most this fraction of the device's memory, else reduce-scatters every batch of the window
 #: (`lightning_hybrid.grad_sync.resolve_grad_reduce`; the planner's `resolve_grad_reduce` alike).
 AUTO_WINDOW_FRACTION = 0.1
+#: The values of ``grad_reduce`` (the strategy's option and the planner's `Layout` field).
+GRAD_REDUCE = ("auto", "micro_batch", "window")
 
 
 class _InPlaceAllGather(AllGather):
