@@ -20,6 +20,7 @@ from lightning_hybrid.checks.randomness import RANDOMNESS
 from lightning_hybrid.core.dims import ParallelDims, validate_zero_stage
 from lightning_hybrid.parallel.activation_checkpointing import Recompute, Selection, recompute_selection
 from lightning_hybrid.parallel.compile import Compile, compile_options
+from lightning_hybrid.parallel.float8 import Float8, validate_float8
 from lightning_hybrid.parallel.pipeline import resolve_schedule
 from lightning_hybrid.parallel.pipeline.executor import ScheduleSpec
 from lightning_hybrid.parallel.zero import DEFAULT_BUCKET_CAP_MB, GRAD_REDUCE
@@ -52,6 +53,8 @@ class ParallelOptions:
     randomness: str = "exact"  # random ops: one device's draws or refused; "independent": per-rank streams
     grad_reduce: str = "auto"  # ZeRO-3 under accumulation: reduce-scatter each batch ("micro_batch") or once ("window")
     async_tp: bool = False  # compiled SP collectives fused with their matmuls (`parallel.compile.enable_async_tp`)
+    fp8: Float8 = None  # torchao's float8 recipe or config for the linears (`lightning_hybrid.parallel.float8`)
+    fp8_exclude: tuple[str, ...] = ()  # globs of linears kept in the training precision
 
     @classmethod
     def create(
@@ -73,6 +76,8 @@ class ParallelOptions:
         randomness: str = "exact",
         grad_reduce: str = "auto",
         async_tp: bool = False,
+        fp8: Float8 = None,
+        fp8_exclude: Optional[list[str]] = None,
     ) -> "ParallelOptions":
         """Validate the `HybridStrategy` arguments of the same names against the requested ``dims``.
         ``ValueError`` naming the bad value and what would be valid; an argument that nothing would use with these
@@ -128,6 +133,18 @@ class ParallelOptions:
             raise ValueError(f"async_tp=True fuses the compiled layers' sequence-parallel all-gathers and"
                              f" reduce-scatters with their matmuls; it needs {', '.join(missing)} (got tp={tp},"
                              f" sequence_parallel={sequence_parallel}, compile={compile!r}).")
+        validate_float8(fp8)
+        if fp8_exclude is not None and (isinstance(fp8_exclude, str)
+                                        or not all(isinstance(p, str) for p in fp8_exclude)):
+            raise ValueError(f"fp8_exclude={fp8_exclude!r} is invalid: use a list of glob patterns of module names"
+                             " (e.g. ['lm_head', '*.mlp.*']).")
+        if fp8_exclude and fp8 is None:
+            raise ValueError(f"fp8_exclude={list(fp8_exclude)!r} names linears to keep out of FP8, but fp8=None trains"
+                             " none in FP8; set fp8 (e.g. 'tensorwise'), or leave fp8_exclude unset.")
+        if fp8 is not None and dims.ep > 1:
+            raise ValueError(f"fp8={fp8!r} with ep={dims.ep}: the experts' tokens are exchanged over the EP group, and"
+                             " scaling their float8 GEMMs as one device does is not implemented; use ep=1 with fp8,"
+                             " or fp8=None.")
         if cp > 1 and arguments is not None:
             raise ValueError(f"cp={cp} with compile={compile!r}: context parallelism catches each layer's attention"
                              " at run time, which torch.compile does not trace; use compile=False with cp > 1.")
@@ -142,7 +159,7 @@ class ParallelOptions:
             activation_checkpointing=activation_checkpointing or selection is not None,
             recompute=selection, compile=MappingProxyType(arguments) if arguments is not None else None,
             batch_check_interval=batch_check_interval, randomness=randomness, grad_reduce=grad_reduce,
-            async_tp=bool(async_tp),
+            async_tp=bool(async_tp), fp8=fp8, fp8_exclude=tuple(fp8_exclude or ()),
         )
 
     def example_multiple(self, dims: ParallelDims) -> int:

@@ -1,7 +1,7 @@
 """`parallelize`: the one place the parallel dimensions are composed, in the order they must run.
 
     plan -> checkpoint targets -> pipeline cut -> TP/SP split (verified) -> materialise
-         -> EP split (verified) -> context split (hooks) -> activation checkpointing -> compile
+         -> EP split (verified) -> FP8 linears -> context split (hooks) -> activation checkpointing -> compile
          -> ZeRO-3 (FSDP2) -> pipeline executor
 
 Each step is one named function taking the meshes (`lightning_hybrid.core.dims.Meshes`, built once from
@@ -48,6 +48,7 @@ from lightning_hybrid.parallel.expert_parallel import (
     expert_parameter_names,
     iter_expert_modules,
 )
+from lightning_hybrid.parallel.float8 import Float8Groups, Float8Report, apply_float8, float8_config
 from lightning_hybrid.parallel.pipeline import PipelineExecutor, check_protocol, stage_module
 from lightning_hybrid.parallel.pipeline.aux import AuxLossExchange, Source
 from lightning_hybrid.parallel.pipeline.executor import SCHEDULES, forward_through_stages
@@ -139,6 +140,8 @@ def parallelize(module: nn.Module, meshes: Meshes, options: ParallelOptions, dev
         verify_experts(module)
     elif ep > 1:
         split_experts(module, meshes)
+    if options.fp8 is not None:
+        convert_float8(module, meshes, options, device)
     experts = expert_parameter_names(module)
     tp_sharded = frozenset(tp_sharded_parameter_names(module)) - experts
     remote = tuple(layout.remote_prefixes) if layout is not None else ()
@@ -255,6 +258,50 @@ def verify_experts(module: nn.Module) -> None:
     split = set(iter_expert_modules(module))
     reasons = [check_experts(name, experts) for name, experts in module.named_modules() if experts in split]
     raise_on_every_rank([reason for reason in reasons if reason is not None], "Expert parallelism")
+
+
+def convert_float8(module: nn.Module, meshes: Meshes, options: ParallelOptions, device: torch.device) -> Float8Report:
+    """This rank's linears in FP8 (`lightning_hybrid.parallel.float8.apply_float8`), their amaxes reduced over the
+    groups that split their operands (`Float8Groups`; the stage's ranks and the context-parallel x TP ones made
+    here, alike on every rank). ``ValueError`` on every rank for an ``fp8_exclude`` pattern that matches no linear
+    on any rank, or a model with no linear to convert."""
+    dims = meshes.dims
+
+    def group_of(key: Callable[[tuple[int, int, int, int]], Any]) -> Optional[dist.ProcessGroup]:
+        """This rank's group of the ranks whose coordinates (pp, dp, cp, tp) give the same ``key`` (made for
+        every key, alike on every rank); ``None`` where it is this rank alone."""
+        members: dict[Any, list[int]] = {}
+        for rank in range(dims.world_size):
+            members.setdefault(key(dims.coordinates(rank)), []).append(rank)
+        if all(len(ranks) == 1 for ranks in members.values()):
+            return None
+        mine, _ = dist.new_subgroups_by_enumeration(list(members.values()))
+        return mine
+
+    optional = {name: meshes.group(name) if name in meshes and meshes.size(name) > 1 else None
+                for name in ("dp_cp", "tp", "cp")}
+    groups = Float8Groups(stage=group_of(lambda c: c[0]), together=group_of(lambda c: c[:2]), **optional)
+    errors: list[str] = []
+    report = Float8Report([], [], set())
+    try:
+        report = apply_float8(module, float8_config(options.fp8, device), groups, options.fp8_exclude)
+    except ValueError as e:
+        errors.append(str(e))
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (errors, sorted(report.matched), len(report.converted)))
+    errors = list(dict.fromkeys(m for each, _, _ in gathered for m in each))
+    matched = {p for _, each, _ in gathered for p in each}
+    unmatched = [p for p in options.fp8_exclude if p not in matched]
+    if unmatched:
+        errors.append(f"fp8_exclude patterns {unmatched} match no linear layer of the model; valid names are those of"
+                      f" its linears, e.g. {(report.converted + report.kept)[:4]}.")
+    if not errors and not any(count for _, _, count in gathered):
+        errors.append(f"fp8={options.fp8!r}: no linear layer of the model has both dimensions multiples of"
+                      f" 16 outside fp8_exclude (kept: {report.kept[:8]}); nothing would train in FP8.")
+    if errors:
+        raise ValueError("FP8 cannot convert this model:\n- " + "\n- ".join(errors))
+    rank_zero_info(report.summary())
+    return report
 
 
 def raise_on_every_rank(errors: list[str], what: str) -> None:

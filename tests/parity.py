@@ -34,6 +34,11 @@ BLOCK = 32
 RTOL = 1e-6
 TENSOR_RTOL = 2e-6
 PARAM_ATOL = 5e-6
+# FP8 runs (tests/strategy/test_float8.py): two steps -- the first from the same weights, the second from weights an
+# ulp apart; later, fp32 noise at a float8 rounding boundary moves a value by a whole float8 step, and every step
+# compounds it -- at the fp32 tolerances but a tensor's gradient norm's (measured 1.7e-6; 1.6e-2 when broken).
+FP8_STEPS = 2
+FP8_TOLERANCES = (RTOL, PARAM_ATOL, 1e-3, 1e-5)
 
 
 def one_device_loader(dataset: Dataset, batch_size: int) -> DataLoader:
@@ -420,3 +425,45 @@ class DoubleOneGradient(L.Callback):
         # parameters gathered during its forward only, as FSDP2 gathers any unit's.
         forward = module.forward
         module.forward = lambda *args, **kwargs: forward(*args, **kwargs) + (module.bias - module.bias.detach())
+
+
+class Float8GPT(SGDGPT):
+    """The reference GPT in FP8. Under `HybridStrategy` the strategy converts its linears (``fp8=recipe``); on one
+    device it converts them itself with torchao (``convert_to_float8_training``, emulated, the strategy's filter)
+    and runs its forward on the rows the distributed run scales together: with gradients, a pipeline micro-batch
+    of every data-parallel rank (``micro_batches`` parts of each rank's rows); without (validation), one rank's
+    micro-batch alone. Rank ``r`` of ``dp`` reads rows ``r, r + dp, ...`` of the one-device batch (Lightning's
+    ``DistributedSampler``). Plain SGD (`SGDGPT`): a float8 value that fp32 noise moved one step changes an update by
+    the learning rate times its effect on the gradient, where Adam would make an update of order the learning rate
+    of a gradient element that is noise."""
+
+    def __init__(self, *args, recipe: str = "tensorwise", dp: int = 1, micro_batches: int = 1, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.recipe, self.dp, self.parts = recipe, dp, micro_batches
+
+    def configure_model(self) -> None:
+        converted = self.model is not None
+        super().configure_model()
+        if not converted and not isinstance(self.trainer.strategy, HybridStrategy):
+            from torchao.float8 import convert_to_float8_training
+
+            from lightning_hybrid.parallel.float8 import float8_config, float8_filter
+
+            convert_to_float8_training(self.model, config=float8_config(self.recipe, torch.device("cpu")),
+                                       module_filter_fn=float8_filter())
+
+    def forward(self, idx, position_ids=None, attention_mask=None):
+        if isinstance(self.trainer.strategy, HybridStrategy) or (self.dp == 1 and self.parts == 1):
+            return super().forward(idx, position_ids, attention_mask)
+        assert position_ids is None and attention_mask is None
+        per_rank = idx.size(0) // self.dp
+        rows = torch.arange(idx.size(0), device=idx.device).view(per_rank, self.dp).t()  # [rank, its rows]
+        parts = [part for rank_rows in rows for part in rank_rows.chunk(self.parts)]  # (rank, micro-batch)
+        if torch.is_grad_enabled():  # a micro-batch of every rank together
+            parts = [torch.cat(parts[i::self.parts]) for i in range(self.parts)]
+        out = None
+        for part in parts:
+            logits = super().forward(idx[part])
+            out = logits.new_empty(*idx.shape, logits.size(-1)) if out is None else out
+            out[part] = logits
+        return out

@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from lightning_hybrid.checks.randomness import is_random_op
 from lightning_hybrid.core.batch import TokenBatch
 from lightning_hybrid.parallel.context_parallel import ContextParallel, zigzag_indices
+from lightning_hybrid.parallel.float8 import float8_off
 
 __all__ = ["RTOL", "RTOL_16", "FirstStepProbe"]
 
@@ -361,8 +362,8 @@ class _State:
 
 @contextlib.contextmanager
 def _quiet(module: nn.Module, device: torch.device) -> Iterator[_State]:
-    """No gradients, eval mode, no autocast, fp32 matmuls (no TF32); random states, buffers, plain values and
-    training modes as they were afterwards (and wherever the probe restores them)."""
+    """No gradients, eval mode, no autocast, fp32 matmuls (no TF32, no FP8: `float8_off`); random states, buffers,
+    plain values and training modes as they were afterwards (and wherever the probe restores them)."""
     state = _State(module)
     devices = [device] if device.type == "cuda" else []
     # TF32 matmuls (which torch.set_float32_matmul_precision("high") turns on) round at ~1e-3: fp32 for the probe.
@@ -371,7 +372,8 @@ def _quiet(module: nn.Module, device: torch.device) -> Iterator[_State]:
     try:
         torch.set_float32_matmul_precision("highest")
         torch.backends.cudnn.allow_tf32 = False
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), torch.autocast(device.type, enabled=False):
+        with (torch.random.fork_rng(devices=devices), torch.no_grad(), torch.autocast(device.type, enabled=False),
+              float8_off(module)):
             module.eval()
             yield state
     finally:

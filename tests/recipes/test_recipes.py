@@ -85,6 +85,10 @@ def test_model_data_trainer_configs_compose(model, data, trainer, tmp_path):
 def test_layout_fields_are_overridable():
     cfg = _compose("parallel=dp_tp", "parallel.tp=4", "parallel.zero_stage=2", "trainer.devices=8")
     assert world_layout(cfg) == {"devices": 8, "num_nodes": 1, "dp": 2, "tp": 4, "pp": 1, "cp": 1}
+    # FP8 in a recipe: the strategy's own arguments, any layout.
+    fp8 = instantiate(_compose("parallel=dp_tp", "parallel.fp8=rowwise", "parallel.fp8_exclude=[model.head.*]")
+                      .parallel)
+    assert fp8.options.fp8 == "rowwise" and fp8.options.fp8_exclude == ("model.head.*",)
 
 
 @pytest.mark.parametrize("typo", ["parallel.tpp=2", "model.n_layers=3", "data.batchsize=3", "trainer.max_step=3",

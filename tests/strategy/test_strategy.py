@@ -56,6 +56,11 @@ ROOT = Path(__file__).resolve().parents[2]
         (dict(grad_reduce="micro_batch", zero_stage=2), r"grad_reduce='micro_batch' chooses when ZeRO-3"),
         (dict(tp=2, async_tp=True), r"async_tp=True fuses .*; it needs sequence_parallel=True, compile=True"),
         (dict(async_tp=True, compile=True), r"it needs tp > 1, sequence_parallel=True \(got tp=1"),
+        (dict(fp8="float8"), r"fp8='float8' is invalid: use one of torchao's recipes \['tensorwise', 'rowwise',"),
+        (dict(fp8=True), r"fp8=True is invalid: use one of torchao's recipes"),
+        (dict(fp8_exclude=["lm_head"]), r"fp8_exclude=\['lm_head'\] names linears to keep out of FP8, but fp8=None"),
+        (dict(fp8="tensorwise", fp8_exclude="lm_head"), r"fp8_exclude='lm_head' is invalid: use a list of glob"),
+        (dict(fp8="tensorwise", ep=2), r"fp8='tensorwise' with ep=2: the experts' tokens are exchanged"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, message):
@@ -123,6 +128,8 @@ def _fit_expecting_errors() -> dict[str, str]:
         "toy dimension": (HybridStrategy(tp=2), {}),
         # Micro-pipelined TP exists on CUDA/NCCL only: refused by name here, on every rank, before a collective.
         "async tp on cpu": (HybridStrategy(tp=2, sequence_parallel=True, compile=True, async_tp=True), {}),
+        # A pattern that keeps nothing out of FP8 is a mistake in the name: refused, naming valid ones.
+        "fp8 exclude pattern": (HybridStrategy(tp=2, fp8="tensorwise", fp8_exclude=["*.lm_hed"]), {}),
     }
     errors = {}
     for name, (strategy, overrides) in cases.items():
@@ -154,6 +161,9 @@ def test_bad_layouts_fail_on_every_rank_without_hanging():
         # after the step and after its backward.
         assert re.search(r"async_tp=True needs CUDA with NCCL: .*this run is on cpu with gloo",
                          errors["async tp on cpu"])
+        assert re.search(r"fp8_exclude patterns \['\*\.lm_hed'\] match no linear layer of the model; valid names"
+                         r" are those of its linears, e\.g\. \['model\.blocks\.0\.attn\.q_proj'",
+                         errors["fp8 exclude pattern"])
         assert errors["toy dimension"] == "no error"
         assert errors["toy dimension calls"] == "batch:train step backward batch:train step backward batch:validate"
 

@@ -12,8 +12,7 @@ so a subclass's own forward (Gemma's scaled embedding) still runs on the local r
 
 from __future__ import annotations
 
-import sys
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -39,29 +38,8 @@ from lightning_hybrid.core.collectives import (
     split_shard,
 )
 from lightning_hybrid.core.devices import local_tensor
+from lightning_hybrid.core.linears import linear_shape
 from lightning_hybrid.core.split_logits import SplitLogits
-
-
-class LinearShape(NamedTuple):
-    in_features: int
-    out_features: int
-    transposed: bool  # weight stored [in, out] (Conv1D)
-
-
-def _is_conv1d(module: nn.Module) -> bool:
-    """Whether ``module`` is a transformers ``Conv1D``. Nothing is imported: an instance exists only once
-    ``transformers.pytorch_utils`` has been imported, so the class is looked up there only when it is loaded."""
-    pytorch_utils = sys.modules.get("transformers.pytorch_utils")
-    return pytorch_utils is not None and isinstance(module, pytorch_utils.Conv1D)
-
-
-def linear_shape(module: nn.Module) -> LinearShape | None:
-    """Shape of a linear-like module (``nn.Linear`` or transformers' ``Conv1D``), else ``None``."""
-    if isinstance(module, nn.Linear):
-        return LinearShape(module.in_features, module.out_features, False)
-    if _is_conv1d(module) and module.weight is not None and module.weight.dim() == 2:
-        return LinearShape(module.weight.size(0), module.weight.size(1), True)
-    return None
 
 
 def _shard(t: Tensor, spec: ShardSpec, group: dist.ProcessGroup) -> nn.Parameter:
@@ -81,6 +59,8 @@ class ColumnParallelLinear(nn.Module):
     """
 
     sequence_parallel = False
+    float8 = None  # a `lightning_hybrid.parallel.float8.Float8Matmul`: the GEMMs in float8 (``fp8``)
+    float8_split = "out"  # which features TP splits: what `lightning_hybrid.parallel.float8` reads
 
     def __init__(
         self,
@@ -108,8 +88,12 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: Tensor) -> Tensor:
-        weight = self.weight.t() if self.transposed else self.weight
-        y = F.linear(x if self.sequence_parallel else copy_to_tp(x, self.group), weight, self.bias)
+        x = x if self.sequence_parallel else copy_to_tp(x, self.group)
+        if self.float8 is not None:
+            y = self.float8(x, self.weight if self.transposed else self.weight.t())
+            y = y if self.bias is None else y + self.bias.to(y.dtype)
+        else:
+            y = F.linear(x, self.weight.t() if self.transposed else self.weight, self.bias)
         if self.split_logits:
             return SplitLogits.wrap(y, self.group, self.output_spec)
         if self.gather_output:
@@ -135,6 +119,8 @@ class RowParallelLinear(nn.Module):
     """
 
     sequence_parallel = False
+    float8 = None  # as `ColumnParallelLinear.float8`
+    float8_split = "in"
 
     def __init__(self, linear: nn.Module, group: dist.ProcessGroup, input_is_parallel: bool):
         super().__init__()
@@ -151,16 +137,21 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
         weight = self.weight.t() if self.transposed else self.weight
-        if functional_collectives_active():
+        if self.float8 is not None:  # op by op (the reductions are functional where they must be)
+            partial = self.float8(x, weight.t())
+        elif functional_collectives_active():
             # Selective checkpoint or compile: one op whose output alone is kept (same collectives; its own backward).
             # Autocast casts none of a custom op's inputs: cast them as it casts F.linear's (the bias stays, added
             # after the reduction, as below).
             x, weight = autocast_inputs(x, weight)
             return row_parallel_linear(x, weight, self.bias, self.group, self.sequence_parallel)
-        partial = F.linear(x, weight)
+        else:
+            partial = F.linear(x, weight)
         reduce = reduce_scatter_sequence if self.sequence_parallel else reduce_from_tp
         y = reduce(partial, self.group)
-        return y if self.bias is None else y + self.bias
+        if self.bias is None:
+            return y
+        return y + (self.bias.to(y.dtype) if self.float8 is not None else self.bias)
 
     def extra_repr(self) -> str:
         local = self.weight.size(0 if self.transposed else 1)

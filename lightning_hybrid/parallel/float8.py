@@ -1,0 +1,346 @@
+"""FP8 training through torchao's float8 recipes, with every scale the one a single device computes.
+
+torchao (``convert_to_float8_training``) casts each operand of a linear layer's three GEMMs to float8 with a scale
+from its amax: of the whole tensor (tensorwise) or of each row or column (axiswise, "rowwise"), the forward's
+input and weight, the backward's output gradient, and both again for the weight gradient. Here those operands are
+split: a batch over the data-parallel and context-parallel ranks, a sequence over the TP group under SP, features
+over the TP group in a split layer. An amax taken on a piece would scale the piece differently from the whole, so
+each cast says which group splits each dimension of its operand and reduces its amax with MAX over the groups of
+the dimensions it reduces over (`Float8Layout`):
+
+- tokens (dim 0 of an input or output gradient, flattened): split over the stage's data-parallel, context-parallel
+  and -- where features are whole, since SP may cut the sequence there -- TP ranks; a replicated operand's MAX
+  over its identical copies is the same amax;
+- features: split over the TP group where the layer splits them (a column layer's output features, a row layer's
+  input features); a weight's amax over them is the unsplit weight's.
+
+A float8 GEMM computes what the unsplit one computes, with the same float8 values and scales: under TP up to the
+order of the fp32 sums, as every TP product. The scales are those of the tensors one forward call sees, so a
+pipeline's micro-batch is scaled as the same micro-batch on one device (one device accumulating the same
+micro-batches is the reference), and the amaxes of every data-parallel rank's share of it meet (one scalar
+all-reduce per tensorwise cast). A forward without gradients (validation, generation) is scaled over one
+data-parallel rank's rows (`Float8Layout.rows_here`): a forward one rank runs alone never waits for the others.
+
+`apply_float8` converts the module's linears (``nn.Linear``, transformers' ``Conv1D``, and the TP layers) by
+`float8_filter`: both unsplit dimensions multiples of 16, as float8 GEMM kernels require, and no name matching an
+``exclude`` glob. One device reproduces the run with torchao's own conversion:
+``convert_to_float8_training(model, config=float8_config(fp8, device), module_filter_fn=float8_filter)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_hybrid.core.collectives import all_reduce
+from lightning_hybrid.core.linears import linear_shape
+
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+INSTALL_HINT = "pip install 'lightning-hybrid[fp8]' (torchao)"
+MULTIPLE = 16  # float8 GEMM kernels (torch._scaled_mm) need both dimensions of each operand divisible by 16
+
+Float8 = Union[None, str, Any]  # None, a recipe name, or a torchao Float8LinearConfig
+
+
+@contextlib.contextmanager
+def float8_off(module: nn.Module) -> Iterator[None]:
+    """``module``'s float8 layers compute their GEMMs in the operands' precision inside this context (the first
+    step's probe compares the model's own code in fp32). An attribute of each layer's `Float8Matmul`, not a
+    context variable: ``torch.compile`` guards on it (a compiled layer recompiles once for it)."""
+    matmuls = [m.float8 for m in module.modules() if getattr(m, "float8", None) is not None]
+    states = [m.enabled for m in matmuls]
+    for matmul in matmuls:
+        matmul.enabled = False
+    try:
+        yield
+    finally:
+        for matmul, state in zip(matmuls, states):
+            matmul.enabled = state
+
+
+def _torchao():
+    try:
+        import torchao.float8 as float8
+    except ImportError as e:
+        raise ImportError(f"fp8 training uses torchao's float8: {INSTALL_HINT}.") from e
+    return float8
+
+
+def validate_float8(fp8: Float8) -> None:
+    """``ValueError`` naming ``fp8`` unless it is ``None``, a recipe name (`RECIPES`) or a ``Float8LinearConfig``;
+    ``ImportError`` when torchao is missing."""
+    if fp8 is None:
+        return
+    if isinstance(fp8, str):
+        if fp8 not in RECIPES:
+            raise ValueError(f"fp8={fp8!r} is invalid: use one of torchao's recipes {list(RECIPES)}, a"
+                             " torchao.float8.Float8LinearConfig, or None (no FP8).")
+        _torchao()
+        return
+    float8 = _torchao()
+    if not isinstance(fp8, float8.Float8LinearConfig):
+        raise ValueError(f"fp8={fp8!r} is invalid: use one of torchao's recipes {list(RECIPES)}, a"
+                         " torchao.float8.Float8LinearConfig, or None (no FP8).")
+    if fp8.enable_fsdp_float8_all_gather:
+        raise ValueError("fp8 with enable_fsdp_float8_all_gather=True: ZeRO-3 all-gathers the weights in their"
+                         " training precision here (the float8 all-gather is not implemented); use a config with"
+                         " enable_fsdp_float8_all_gather=False.")
+
+
+def float8_config(fp8: Float8, device: torch.device):
+    """torchao's ``Float8LinearConfig`` for ``fp8`` on ``device``: a recipe's config, emulated (float8 values,
+    fp32 GEMMs) off CUDA, where no float8 GEMM exists. A config that asks for float8 GEMMs off CUDA is a
+    ``ValueError``."""
+    float8 = _torchao()
+    config = float8.Float8LinearConfig.from_recipe_name(fp8) if isinstance(fp8, str) else fp8
+    if device.type != "cuda":
+        if isinstance(fp8, str):
+            config = replace(config, emulate=True)
+        elif not config.emulate:
+            raise ValueError(f"fp8: the Float8LinearConfig asks for float8 GEMMs (emulate=False) on {device.type},"
+                             " where only CUDA has them; use emulate=True there (float8 values, fp32 GEMMs), or a"
+                             " recipe name, which emulates off CUDA.")
+    return config
+
+
+def float8_filter(exclude: Sequence[str] = ()):
+    """The ``module_filter_fn`` of the conversion (torchao's signature ``(module, fqn) -> bool``): a linear whose
+    unsplit in and out features are multiples of 16 and whose name matches none of the ``exclude`` globs."""
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        shape = _shape(module)
+        return (shape is not None and shape[0] % MULTIPLE == 0 and shape[1] % MULTIPLE == 0
+                and not any(fnmatch.fnmatchcase(fqn, pattern) for pattern in exclude))
+
+    return keep
+
+
+def _shape(module: nn.Module) -> Optional[tuple[int, int]]:
+    """Unsplit (in, out) features of a linear-like module or of a TP layer (one that declares ``float8_split``)."""
+    if _split_features(module) is not None:
+        return module.in_features, module.out_features
+    shape = linear_shape(module)
+    return None if shape is None else (shape.in_features, shape.out_features)
+
+
+def _split_features(module: nn.Module) -> Optional[str]:
+    """``"in"`` or ``"out"`` for a TP layer (it declares which features it splits and takes a `Float8Matmul` as
+    ``float8``: `lightning_hybrid.parallel.tensor_parallel.layers`), else ``None``."""
+    return getattr(type(module), "float8_split", None)
+
+
+# ------------------------------------------------------------------------------------------------ the GEMMs
+@dataclass(frozen=True)
+class Float8Layout:
+    """Which groups split a linear layer's operands (``None``: whole here). ``tokens``: the tokens of its input and
+    output gradient (the stage's data-parallel x context-parallel x TP ranks); ``tokens_of_split``: the same for an
+    operand whose features TP splits (data-parallel x context-parallel: inside a split layer the sequence is whole);
+    ``in_features`` / ``out_features``: the TP group where the layer splits them."""
+
+    tokens: Optional[dist.ProcessGroup] = None
+    tokens_of_split: Optional[dist.ProcessGroup] = None
+    in_features: Optional[dist.ProcessGroup] = None
+    out_features: Optional[dist.ProcessGroup] = None
+    stage: Optional[dist.ProcessGroup] = None  # every rank of the stage: a tensorwise amax is reduced over it
+
+    def groups(self, features: Optional[dist.ProcessGroup]) -> tuple:
+        """(dim 0, dim 1) groups of an activation ``[tokens, features]`` whose features ``features`` splits."""
+        return (self.tokens if features is None else self.tokens_of_split), features
+
+    def rows_here(self, together: Optional[dist.ProcessGroup], cp: Optional[dist.ProcessGroup]) -> "Float8Layout":
+        """The layout of a forward without gradients (validation, generation): scaled over this data-parallel
+        rank's rows, with the ranks that run every forward together (``together``: context-parallel x TP, which
+        hold the rest of its sequence under CP and SP; ``cp`` for an operand whose features TP splits), so that a
+        forward one data-parallel rank runs alone does not wait for the others."""
+        return replace(self, tokens=together, tokens_of_split=cp, stage=together)
+
+
+class Float8Matmul:
+    """One layer's float8 GEMMs: torchao's config, its GEMM configs (``LinearMMConfig``) and the layer's
+    `Float8Layout`."""
+
+    def __init__(self, config, layout: Float8Layout, without_grad: Optional[Float8Layout] = None):
+        from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
+
+        self.config, self.layout, self.layout_without_grad = config, layout, without_grad or layout
+        self.enabled = True  # False inside `float8_off`
+        self.mm_config = LinearMMConfig(*(
+            ScaledMMConfig(config.emulate, gemm.use_fast_accum, False, config.pad_inner_dim)
+            for gemm in (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)
+        ))
+
+    def __call__(self, x: Tensor, weight_t: Tensor) -> Tensor:
+        """``x @ weight_t`` (``x [..., in]``, ``weight_t [in, out]``) in float8, output in ``x``'s dtype (the
+        autocast dtype under autocast, as torchao's ``Float8Linear``)."""
+        if not self.enabled:
+            return torch.matmul(x, weight_t)
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        layout = self.layout if torch.is_grad_enabled() else self.layout_without_grad
+        with torch.autocast(x.device.type, enabled=False):
+            # 2-D in and out: the function's output is its own tensor (a row layer reduces it in place), not a view
+            y = _Float8MM.apply(x.reshape(-1, x.size(-1)), weight_t, self, layout)
+        return y.view(*x.shape[:-1], y.size(-1))
+
+    def __repr__(self) -> str:
+        c = self.config
+        granularity = c.cast_config_input.scaling_granularity.value
+        return f"float8({granularity}{', emulated' if c.emulate else ''})"
+
+
+def _cast(t: Tensor, cast, axis: int, groups: tuple, stage: Optional[dist.ProcessGroup], matmul: Float8Matmul,
+          role) -> Tensor:
+    """``t`` (2-D) cast to float8 as ``cast`` says, its amax reduced over the groups that split the dimensions it
+    is taken over: the whole tensor's (tensorwise; over ``stage``, which holds every piece and copy) or along
+    ``axis`` (axiswise; over ``groups[axis]``). torchao's ``tensor_to_scale`` and ``hp_tensor_and_scale_to_float8``
+    otherwise."""
+    from torchao.float8.config import ScalingGranularity, ScalingType
+    from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+    from torchao.float8.float8_utils import amax_to_scale
+
+    if cast.scaling_type is ScalingType.DISABLED:
+        return t
+    tensorwise = cast.scaling_granularity is ScalingGranularity.TENSORWISE
+    with torch.no_grad():
+        if tensorwise:
+            amax, group = torch.max(torch.abs(t)), stage
+        else:
+            amax, group = torch.amax(torch.abs(t), dim=axis, keepdim=True), groups[axis]
+        if group is not None:
+            amax = all_reduce(amax.contiguous(), group, "max")
+        scale = amax_to_scale(amax, cast.target_dtype, matmul.config.round_scales_to_power_of_2)
+    return hp_tensor_and_scale_to_float8(t, scale, cast.target_dtype, matmul.mm_config, role,
+                                         None if tensorwise else axis)
+
+
+class _Float8MM(torch.autograd.Function):
+    """torchao's ``matmul_with_hp_or_float8_args`` with split-aware amaxes (`_cast`): the same casts, axes and
+    GEMMs, so that an unsplit layer computes exactly what torchao's ``Float8Linear`` computes."""
+
+    @staticmethod
+    def forward(ctx, x2: Tensor, weight_t: Tensor, matmul: Float8Matmul, layout: Float8Layout) -> Tensor:
+        from torchao.float8.float8_training_tensor import GemmInputRole
+
+        ctx.save_for_backward(x2, weight_t)
+        ctx.matmul, ctx.layout = matmul, layout
+        c = matmul.config
+        x_groups = layout.groups(layout.in_features)
+        w_groups = (layout.in_features, layout.out_features)
+        xq = _cast(x2, c.cast_config_input, -1, x_groups, layout.stage, matmul, GemmInputRole.INPUT)
+        wq = _cast(weight_t, c.cast_config_weight, 0, w_groups, layout.stage, matmul, GemmInputRole.WEIGHT)
+        return torch.mm(xq, wq)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        from torchao.float8.float8_training_tensor import GemmInputRole
+
+        (x2, weight_t), g2 = ctx.saved_tensors, grad
+        matmul: Float8Matmul = ctx.matmul
+        c, layout = matmul.config, ctx.layout
+        g_groups = layout.groups(layout.out_features)
+        x_groups = layout.groups(layout.in_features)
+        w_groups = (layout.in_features, layout.out_features)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:  # alike on every rank of the groups: the same layers need the same gradients
+            gq = _cast(g2, c.cast_config_grad_output, -1, g_groups, layout.stage, matmul, GemmInputRole.GRAD_OUTPUT)
+            wq = _cast(weight_t, c.cast_config_weight_for_grad_input, -1, w_groups, layout.stage, matmul,
+                       GemmInputRole.WEIGHT)
+            grad_x = torch.mm(gq, wq.t())
+        if ctx.needs_input_grad[1]:
+            gq = _cast(g2, c.cast_config_grad_output_for_grad_weight, 0, g_groups, layout.stage, matmul,
+                       GemmInputRole.GRAD_OUTPUT)
+            xq = _cast(x2, c.cast_config_input_for_grad_weight, 0, x_groups, layout.stage, matmul,
+                       GemmInputRole.INPUT)
+            grad_w = torch.mm(gq.t(), xq).t()
+        return grad_x, grad_w, None, None
+
+
+class Float8Linear(nn.Module):
+    """A linear layer (``nn.Linear``, or transformers' ``Conv1D`` with ``transposed``) whose GEMMs run in float8
+    (`Float8Matmul`). Built from the module it replaces, keeping its parameters (same names, same tensors)."""
+
+    def __init__(self, linear: nn.Module, matmul: Float8Matmul, transposed: bool):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.transposed, self.float8 = transposed, matmul
+        self.in_features, self.out_features = _shape(linear)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.float8(x, self.weight if self.transposed else self.weight.t())
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.float8!r}"
+
+
+# ------------------------------------------------------------------------------------------------ the conversion
+@dataclass
+class Float8Report:
+    """What `apply_float8` did on this rank: qualified names of the linears in float8 and of those kept, and the
+    ``exclude`` patterns that matched a linear here."""
+
+    converted: list[str]
+    kept: list[str]
+    matched: set[str]
+
+    def summary(self) -> str:
+        kept = f"; kept in training precision: {', '.join(self.kept)}" if self.kept else ""
+        return f"fp8: {len(self.converted)} linear layers of this rank in float8{kept}"
+
+
+@dataclass(frozen=True)
+class Float8Groups:
+    """The process groups of this rank's `Float8Layout`s (``None`` where of one rank): ``stage``, the
+    data-parallel x context-parallel x TP ranks of its pipeline stage; ``dp_cp``; ``tp``; ``together``, the
+    context-parallel x TP ranks of its data-parallel rank; ``cp``."""
+
+    stage: Optional[dist.ProcessGroup] = None
+    dp_cp: Optional[dist.ProcessGroup] = None
+    tp: Optional[dist.ProcessGroup] = None
+    together: Optional[dist.ProcessGroup] = None
+    cp: Optional[dist.ProcessGroup] = None
+
+    def matmul(self, config, in_split: bool = False, out_split: bool = False) -> Float8Matmul:
+        layout = Float8Layout(tokens=self.stage, tokens_of_split=self.dp_cp,
+                              in_features=self.tp if in_split else None, out_features=self.tp if out_split else None,
+                              stage=self.stage)
+        return Float8Matmul(config, layout, layout.rows_here(self.together, self.cp))
+
+
+def apply_float8(module: nn.Module, config, groups: Float8Groups, exclude: Sequence[str] = ()) -> Float8Report:
+    """Convert ``module``'s linears in place (see the module docstring) that `float8_filter` keeps: a TP layer gets
+    the `Float8Matmul` of its split (``layer.float8``), an ``nn.Linear`` or ``Conv1D`` becomes a `Float8Linear`.
+    With float8 GEMMs (not emulated) a TP layer's local piece must be a multiple of 16 too: ``ValueError``."""
+    keep = float8_filter(exclude)
+    report = Float8Report([], [], set())
+    for name, child in list(module.named_modules()):
+        split = _split_features(child) is not None
+        shape = None if split or isinstance(child, Float8Linear) else linear_shape(child)
+        if not split and shape is None:
+            continue
+        report.matched.update(p for p in exclude if fnmatch.fnmatchcase(name, p))
+        if not keep(child, name):
+            report.kept.append(name)
+            continue
+        if split:
+            row = _split_features(child) == "in"
+            local = child.weight.shape
+            if not config.emulate and any(size % MULTIPLE for size in local):
+                raise ValueError(f"fp8: {name}'s TP piece of weight is {list(local)}, and float8 GEMMs need"
+                                 f" multiples of {MULTIPLE}; use a tp that keeps them so, or fp8_exclude={[name]!r}.")
+            child.float8 = groups.matmul(config, in_split=row, out_split=not row)
+        elif name == "":
+            raise ValueError("fp8: the module is itself a linear layer; wrap it in a module.")
+        else:
+            parent_name, _, attr = name.rpartition(".")
+            parent = module.get_submodule(parent_name) if parent_name else module
+            setattr(parent, attr, Float8Linear(child, groups.matmul(config), shape.transposed))
+        report.converted.append(name)
+    return report
