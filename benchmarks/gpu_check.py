@@ -74,7 +74,7 @@ LIMITS = {
 }
 RESERVE = {"gpu": {"multirank": 60, "throughput": 150}, "cpu": {"multirank": 50, "throughput": 60}}
 # --cpu-smoke checks the script's plumbing: what the suite's parity tests cover already runs once, not per variant.
-SMOKE_SKIPS = {"hand-compiled", "auto-compiled"}
+SMOKE_SKIPS = {"hand-compiled", "auto-compiled", "auto-eager"}
 SMOKE_LAYOUTS = ("tp2", "dp2 zero3")
 MULTIRANK_LAYOUTS = {  # (c): name -> HybridStrategy arguments (world 2)
     "tp2": dict(tp=2),

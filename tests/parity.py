@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 
 import lightning as L
 import torch
@@ -19,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_hybrid import HybridStrategy
 from lightning_hybrid.data.corpus import ByteCorpusDataModule
-from lightning_hybrid.models import GPTLightningModule
+from lightning_hybrid.models import GPTConfig, GPTLightningModule
 from tests.helpers import QUIET_TRAINER, Recorder, run_distributed, storage_bytes
 
 STEPS = 6
@@ -34,9 +35,10 @@ BLOCK = 32
 RTOL = 1e-6
 TENSOR_RTOL = 2e-6
 PARAM_ATOL = 5e-6
-# FP8 runs (tests/strategy/test_float8.py): two steps -- the first from the same weights, the second from weights an
-# ulp apart; later, fp32 noise at a float8 rounding boundary moves a value by a whole float8 step, and every step
-# compounds it -- at the fp32 tolerances but a tensor's gradient norm's (measured 1.7e-6; 1.6e-2 when broken).
+# FP8 runs (tests/strategy/test_float8.py; ``max_steps=FP8_STEPS`` in their trainer kwargs): two steps -- the first
+# from the same weights, the second from weights an ulp apart; later, fp32 noise at a float8 rounding boundary moves a
+# value by a whole float8 step, and every step compounds it -- at the fp32 tolerances but a tensor's gradient norm's
+# (measured 1.7e-6; 1.6e-2 when broken).
 FP8_STEPS = 2
 FP8_TOLERANCES = (RTOL, PARAM_ATOL, 1e-3, 1e-5)
 
@@ -255,6 +257,15 @@ def tolerances_of(run: tuple, default: tuple) -> tuple:
     return run[3] if len(run) > 3 else default
 
 
+def steps_of(trainer_kwargs: dict, steps: int) -> int:
+    """A run's optimizer steps: its trainer kwargs' ``max_steps`` (FP8 runs), else the world's ``steps``."""
+    return trainer_kwargs.get("max_steps", steps)
+
+
+def _without_steps(trainer_kwargs: dict) -> dict:
+    return {k: v for k, v in trainer_kwargs.items() if k != "max_steps"}
+
+
 def _fit_runs(runs: dict[str, tuple], steps: int) -> dict[str, dict]:
     world = int(os.environ["WORLD_SIZE"])
     results = {}
@@ -263,8 +274,9 @@ def _fit_runs(runs: dict[str, tuple], steps: int) -> dict[str, dict]:
         # Counted where torch.compile is off (it runs eagerly under a dispatch mode).
         counter = None if kwargs.get("compile") else DPReductions()
         callbacks = [*trainer_kwargs.get("callbacks", []), *([counter] if counter else [])]
-        results[name] = fit_and_record(HybridStrategy(**kwargs), world, make_module, dp=dp, steps=steps,
-                                       **{**trainer_kwargs, "callbacks": callbacks})
+        results[name] = fit_and_record(HybridStrategy(**kwargs), world, make_module, dp=dp,
+                                       steps=steps_of(trainer_kwargs, steps),
+                                       **{**_without_steps(trainer_kwargs), "callbacks": callbacks})
         results[name]["dp_reduced"] = counter.per_step if counter else None
     return results
 
@@ -337,7 +349,8 @@ def _report(world: int, results: list[dict], references: dict) -> None:
 def run_world(
     world: int, runs: dict[str, tuple], steps: int = STEPS, references: dict | None = None,
 ) -> tuple[list[dict], dict]:
-    """Train ``runs`` (name -> (strategy kwargs, module factory, trainer kwargs[, tolerances])) on ``world`` ranks
+    """Train ``runs`` (name -> (strategy kwargs, module factory, trainer kwargs[, tolerances]); ``max_steps`` among the
+    trainer kwargs overrides ``steps`` for that run) on ``world`` ranks
     and on one device (``references``: one-device results by run name, computed here for the runs it lacks --
     fp32, with the trainer kwargs but their ``callbacks`` and ``precision`` -- and added to it). Returns (results by
     rank, references)."""
@@ -345,8 +358,9 @@ def run_world(
     for name, (_, make_module, trainer_kwargs, *_) in runs.items():
         if name not in references:
             # The one-device run in fp32, without the callbacks (an injected error is the run's own).
-            one_device = {k: v for k, v in trainer_kwargs.items() if k not in ("callbacks", "precision")}
-            references[name] = fit_and_record("auto", 1, make_module, steps=steps, **one_device)
+            one_device = {k: v for k, v in trainer_kwargs.items() if k not in ("callbacks", "precision", "max_steps")}
+            references[name] = fit_and_record("auto", 1, make_module, steps=steps_of(trainer_kwargs, steps),
+                                              **one_device)
         assert min(references[name]["grad_norms"]) > CLIP, "clipping must be active for the norm check to mean anything"
     results = run_distributed(_fit_runs, world, runs, steps)
     _report(world, results, references)
@@ -379,7 +393,7 @@ def check_world(world: int, runs: dict[str, tuple], steps: int = STEPS, referenc
             # parameters have gradients); nothing of the kind without DP.
             reduced, local = per_run[name]["dp_reduced"], per_run[name]["local_params"]
             if reduced is not None:
-                assert len(reduced) == steps, name
+                assert len(reduced) == steps_of(run[2], steps), name
                 low = local - per_run[name]["expert_params"]
                 gradient_ranks = dp_size(run[0], world) * run[0].get("cp", 1)  # CP ranks reduce gradients too
                 low, high = (low, 1.02 * local + 256) if gradient_ranks > 1 else (0, 256)
@@ -467,3 +481,10 @@ class Float8GPT(SGDGPT):
             out = logits.new_empty(*idx.shape, logits.size(-1)) if out is None else out
             out[part] = logits
         return out
+
+
+def float8_gpt(n_embd: int = 32, **kwargs):
+    """`Float8GPT` (plain SGD at lr 0.1) of the reference GPT's test shape."""
+    fields = dict(vocab_size=256, block_size=BLOCK, n_layer=2, n_head=4, n_kv_head=2, n_embd=n_embd, mlp="swiglu",
+                  dropout=0.0)
+    return partial(Float8GPT, config=GPTConfig(**fields), lr=0.1, **kwargs)

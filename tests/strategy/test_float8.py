@@ -13,17 +13,15 @@ weights (a sum in another order) moves it by a whole float8 step, and every furt
 from __future__ import annotations
 
 import copy
-from functools import partial
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_hybrid.models import GPTConfig
 from lightning_hybrid.parallel.float8 import Float8Groups, apply_float8, float8_config, float8_filter
 from tests.helpers import run_distributed
-from tests.parity import FP8_STEPS, FP8_TOLERANCES, Float8GPT, check_world
+from tests.parity import FP8_STEPS, FP8_TOLERANCES, check_world, float8_gpt
 
 pytest.importorskip("torchao")
 
@@ -101,28 +99,17 @@ def test_split_float8_layers_scale_as_the_unsplit_ones():
         assert max(per_rank["rowwise", False]) > 2e-7, per_rank["rowwise", False]
 
 
-def _gpt(n_embd: int = 32, **kwargs):
-    fields = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=n_embd, mlp="swiglu",
-                  dropout=0.0)
-    return partial(Float8GPT, config=GPTConfig(**fields), lr=0.1, **kwargs)
-
-
 def test_float8_layouts_match_one_device_float8():
     """tp2 + SP (tensorwise), tp2 rowwise, pp2 with two micro-batches (each scaled on its own, as one device running
     them) and activation checkpointing (the recomputed casts reduce again), dp2 ZeRO-3 compiled (whole graphs)."""
-    check_world(2, steps=FP8_STEPS, runs={
-        "fp8-tp2-sp": (dict(tp=2, sequence_parallel=True, fp8="tensorwise"), _gpt(), {}, FP8_TOLERANCES),
+    two_steps = {"max_steps": FP8_STEPS}
+    check_world(2, {
+        "fp8-tp2-sp": (dict(tp=2, sequence_parallel=True, fp8="tensorwise"), float8_gpt(), two_steps,
+                       FP8_TOLERANCES),
         "fp8-pp2-ac": (dict(pp=2, micro_batches=2, activation_checkpointing=True, fp8="tensorwise"),
-                       _gpt(micro_batches=2), {}),
-        "fp8-dp2-zero3-compile": (dict(dp=2, zero_stage=3, compile=True, fp8="tensorwise"), _gpt(dp=2), {},
-                                  FP8_TOLERANCES),
-        "fp8-rowwise-tp2": (dict(tp=2, fp8="rowwise"), _gpt(recipe="rowwise"), {}, FP8_TOLERANCES),
+                       float8_gpt(micro_batches=2), two_steps, FP8_TOLERANCES),
+        "fp8-dp2-zero3-compile": (dict(dp=2, zero_stage=3, compile=True, fp8="tensorwise"), float8_gpt(dp=2),
+                                  two_steps, FP8_TOLERANCES),
+        "fp8-rowwise-tp2": (dict(tp=2, fp8="rowwise"), float8_gpt(recipe="rowwise"), two_steps, FP8_TOLERANCES),
     })
-
-
-def test_float8_3d_matches_one_device_float8():
-    """dp2 x tp2 x pp2 with SP and ZeRO-1: each micro-batch's amaxes over the stage's four ranks."""
-    check_world(8, steps=FP8_STEPS, runs={
-        "fp8-3d-zero1-sp": (dict(pp=2, dp=2, tp=2, zero_stage=1, sequence_parallel=True, micro_batches=2,
-                                 fp8="tensorwise"), _gpt(64, dp=2, micro_batches=2), {}, FP8_TOLERANCES),
-    })
+    # dp2 x tp2 x pp2: tests/strategy/test_strategy_parity.py's world of 8 ranks.

@@ -14,12 +14,15 @@ import torch
 from lightning_hybrid.models import GPTConfig, GPTLightningModule
 from tests.parity import (
     BLOCK,
+    FP8_STEPS,
+    FP8_TOLERANCES,
     PARAM_ATOL,
     RTOL,
     SGDGPT,
     DoubleOneGradient,
     OneDeviceInDistributedOrder,
     check_world,
+    float8_gpt,
     mismatches,
     run_world,
     tolerances_of,
@@ -234,6 +237,10 @@ def test_3d_with_every_zero_stage_matches_one_device():
     runs.update({f"user-3d-zero{stage}": (dict(pp=2, dp=2, tp=2, zero_stage=stage), UserLM, {}, USER_TOLERANCES)
                  for stage in range(4)})
     runs["3d-zero1-sp"] = (dict(pp=2, dp=2, tp=2, zero_stage=1, sequence_parallel=True), config, {})
+    # FP8 (torchao's tensorwise recipe, emulated): each micro-batch's amaxes over the stage's four ranks.
+    runs["fp8-3d-zero1-sp"] = (dict(pp=2, dp=2, tp=2, zero_stage=1, sequence_parallel=True, micro_batches=2,
+                                    fp8="tensorwise"), float8_gpt(64, dp=2, micro_batches=2),
+                               {"max_steps": FP8_STEPS}, FP8_TOLERANCES)
     results = check_world(8, runs)
     one_device = config()
     one_device.configure_model()
