@@ -44,7 +44,7 @@ import fnmatch
 import inspect
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 import torch
 from torch import nn
@@ -276,6 +276,17 @@ def checkpoint_targets(module: nn.Module, target: bool | str, pipelined: bool = 
     return listed
 
 
+def _checkpointed(forward: Callable) -> Callable:
+    """``forward`` recomputed in backward (full activation checkpointing). A function that calls
+    ``torch.utils.checkpoint.checkpoint`` itself: torch.compile turns that call into its checkpoint operator, where a
+    ``functools.partial`` of it is opaque to dynamo (the compiled layer would run without a graph: eagerly)."""
+
+    def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return checkpointed_forward
+
+
 def apply_activation_checkpointing(module: nn.Module, names: list[str], selection: Selection | None = None,
                                    compiled: bool = False) -> None:
     """Checkpoint each named submodule (in place; parameter names and state dicts do not change): fully, or
@@ -289,7 +300,7 @@ def apply_activation_checkpointing(module: nn.Module, names: list[str], selectio
         if getattr(layer, "_activation_checkpointed", False):
             continue
         if selection is None:
-            layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
+            layer.forward = _checkpointed(layer.forward)
         else:
             if compiled:
                 context = partial(_selective_contexts, selection, frozenset(), False)
