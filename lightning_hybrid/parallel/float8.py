@@ -23,8 +23,9 @@ data-parallel rank's rows (`Float8Layout.rows_here`): a forward one rank runs al
 
 `apply_float8` converts the module's linears (``nn.Linear``, transformers' ``Conv1D``, and the TP layers) by
 `float8_filter`: both unsplit dimensions multiples of 16, as float8 GEMM kernels require, and no name matching an
-``exclude`` glob. One device reproduces the run with torchao's own conversion:
-``convert_to_float8_training(model, config=float8_config(fp8, device), module_filter_fn=float8_filter)``.
+``exclude`` glob. One device reproduces the run with `convert_to_float8` -- for ``nn.Linear`` torchao's own
+``convert_to_float8_training(model, config=float8_config(fp8, device), module_filter_fn=float8_filter())``, which
+leaves transformers' ``Conv1D`` in high precision where the strategy converts it too.
 """
 
 from __future__ import annotations
@@ -312,6 +313,19 @@ class Float8Groups:
                               in_features=self.tp if in_split else None, out_features=self.tp if out_split else None,
                               stage=self.stage)
         return Float8Matmul(config, layout, layout.rows_here(self.together, self.cp))
+
+
+def convert_to_float8(module: nn.Module, fp8: Float8 = "tensorwise", device: Optional[torch.device] = None,
+                      exclude: Sequence[str] = ()) -> Float8Report:
+    """The one-device FP8 model of ``HybridStrategy(fp8=fp8, fp8_exclude=exclude)``: ``module``'s linears converted
+    in place, on ``device`` (default: the module's). For ``nn.Linear`` it computes what torchao's
+    ``convert_to_float8_training(module, config=float8_config(fp8, device), module_filter_fn=float8_filter(exclude))``
+    computes, bit for bit; transformers' ``Conv1D`` (GPT-2), which torchao leaves in high precision, it converts
+    too, as the strategy does."""
+    validate_float8(fp8)
+    if device is None:
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    return apply_float8(module, float8_config(fp8, device), Float8Groups(), exclude)
 
 
 def apply_float8(module: nn.Module, config, groups: Float8Groups, exclude: Sequence[str] = ()) -> Float8Report:

@@ -19,7 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_hybrid.parallel.float8 import Float8Groups, apply_float8, float8_config, float8_filter
+from lightning_hybrid.parallel.float8 import (
+    Float8Groups,
+    apply_float8,
+    convert_to_float8,
+    float8_config,
+    float8_filter,
+)
 from tests.helpers import run_distributed
 from tests.parity import FP8_STEPS, FP8_TOLERANCES, check_world, float8_gpt
 
@@ -42,7 +48,7 @@ def test_one_device_float8_layers_compute_what_torchao_computes(recipe):
     config = float8_config(recipe, torch.device("cpu"))
     assert config.emulate  # no float8 GEMM off CUDA: float8 values, fp32 products
     convert_to_float8_training(reference, config=config, module_filter_fn=float8_filter())
-    report = apply_float8(model, config, Float8Groups())
+    report = convert_to_float8(model, recipe)
     assert report.converted == ["0", "2"] and report.kept == ["3"]  # 8 output features: no float8 GEMM
     x = torch.randn(4, 5, 32)
     y, y_ref = model(x), reference(x)
@@ -51,6 +57,30 @@ def test_one_device_float8_layers_compute_what_torchao_computes(recipe):
     assert torch.equal(y, y_ref)
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_a_conv1d_in_float8_computes_what_the_same_linear_computes():
+    """transformers' Conv1D (GPT-2: weight ``[in, out]``), which torchao does not convert, is converted as the
+    nn.Linear of the transposed weight is by torchao."""
+    from torchao.float8 import convert_to_float8_training
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    conv = Conv1D(48, 32)  # 32 -> 48
+    nn.init.normal_(conv.bias)
+    linear = nn.Linear(32, 48)
+    with torch.no_grad():
+        linear.weight.copy_(conv.weight.t())
+        linear.bias.copy_(conv.bias)
+    conv_model, linear_model = nn.Sequential(conv), nn.Sequential(linear)
+    assert convert_to_float8(conv_model, "tensorwise").converted == ["0"]
+    convert_to_float8_training(linear_model, config=float8_config("tensorwise", torch.device("cpu")))
+    x = torch.randn(3, 7, 32)
+    y, y_ref = conv_model(x), linear_model(x)
+    y.square().sum().backward()
+    y_ref.square().sum().backward()
+    assert torch.equal(y, y_ref)
+    assert torch.equal(conv.weight.grad, linear.weight.grad.t()) and torch.equal(conv.bias.grad, linear.bias.grad)
 
 
 def _split_layers(recipe: str, reduce: bool) -> tuple[float, float, float]:
@@ -101,15 +131,17 @@ def test_split_float8_layers_scale_as_the_unsplit_ones():
 
 def test_float8_layouts_match_one_device_float8():
     """tp2 + SP (tensorwise), tp2 rowwise, pp2 with two micro-batches (each scaled on its own, as one device running
-    them) and activation checkpointing (the recomputed casts reduce again), dp2 ZeRO-3 compiled (whole graphs)."""
+    them) and activation checkpointing (the recomputed casts reduce again), dp2 ZeRO-3 compiled with activation
+    checkpointing (whole graphs)."""
     two_steps = {"max_steps": FP8_STEPS}
     check_world(2, {
         "fp8-tp2-sp": (dict(tp=2, sequence_parallel=True, fp8="tensorwise"), float8_gpt(), two_steps,
                        FP8_TOLERANCES),
         "fp8-pp2-ac": (dict(pp=2, micro_batches=2, activation_checkpointing=True, fp8="tensorwise"),
                        float8_gpt(micro_batches=2), two_steps, FP8_TOLERANCES),
-        "fp8-dp2-zero3-compile": (dict(dp=2, zero_stage=3, compile=True, fp8="tensorwise"), float8_gpt(dp=2),
-                                  two_steps, FP8_TOLERANCES),
+        # Compiled with full activation checkpointing: the layers still compile to whole graphs.
+        "fp8-dp2-zero3-compile-ac": (dict(dp=2, zero_stage=3, compile=True, activation_checkpointing=True,
+                                          fp8="tensorwise"), float8_gpt(dp=2), two_steps, FP8_TOLERANCES),
         "fp8-rowwise-tp2": (dict(tp=2, fp8="rowwise"), float8_gpt(recipe="rowwise"), two_steps, FP8_TOLERANCES),
     })
     # dp2 x tp2 x pp2: tests/strategy/test_strategy_parity.py's world of 8 ranks.
