@@ -27,8 +27,9 @@ hang there is a row of the table, not the end of the script), one after another,
 (d) the planner's predicted peak memory (and step time) of the runs in (b), beside the measured peaks: dp=tp=pp=1,
     ZeRO 0, bf16-mixed, on the closest cluster preset (``h100`` for an H100 or H200: the same bf16 peak).
 
-``--cpu-smoke`` runs what checks the script's plumbing: (b) without the compiled baselines (`SMOKE_SKIPS`), (c) tp2,
-dp2 ZeRO-3 and the first bf16 path (`SMOKE_LAYOUTS`); the suite's parity tests cover the rest on the CPU.
+``--cpu-smoke`` runs what checks the script's plumbing: (b) without plain Lightning's rows and the compiled hand-written
+one (`SMOKE_SKIPS`), (c) tp2, dp2 ZeRO-3 and the first bf16 path (`SMOKE_LAYOUTS`); the suite's parity tests cover
+the rest on the CPU.
 
 Writes the table (with the command and the date at its top) to ``--out`` (default ``benchmarks/GPU_CHECK.md``;
 with ``--cpu-smoke`` a file in the temporary directory) and each job's output to ``--log-dir``. Exits 0 whatever
