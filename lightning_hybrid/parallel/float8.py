@@ -97,10 +97,15 @@ def validate_float8(fp8: Float8) -> None:
 
 def float8_config(fp8: Float8, device: torch.device):
     """torchao's ``Float8LinearConfig`` for ``fp8`` on ``device``: a recipe's config, emulated (float8 values,
-    fp32 GEMMs) off CUDA, where no float8 GEMM exists. A config that asks for float8 GEMMs off CUDA is a
-    ``ValueError``."""
+    fp32 GEMMs) off CUDA, where no float8 GEMM exists. Float8 GEMMs asked for off CUDA, or on a GPU older than
+    compute capability 8.9, are a ``ValueError`` (at setup, before anything trains)."""
     float8 = _torchao()
     config = float8.Float8LinearConfig.from_recipe_name(fp8) if isinstance(fp8, str) else fp8
+    if device.type == "cuda" and not config.emulate and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"fp8={fp8!r}: {torch.cuda.get_device_name(device)} (compute capability {major}.{minor}) has"
+                         " no float8 GEMMs (they need 8.9 or later: Ada, Hopper, Blackwell); train in bf16 there, or"
+                         " pass a Float8LinearConfig with emulate=True (float8 numerics, not faster).")
     if device.type != "cuda":
         if isinstance(fp8, str):
             config = replace(config, emulate=True)
