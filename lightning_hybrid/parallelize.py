@@ -285,8 +285,8 @@ def convert_float8(module: nn.Module, meshes: Meshes, options: ParallelOptions, 
     report = Float8Report([], [], set())
     try:
         report = apply_float8(module, float8_config(options.fp8, device), groups, options.fp8_exclude)
-    except ValueError as e:
-        errors.append(str(e))
+    except Exception as e:  # raised below on every rank: none goes on to a collective the others never reach
+        errors.append(str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (errors, sorted(report.matched), len(report.converted)))
     errors = list(dict.fromkeys(m for each, _, _ in gathered for m in each))
