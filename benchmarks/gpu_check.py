@@ -27,9 +27,9 @@ hang there is a row of the table, not the end of the script), one after another,
 (d) the planner's predicted peak memory (and step time) of the runs in (b), beside the measured peaks: dp=tp=pp=1,
     ZeRO 0, bf16-mixed, on the closest cluster preset (``h100`` for an H100 or H200: the same bf16 peak).
 
-``--cpu-smoke`` runs what checks the script's plumbing: (b) without plain Lightning's rows and the compiled hand-written
-one (`SMOKE_SKIPS`), (c) tp2, dp2 ZeRO-3 and the first bf16 path (`SMOKE_LAYOUTS`); the suite's parity tests cover
-the rest on the CPU.
+``--cpu-smoke`` runs what checks the script's plumbing: (b) the hand-written eager baseline and HybridStrategy's
+compiled FP8 row only (`SMOKE_SKIPS`), (c) tp2, dp2 ZeRO-3 and the first bf16 path (`SMOKE_LAYOUTS`); the suite's
+parity tests cover the rest on the CPU.
 
 Writes the table (with the command and the date at its top) to ``--out`` (default ``benchmarks/GPU_CHECK.md``;
 with ``--cpu-smoke`` a file in the temporary directory) and each job's output to ``--log-dir``. Exits 0 whatever
@@ -75,7 +75,7 @@ LIMITS = {
 }
 RESERVE = {"gpu": {"multirank": 60, "throughput": 150}, "cpu": {"multirank": 50, "throughput": 60}}
 # --cpu-smoke checks the script's plumbing: what the suite's parity tests cover already runs once, not per variant.
-SMOKE_SKIPS = {"hand-compiled", "auto-compiled", "auto-eager"}
+SMOKE_SKIPS = {"hand-compiled", "auto-compiled", "auto-eager", "hybrid-eager", "hybrid-compiled"}
 SMOKE_LAYOUTS = ("tp2", "dp2 zero3")
 MULTIRANK_LAYOUTS = {  # (c): name -> HybridStrategy arguments (world 2)
     "tp2": dict(tp=2),
