@@ -17,9 +17,10 @@ the dimensions it reduces over (`Float8Layout`):
 A float8 GEMM computes what the unsplit one computes, with the same float8 values and scales: under TP up to the
 order of the fp32 sums, as every TP product. The scales are those of the tensors one forward call sees, so a
 pipeline's micro-batch is scaled as the same micro-batch on one device (one device accumulating the same
-micro-batches is the reference), and the amaxes of every data-parallel rank's share of it meet (one scalar
-all-reduce per tensorwise cast). A forward without gradients (validation, generation) is scaled over one
-data-parallel rank's rows (`Float8Layout.rows_here`): a forward one rank runs alone never waits for the others.
+micro-batches is the reference), and the amaxes of every data-parallel rank's share of it meet (tensorwise: one
+small all-reduce in a layer's forward, one in its backward). A forward without gradients (validation, generation)
+is scaled over one data-parallel rank's rows (`Float8Layout.rows_here`): a forward one rank runs alone never waits
+for the others.
 
 `apply_float8` converts the module's linears (``nn.Linear``, transformers' ``Conv1D``, and the TP layers) by
 `float8_filter`: both unsplit dimensions multiples of 16, as float8 GEMM kernels require, and no name matching an
@@ -201,69 +202,113 @@ class Float8Matmul:
         return f"float8({granularity}{', emulated' if c.emulate else ''})"
 
 
-def _cast(t: Tensor, cast, axis: int, groups: tuple, stage: Optional[dist.ProcessGroup], matmul: Float8Matmul,
-          role) -> Tensor:
-    """``t`` (2-D) cast to float8 as ``cast`` says, its amax reduced over the groups that split the dimensions it
-    is taken over: the whole tensor's (tensorwise; over ``stage``, which holds every piece and copy) or along
-    ``axis`` (axiswise; over ``groups[axis]``). torchao's ``tensor_to_scale`` and ``hp_tensor_and_scale_to_float8``
-    otherwise."""
+def _scales(casts: list[tuple], stage: Optional[dist.ProcessGroup], config) -> list[Optional[Tensor]]:
+    """The scales of ``casts`` (``(tensor, cast config, axis, groups)``; ``None`` for a disabled one), each from its
+    amax reduced over the groups that split the dimensions it is taken over: the whole tensor's (tensorwise: over
+    ``stage``, which holds every piece and copy -- all of them in one all-reduce) or along ``axis`` (axiswise: over
+    ``groups[axis]``). torchao's ``tensor_to_scale`` otherwise (its amax in float64 from the tensor's own dtype: the
+    float32 stack of the tensorwise ones holds every bf16 or fp32 value exactly)."""
     from torchao.float8.config import ScalingGranularity, ScalingType
-    from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
     from torchao.float8.float8_utils import amax_to_scale
 
-    if cast.scaling_type is ScalingType.DISABLED:
-        return t
-    tensorwise = cast.scaling_granularity is ScalingGranularity.TENSORWISE
+    amaxes: list[Optional[Tensor]] = [None] * len(casts)
+    whole = []  # the tensorwise ones, reduced together
     with torch.no_grad():
-        if tensorwise:
-            amax, group = torch.max(torch.abs(t)), stage
-        else:
-            amax, group = torch.amax(torch.abs(t), dim=axis, keepdim=True), groups[axis]
-        if group is not None:
-            amax = all_reduce(amax.contiguous(), group, "max")
-        scale = amax_to_scale(amax, cast.target_dtype, matmul.config.round_scales_to_power_of_2)
+        for i, (t, cast, axis, groups) in enumerate(casts):
+            if cast.scaling_type is ScalingType.DISABLED:
+                continue
+            if cast.scaling_granularity is ScalingGranularity.TENSORWISE:
+                amaxes[i] = torch.max(torch.abs(t)).float()
+                whole.append(i)
+            else:
+                amaxes[i] = torch.amax(torch.abs(t), dim=axis, keepdim=True)
+                if groups[axis] is not None:
+                    amaxes[i] = all_reduce(amaxes[i].contiguous(), groups[axis], "max")
+        if whole and stage is not None:
+            reduced = all_reduce(torch.stack([amaxes[i] for i in whole]), stage, "max")
+            for k, i in enumerate(whole):
+                amaxes[i] = reduced[k]
+        return [None if a is None else amax_to_scale(a, cast.target_dtype, config.round_scales_to_power_of_2)
+                for a, (_, cast, _, _) in zip(amaxes, casts)]
+
+
+def _to_float8(t: Tensor, scale: Optional[Tensor], cast, axis: int, matmul: Float8Matmul, role):
+    """``t`` as torchao's float8 tensor of ``scale`` (``t`` itself where the cast is disabled)."""
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+
+    if scale is None:
+        return t
+    axiswise = cast.scaling_granularity is not ScalingGranularity.TENSORWISE
     return hp_tensor_and_scale_to_float8(t, scale, cast.target_dtype, matmul.mm_config, role,
-                                         None if tensorwise else axis)
+                                         axis if axiswise else None)
+
+
+def _same_scale(cast, other) -> bool:
+    """Whether a tensor cast by ``other`` has the scale it has by ``cast``: the same tensorwise config (torchao
+    computes it again from the same tensor; an axiswise scale depends on the axis too)."""
+    from torchao.float8.config import ScalingGranularity
+
+    return cast == other and cast.scaling_granularity is ScalingGranularity.TENSORWISE
 
 
 class _Float8MM(torch.autograd.Function):
-    """torchao's ``matmul_with_hp_or_float8_args`` with split-aware amaxes (`_cast`): the same casts, axes and
-    GEMMs, so that an unsplit layer computes exactly what torchao's ``Float8Linear`` computes."""
+    """torchao's ``matmul_with_hp_or_float8_args`` with split-aware amaxes (`_scales`): the same casts, axes, scales
+    and GEMMs, so that an unsplit layer computes exactly what torchao's ``Float8Linear`` computes. Collectives: one
+    all-reduce of the forward's tensorwise amaxes (input and weight), one of the backward's (the output gradient;
+    a scale torchao computes again from the same tensor and config -- the weight's, the input's, the output
+    gradient's second cast -- is reused), plus one per axiswise cast of a split axis."""
 
     @staticmethod
     def forward(ctx, x2: Tensor, weight_t: Tensor, matmul: Float8Matmul, layout: Float8Layout) -> Tensor:
         from torchao.float8.float8_training_tensor import GemmInputRole
 
-        ctx.save_for_backward(x2, weight_t)
         ctx.matmul, ctx.layout = matmul, layout
         c = matmul.config
         x_groups = layout.groups(layout.in_features)
         w_groups = (layout.in_features, layout.out_features)
-        xq = _cast(x2, c.cast_config_input, -1, x_groups, layout.stage, matmul, GemmInputRole.INPUT)
-        wq = _cast(weight_t, c.cast_config_weight, 0, w_groups, layout.stage, matmul, GemmInputRole.WEIGHT)
+        x_scale, w_scale = _scales([(x2, c.cast_config_input, -1, x_groups),
+                                    (weight_t, c.cast_config_weight, 0, w_groups)], layout.stage, c)
+        ctx.save_for_backward(x2, weight_t, x_scale, w_scale)
+        xq = _to_float8(x2, x_scale, c.cast_config_input, -1, matmul, GemmInputRole.INPUT)
+        wq = _to_float8(weight_t, w_scale, c.cast_config_weight, 0, matmul, GemmInputRole.WEIGHT)
         return torch.mm(xq, wq)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         from torchao.float8.float8_training_tensor import GemmInputRole
 
-        (x2, weight_t), g2 = ctx.saved_tensors, grad
+        (x2, weight_t, x_scale, w_scale), g2 = ctx.saved_tensors, grad
         matmul: Float8Matmul = ctx.matmul
         c, layout = matmul.config, ctx.layout
         g_groups = layout.groups(layout.out_features)
         x_groups = layout.groups(layout.in_features)
         w_groups = (layout.in_features, layout.out_features)
+        # The casts this backward needs (alike on every rank of the groups: the same layers need the same
+        # gradients), each computed here or reused.
+        wanted = {}
+        if ctx.needs_input_grad[0]:
+            wanted["g"] = (g2, c.cast_config_grad_output, -1, g_groups)
+            if not _same_scale(c.cast_config_weight_for_grad_input, c.cast_config_weight):
+                wanted["w"] = (weight_t, c.cast_config_weight_for_grad_input, -1, w_groups)
+        if ctx.needs_input_grad[1]:
+            if not (ctx.needs_input_grad[0]
+                    and _same_scale(c.cast_config_grad_output_for_grad_weight, c.cast_config_grad_output)):
+                wanted["g_w"] = (g2, c.cast_config_grad_output_for_grad_weight, 0, g_groups)
+            if not _same_scale(c.cast_config_input_for_grad_weight, c.cast_config_input):
+                wanted["x"] = (x2, c.cast_config_input_for_grad_weight, 0, x_groups)
+        scales = dict(zip(wanted, _scales(list(wanted.values()), layout.stage, c)))
         grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:  # alike on every rank of the groups: the same layers need the same gradients
-            gq = _cast(g2, c.cast_config_grad_output, -1, g_groups, layout.stage, matmul, GemmInputRole.GRAD_OUTPUT)
-            wq = _cast(weight_t, c.cast_config_weight_for_grad_input, -1, w_groups, layout.stage, matmul,
-                       GemmInputRole.WEIGHT)
+        if ctx.needs_input_grad[0]:
+            gq = _to_float8(g2, scales["g"], c.cast_config_grad_output, -1, matmul, GemmInputRole.GRAD_OUTPUT)
+            wq = _to_float8(weight_t, scales.get("w", w_scale), c.cast_config_weight_for_grad_input, -1, matmul,
+                            GemmInputRole.WEIGHT)
             grad_x = torch.mm(gq, wq.t())
         if ctx.needs_input_grad[1]:
-            gq = _cast(g2, c.cast_config_grad_output_for_grad_weight, 0, g_groups, layout.stage, matmul,
-                       GemmInputRole.GRAD_OUTPUT)
-            xq = _cast(x2, c.cast_config_input_for_grad_weight, 0, x_groups, layout.stage, matmul,
-                       GemmInputRole.INPUT)
+            gq = _to_float8(g2, scales.get("g_w", scales.get("g")), c.cast_config_grad_output_for_grad_weight, 0,
+                            matmul, GemmInputRole.GRAD_OUTPUT)
+            xq = _to_float8(x2, scales.get("x", x_scale), c.cast_config_input_for_grad_weight, 0, matmul,
+                            GemmInputRole.INPUT)
             grad_w = torch.mm(gq.t(), xq).t()
         return grad_x, grad_w, None, None
 
