@@ -147,15 +147,15 @@ def _split_features(module: nn.Module) -> Optional[str]:
 @dataclass(frozen=True)
 class Float8Layout:
     """Which groups split a linear layer's operands (``None``: whole here). ``tokens``: the tokens of its input and
-    output gradient (the stage's data-parallel x context-parallel x TP ranks); ``tokens_of_split``: the same for an
-    operand whose features TP splits (data-parallel x context-parallel: inside a split layer the sequence is whole);
+    output gradient (the stage's data-parallel x context-parallel x TP ranks); as it holds every TP piece and every
+    copy of each operand, a tensorwise amax is reduced over it. ``tokens_of_split``: the same for an operand whose
+    features TP splits (data-parallel x context-parallel: inside a split layer the sequence is whole);
     ``in_features`` / ``out_features``: the TP group where the layer splits them."""
 
     tokens: Optional[dist.ProcessGroup] = None
     tokens_of_split: Optional[dist.ProcessGroup] = None
     in_features: Optional[dist.ProcessGroup] = None
     out_features: Optional[dist.ProcessGroup] = None
-    stage: Optional[dist.ProcessGroup] = None  # every rank of the stage: a tensorwise amax is reduced over it
 
     def groups(self, features: Optional[dist.ProcessGroup]) -> tuple:
         """(dim 0, dim 1) groups of an activation ``[tokens, features]`` whose features ``features`` splits."""
@@ -166,7 +166,7 @@ class Float8Layout:
         rank's rows, with the ranks that run every forward together (``together``: context-parallel x TP, which
         hold the rest of its sequence under CP and SP; ``cp`` for an operand whose features TP splits), so that a
         forward one data-parallel rank runs alone does not wait for the others."""
-        return replace(self, tokens=together, tokens_of_split=cp, stage=together)
+        return replace(self, tokens=together, tokens_of_split=cp)
 
 
 class Float8Matmul:
@@ -202,31 +202,31 @@ class Float8Matmul:
         return f"float8({granularity}{', emulated' if c.emulate else ''})"
 
 
-def _scales(casts: list[tuple], stage: Optional[dist.ProcessGroup], config) -> list[Optional[Tensor]]:
+def _scales(casts: list[tuple], whole: Optional[dist.ProcessGroup], config) -> list[Optional[Tensor]]:
     """The scales of ``casts`` (``(tensor, cast config, axis, groups)``; ``None`` for a disabled one), each from its
     amax reduced over the groups that split the dimensions it is taken over: the whole tensor's (tensorwise: over
-    ``stage``, which holds every piece and copy -- all of them in one all-reduce) or along ``axis`` (axiswise: over
+    ``whole``, which holds every piece and copy -- all of them in one all-reduce) or along ``axis`` (axiswise: over
     ``groups[axis]``). torchao's ``tensor_to_scale`` otherwise (its amax in float64 from the tensor's own dtype: the
     float32 stack of the tensorwise ones holds every bf16 or fp32 value exactly)."""
     from torchao.float8.config import ScalingGranularity, ScalingType
     from torchao.float8.float8_utils import amax_to_scale
 
     amaxes: list[Optional[Tensor]] = [None] * len(casts)
-    whole = []  # the tensorwise ones, reduced together
+    tensorwise = []  # reduced together
     with torch.no_grad():
         for i, (t, cast, axis, groups) in enumerate(casts):
             if cast.scaling_type is ScalingType.DISABLED:
                 continue
             if cast.scaling_granularity is ScalingGranularity.TENSORWISE:
                 amaxes[i] = torch.max(torch.abs(t)).float()
-                whole.append(i)
+                tensorwise.append(i)
             else:
                 amaxes[i] = torch.amax(torch.abs(t), dim=axis, keepdim=True)
                 if groups[axis] is not None:
                     amaxes[i] = all_reduce(amaxes[i].contiguous(), groups[axis], "max")
-        if whole and stage is not None:
-            reduced = all_reduce(torch.stack([amaxes[i] for i in whole]), stage, "max")
-            for k, i in enumerate(whole):
+        if tensorwise and whole is not None:
+            reduced = all_reduce(torch.stack([amaxes[i] for i in tensorwise]), whole, "max")
+            for k, i in enumerate(tensorwise):
                 amaxes[i] = reduced[k]
         return [None if a is None else amax_to_scale(a, cast.target_dtype, config.round_scales_to_power_of_2)
                 for a, (_, cast, _, _) in zip(amaxes, casts)]
@@ -268,7 +268,7 @@ class _Float8MM(torch.autograd.Function):
         x_groups = layout.groups(layout.in_features)
         w_groups = (layout.in_features, layout.out_features)
         x_scale, w_scale = _scales([(x2, c.cast_config_input, -1, x_groups),
-                                    (weight_t, c.cast_config_weight, 0, w_groups)], layout.stage, c)
+                                    (weight_t, c.cast_config_weight, 0, w_groups)], layout.tokens, c)
         ctx.save_for_backward(x2, weight_t, x_scale, w_scale)
         xq = _to_float8(x2, x_scale, c.cast_config_input, -1, matmul, GemmInputRole.INPUT)
         wq = _to_float8(weight_t, w_scale, c.cast_config_weight, 0, matmul, GemmInputRole.WEIGHT)
@@ -297,7 +297,7 @@ class _Float8MM(torch.autograd.Function):
                 wanted["g_w"] = (g2, c.cast_config_grad_output_for_grad_weight, 0, g_groups)
             if not _same_scale(c.cast_config_input_for_grad_weight, c.cast_config_input):
                 wanted["x"] = (x2, c.cast_config_input_for_grad_weight, 0, x_groups)
-        scales = dict(zip(wanted, _scales(list(wanted.values()), layout.stage, c)))
+        scales = dict(zip(wanted, _scales(list(wanted.values()), layout.tokens, c)))
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             gq = _to_float8(g2, scales["g"], c.cast_config_grad_output, -1, matmul, GemmInputRole.GRAD_OUTPUT)
@@ -360,8 +360,7 @@ class Float8Groups:
 
     def matmul(self, config, in_split: bool = False, out_split: bool = False) -> Float8Matmul:
         layout = Float8Layout(tokens=self.stage, tokens_of_split=self.dp_cp,
-                              in_features=self.tp if in_split else None, out_features=self.tp if out_split else None,
-                              stage=self.stage)
+                              in_features=self.tp if in_split else None, out_features=self.tp if out_split else None)
         return Float8Matmul(config, layout, layout.rows_here(self.together, self.cp))
 
 
