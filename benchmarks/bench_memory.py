@@ -234,9 +234,12 @@ def report(dp: int, res: dict, psi: int, tokens: int, plain: dict | None = None,
            plain_cap: float = DEFAULT_BUCKET_CAP_MB) -> list[str]:
     """The markdown tables of one dp (live tensors, resident set, and with ``plain`` -- `plain_summary` rows --
     the plain run's resident set) and its goal lines."""
-    ok = lambda n: n in res and "error" not in res[n]  # noqa: E731
     plain = plain or {}
-    plain_ok = lambda n: n in plain and "error" not in plain[n]  # noqa: E731
+
+    def ok(name: str, rows: dict | None = None) -> bool:
+        """Whether ``rows`` (``res``, or the plain rows) has a result for ``name``."""
+        rows = res if rows is None else rows
+        return name in rows and "error" not in rows[name]
 
     def saving(name: str, measure: str, rows: dict | None = None) -> tuple[float, float, str]:
         """(saved MiB against Hybrid ZeRO-0, promised MiB, saved / promised) on ``measure`` (total, resident) of
@@ -244,8 +247,7 @@ def report(dp: int, res: dict, psi: int, tokens: int, plain: dict | None = None,
         rows = res if rows is None else rows
         stage = STRATEGIES[name][1]
         promised = (formula(0, psi, dp) - formula(stage, psi, dp)) / MIB
-        have_zero0 = "zero0" in rows and "error" not in rows["zero0"]
-        saved = (rows["zero0"][measure] - rows[name][measure]) / MIB if have_zero0 else float("nan")
+        saved = (rows["zero0"][measure] - rows[name][measure]) / MIB if ok("zero0", rows) else float("nan")
         return saved, promised, f"{saved / promised:.3f}" if promised else "-"
 
     out = [f"### dp = {dp}", "",
@@ -300,7 +302,7 @@ def report(dp: int, res: dict, psi: int, tokens: int, plain: dict | None = None,
                 saved, promised, _ = saving(f"zero{s}", measure)
                 out.append(f"- ZeRO-{s} saved / promised, {what} = {saved / promised:.3f} (goal >= {RATIO_GOAL}):"
                            f" {verdict(saved / promised >= RATIO_GOAL)}")
-        if plain_ok(f"zero{s}") and plain_ok("zero0"):
+        if ok(f"zero{s}", plain) and ok("zero0", plain):
             saved, promised, _ = saving(f"zero{s}", "resident", plain)
             out.append(f"- ZeRO-{s} saved / promised, resident set of a plain run (glibc defaults, median) ="
                        f" {saved / promised:.3f} (goal >= {RATIO_GOAL}): {verdict(saved / promised >= RATIO_GOAL)}")
