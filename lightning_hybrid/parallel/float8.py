@@ -384,7 +384,7 @@ def apply_float8(module: nn.Module, config, groups: Float8Groups, exclude: Seque
     keep = float8_filter(exclude)
     report = Float8Report([], [], set())
     for name, child in list(module.named_modules()):
-        split = _split_features(child) is not None
+        split = _split_features(child)  # "in" / "out" for a TP layer
         shape = None if split or isinstance(child, Float8Linear) else linear_shape(child)
         if not split and shape is None:
             continue
@@ -393,7 +393,7 @@ def apply_float8(module: nn.Module, config, groups: Float8Groups, exclude: Seque
             report.kept.append(name)
             continue
         if split:
-            row = _split_features(child) == "in"
+            row = split == "in"
             local = child.weight.shape
             if not config.emulate and any(size % MULTIPLE for size in local):
                 raise ValueError(f"fp8: {name}'s TP piece of weight is {list(local)}, and float8 GEMMs need"
