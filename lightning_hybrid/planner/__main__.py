@@ -17,7 +17,8 @@ mixture-of-experts fields ``experts=,top_k=,expert_ffn=,moe_layers=,shared_ffn=`
 ``a100``, ``h100``, ``cpu`` (this machine: its calibration file, else defaults) or a cluster JSON. Context
 parallelism (``cp``) is searched for sequences of at least ``2 x MIN_CP_TOKENS`` tokens (``--no-context-parallel``:
 not at all; ``--documents``: batches with documents, packed or left-padded, whose attention takes a mask;
-``--compile``: the strategy's ``compile=True``, whose ZeRO-3 units are whole layers). Prints the ranked layouts
+``--compile``: the strategy's ``compile=True``, whose ZeRO-3 units are whole layers; ``--fp8 tensorwise|rowwise|
+rowwise_with_gw_hp``: the strategy's FP8 training, `lightning_hybrid.planner.float8`). Prints the ranked layouts
 (best first) with their memory and time breakdowns (``cp``: the key/value exchange's time), then the closest layouts
 that do not fit and why, and how many sizes each validity rule turned away. Exit code 2 on a bad argument.
 
@@ -44,6 +45,7 @@ from typing import Any, Optional
 from lightning_hybrid.parallel.pipeline.executor import SCHEDULES, resolve_schedule
 
 from .cluster import DEFAULT_CALIBRATION, FA2_ON_HOPPER, USABLE_MEMORY, Cluster, calibrate, load_cluster
+from .float8 import FP8_RECIPES
 from .layout import Layout
 from .model import ModelSpec, hf_config, hf_notes, hf_parameter_count, model_spec
 from .search import GIB, Candidate, Plan, evaluate, plan, tp_divides
@@ -59,6 +61,7 @@ def _row(rank: int, c: Candidate) -> str:
     time = (f"{t.total:9.4g} = comp {t.compute:.3g} tp {t.tp_comm:.3g} pp {t.pp_comm:.3g}"
             + (f" ep {t.ep_comm:.3g}" if c.layout.ep > 1 else "")
             + (f" cp {t.cp_comm:.3g}" if c.layout.cp > 1 else "")
+            + (f" fp8 {t.fp8_comm:.3g}" if t.fp8_comm else "")
             + f" bubble {t.bubble:.3g} dp {t.dp_comm:.3g} opt {t.optimizer:.3g}")
     return f"{rank:4d} {c.layout.label():<48} {c.tokens_per_s:12.4g} {c.mfu:6.3f} {mem}  {time}"
 
@@ -272,6 +275,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    " causal batches)")
     p.add_argument("--compile", action="store_true", help="the strategy's compile=True: ZeRO-3 gathers whole"
                    " layers (default: a layer's parts, one at a time)")
+    p.add_argument("--fp8", default=None, choices=FP8_RECIPES, help="the strategy's fp8 recipe: the linears on the"
+                   " float8 tensor cores, their casts and amax all-reduces (GPU presets with float8: h100)")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--json", default=None, help="write every candidate to this file")
     args = p.parse_args(argv)
@@ -293,8 +298,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         layout = parse_layout(args.layout, model, args.devices, args.global_batch) if args.layout else None
         result = plan(model, cluster, args.devices, args.global_batch,
                       sequence_parallel=not args.no_sequence_parallel,
-                      context_parallel=not args.no_context_parallel, documents=args.documents, compile=args.compile)
-        chosen = evaluate(model, layout, cluster, args.global_batch, args.documents, args.compile) if layout else None
+                      context_parallel=not args.no_context_parallel, documents=args.documents, compile=args.compile,
+                      fp8=args.fp8)
+        chosen = (evaluate(model, layout, cluster, args.global_batch, args.documents, args.compile, args.fp8)
+                  if layout else None)
     except (ValueError, TypeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -9,8 +9,9 @@ device would step on, so the run stays comparable to ``parallel=single``), and w
 config: the ``parallel`` arguments (``ep`` and ``cp`` among them when the layout has them, and the strategy takes
 them: the search tries context parallelism only for a strategy with a ``cp`` argument), ``data.batch_size`` (a
 replica's batch: the ``cp`` ranks of a replica share its samples), and ``trainer.accumulate_grad_batches`` and
-``trainer.devices`` (``dp tp pp cp`` over the nodes). Every rank plans the same way from the same inputs, so the
-ranks Lightning starts agree with rank 0 without a message passed.
+``trainer.devices`` (``dp tp pp cp`` over the nodes). ``parallel.fp8`` is planned as FP8 where the planner models
+it (`_fp8`: a cluster with float8 tensor cores), else as bf16. Every rank plans the same way from the same inputs,
+so the ranks Lightning starts agree with rank 0 without a message passed.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .cluster import Cluster, cpu_cluster, load_cluster
+from .float8 import FP8_RECIPES
 from .layout import Layout
 from .memory import estimate_memory
 from .model import ModelSpec, hf_config
@@ -94,6 +96,16 @@ def _documents(cfg: DictConfig) -> bool:
     return bool(documents) if documents is not None else "pack" in cfg.data
 
 
+def _fp8(cfg: DictConfig, cluster: Cluster, model: ModelSpec) -> Optional[str]:
+    """The recipe's ``parallel.fp8`` recipe where the planner models it on ``cluster`` (float8 tensor cores, a dense
+    model: `lightning_hybrid.planner.float8`); else None -- off CUDA the strategy emulates FP8, which the planner
+    does not time, so the layouts are planned and predicted as in bf16."""
+    fp8 = cfg.parallel.get("fp8") if cfg.get("parallel") is not None else None
+    if fp8 not in FP8_RECIPES or "fp8" not in cluster.flops or model.experts:
+        return None
+    return str(fp8)
+
+
 def _cluster(cfg: DictConfig) -> Cluster:
     name = cfg.planner.cluster if cfg.get("planner") is not None else None
     return load_cluster(name) if name else this_machine(str(cfg.trainer.accelerator))
@@ -142,9 +154,10 @@ def choose_layout(cfg: DictConfig) -> tuple[DictConfig, str]:
     accumulate = int(cfg.trainer.accumulate_grad_batches)
     global_batch = int(cfg.planner.global_batch or int(cfg.data.batch_size) * accumulate)
     accepted = inspect.signature(HybridStrategy).parameters
-    result = plan(_model(cfg), _cluster(cfg), _devices(cfg), global_batch,
+    model, cluster = _model(cfg), _cluster(cfg)
+    result = plan(model, cluster, _devices(cfg), global_batch,
                   sequence_parallel="sequence_parallel" in accepted, context_parallel="cp" in accepted,
-                  whole_batch_loss=_adds_router_loss(cfg), documents=_documents(cfg))
+                  whole_batch_loss=_adds_router_loss(cfg), documents=_documents(cfg), fp8=_fp8(cfg, cluster, model))
     best = result.best.layout
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     OmegaConf.set_struct(out, True)
@@ -193,6 +206,7 @@ def predicted_metrics(cfg: DictConfig, world: dict[str, int], module: Any = None
     documents = _documents(cfg)
     memory = estimate_memory(model, layout, cluster.precision, cluster.activation_scale,
                              float(cfg.parallel.bucket_cap_mb), documents=documents)
-    step = estimate_time(model, layout, cluster, float(cfg.parallel.bucket_cap_mb), documents=documents).total
+    step = estimate_time(model, layout, cluster, float(cfg.parallel.bucket_cap_mb), documents=documents,
+                         fp8=_fp8(cfg, cluster, model)).total
     return {"predicted_peak_mib": round(memory.total / 2**20, 3), "predicted_step_s": step,
             "predicted_tokens_per_s": global_batch * model.seq_len / step, "predicted_cluster": cluster.name}

@@ -17,7 +17,7 @@ level (``intra``: within a node, ``inter``: across nodes) the bandwidth and late
     gets the node's 8 HCAs together (`Cluster.ring_link`).
   - latencies: ~5 us per NVLink hop, ~10 us per InfiniBand hop (NCCL's small-message all-reduce latency
     orders of magnitude; they matter only for small messages).
-* ``h100``: DGX H100 nodes: 8 x H100-SXM5-80GB; 989 TFLOP/s dense BF16, 67 FP32 (datasheet); 3.35 TB/s HBM3
+* ``h100``: DGX H100 nodes: 8 x H100-SXM5-80GB; 989 TFLOP/s dense BF16, 1,979 FP8, 67 FP32 (datasheet); 3.35 TB/s HBM3
   (ridge 295 FLOP/byte against A100's 156: ``K0`` 1,514); NVLink 4: 900 GB/s per GPU -> 450 per direction;
   8 x 400 Gb/s NDR InfiniBand = 50 GB/s per GPU. Attention at the GEMMs' rate (``attention_speed`` 1: a kernel
   written for Hopper, FlashAttention-3 or cuDNN's); `FA2_ON_HOPPER` for a runtime running FlashAttention-2 there.
@@ -124,6 +124,14 @@ class Cluster:
     ``pp_scatter_gather``: each TP rank sends ``1/tp`` of a pipeline boundary's tensor and the receiver all-gathers
     it over TP (Megatron-LM's scatter/gather, Narayanan et al. 2021, section 4.1; this codebase sends it whole
     without sequence parallelism). Set for published runs of those runtimes (`benchmarks/bench_planner.py`).
+
+    FP8 (`lightning_hybrid.planner.float8`; ``flops["fp8"]``: the dense float8 peak, on GPUs that have float8
+    tensor cores): ``fp8_amax_reduced`` (``True``: this codebase, exact against one device) -- every amax
+    MAX-reduced over the ranks that split its operand, small synchronous all-reduces per linear; ``False``: each
+    rank scales by its own amax (torchtitan); ``fp8_all_gather``: ZeRO-3 gathers converted weights in float8
+    (torchtitan's ``enable_fsdp_float8_all_gather``; this codebase gathers them in their dtype); ``fp8_head``
+    (``True``): the LM head is converted too (this codebase, unless ``fp8_exclude`` names it; torchtitan leaves
+    its ``output`` in bf16).
     """
 
     name: str
@@ -149,6 +157,9 @@ class Cluster:
     matmul_k0: float = 0.0
     attention_speed: float = 1.0
     param_gather_overlap: bool = False
+    fp8_amax_reduced: bool = True
+    fp8_all_gather: bool = False
+    fp8_head: bool = True
 
     def link(self, group_size: int, stride: int) -> Link:
         """The link a collective over ``group_size`` ranks ``stride`` ranks apart uses: within a node when the
@@ -206,11 +217,13 @@ def matmul_k0(tflops_bf16: float, hbm_tb_s: float) -> float:
 
 def _gpu(
     name: str, tflops_bf16: float, tflops_fp32: float, hbm_tb_s: float, nvlink_gb_s: float, ib_gb_s: float,
-    memory: float,
+    memory: float, tflops_fp8: float = 0.0,
 ) -> Cluster:
+    flops = {"bf16": tflops_bf16 * 1e12, "fp32": tflops_fp32 * 1e12}
+    if tflops_fp8:
+        flops["fp8"] = tflops_fp8 * 1e12
     return Cluster(
-        name=name, devices_per_node=8, memory=memory,
-        flops={"bf16": tflops_bf16 * 1e12, "fp32": tflops_fp32 * 1e12}, matmul_efficiency=MATMUL_EFFICIENCY,
+        name=name, devices_per_node=8, memory=memory, flops=flops, matmul_efficiency=MATMUL_EFFICIENCY,
         matmul_k0=matmul_k0(tflops_bf16, hbm_tb_s),
         memory_bandwidth=hbm_tb_s * 1e12,
         intra=Link(nvlink_gb_s / 2 * GB * LINK_EFFICIENCY, 5e-6),
@@ -225,7 +238,7 @@ H100_80GB_BYTES = 81559 * 2**20
 
 CLUSTER_PRESETS: dict[str, Cluster] = {
     "a100": _gpu("a100", 312, 19.5, 2.0, 600, 25, A100_80GB_BYTES),
-    "h100": _gpu("h100", 989, 67, 3.35, 900, 50, H100_80GB_BYTES),
+    "h100": _gpu("h100", 989, 67, 3.35, 900, 50, H100_80GB_BYTES, tflops_fp8=1979),
 }
 
 #: CPU ranks share the machine's RAM; the planner holds each rank to all of it (a loose bound).

@@ -29,6 +29,7 @@ from lightning_hybrid.core.dims import ParallelDims, divisors
 from lightning_hybrid.parallel.pipeline.executor import SCHEDULES, resolve_schedule
 
 from .cluster import USABLE_MEMORY, Cluster
+from .float8 import check_fp8
 from .layout import Layout
 from .memory import MEGATRON_PRECISIONS, MemoryEstimate, estimate_memory, resolve_grad_reduce
 from .model import ModelSpec
@@ -218,8 +219,8 @@ def _schedules(model, dims, cp, b, m, pipeline_layers, sequence_parallel, schedu
 
 
 def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: int,
-             documents: bool = False, compile: bool = False) -> Candidate:
-    """Predictions for one layout: memory always, time when it fits (``documents``, ``compile``: `plan`'s).
+             documents: bool = False, compile: bool = False, fp8: str | None = None) -> Candidate:
+    """Predictions for one layout: memory always, time when it fits (``documents``, ``compile``, ``fp8``: `plan`'s).
     ``grad_reduce="auto"`` is resolved first, as the strategy resolves it (`resolve_grad_reduce`)."""
     layout = resolve_grad_reduce(model, layout, cluster.precision, cluster.memory)
     memory = estimate_memory(model, layout, cluster.precision, cluster.activation_scale, documents=documents,
@@ -230,7 +231,7 @@ def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: i
                   f" (params {memory.params / GIB:.1f}, grads {memory.grads / GIB:.1f}, optimizer"
                   f" {memory.optimizer / GIB:.1f}, activations {memory.activations / GIB:.1f})")
         return Candidate(layout, memory, None, 0.0, 0.0, reason)
-    time = estimate_time(model, layout, cluster, documents=documents)
+    time = estimate_time(model, layout, cluster, documents=documents, fp8=fp8)
     tokens = global_batch * model.seq_len
     tokens_per_s = tokens / time.total
     mfu = model.flops_per_token() * tokens_per_s / (layout.devices * cluster.peak_flops(cluster.precision))
@@ -238,18 +239,21 @@ def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: i
 
 
 def plan(model: ModelSpec, cluster: Cluster, devices: int, global_batch: int, *, documents: bool = False,
-         compile: bool = False, **search: object) -> Plan:
+         compile: bool = False, fp8: str | None = None, **search: object) -> Plan:
     """All layouts of ``model`` on ``devices`` of ``cluster`` for ``global_batch`` sequences per optimizer step,
     ranked. ``documents``: the batches hold documents (packed, left padding), whose attention takes a mask -- SDPA's
     float copy of the model's kept per layer without cp, one call's block under cp (`estimate_memory`); default
     plain causal batches. ``compile``: the strategy's ``compile=True``, whose
-    ZeRO-3 units are whole layers (`estimate_memory`; the time model is unchanged). ``search``:
+    ZeRO-3 units are whole layers (`estimate_memory`; the time model is unchanged). ``fp8``: the strategy's FP8
+    recipe (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``; `lightning_hybrid.planner.float8`: the time
+    model; memory as bf16's, the casts transient; MFU stays against the bf16 peak). ``search``:
     `enumerate_layouts`'s options (``sequence_parallel``, ``schedules``, ...)."""
     if devices < 1 or global_batch < 1:
         raise ValueError(f"devices={devices}, global_batch={global_batch}: both must be positive integers.")
+    check_fp8(fp8, cluster, model)
     result = Plan(model, cluster, devices, global_batch)
     for layout in enumerate_layouts(model, cluster, devices, global_batch, invalid=result.invalid, **search):
-        candidate = evaluate(model, layout, cluster, global_batch, documents, compile)
+        candidate = evaluate(model, layout, cluster, global_batch, documents, compile, fp8)
         (result.ranked if candidate.fits else result.too_big).append(candidate)
     result.ranked.sort(key=lambda c: (c.time.total, c.memory.total))
     result.too_big.sort(key=lambda c: c.memory.total)

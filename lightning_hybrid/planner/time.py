@@ -122,6 +122,11 @@ Context parallelism (`Layout.cp` = ``c``; `lightning_hybrid.parallel.context_par
 * DP: the gradients are reduced (and ZeRO-sharded) over the ``dp c`` ranks (``tp`` apart), the experts' over
   ``dp c/ep``; the optimizer steps ``1/(dp c)`` under ZeRO.
 
+FP8 (``fp8``; `lightning_hybrid.planner.float8`): the converted linears' GEMMs at the float8 rate, their casts as
+element-wise traffic and launches in the block's compute, this codebase's amax all-reduces per linear and
+micro-batch on the critical path (``fp8_comm``), and under ZeRO-3 with float8 all-gather the converted weights
+gathered at 1 byte.
+
 A step also costs the cluster's ``step_overhead`` (the training loop's own time; measured on CPU).
 
 Collectives between computation cost ``collective_overhead`` each beyond their transfer (ranks that arrive apart,
@@ -170,6 +175,14 @@ from .communication import (
     ring_volume,
 )
 from .context_memory import PLAIN_KV_COPIES, context_mask_bytes, context_transient_bytes, gathered_kv_bytes
+from .float8 import (
+    FP8_LINEAR_OVERHEAD,
+    check_fp8,
+    fp8_amax_time,
+    fp8_block_linears,
+    fp8_gemm_factor,
+    fp8_traffic,
+)
 from .layout import Layout
 from .model import ModelSpec
 from .placement import rank_block_counts, rank_expert_params, rank_layers, rank_params
@@ -246,19 +259,24 @@ class TimeEstimate:
     total: float
     ep_comm: float = 0.0  # the expert-parallel all-to-alls
     cp_comm: float = 0.0  # the context-parallel key/value all-gathers and reduce-scatters
+    fp8_comm: float = 0.0  # FP8: the amaxes' all-reduces (`lightning_hybrid.planner.float8`)
 
     def as_dict(self) -> dict[str, float]:
         return {"compute": self.compute, "tp_comm": self.tp_comm, "pp_comm": self.pp_comm, "ep_comm": self.ep_comm,
-                "cp_comm": self.cp_comm, "bubble": self.bubble, "dp_comm": self.dp_comm, "optimizer": self.optimizer,
-                "total": self.total}
+                "cp_comm": self.cp_comm, "fp8_comm": self.fp8_comm, "bubble": self.bubble, "dp_comm": self.dp_comm,
+                "optimizer": self.optimizer, "total": self.total}
 
 
 def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
-                  bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, *, documents: bool = False) -> TimeEstimate:
+                  bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, *, documents: bool = False,
+                  fp8: str | None = None) -> TimeEstimate:
     """The predicted step time of ``layout`` (see the module docstring). ``documents``: the batches hold documents,
-    whose context-parallel attention takes a mask (`context_attention_traffic`); default plain causal batches."""
+    whose context-parallel attention takes a mask (`context_attention_traffic`); default plain causal batches.
+    ``fp8``: the strategy's FP8 recipe (`lightning_hybrid.planner.float8`: the blocks' linears, and the LM head where
+    `Cluster.fp8_head`, on the float8 tensor cores; their casts; this codebase's amax all-reduces); None: bf16."""
     lay, prec = layout, cluster.precision
     lay.check_model(model)
+    check_fp8(fp8, cluster, model)
     pb, gb, ob, e = PRECISIONS[prec]
     flops = cluster.achievable_flops(prec)
     s, h, t, b, ep, cp = model.seq_len, model.hidden, lay.tp, lay.micro_batch, lay.ep, lay.cp
@@ -294,6 +312,17 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
         again, again_moe = pointwise_recomputed_bytes(model, lay, prec) if mode == "pointwise" else (0.0, 0.0)
         dense_act, moe_act = whole + (core + again) / 3, whole_moe + (core + again_moe) / 3
     block_compute = block_matmul + passes * cluster.layer_overhead + 3 * (dense_act + cp_traffic) / bandwidth
+    block_fp8 = head_fp8 = 0.0  # FP8: the amax all-reduces per micro-batch
+    if fp8:
+        weight_gemms = passes * tokens * 2 * model.block_matmul_weights() / t * shape / flops
+        linears = fp8_block_linears(model, t)
+        count = sum(c for c, _, _ in linears)
+        block_compute += (weight_gemms * (fp8_gemm_factor(fp8, passes, cluster) - 1)
+                          + fp8_traffic(fp8, linears, tokens, recompute) / bandwidth + count * FP8_LINEAR_OVERHEAD)
+        stage_ranks = lay.dp * cp * t
+        amax = fp8_amax_time(fp8, cluster, stage_ranks, t, cluster.link(stage_ranks, 1), cluster.link(t, 1))
+        block_fp8 = count * amax
+        head_fp8 = amax if cluster.fp8_head else 0.0
     tp_link = cluster.link(t, 1)
     tp_count = 6 if recompute else 4  # all-reduces (or AG + RS pairs) per block: forward, backward, recomputation
     block_tp = tp_count * ring_time(t, tokens * h * e, tp_link)
@@ -304,8 +333,11 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
         block_tp = latency + max(0.0, block_tp - latency - block_matmul)
     block_cp = kv_exchange_time(model, lay, cluster)  # per block, dense or MoE
     mask_cp = mask_gather_time(model, lay, cluster)  # per micro-batch: the positions, for its mask
-    head_compute = (6 * tokens * h * model.vocab / t / flops * (1 + cluster.matmul_k0 / h)
-                    + 3 * cluster.layer_overhead)
+    head_gemms = 6 * tokens * h * model.vocab / t / flops * (1 + cluster.matmul_k0 / h)
+    head_compute = head_gemms + 3 * cluster.layer_overhead
+    if fp8 and cluster.fp8_head:
+        head_compute += (head_gemms * (fp8_gemm_factor(fp8, 3, cluster) - 1)
+                         + fp8_traffic(fp8, [(1, h, model.vocab / t)], tokens, False) / bandwidth + FP8_LINEAR_OVERHEAD)
     if lay.loss_parallel:  # vocab-parallel cross entropy: all-reduces of a max, a sum and the target logit
         head_tp = 3 * ring_time(t, tokens * 4, tp_link)
     else:  # the logits gathered
@@ -333,16 +365,17 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     counts = rank_block_counts(model, lay.pp, per_rank, spec.style)  # (dense, MoE) blocks per rank
     head_index = model.n_layer + 1
 
-    def rank_times(rank: int) -> tuple[float, float, float, float]:
+    def rank_times(rank: int) -> tuple[float, float, float, float, float]:
         (dense, moe), head = counts[rank], head_index in ranks[rank]
         return (dense * block_compute + moe * moe_compute + (head_compute if head else 0.0),
                 dense * block_tp + moe * moe_tp + (head_tp if head else 0.0), moe * moe_ep,
-                (dense + moe) * block_cp + (mask_cp if dense + moe else 0.0))
+                (dense + moe) * block_cp + (mask_cp if dense + moe else 0.0),
+                dense * block_fp8 + (head_fp8 if head else 0.0))
 
     times = [rank_times(rank) for rank in range(lay.pp)]
-    compute_mb, tp_mb, ep_mb, cp_mb = max(times, key=sum)
+    compute_mb, tp_mb, ep_mb, cp_mb, fp8_mb = max(times, key=sum)
     m = lay.micro_batches
-    t_mb = compute_mb + tp_mb + ep_mb + cp_mb
+    t_mb = compute_mb + tp_mb + ep_mb + cp_mb + fp8_mb
     bubble = bubble_fraction(lay.schedule, lay.pp, m, lay.virtual_stages) * m * t_mb
     ramp, steady = pipeline_p2p_time(model, lay, cluster)
     pp_mb = steady if cluster.compute_units else max(0.0, steady - compute_mb * (lay.schedule in _ASYNC_P2P))
@@ -367,12 +400,19 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     groups = [(n, P - P_x, cluster.ring_link(n, t), messages(P - P_x, dense_units + moe_units_dp + 1)),
               (edp, P_x, cluster.ring_link(edp, ep * t), messages(P_x, moe_units_dp))]
     groups = [g for g in groups if g[0] > 1 and g[3] > 0]
+    # ZeRO-3 with float8 all-gather (`Cluster.fp8_all_gather`, tensorwise): the converted weights at 1 byte.
+    float8_gathered = 0.0
+    if fp8 == "tensorwise" and cluster.fp8_all_gather and lay.zero_stage == 3:
+        float8_gathered = (dense_units * model.block_matmul_weights()
+                           + (h * model.vocab if cluster.fp8_head and head_index in ranks[fullest] else 0)) / t
     if lay.zero_stage == 0:
         reduce = sum(ring_time(size, p * gb, link, messages=k) for size, p, link, k in groups)
         gather = 0.0
     else:
         reduce = sum(ring_time(size, p * gb, link, "reduce_scatter", k) for size, p, link, k in groups)
-        gather = sum(ring_time(size, p * pb, link, "all_gather", k) for size, p, link, k in groups)
+        # (FP8 refuses experts: with float8 all-gather the only group is the dense one, P - P_x = P.)
+        gather = sum(ring_time(size, p * pb - float8_gathered * (pb - 1), link, "all_gather", k)
+                     for size, p, link, k in groups)
     if lay.zero_stage == 3 and lay.replicas > 1:  # then each shard all-reduced across the replicas (n t ranks apart)
         reduce += ring_time(lay.replicas, (P - P_x) / n * gb, cluster.ring_link(lay.replicas, n * t),
                             messages=messages(P - P_x, dense_units + moe_units_dp + 1))
@@ -438,7 +478,7 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     else:
         dp_colls = dp_messages * (2 if lay.zero_stage else 1)
     sync = (tp_colls + ep_colls + cp_colls + pp_colls + dp_colls) * cluster.collective_overhead
-    waits = m * (tp_mb + ep_mb + cp_mb) + pp_comm + dp_comm + sync + cluster.step_overhead
+    waits = m * (tp_mb + ep_mb + cp_mb + fp8_mb) + pp_comm + dp_comm + sync + cluster.step_overhead
     critical = own + bubble + waits
     if cluster.compute_units:
         # A node's ranks share its cores, and on a CPU all of a rank's work -- computing, moving the bytes of
@@ -446,4 +486,5 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
         on_node = min(lay.devices, cluster.devices_per_node)
         critical = max(critical, (own + waits) * max(1.0, on_node / cluster.compute_units))
     return TimeEstimate(compute=m * compute_mb, tp_comm=m * tp_mb, pp_comm=pp_comm, bubble=bubble,
-                        dp_comm=dp_comm, optimizer=optimizer, total=critical, ep_comm=m * ep_mb, cp_comm=m * cp_mb)
+                        dp_comm=dp_comm, optimizer=optimizer, total=critical, ep_comm=m * ep_mb, cp_comm=m * cp_mb,
+                        fp8_comm=m * fp8_mb)
