@@ -1,6 +1,6 @@
 """Packed documents against unpacked rows of the same token count: training step time on one CPU process.
 
-    python benchmarks/bench_packing.py                      # GPT and Llama at T=512 and 1024 (~5 min on 2 idle cores)
+    python benchmarks/bench_packing.py                      # GPT and Llama at T=512, 1024, 2048 (~8 min, 2 idle cores)
     python benchmarks/bench_packing.py --seq 512 --models gpt --steps 10   # quicker
 
 Goal (issue): packing costs no more than 5% step time against padding-free unpacked batches of the same token
@@ -19,11 +19,16 @@ Every variant holds the same ``--tokens`` tokens per step (B = tokens / T rows o
   unpacked    B rows of T tokens (``input_ids``, ``labels``), no side input: plain causal attention (the baseline)
   packed      documents of random lengths (uniform 32..T/2, seeded; the last one of a row fills what is left of it,
               so there is no padding) packed into the same B rows by `pack_documents`; the model gets their
-              ``position_ids`` (GPT: SDPA with the boolean `document_causal_mask`, which every layer builds)
+              ``position_ids``, and the package attends per document without a T x T mask
+              (`lightning_hybrid.core.document_attention`: the GPT always, the Llama once its first packed forward
+              has verified it against its own masked SDPA, `lightning_hybrid.hf.document_attention`)
+  packed, T x T mask   the same, attending as the package did before: SDPA under the boolean (B, 1, T, T)
+              document-causal mask (GPT: `document_causal_mask` built in every layer; Llama: transformers' ``sdpa``
+              with its own masks)
   padded      the same documents one per row, padded to T (`pack_documents(pack=False)`): more rows, compared per
               real token (plain causal attention: `TokenBatch` needs no side input for such rows)
-  packed, per-doc SDPA / packed, padded-doc SDPA   (GPT only; an experiment of this script, the package is
-              unchanged) the GPT's attention on packed rows replaced by an exact alternative, see "attention alone"
+  packed, padded-doc SDPA   (GPT only; an experiment of this script) the GPT's attention on packed rows replaced by
+              another exact alternative, see "attention alone"
 
 Timing: every variant has its own model and optimizer (same init); ``--warmup`` steps, then ``--steps`` timed steps,
 round-robin (one step of each variant in turn, the order rotated every round), so load that comes and goes on a
@@ -39,7 +44,8 @@ attention alone (GPT shapes, B x 8 heads x T x 32, fp32): forward + backward of 
 packed rows, median of ``--steps``, round-robin: ``is_causal`` (what unpacked rows get), the masked SDPA as the GPT
 runs it (mask built in the call) and with a prebuilt mask, and exact alternatives for packed rows:
 
-  per-doc SDPA     each document of each row on its own, ``is_causal=True`` (views of q/k/v, outputs concatenated)
+  document_attention   the package's: each document of each row on its own, ``is_causal=True`` (views of q/k/v,
+                   outputs concatenated)
   padded-doc SDPA  the documents as the rows of one (documents, H, longest, D) batch, each padded at its end, one
                    ``is_causal=True`` call (the padding comes after a document's tokens: causal hides it)
   flex_attention   `torch.nn.attention.flex_attention` with a document-causal block mask, eager and under
@@ -81,6 +87,7 @@ from torch import Tensor  # noqa: E402
 from benchmarks.machine_load import cpu_s, system_busy_s  # noqa: E402
 from benchmarks.report import printed_to  # noqa: E402
 from lightning_hybrid.core.batch import TokenBatch, document_causal_mask, document_ids, is_packed  # noqa: E402
+from lightning_hybrid.core.document_attention import document_attention  # noqa: E402
 from lightning_hybrid.data.sft import pack_documents  # noqa: E402
 from lightning_hybrid.models import GPTLightningModule  # noqa: E402
 from lightning_hybrid.models.gpt import CausalSelfAttention  # noqa: E402
@@ -221,19 +228,6 @@ def document_lengths(position_ids: Tensor) -> list[list[int]]:
     return [[e - s for s, e in zip(at, at[1:] + [T])] for at in rows]
 
 
-def per_document_sdpa(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor) -> Tensor:
-    """Each document on its own, ``is_causal=True``; q/k/v are sliced as views, the outputs concatenated."""
-    rows = []
-    for b, lengths in enumerate(document_lengths(position_ids)):
-        parts, start = [], 0
-        for n in lengths:
-            q_, k_, v_ = (t[b:b + 1, :, start:start + n] for t in (q, k, v))  # (1, H, n, D)
-            parts.append(F.scaled_dot_product_attention(q_, k_, v_, is_causal=True))
-            start += n
-        rows.append(torch.cat(parts, dim=2))  # (1, H, T, D)
-    return torch.cat(rows)
-
-
 def padded_document_sdpa(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor) -> Tensor:
     """The documents as the rows of one batch (N documents, H, longest L, D), each padded at its end, one
     ``is_causal=True`` call: a query sees only keys at or before it, all of its own document."""
@@ -250,7 +244,7 @@ def padded_document_sdpa(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor) 
     return y.transpose(1, 2).reshape(-1, H, D).index_select(0, slot).view(B, T, H, D).transpose(1, 2)
 
 
-CORES: dict[str, Core] = {"per-doc SDPA": per_document_sdpa, "padded-doc SDPA": padded_document_sdpa}
+CORES: dict[str, Core] = {"padded-doc SDPA": padded_document_sdpa}
 
 
 def use_attention_core(model: torch.nn.Module, core: Core) -> None:
@@ -274,8 +268,9 @@ def use_attention_core(model: torch.nn.Module, core: Core) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- models
-def build(kind: str, seq: int, core: Optional[Core] = None):
-    """A LightningModule (built, initialised identically every time) and its optimizer."""
+def build(kind: str, seq: int, core: Optional[Core] = None, dense: bool = False):
+    """A LightningModule (built, initialised identically every time) and its optimizer; ``dense``: packed rows
+    attend under a T x T mask, as before `lightning_hybrid.core.document_attention`."""
     if kind == "gpt":
         module = GPTLightningModule(n_layer=LAYERS, n_embd=WIDTH, n_head=HEADS, block_size=seq, vocab_size=VOCAB)
     else:
@@ -286,6 +281,11 @@ def build(kind: str, seq: int, core: Optional[Core] = None):
                                            "intermediate_size": 688, "vocab_size": VOCAB,
                                            "max_position_embeddings": seq})
     module.configure_model()
+    if dense and kind == "gpt":
+        core = masked_sdpa
+    elif dense:  # transformers' own sdpa and its masks
+        module.model.set_attn_implementation("sdpa")
+        module.document_attention = None
     if core is not None:
         use_attention_core(module.model, core)
     module.train()
@@ -307,7 +307,12 @@ def train_step(module, optimizer, batch: dict[str, Tensor]) -> None:
 
 
 def compare_models(reference, other, batch: dict[str, Tensor]) -> float:
-    """Max |diff| of the logits and parameter gradients of one step of two models with the same weights."""
+    """Max |diff| of the logits and parameter gradients of one step of two models with the same weights (after a
+    forward of each: a transformers model's first packed forward is its masked SDPA, verifying what the next run)."""
+    with torch.no_grad():
+        for module in (reference, other):
+            tokens = TokenBatch.from_batch(batch)
+            module(tokens.input_ids, **tokens.model_inputs())
     a, b = forward_backward(reference, batch), forward_backward(other, batch)
     diff = (a - b).abs().max().item()
     for p, q in zip(reference.parameters(), other.parameters()):
@@ -358,8 +363,10 @@ def bench_model(kind: str, seq: int, args, guard: MachineGuard) -> dict[str, tup
     """Print the step-time rows of one model at one T; return each variant's (median step time in s, vs unpacked)."""
     data = batches(args.tokens, seq, args.seed)
     variants = {"unpacked": (build(kind, seq), data["unpacked"]), "packed": (build(kind, seq), data["packed"]),
+                "packed, T x T mask": (build(kind, seq, dense=True), data["packed"]),
                 "padded": (build(kind, seq), data["padded"])}
-    checks = {}
+    checks = {"packed, T x T mask": compare_models(variants["packed"][0][0], variants["packed, T x T mask"][0][0],
+                                                   data["packed"])}
     if kind == "gpt":
         for name, core in CORES.items():
             variants[f"packed, {name}"] = (build(kind, seq, core), data["packed"])
@@ -414,6 +421,7 @@ def bench_attention(seq: int, args, guard: MachineGuard) -> None:
         CAUSAL: lambda q, k, v, p: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         "masked SDPA (as the GPT: mask built)": masked_sdpa,
         "masked SDPA, prebuilt mask": lambda q, k, v, p: F.scaled_dot_product_attention(q, k, v, attn_mask=prebuilt),
+        "document_attention (the package's)": lambda q, k, v, p: document_attention(q, k, v, p),
         **CORES,
     }
 
@@ -466,7 +474,7 @@ def flex_attention_status(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, referenc
 # ---------------------------------------------------------------------------------------------- main
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq", type=int, nargs="+", default=[512, 1024], help="row lengths T")
+    parser.add_argument("--seq", type=int, nargs="+", default=[512, 1024, 2048], help="row lengths T")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per step (a multiple of every T)")
     parser.add_argument("--models", nargs="+", default=["gpt", "llama"], choices=["gpt", "llama"])
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")

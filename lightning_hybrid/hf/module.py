@@ -16,6 +16,7 @@ from lightning_hybrid.core.devices import module_device
 from lightning_hybrid.core.dims import layout_size
 from lightning_hybrid.hf.config import _resolve_config
 from lightning_hybrid.hf.decomposition import _PipelineCalls, check_decomposition, check_document_masks
+from lightning_hybrid.hf.document_attention import DocumentAttention
 from lightning_hybrid.hf.moe import RouterAuxLoss, gather_rows
 from lightning_hybrid.hf.structure import PipelineDecompositionError, _Structure
 from lightning_hybrid.hf.weights import Safetensors, tied_keys
@@ -77,6 +78,8 @@ class CausalLM(LanguageModel):
         self.hf_config = hf_config
         self.folder: Optional[Path] = Path(spec) if isinstance(spec, str) and Path(spec).is_dir() else None
         self._structure: Optional[_Structure] = None
+        #: The attention of packed batches (`lightning_hybrid.hf.document_attention`), where the model runs SDPA.
+        self.document_attention: Optional[DocumentAttention] = None
         self._calls: Optional[_PipelineCalls] = None
         self._weights: Optional[Safetensors] = None
         self._n_params = 0
@@ -108,6 +111,9 @@ class CausalLM(LanguageModel):
             )
         model.config.use_cache = False
         self._check_context_parallel_attention(model)
+        # Packed batches without T x T masks where verified (`DocumentAttention`); CP runs its own attention.
+        if self._context_parallel_size() == 1 and model.config._attn_implementation == "sdpa":
+            self.document_attention = DocumentAttention(model)
         self._aux = RouterAuxLoss.of(model)
         if self._aux is not None and self._pipeline_size() > 1:
             self._check_pipelined_aux_loss(model)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_hybrid.core.batch import document_causal_mask
+from lightning_hybrid.core.document_attention import document_attention
 
 __all__ = ["GPTConfig", "CausalSelfAttention", "MLP", "GatedMLP", "Block", "GPT"]
 
@@ -128,10 +128,8 @@ class CausalSelfAttention(nn.Module):
         if repeat > 1:
             k = k.repeat_interleave(repeat, dim=1)  # (B, H, T, D)
             v = v.repeat_interleave(repeat, dim=1)  # (B, H, T, D)
-        mask = document_causal_mask(position_ids)  # (B, 1, T, T) or None: plain causal
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0
-        )  # (B, H, T, D)
+        # Causal within each document of a packed or padded batch, one SDPA call per document (no T x T mask).
+        y = document_attention(q, k, v, position_ids, dropout_p=self.dropout if self.training else 0.0)  # (B,H,T,D)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*D)
         return self.resid_dropout(self.o_proj(y))  # (B, T, C)
 

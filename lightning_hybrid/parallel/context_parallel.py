@@ -10,8 +10,8 @@ computation on fewer tokens. The positions always travel (``position_ids`` of th
 receives): a rank's tokens are not contiguous.
 
 **Attention** is the one place where tokens meet. Inside every layer the strategy wraps (`ContextParallel`), a
-`torch.overrides.TorchFunctionMode` catches ``F.scaled_dot_product_attention`` -- the reference GPT's attention and
-transformers' SDPA attention call it -- all-gathers the keys and values over the CP group (backward: the sum of
+`torch.overrides.TorchFunctionMode` catches ``F.scaled_dot_product_attention`` (transformers' SDPA) and
+`document_attention` (the reference GPT's), all-gathers the keys and values over the CP group (backward: the sum of
 their gradients, back to the rank that holds them), puts them in the sequence's order, and attends each of the
 rank's two chunks to the keys up to the chunk's last token under the mask of the whole sequence: causal by the
 tokens' places in the sequence and within each document (documents restart where the positions do not continue by
@@ -46,11 +46,11 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_hybrid.core.autocast import autocast_inputs
 from lightning_hybrid.core.batch import TokenBatch, document_ids
+from lightning_hybrid.core.document_attention import causal_sdpa_arguments, document_attention
 from lightning_hybrid.core.hooks import StepHooks
 
 __all__ = ["ContextParallel", "ContextParallelHooks", "apply_cp", "block_mask", "gather_prefixes", "kv_group_of",
-           "restricted_attention_of",
-           "split_batch", "zigzag_indices"]
+           "restricted_attention_of", "split_batch", "zigzag_indices"]
 
 
 def zigzag_indices(length: int, cp: int, rank: int, device: Optional[torch.device] = None) -> Tensor:
@@ -227,8 +227,7 @@ class ContextParallel:
             docs = torch.zeros(query.size(0), self.size * local, dtype=torch.long, device=query.device)
         if not self.recompute_attention:
             return self._attend(query, key, value, docs, dropout_p, scale, window, chunks)
-        return checkpoint(self._attend, query, key, value, docs, dropout_p, scale, window, chunks,
-                          use_reentrant=False)
+        return checkpoint(self._attend, query, key, value, docs, dropout_p, scale, window, chunks, use_reentrant=False)
 
     def _kv_group(self, key: Tensor, value: Tensor, heads: int) -> int:
         """How many query heads share a key/value head in this layer, as every CP rank agrees, decided at the layer's
@@ -384,14 +383,15 @@ class _AttentionMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[Mapping] = None):
         kwargs = kwargs or {}
+        if func is document_attention:  # causal within each document: the CP attention's are the whole sequence's
+            func, (args, kwargs) = F.scaled_dot_product_attention, causal_sdpa_arguments(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             self.cp.calls += 1
             return self.cp.attention(*args, **kwargs)
         return func(*args, **kwargs)
 
 
-def gather_prefixes(t: Tensor, group: dist.ProcessGroup, ends: tuple[int, ...],
-                    repeats: int = 1) -> tuple[Tensor, ...]:
+def gather_prefixes(t: Tensor, group: dist.ProcessGroup, ends: tuple[int, ...], repeats: int = 1) -> tuple[Tensor, ...]:
     """``t`` ``(..., heads, T / cp, D)``, a rank's two zigzag chunks (`zigzag_indices`), of every rank of ``group``
     put together in the sequence's order, each head repeated ``repeats`` times side by side (grouped-query
     attention's key/value heads, gathered once, for every query head), and of that ``(..., heads * repeats, T, D)``

@@ -1,0 +1,106 @@
+"""Packed documents without (T x T) masks: `document_attention` against the masked SDPA (values, gradients, grouped
+heads, sliding windows), and a transformers model's `DocumentAttention` -- verified on its first packed forward,
+then used; kept on the model's own masks wherever it does not verify."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_hybrid.core.batch import document_causal_mask
+from lightning_hybrid.core.document_attention import document_attention, document_spans
+from lightning_hybrid.hf import CausalLM
+
+POSITIONS = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+                          list(range(24)),
+                          [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 0, 0, 0, 0]])
+DOCUMENTS = [(0, 10), (10, 13), (13, 24)]  # of row 0
+
+
+def _windowed_mask(positions: torch.Tensor, window: int) -> torch.Tensor:
+    places = torch.arange(positions.size(1))
+    distance = places.unsqueeze(1) - places.unsqueeze(0)
+    return document_causal_mask(positions) & (distance < window)
+
+
+def test_spans_are_the_documents_of_each_row():
+    spans = document_spans(POSITIONS)
+    assert spans[0] == DOCUMENTS and spans[1] == [(0, 24)]
+    assert spans[2] == [(0, 6), (6, 20), (20, 21), (21, 22), (22, 23), (23, 24)]
+
+
+@pytest.mark.parametrize("kv_heads, window", [(4, None), (2, None), (4, 5)])
+def test_document_attention_is_the_masked_sdpa(kv_heads, window):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 4, 24, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(3, kv_heads, 24, 8, generator=g, requires_grad=True) for _ in range(2))
+    mask = document_causal_mask(POSITIONS) if window is None else _windowed_mask(POSITIONS, window)
+    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=kv_heads != 4)
+    ours = document_attention(q, k, v, POSITIONS, window=window)
+    torch.testing.assert_close(ours, reference, rtol=0, atol=1e-6)
+    out_grad = torch.randn(ours.shape, generator=g)
+    grads = [torch.autograd.grad(y, (q, k, v), out_grad) for y in (ours, reference)]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
+    # Without positions (or with one document per row): plain causal attention.
+    torch.testing.assert_close(document_attention(q, k, v), F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=kv_heads != 4), rtol=0, atol=0)
+
+
+def _model(family: str, **config) -> CausalLM:
+    torch.manual_seed(0)
+    module = CausalLM(family, config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=128, **config))
+    module.configure_model()
+    return module
+
+
+@pytest.mark.parametrize("family, config", [("llama", {}), ("mistral", {"sliding_window": 6})])
+def test_a_transformers_model_verifies_then_runs_per_document(family, config):
+    module = _model(family, **config)
+    attention = module.document_attention
+    assert attention is not None and module.model.config._attn_implementation == attention.name
+    ids = torch.randint(0, 128, (3, 24), generator=torch.Generator().manual_seed(1))
+    first = module(ids, position_ids=POSITIONS)  # the model's masked SDPA, and the verification
+    assert attention.failed is None and len(attention.verified) == 2 and not attention.fast
+    later = module(ids, position_ids=POSITIONS)
+    assert attention.fast  # no masks any more
+    torch.testing.assert_close(later, first, rtol=0, atol=1e-6)
+    alone = torch.cat([module(ids[:1, s:e], position_ids=POSITIONS[:1, s:e]) for s, e in DOCUMENTS], 1)
+    torch.testing.assert_close(later[:1], alone, rtol=0, atol=1e-6)
+    later.sum().backward()  # trains
+    # The name of the implementation is not saved with the config.
+    assert attention.name not in str(module.model.config.to_dict())
+
+
+def test_what_does_not_verify_keeps_the_models_own_masks():
+    # Attention dropout draws differ per call: nothing to compare, so the masked SDPA stays.
+    module = _model("llama", attention_dropout=0.5)
+    ids = torch.randint(0, 128, (3, 24), generator=torch.Generator().manual_seed(1))
+    module.train()
+    module(ids, position_ids=POSITIONS)
+    module(ids, position_ids=POSITIONS)
+    attention = module.document_attention
+    assert not attention.fast and "attention dropout" in attention.failed
+    # A layer that does not hand its attention the positions cannot be split into documents.
+    module = _model("llama")
+    attention = module.document_attention
+    layer = module.model.model.layers[0].self_attn
+    q = torch.randn(1, 4, 24, 16)
+    kv = torch.randn(1, 2, 24, 16)
+    mask = document_causal_mask(POSITIONS[:1])
+    out, _ = attention.attention(layer, q, kv, kv, mask, scaling=0.25)
+    torch.testing.assert_close(out.transpose(1, 2), F.scaled_dot_product_attention(
+        q, kv, kv, attn_mask=mask, scale=0.25, enable_gqa=True), rtol=0, atol=1e-6)
+    assert "position_ids" in attention.failed and not attention.verified
+    module(torch.randint(0, 128, (3, 24)), position_ids=POSITIONS)
+    assert not attention.fast  # for the rest of the run
+
+
+def test_only_sdpa_models_without_context_parallelism_get_it():
+    module = CausalLM("llama", config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=128),
+                      attn_implementation="eager")
+    module.configure_model()
+    assert module.document_attention is None and module.model.config._attn_implementation == "eager"
