@@ -39,10 +39,10 @@ activation peak per rank = the highest, during a step (steps 2..: step 1 also ma
                         state): `PeakMemoryMonitor`'s tracker, kinds and step window; the highest rank
 / cp=1's, × cp          = that peak against cp=1's at the same T, and times cp (goal: within 1.10 of 1)
 parts                   = the tensors alive at that peak, by shape and where they were made (the CP attention's
-                        `_make_mask` and `_attend` are wrapped to say so): the bool mask (B, 1, T/cp, T) kept for
-                        a batch with documents (none for plain causal batches), float masks made inside an SDPA
-                        call, the whole sequence's keys and values (gathered, reordered, and their gradients),
-                        and per-token (the rest: T/cp rows per rank)
+                        `_find_documents` and `_attend` are wrapped to say so): bool masks (a chunk's mask under
+                        attention chunks; none for plain batches or documents, attended per document), float
+                        masks made inside an SDPA call, the whole sequence's keys and values (gathered,
+                        reordered, and their gradients), and per-token (the rest: T/cp rows per rank)
 --cp-check              = a deeper, wider model at the longest T, cp first and last: the same measurement
 
 Both tables are printed and written to benchmarks/ACTIVATIONS.md.
@@ -309,7 +309,7 @@ def _mark_regions() -> None:
     batch's documents, found once per batch), and its `_attend` (the all-gather of keys and values, each call's
     mask and SDPA, forward and recomputation) and the gather's backward ("attention"). Wrappers in this process
     only; the computation is unchanged."""
-    from lightning_hybrid import context_parallel as cpm
+    from lightning_hybrid.parallel import context_parallel as cpm
 
     if getattr(cpm, "_bench_regions", False):
         return
@@ -490,9 +490,10 @@ def run_cp(args) -> str:
         " `PeakMemoryMonitor`'s tracker and kinds) during a step, steps 2.. (step 1 also makes the optimizer's"
         " state), the highest rank; peak in = the phase it was reached in. Its parts, from each tensor alive at"
         " that moment (its shape and where it was made): each of the rank's two chunks attends the keys up to its"
-        " last token, one SDPA call each -- plain batches causally aligned to the lower right (no mask tensor on"
-        " CUDA; on CPU torch materialises that block as a float mask, `where`), packed batches under the bool"
-        " mask `(B, 1, T/(2 cp), end)` of that block made for the call, and SDPA's fp32 copy of it; the whole"
+        " last token -- plain batches one SDPA call each, causally aligned to the lower right (no mask tensor on"
+        " CUDA; on CPU torch materialises that block as a float mask, `where`), packed batches one SDPA call per"
+        " document the chunk meets (`document_block_attention`: no mask of the block; a document that starts"
+        " before the chunk attends causally to the lower right, which CPU materialises the same way); the whole"
         " sequence's keys and values (the all-gather's pieces, their copy in the sequence's order, the gradients"
         " of the prefixes SDPA attended and their one buffer for the reduction); per-token: everything else (the"
         " rank's T/cp rows of the layers' saved tensors, logits, loss). The goal: × cp"

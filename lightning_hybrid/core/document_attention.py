@@ -6,8 +6,9 @@ block-diagonal causal mask (`lightning_hybrid.core.batch.document_causal_mask`):
 SDPA copies to a float mask per call, and which keeps it off its fused causal kernels. `document_attention` computes
 the same thing as one causal SDPA call per document (``is_causal=True``, no mask): each document attends to itself
 alone -- what one device computes for the document alone, exactly -- with one host sync per call to find the
-documents. Sliding windows (``window``: a query sees the keys less than that many places before it) take a
-``(n x n)`` mask per document longer than the window.
+documents. Under ``torch.compile`` it attends under the mask instead (traceable: one call per document would compile
+again for every batch's documents). Sliding windows (``window``: a query sees the keys less than that many places
+before it) take a ``(n x n)`` mask per document longer than the window.
 
 It is a ``torch`` function that modes see (`torch.overrides.handle_torch_function`): context parallelism
 (`lightning_hybrid.parallel.context_parallel`) takes it over as it takes SDPA over, with the documents of the whole
@@ -21,11 +22,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
 from torch.overrides import handle_torch_function, has_torch_function
+from torch.utils._python_dispatch import _disable_current_modes
 
-from lightning_hybrid.core.batch import document_ids
+from lightning_hybrid.core.batch import document_causal_mask, document_ids
 
-__all__ = ["causal_sdpa_arguments", "document_attention", "document_spans"]
+__all__ = ["block_mask", "causal_sdpa_arguments", "document_attention", "document_block_attention", "document_spans"]
 
 
 def document_spans(position_ids: Tensor) -> list[list[tuple[int, int]]]:
@@ -66,24 +69,88 @@ def document_attention(query: Tensor, key: Tensor, value: Tensor, position_ids: 
                                      position_ids=position_ids, dropout_p=dropout_p, scale=scale, window=window)
     gqa = key.size(-3) != query.size(-3)
     n = query.size(-2)
+    if torch.compiler.is_compiling():  # a traceable mask: a call per document would recompile for every batch
+        mask = document_causal_mask(position_ids)
+        if window is not None and n > window:
+            places = torch.arange(n, device=query.device)
+            distance = places.unsqueeze(1) - places.unsqueeze(0)
+            mask = (distance >= 0) & (distance < window) & (True if mask is None else mask)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p,
+                                              is_causal=mask is None, scale=scale, enable_gqa=gqa)
     spans = [[(0, n)]] * query.size(0) if position_ids is None else document_spans(position_ids)
     if all(row == [(0, n)] for row in spans) and (window is None or n <= window):
         return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=True, scale=scale,
                                               enable_gqa=gqa)
+    # split, not sliced: the backward of a split is one concatenation, of a slice a zero tensor of the whole input
     rows = []
-    for b, row in enumerate(spans):
-        pieces = []
-        for start, end in row:
-            q, k, v = (t[b : b + 1, :, start:end] for t in (query, key, value))
-            length = end - start
-            if window is not None and length > window:
-                places = torch.arange(length, device=query.device)
-                distance = places.unsqueeze(1) - places.unsqueeze(0)
-                mask = (distance >= 0) & (distance < window)
-                pieces.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                                             scale=scale, enable_gqa=gqa))
-            else:
-                pieces.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                                             scale=scale, enable_gqa=gqa))
-        rows.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-2))
+    for row, q_row, k_row, v_row in zip(spans, query.split(1), key.split(1), value.split(1)):
+        lengths = [end - start for start, end in row]
+        pieces = [_lower_right(q, k, v, 0, dropout_p, scale, window)
+                  for q, k, v in zip(*(t.split(lengths, dim=-2) for t in (q_row, k_row, v_row)))]
+        rows.append(_joined(pieces))
     return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
+
+
+def document_block_attention(query: Tensor, key: Tensor, value: Tensor, spans: list[list[tuple[int, int]]], start: int,
+                             dropout_p: float = 0.0, scale: Optional[float] = None,
+                             window: Optional[int] = None) -> Tensor:
+    """The queries at places ``start .. start + n - 1`` of a sequence (``query`` ``(B, heads, n, D)``) against its keys
+    and values at places ``0 .. start + n - 1`` (``(B, heads, start + n, D)``), causal within each document (``spans``:
+    per row the ``(start, end)`` places of its documents in the whole sequence, `document_spans`; ``window`` as in
+    `document_attention`): what SDPA computes under `block_mask`, as one SDPA call per document a row's queries meet --
+    those queries against the document's keys up to the last of them, causal aligned to the lower right -- with no
+    ``n x (start + n)`` mask (context parallelism's chunks, `lightning_hybrid.parallel.context_parallel`)."""
+    end = start + query.size(-2)
+    rows = []
+    for row, q_row, k_row, v_row in zip(spans, query.split(1), key.split(1), value.split(1)):
+        keys = [(first, min(last, end)) for first, last in row if first < end]  # each document's keys up to end
+        k_pieces, v_pieces = (t.split([hi - lo for lo, hi in keys], dim=-2) for t in (k_row, v_row))
+        mine = [i for i, (_, hi) in enumerate(keys) if hi > start]  # the documents the chunk's queries are in
+        q_pieces = q_row.split([keys[i][1] - max(keys[i][0], start) for i in mine], dim=-2)
+        pieces = [_lower_right(q, k_pieces[i], v_pieces[i], max(keys[i][0], start) - keys[i][0], dropout_p, scale,
+                               window) for q, i in zip(q_pieces, mine)]
+        rows.append(_joined(pieces))
+    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
+
+
+def _joined(pieces: list[Tensor]) -> Tensor:
+    """The documents' outputs ``(1, heads, n_i, D)`` as one ``(1, heads, n, D)`` laid out tokens first, as SDPA lays
+    out its output: the ``(B, T, heads * D)`` view of it the output projection takes is then no copy."""
+    if len(pieces) == 1:
+        return pieces[0]
+    return torch.cat([p.transpose(1, 2) for p in pieces], dim=1).transpose(1, 2)
+
+
+def _lower_right(q: Tensor, k: Tensor, v: Tensor, offset: int, dropout_p: float, scale: Optional[float],
+                 window: Optional[int]) -> Tensor:
+    """SDPA of queries at places ``offset ..`` of a document against its keys ``0 ..`` up to the last query: causal
+    (within ``window``)."""
+    n, m = q.size(-2), k.size(-2)
+    gqa = k.size(-3) != q.size(-3)
+    if window is None or m <= window:
+        if offset == 0:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
+                                                  enable_gqa=gqa)
+        with _disable_current_modes():  # a tensor subclass, which a dispatch mode (a memory tracker) refuses
+            mask = causal_lower_right(n, m)
+    else:
+        distance = torch.arange(offset, offset + n, device=q.device).unsqueeze(1) - torch.arange(m, device=q.device)
+        mask = (distance >= 0) & (distance < window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+
+
+def block_mask(docs: Tensor, start: int, end: int, window: Optional[int] = None,
+               chunks: Optional[Tensor] = None) -> Tensor:
+    """``(B, 1, end - start, end)``: the causal document mask of the queries at places ``start .. end - 1`` of the
+    sequence against its keys ``0 .. end - 1`` (True: may attend), from ``docs`` ``(B, T)``, the document of every
+    token (`lightning_hybrid.core.batch.document_ids`) -- rows ``start:end`` and columns ``:end`` of one device's
+    `lightning_hybrid.core.batch.document_causal_mask`; with ``window``, a query sees only the keys less than ``window``
+    places before it (a sliding window, as transformers' ``sliding_window_overlay``); with ``chunks`` ``(B, T)``
+    (each token's position // the chunk size), only the keys of its own chunk (transformers' ``chunked_overlay``)."""
+    places = torch.arange(end, device=docs.device)
+    distance = places[start:].unsqueeze(1) - places.unsqueeze(0)  # query place - key place
+    allowed = distance >= 0 if window is None else (distance >= 0) & (distance < window)
+    mask = (docs[:, start:end].unsqueeze(-1) == docs[:, :end].unsqueeze(-2)) & allowed
+    if chunks is not None:
+        mask = mask & (chunks[:, start:end].unsqueeze(-1) == chunks[:, :end].unsqueeze(-2))
+    return mask.unsqueeze(1)

@@ -46,7 +46,13 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_hybrid.core.autocast import autocast_inputs
 from lightning_hybrid.core.batch import TokenBatch, document_ids
-from lightning_hybrid.core.document_attention import causal_sdpa_arguments, document_attention
+from lightning_hybrid.core.document_attention import (
+    block_mask,
+    causal_sdpa_arguments,
+    document_attention,
+    document_block_attention,
+    document_spans,
+)
 from lightning_hybrid.core.hooks import StepHooks
 
 __all__ = ["ContextParallel", "ContextParallelHooks", "apply_cp", "block_mask", "gather_prefixes", "kv_group_of",
@@ -80,23 +86,6 @@ def split_batch(batch: Any, cp: int, rank: int) -> TokenBatch:
         positions = torch.arange(ids.size(1), device=ids.device).expand_as(ids)
     padding = tokens.padding[:, places] if tokens.padding is not None else None
     return TokenBatch(ids[:, places], tokens.labels[:, places], positions[:, places], padding)
-
-
-def block_mask(docs: Tensor, start: int, end: int, window: Optional[int] = None,
-               chunks: Optional[Tensor] = None) -> Tensor:
-    """``(B, 1, end - start, end)``: the causal document mask of the queries at places ``start .. end - 1`` of the
-    sequence against its keys ``0 .. end - 1`` (True: may attend), from ``docs`` ``(B, T)``, the document of every
-    token (`lightning_hybrid.core.batch.document_ids`) -- rows ``start:end`` and columns ``:end`` of one device's
-    `lightning_hybrid.core.batch.document_causal_mask`; with ``window``, a query sees only the keys less than ``window``
-    places before it (a sliding window, as transformers' ``sliding_window_overlay``); with ``chunks`` ``(B, T)``
-    (each token's position // the chunk size), only the keys of its own chunk (transformers' ``chunked_overlay``)."""
-    places = torch.arange(end, device=docs.device)
-    distance = places[start:].unsqueeze(1) - places.unsqueeze(0)  # query place - key place
-    allowed = distance >= 0 if window is None else (distance >= 0) & (distance < window)
-    mask = (docs[:, start:end].unsqueeze(-1) == docs[:, :end].unsqueeze(-2)) & allowed
-    if chunks is not None:
-        mask = mask & (chunks[:, start:end].unsqueeze(-1) == chunks[:, :end].unsqueeze(-2))
-    return mask.unsqueeze(1)
 
 
 def restricted_attention_of(layer: nn.Module) -> tuple[Optional[int], Optional[int]]:
@@ -151,7 +140,7 @@ class ContextParallel:
         self._positions: Optional[Tensor] = None
         self._batch_positions: Optional[Tensor] = None  # the batch's, for layers that receive none
         self._checked: set[tuple] = set()
-        self._documents: dict[int, tuple[Tensor, Optional[Tensor]]] = {}  # id(positions) -> (positions, docs)
+        self._documents: dict[int, tuple] = {}  # id(positions) -> (positions, docs, whole positions, spans)
         self._layer: Optional[int] = None  # the index of the layer running (`wrap`'s order)
         self._layers = 0
         self._kv_groups: dict[tuple, int] = {}  # (layer, query heads) -> query heads per key/value head gathered
@@ -218,6 +207,7 @@ class ContextParallel:
             key = key.repeat_interleave(kv_heads // key.size(-3), dim=-3)
             value = value.repeat_interleave(kv_heads // value.size(-3), dim=-3)
         docs = self.documents(positions, query.device)
+        spans = self._documents[id(positions)][3]  # each row's documents' places (`document_spans`)
         # Checkpointed: backward gathers the keys and values again rather than keeping the whole sequence's (and
         # what SDPA saves of the rank's queries against them) for every layer until its backward. (Not inside a
         # checkpointed layer: its recomputation, or a selective policy replaying the ops in order, decides.)
@@ -225,9 +215,10 @@ class ContextParallel:
         chunks = self.whole_positions(positions, query.device) // chunk if chunk is not None else None
         if (window is not None or chunk is not None) and docs is None:  # one document per row: still a mask
             docs = torch.zeros(query.size(0), self.size * local, dtype=torch.long, device=query.device)
-        if not self.recompute_attention:
-            return self._attend(query, key, value, docs, dropout_p, scale, window, chunks)
-        return checkpoint(self._attend, query, key, value, docs, dropout_p, scale, window, chunks, use_reentrant=False)
+            spans = [[(0, self.size * local)]] * query.size(0)
+        args = (query, key, value, docs, spans, dropout_p, scale, window, chunks)
+        return self._attend(*args) if not self.recompute_attention else checkpoint(self._attend, *args,
+                                                                                   use_reentrant=False)
 
     def _kv_group(self, key: Tensor, value: Tensor, heads: int) -> int:
         """How many query heads share a key/value head in this layer, as every CP rank agrees, decided at the layer's
@@ -260,14 +251,16 @@ class ContextParallel:
         self._kv_groups[index] = group
         return group
 
-    def _attend(self, query: Tensor, key: Tensor, value: Tensor, docs: Optional[Tensor], dropout_p: float,
-                scale: Optional[float], window: Optional[int] = None, chunks: Optional[Tensor] = None) -> Tensor:
+    def _attend(self, query: Tensor, key: Tensor, value: Tensor, docs: Optional[Tensor], spans: Optional[list],
+                dropout_p: float, scale: Optional[float], window: Optional[int] = None,
+                chunks: Optional[Tensor] = None) -> Tensor:
         """Each of the rank's two chunks (chunks ``rank`` and ``2 cp - 1 - rank`` of the sequence) attends the
         keys of the sequence up to its own last token, in the sequence's order: plain causal batches (``docs``
         None) causal aligned to the lower right, which SDPA's kernels take without a mask tensor; batches with
-        documents (or a sliding ``window``, or attention ``chunks``) under the mask of that block alone -- same
-        document, causal, within the window and the chunk -- made here from ``docs`` (the ``(B, T)`` document of
-        every token), ``B x chunk x end`` booleans for one SDPA call at a time."""
+        documents (or a sliding ``window``) one SDPA call per document a row's chunk meets, its queries against its
+        keys (`document_block_attention`: ``spans``, the documents' places), no mask of the block; with attention
+        ``chunks``, under the mask of the block -- same document, causal, within the window and the chunk -- made
+        here from ``docs`` (the ``(B, T)`` document of every token), ``B x chunk x end`` booleans a call."""
         chunk = query.size(-2) // 2
         indices = (self.rank, 2 * self.size - 1 - self.rank)
         ends = tuple((index + 1) * chunk for index in indices)
@@ -280,6 +273,9 @@ class ContextParallel:
             if docs is None:
                 with _disable_current_modes():  # a tensor subclass, which a dispatch mode (a memory tracker) refuses
                     mask = causal_lower_right(chunk, end)
+            elif chunks is None:
+                outputs.append(document_block_attention(part, k, v, spans, start, dropout_p, scale, window))
+                continue
             else:
                 mask = block_mask(docs, start, end, window, chunks)
             outputs.append(F.scaled_dot_product_attention(part, k, v, attn_mask=mask, dropout_p=dropout_p,
@@ -329,15 +325,16 @@ class ContextParallel:
         if isinstance(positions, Tensor) and not positions.is_meta:
             self.documents(positions, positions.device)
 
-    def _find_documents(self, positions: Tensor, device: torch.device) -> tuple[Optional[Tensor], Tensor]:
-        """The documents (``None``: plain causal attention) and the positions of the whole sequence."""
+    def _find_documents(self, positions: Tensor, device: torch.device) -> tuple:
+        """The documents (``None``: plain causal attention), the positions of the whole sequence and each row's
+        documents' places (`document_spans`; a host sync, once per batch)."""
         with torch.no_grad():
             pieces = [torch.empty_like(positions) for _ in range(self.size)]
             dist.all_gather(pieces, positions.contiguous(), group=self.group)
             whole = _in_sequence_order(pieces, dim=-1)  # (B, T): the positions in the sequence's order
             if bool((whole == torch.arange(whole.size(-1), device=device)).all()):
-                return None, whole  # plain causal attention
-            return document_ids(whole), whole
+                return None, whole, None  # plain causal attention
+            return document_ids(whole), whole, document_spans(whole)
 
     def _check_mask(self, attn_mask: Optional[Tensor], is_causal: bool, query: Tensor) -> None:
         """Refuse, when first seen, an attention whose own mask is not the causal document mask this replaces."""

@@ -1,8 +1,9 @@
 """What context parallelism adds to a rank's activations, and the masks of batches with documents: the keys and
 values all-gathered over the ``cp`` ranks (`gathered_kv_bytes`), the attention's transient of the layer being
 computed (`context_transient_bytes`), the calls' masks and the documents a micro-batch keeps (`context_mask_bytes`,
-`context_documents_bytes`, `context_masks`), and without context parallelism SDPA's float copy of the model's
-document mask (`document_mask_bytes`). The model: `lightning_hybrid.planner.memory`'s docstring.
+`context_documents_bytes`, `context_masks`), and without context parallelism the documents' joined outputs
+(`document_output_bytes`) or under compile SDPA's float copy of the document mask (`document_mask_bytes`). The
+model: `lightning_hybrid.planner.memory`'s docstring.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from .layout import Layout
 from .model import ModelSpec
 
 __all__ = ["DOCUMENT_KV_COPIES", "PLAIN_KV_COPIES", "context_documents_bytes", "context_mask_bytes", "context_masks",
-           "context_transient_bytes", "document_mask_bytes", "gathered_kv_bytes"]
+           "context_transient_bytes", "document_mask_bytes", "document_output_bytes", "gathered_kv_bytes"]
 
 def gathered_kv_bytes(model: ModelSpec, b: int, element: float, tp: int = 1, cp: int = 1) -> float:
     """Bytes of one block's keys and values all-gathered over ``cp`` ranks for a micro-batch of ``b`` sequences:
@@ -45,6 +46,14 @@ def document_mask_bytes(model: ModelSpec, b: int, element: float) -> float:
     return b * model.seq_len * model.seq_len * element
 
 
+def document_output_bytes(model: ModelSpec, b: int, element: float, tp: int = 1) -> float:
+    """Bytes a block keeps for backward of a micro-batch of ``b`` sequences with documents without context
+    parallelism beyond a plain batch's: the documents' attention outputs joined into the one the output projection
+    keeps (``b s (a/tp) d``, ``element`` bytes), beside the calls' own, which SDPA keeps
+    (`lightning_hybrid.core.document_attention`)."""
+    return b * model.seq_len * model.heads * model.head_dim / tp * element
+
+
 def context_documents_bytes(model: ModelSpec, b: int) -> float:
     """Bytes a micro-batch with documents keeps under context parallelism until its backward is done: the document
     of every token of its sequences, ``b s`` int64 (the calls make their masks from it)."""
@@ -66,7 +75,7 @@ def context_masks(layout: Layout, documents: bool = False) -> int:
 #: that copy (SDPA's saved inputs) and the gradients SDPA returns for the longest prefix (2; measured at the peak,
 #: benchmarks/ACTIVATIONS.md), the buffer summing the prefixes' gradients coming after the copy is released.
 PLAIN_KV_COPIES = 2.0
-#: The same with documents (the masks are counted apart: `context_mask_bytes`).
+#: The same with documents (attended per document: `lightning_hybrid.core.document_attention`, no mask).
 DOCUMENT_KV_COPIES = 2.0
 
 
@@ -75,10 +84,9 @@ def context_transient_bytes(model: ModelSpec, b: int, precision: str, tp: int = 
     """The transient of the attention of the layer being computed under context parallelism (its forward, or its
     backward after the attention's or the layer's recomputation): twice the gathered K and V (`gathered_kv_bytes`;
     `PLAIN_KV_COPIES`: the pieces and their copy in the sequence's order in forward, that copy and the longest
-    prefix's gradients in backward); with ``documents`` also the largest call's boolean mask and SDPA's float copy
-    of it (`context_mask_bytes`, ``1 + e`` bytes per element). `KORTHIKANTI`'s block
-    (``megatron``) adds instead of the float mask its own scores of the one layer (``5 b (a/tp) (s/cp) s`` bytes).
-    0 without context parallelism."""
+    prefix's gradients in backward); with ``documents`` the same (`DOCUMENT_KV_COPIES`: attended one SDPA call per
+    document, no mask; `context_mask_bytes` what a call's mask would take). `KORTHIKANTI`'s block (``megatron``)
+    adds its own scores of the one layer (``5 b (a/tp) (s/cp) s`` bytes). 0 without context parallelism."""
     if cp == 1:
         return 0.0
     e = PRECISIONS[precision][3]
@@ -86,4 +94,4 @@ def context_transient_bytes(model: ModelSpec, b: int, precision: str, tp: int = 
     if precision == "megatron":  # (megatron-flash: no scores)
         return kv + block_activation_bytes(ActivationCoefficients(0.0, 0.0, KORTHIKANTI.scores), model.seq_len, b,
                                            model.hidden, model.heads, tp, cp=cp)
-    return kv + (context_mask_bytes(model, b, 1 + e, cp) if documents else 0.0)
+    return kv

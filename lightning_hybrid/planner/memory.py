@@ -82,10 +82,15 @@ sends) -- the expert's input and output rows and its hidden tensors, ``e (2h + 4
 routed token the router's logits and fp32 probabilities ``(e + 4) E``. A rank routes all of its replica's tokens
 under TP (the experts are replicated over TP), ``1/tp`` of them with sequence parallelism.
 
-Batches with documents (packed, left padding; ``documents=True``) without context parallelism: each layer's SDPA
-converts the model's boolean ``(b, 1, s, s)`` document mask to the queries' dtype and its kernel keeps that copy
-for backward, ``b s^2 e`` bytes per held block (one for all heads, whole on every TP rank; `document_mask_bytes`),
-the recomputed block's only under activation checkpointing.
+Batches with documents (packed, left padding; ``documents=True``) without context parallelism attend one SDPA call
+per document (`lightning_hybrid.core.document_attention`; a transformers model once its first packed forward has
+verified it): no mask; the calls' outputs, which SDPA keeps, are joined into the one the output projection keeps,
+``b s (a/tp) d e`` more per held block than a plain batch's (`document_output_bytes`; measured:
+benchmarks/ACTIVATIONS.md, the reference GPT 4 x 128 at T=2048, fp32: packed 76.30 MiB against plain 72.30, 4
+layers x 1 MiB). Under ``compile`` the attention takes the traceable mask instead: each layer's SDPA converts the
+boolean ``(b, 1, s, s)`` document mask to the queries' dtype and its kernel keeps that copy for backward,
+``b s^2 e`` bytes per held block (one for all heads, whole on every TP rank; `document_mask_bytes`), the recomputed
+block's only under activation checkpointing.
 
 Context parallelism (`Layout.cp` = ``c``; `lightning_hybrid.parallel.context_parallel`): each rank holds ``s/c`` tokens
 of every sequence (the zigzag split: chunks ``r`` and ``2c-1-r`` of ``2c``). Everything outside attention is local
@@ -101,9 +106,9 @@ chunk):
 
 * plain causal batches (pretraining: every row one document from position 0; the default): no mask -- causal to
   the lower right, which the fused kernels take without a mask tensor;
-* batches with documents (packed, left padding; ``documents=True``): each call's mask is made in the call, the
-  boolean block ``(b, 1, s/(2c), end)`` and SDPA's float copy of it (``e`` bytes per element, one for all heads,
-  whole on every TP rank): at most ``b (s/2c) s (1 + e)`` bytes (`context_mask_bytes`), transient; what a
+* batches with documents (packed, left padding; ``documents=True``): one SDPA call per document a chunk meets, its
+  queries against its keys (`lightning_hybrid.core.document_attention.document_block_attention`), no mask of the
+  block (before, the boolean block ``(b, 1, s/(2c), end)`` and SDPA's float copy of it, `context_mask_bytes`); what a
   micro-batch keeps from its first layer until its backward is done is its tokens' documents, ``b s`` int64
   (`context_documents_bytes`): all ``m`` micro-batches of the batch under PP (the schedule runs every backward
   before it ends), one without (`context_masks`).
@@ -127,12 +132,11 @@ selective) it does not: the layer's own recomputation regathers and recomputes. 
   recomputation), its attention's transient (`context_transient_bytes`): in forward the gathered pieces and their
   copy in the sequence's order, ``2G``; in backward that copy (SDPA's saved inputs) and the gradients SDPA returns
   for the longest prefix, ``2G`` (measured: benchmarks/ACTIVATIONS.md's "whole-sequence K/V" at the peak), the
-  prefixes' gradients then summed into one buffer of ``G`` for the reduction; with documents plus the largest
-  call's mask and its float copy (`context_mask_bytes`). `KORTHIKANTI`'s block adds instead of
-  the float mask its own scores of the one layer (``5 b (a/tp) (s/c) s`` bytes). SDPA's fused kernels (CUDA's
-  flash and memory-efficient kernels; with a mask on CPU its flash kernel, on CUDA the memory-efficient and cuDNN
-  ones) keep no ``(s/c) x s`` scores. This transient is counted in the larger-of with the head's
-  (`estimate_memory`): the head's loss and a block's backward are not alive at once.
+  prefixes' gradients then summed into one buffer of ``G`` for the reduction (with documents the same: attended
+  per document, no mask). `KORTHIKANTI`'s block adds its own scores of the one layer (``5 b (a/tp) (s/c) s``
+  bytes). SDPA's fused kernels (CUDA's flash and memory-efficient kernels; with a mask on CPU its flash kernel, on
+  CUDA the memory-efficient and cuDNN ones) keep no ``(s/c) x s`` scores. This transient is counted in the
+  larger-of with the head's (`estimate_memory`): the head's loss and a block's backward are not alive at once.
 
 The head, a checkpointed block's input and the pipeline's boundary tensors are ``1/c`` too. Model states: the
 ``cp`` ranks of a replica hold the same parameters and reduce their gradients together with the ``dp`` ranks, so
@@ -194,6 +198,7 @@ from .context_memory import (
     context_masks,
     context_transient_bytes,
     document_mask_bytes,
+    document_output_bytes,
     gathered_kv_bytes,
 )
 from .layout import Layout
@@ -216,7 +221,8 @@ __all__ = ["CODEBASE_GATED_TENSORS", "DOCUMENT_KV_COPIES", "KORTHIKANTI", "MEGAT
            "attention_coefficients", "block_activation_bytes", "block_activations", "block_coefficients",
            "codebase_coefficients",
            "context_documents_bytes", "context_mask_bytes", "context_masks", "context_transient_bytes",
-           "context_unsaved_split", "document_mask_bytes", "estimate_memory", "expert_activation_bytes",
+           "context_unsaved_split", "document_mask_bytes", "document_output_bytes", "estimate_memory",
+           "expert_activation_bytes",
            "fsdp_unit_params", "gathered_kv_bytes", "held_micro_batches", "in_flight", "korthikanti_coefficients",
            "largest_block_params", "mlp_tensors", "moe_block_count", "moe_coefficients", "pipeline_stages",
            "rank_block_counts", "rank_chunk_blocks", "rank_expert_params", "rank_layers", "rank_params",
@@ -305,9 +311,9 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
                     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, *, documents: bool = False,
                     compile: bool = False) -> MemoryEstimate:
     """The predicted peak of the first and the last pipeline rank (the fullest is returned). ``documents``: the
-    batches hold documents (packed, left padding), whose attention under context parallelism takes a mask
-    (`context_masks`, `context_transient_bytes`), and without it keeps SDPA's float copy of the model's mask per
-    block (`document_mask_bytes`); default plain causal batches (pretraining). ``compile``: the strategy's
+    batches hold documents (packed, left padding), whose micro-batches keep their documents under context parallelism
+    (`context_masks`), and which under ``compile`` without it keep SDPA's float copy of the mask per block
+    (`document_mask_bytes`); default plain causal batches (pretraining). ``compile``: the strategy's
     ``compile=True``, whose ZeRO-3 units are whole layers (`fsdp_unit_params`)."""
     pb, gb, ob, e = PRECISIONS[precision]
     lay = layout
@@ -321,7 +327,10 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
     dense_act, moe_act = block_activations(model, lay, precision)
     transient = context_transient_bytes(model, b, precision, t, cp, documents)  # the layer being computed's attention
     masks = context_masks(lay, documents) * context_documents_bytes(model, b)  # each micro-batch's documents
-    own_mask = document_mask_bytes(model, b, e) if documents and cp == 1 else 0.0  # per block: SDPA's float mask
+    # Per block without CP: eagerly (one SDPA call per document) the documents' outputs joined, beside SDPA's own;
+    # under compile (the traceable mask) SDPA's float copy of the mask
+    own_mask = ((document_mask_bytes(model, b, e) if compile else document_output_bytes(model, b, e, t))
+                if documents and cp == 1 else 0.0)
     # a checkpointed block's input: the residual stream, in the parameters' dtype (fp32 under bf16-mixed)
     kept = s * b * h * pb / (t if lay.sequence_parallel else 1) / cp
     unit_p = fsdp_unit_params(model, t, ep, compile)  # the largest FSDP2 unit

@@ -105,8 +105,8 @@ Context parallelism (`Layout.cp` = ``c``; `lightning_hybrid.parallel.context_par
   ``4 h s / tp`` FLOPs per local token): the implementation checkpoints the gather and the attention, so backward
   recomputes it (with activation checkpointing the recomputed layer's forward, counted already, includes it); TP's
   collectives and the pipeline's boundary tensors carry ``T/c`` tokens; the element-wise traffic includes the
-  gathered K/V and their copy in the sequence's order, and with ``documents`` the calls' masks and SDPA's float
-  copies (`context_attention_traffic`);
+  gathered K/V and their copy in the sequence's order (`context_attention_traffic`; ``documents`` attend one call
+  per document, no masks);
 * KV exchange (``c > 1``; `kv_exchange_time`), each a ring over ``c`` ranks of ``2 b s (a_kv/tp) d e`` bytes for K
   and V together -- grouped-query attention's key/value heads, which the implementation repeats per query head
   after the gather (`Cluster.cp_gathers_kv_heads`; ``a/tp`` heads for a runtime repeating them first) -- a rank
@@ -174,7 +174,7 @@ from .communication import (
     ring_time,
     ring_volume,
 )
-from .context_memory import PLAIN_KV_COPIES, context_mask_bytes, context_transient_bytes, gathered_kv_bytes
+from .context_memory import PLAIN_KV_COPIES, context_transient_bytes, gathered_kv_bytes
 from .float8 import (
     FP8_LINEAR_OVERHEAD,
     check_fp8,
@@ -196,16 +196,14 @@ __all__ = ["TimeEstimate", "all_to_all_bytes", "all_to_all_time", "bubble_fracti
 def context_attention_traffic(model: ModelSpec, b: int, precision: str, tp: int = 1, cp: int = 1,
                               documents: bool = False) -> float:
     """Bytes of one block's context-parallel attention that are not the block's kept activations, for its
-    element-wise traffic: the gathered K and V and their copy in the sequence's order, with ``documents`` the
-    calls' masks and SDPA's float copies (both chunks': ``(2c + 1)/(2c)`` of the largest one's, at most 1.5);
-    `KORTHIKANTI`'s block its scores. 0 for ``cp = 1``."""
+    element-wise traffic: the gathered K and V and their copy in the sequence's order (``documents``: the same,
+    attended per document without masks); `KORTHIKANTI`'s block its scores. 0 for ``cp = 1``."""
     if cp == 1:
         return 0.0
     e = PRECISIONS[precision][3]
     kv = gathered_kv_bytes(model, b, e, tp, cp)
-    masks = 1.5 * context_mask_bytes(model, b, 1 + e, cp) if documents else 0.0
     scores = context_transient_bytes(model, b, precision, tp, cp) - PLAIN_KV_COPIES * kv  # KORTHIKANTI's, else 0
-    return 2 * kv + masks + scores
+    return 2 * kv + scores
 
 
 def matmul_time_factor(model: ModelSpec, tp: int = 1, k0: float = 0.0) -> float:
@@ -270,8 +268,8 @@ class TimeEstimate:
 def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
                   bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, *, documents: bool = False,
                   fp8: str | None = None) -> TimeEstimate:
-    """The predicted step time of ``layout`` (see the module docstring). ``documents``: the batches hold documents,
-    whose context-parallel attention takes a mask (`context_attention_traffic`); default plain causal batches.
+    """The predicted step time of ``layout`` (see the module docstring). ``documents``: the batches hold documents
+    (attended per document: the same time model as plain causal batches, the default).
     ``fp8``: the strategy's FP8 recipe (`lightning_hybrid.planner.float8`: the blocks' linears, and the LM head where
     `Cluster.fp8_head`, on the float8 tensor cores; their casts; this codebase's amax all-reduces); None: bf16."""
     lay, prec = layout, cluster.precision
@@ -288,8 +286,8 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     # The attention core's forward runs once more (its 4 h s FLOPs per local token again) under selective recompute,
     # and under CP without activation checkpointing (the checkpointed gather and attention, recomputed in backward);
     # with full recomputation the recomputed layer's forward, counted in the passes, includes it. Under CP the
-    # element-wise traffic includes the gathered K/V and their reordered copy (documents: SDPA's float mask;
-    # KORTHIKANTI: its own scores), which the block does not keep.
+    # element-wise traffic includes the gathered K/V and their reordered copy (KORTHIKANTI: its own scores), which
+    # the block does not keep.
     selective = mode in ("attention", "pointwise")
     core_recompute = tokens * 4 * h * s / t if selective or (cp > 1 and mode == "none") else 0.0
     cp_traffic = context_attention_traffic(model, b, prec, t, cp, documents)

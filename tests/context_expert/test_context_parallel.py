@@ -92,6 +92,32 @@ def test_each_chunks_mask_is_the_whole_sequences_mask_cut_to_its_queries_and_key
             assert torch.equal(block_mask(docs, start, end), whole[:, :, start:end, :end])
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_each_chunk_attends_its_documents_as_under_its_mask(window):
+    """What a rank's chunk computes with documents (`document_block_attention`: one SDPA call per document it meets,
+    no mask) is SDPA under the chunk's mask (`block_mask`, a sliding window's too): values and gradients."""
+    import torch.nn.functional as F
+
+    from lightning_hybrid.core.batch import document_ids
+    from lightning_hybrid.core.document_attention import document_block_attention, document_spans
+    from lightning_hybrid.parallel.context_parallel import block_mask
+
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7],
+                              [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 0, 1, 2, 3]])
+    docs, spans = document_ids(positions), document_spans(positions)
+    g = torch.Generator().manual_seed(0)
+    for start, end in ((0, 4), (4, 8), (8, 12), (12, 16), (4, 12)):
+        q = torch.randn(2, 4, end - start, 8, generator=g, requires_grad=True)
+        k, v = (torch.randn(2, 2, end, 8, generator=g, requires_grad=True) for _ in range(2))
+        mask = block_mask(docs, start, end, window)
+        masked = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        ours = document_block_attention(q, k, v, spans, start, window=window)
+        torch.testing.assert_close(ours, masked, rtol=0, atol=1e-6)
+        out_grad = torch.randn(masked.shape, generator=g)
+        for a, b in zip(*(torch.autograd.grad(y, (q, k, v), out_grad) for y in (ours, masked))):
+            torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
+
+
 def test_the_key_value_groups_are_read_from_the_modules_config():
     """`kv_group_of`: query heads per key/value head from the reference GPT's config or a transformers config (the
     module's or its ``model``'s); None where no config says (GPT-NeoX has no key/value heads of its own: the ranks

@@ -58,7 +58,6 @@ def test_cp_halves_activations_per_rank_plus_one_layers_attention_and_the_masks_
     # gathered pieces of K and V of all s tokens and their copy in the sequence's order (forward), or that copy and
     # the gradients of the longest prefix (backward): twice the gathered K and V.
     kv = 2 * 1 * s * 32 * 128 * e
-    mask = 1 * (s // 4) * s  # the largest call's block: rank 0's second chunk, s/(2 cp) queries against all s keys
     documents_kept = 8 * s  # the micro-batch's documents, int64 per token
     transient = 2 * kv
     assert gathered_kv_bytes(m, 1, e, cp=2) == kv and context_transient_bytes(m, 1, "bf16-mixed", cp=2) == transient
@@ -69,23 +68,26 @@ def test_cp_halves_activations_per_rank_plus_one_layers_attention_and_the_masks_
     assert two.activations == pytest.approx(one.activations / 2 - L * unsaved / 2)
     assert (two.params, two.grads, two.optimizer) == (one.params, one.grads, one.optimizer)  # no ZeRO: whole
     # Batches with documents (packed, left padding): the micro-batch's documents (int64 per token), kept until the
-    # batch's backward is done; the layer being computed holds twice the gathered K and V and the largest call's
-    # boolean block and SDPA's float copy of it. Nothing changes at cp=1.
+    # batch's backward is done; the layer being computed holds twice the gathered K and V, and no mask: each chunk
+    # attends one SDPA call per document (`document_block_attention`).
     docs = estimate_memory(m, Layout(1, 1, 1, 0, 1, 1, cp=2), "bf16-mixed", documents=True)
-    doc_transient = 2 * kv + mask * (1 + e)
+    doc_transient = 2 * kv
     assert context_documents_bytes(m, 1) == documents_kept
     assert context_transient_bytes(m, 1, "bf16-mixed", cp=2, documents=True) == doc_transient
     assert docs.activations == pytest.approx(L * (block - unsaved) / 2 + documents_kept
                                              + max(head / 2, doc_transient))
-    # At cp=1 each block keeps SDPA's float copy of the model's (b, 1, s, s) mask for backward: s^2 e per layer
-    # (measured: benchmarks/ACTIVATIONS.md, the reference GPT 4 x 128 at T=2048, fp32: packed 136.30 MiB against
-    # plain 72.30, 4 layers x 16 MiB).
+    # At cp=1 each block attends one SDPA call per document and keeps their outputs joined beside the calls' own:
+    # s h e more per layer (measured: benchmarks/ACTIVATIONS.md, the reference GPT 4 x 128 at T=2048, fp32: packed
+    # 76.30 MiB against plain 72.30, 4 layers x 1 MiB); under compile (the traceable mask) SDPA's float copy of the
+    # (b, 1, s, s) mask instead, s^2 e per layer (measured before the per-document attention: 136.30 against 72.30).
     docs_one = estimate_memory(m, Layout(1, 1, 1, 0, 1, 1), "bf16-mixed", documents=True)
-    assert docs_one.activations == pytest.approx(one.activations + L * s * s * e)
+    assert docs_one.activations == pytest.approx(one.activations + L * s * h * e)
+    compiled = estimate_memory(m, Layout(1, 1, 1, 0, 1, 1), "bf16-mixed", documents=True, compile=True)
+    assert compiled.activations == pytest.approx(one.activations + L * s * s * e)
     gpt = ModelSpec("gpt-4x128", n_layer=4, hidden=128, heads=4, kv_heads=4, ffn=512, vocab=256, seq_len=2048)
     plain_gpt, packed_gpt = (estimate_memory(gpt, Layout(1, 1, 1, 0, 1, 1), "32-true", documents=d) for d in (0, 1))
-    measured = (136.30 - 72.30) * 2**20
-    assert packed_gpt.activations - plain_gpt.activations == 4 * 2048 * 2048 * 4 == pytest.approx(measured)
+    measured = (76.30 - 72.30) * 2**20
+    assert packed_gpt.activations - plain_gpt.activations == 4 * 2048 * 128 * 4 == pytest.approx(measured)
     # Checkpointed: each block's input halves; beside them the head, or the recomputed block (its 1/2, SDPA's output
     # too: the attention is not checkpointed of its own) with the attention's transient (which holds SDPA's saved
     # inputs, the reordered K/V slices).
@@ -123,15 +125,14 @@ def test_cp_halves_activations_per_rank_plus_one_layers_attention_and_the_masks_
     tp2_cp1 = estimate_memory(m, Layout(1, 2, 1, 0, 1, 1), "bf16-mixed").activations
     assert tp2 == pytest.approx(tp2_cp1 / 2 - L * unsaved / 2 / 2)
     assert context_transient_bytes(m, 1, "bf16-mixed", tp=2, cp=2) == 2 * kv / 2
-    assert context_transient_bytes(m, 1, "bf16-mixed", tp=2, cp=2, documents=True) == 2 * kv / 2 + mask * (1 + e)
+    assert context_transient_bytes(m, 1, "bf16-mixed", tp=2, cp=2, documents=True) == 2 * kv / 2
     # Grouped-query attention: K and V gathered per query head (the implementation repeats them first).
     gqa = model_spec("llama3-70b", seq_len=8192)  # 64 heads, 8 kv heads of 128
     gqa_kv = 2 * 2 * 8192 * (64 // 8) * 128 * 2
     assert gathered_kv_bytes(gqa, 2, 2, tp=8, cp=4) == gqa_kv
     assert context_mask_bytes(gqa, 2, 1, cp=4) == 2 * 1024 * 8192
     assert context_transient_bytes(gqa, 2, "bf16-mixed", tp=8, cp=4) == pytest.approx(2 * gqa_kv)
-    assert context_transient_bytes(gqa, 2, "bf16-mixed", tp=8, cp=4, documents=True) == pytest.approx(
-        2 * gqa_kv + 2 * 1024 * 8192 * 3)
+    assert context_transient_bytes(gqa, 2, "bf16-mixed", tp=8, cp=4, documents=True) == pytest.approx(2 * gqa_kv)
     # Korthikanti's block (megatron): its s x s scores term is not held (recomputed) and is the one layer's
     # transient, in place of the float mask: 5 b (a/tp) (s/cp) s bytes.
     scores = 5 * 2 * (64 / 8) * 2048 * 8192
@@ -203,11 +204,8 @@ def test_kv_exchange_time_and_bytes_by_hand():
     assert estimate_time(m, checkpointed, flat).compute == pytest.approx(
         estimate_time(m, dataclasses.replace(checkpointed, cp=1), flat).compute / 4)
     # Element-wise traffic, read and written (3 passes over the bytes, per block and micro-batch): the gathered K/V
-    # and their copy in the sequence's order; with documents also both chunks' boolean masks and SDPA's fp32 copies
-    # (1.5 times the largest call's: rank 0's second chunk, s/(2 cp) queries against all s keys).
-    masks = 1.5 * 2 * (4096 // 8) * 4096 * (1 + 4)
-    traffic = estimate_time(m, lay, cluster, documents=True).compute - estimate_time(m, lay, cluster).compute
-    assert traffic == pytest.approx(3 * 2 * 3 * masks / cluster.memory_bandwidth)
+    # and their copy in the sequence's order; with documents the same (attended per document, no masks).
+    assert estimate_time(m, lay, cluster, documents=True).compute == estimate_time(m, lay, cluster).compute
     # Collectives counted for collective_overhead (dp1 x cp4, no TP: one DP bucket besides): per micro-batch 2
     # blocks x 2 (K, V) x 3 exchanges (checkpointed too) and the positions' gather.
     solo = Layout(1, 1, 1, 0, 2, 3, cp=4)
@@ -275,8 +273,8 @@ def test_the_search_picks_cp_for_long_sequences_and_only_cp_fits_the_longest():
     assert plan(QWEN2_7B.with_seq_len(98304), cluster, 8, 8, context_parallel=False).ranked == []
     # 128k tokens: plain causal batches fit under cp with checkpointing -- cp2 with ZeRO 1-2, cp4 and cp8 only under
     # ZeRO-3 reduce-scattering every micro-batch (the strategy's grad_reduce="auto" for gradients this large: the
-    # window's unsharded gradients would not fit); batches with documents too (each SDPA call's mask is its own
-    # block, (s/4) x s booleans and SDPA's float copy, made in the call), with that block more.
+    # window's unsharded gradients would not fit); batches with documents too (each chunk attends per document, no
+    # mask), with each micro-batch's documents (int64 per token) more.
     longest = QWEN2_7B.with_seq_len(131072)
     fits = plan(longest, cluster, 8, 8).ranked
     assert fits and all(c.layout.cp >= 2 and c.layout.activation_checkpointing for c in fits)
