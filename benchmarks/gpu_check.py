@@ -17,7 +17,9 @@ hang there is a row of the table, not the end of the script), one after another,
     its ratio to the baseline of the same run, MFU (``flops_per_batch`` against Lightning's
     ``get_available_flops``), ``torch.cuda.max_memory_allocated`` during training, the warm-up's time; and
     ``HybridStrategy(compile=True, fp8="tensorwise")`` (torchao's float8 linears), with its ratio to the bf16
-    compiled row.
+    compiled row; and ``HybridStrategy()`` eager on the same tokens as packed rows (documents of 64 to seq/2 tokens,
+    their ``position_ids``: attention per document, `lightning_hybrid.hf.document_attention`), with its ratio to the
+    eager row (goal >= 0.95).
 (c) the multi-rank code paths on the one GPU: ranks sharing ``cuda:0`` over gloo, each a one-process "node"
     (`run_distributed(..., one_rank_per_node=True)`, ``Trainer(devices=1, num_nodes=world)``) under tp2, pp2,
     and dp2 with ZeRO 0, 1 and 3: the fp32 losses and global gradient norms of a small GPT against one device
@@ -28,8 +30,8 @@ hang there is a row of the table, not the end of the script), one after another,
     ZeRO 0, bf16-mixed, on the closest cluster preset (``h100`` for an H100 or H200: the same bf16 peak).
 
 ``--cpu-smoke`` runs what checks the script's plumbing: (b) the hand-written eager baseline and HybridStrategy's
-compiled FP8 row only (`SMOKE_SKIPS`), (c) tp2, dp2 ZeRO-3 and the first bf16 path (`SMOKE_LAYOUTS`); the suite's
-parity tests cover the rest on the CPU.
+compiled FP8 and packed rows only (`SMOKE_SKIPS`), (c) tp2, dp2 ZeRO-3 and the first bf16 path (`SMOKE_LAYOUTS`);
+the suite's parity tests cover the rest on the CPU.
 
 Writes the table (with the command and the date at its top) to ``--out`` (default ``benchmarks/GPU_CHECK.md``;
 with ``--cpu-smoke`` a file in the temporary directory) and each job's output to ``--log-dir``. Exits 0 whatever
@@ -345,6 +347,8 @@ THROUGHPUT_ROWS = [  # (key, label, module kind, compiled); the first is the bas
     ("hybrid-compiled", "CausalLM, HybridStrategy(compile=True)", "hybrid", True),
     ("hybrid-compiled-fp8", "CausalLM, HybridStrategy(compile=True, fp8='tensorwise') (torchao float8)", "hybrid-fp8",
      True),
+    ("hybrid-packed", "CausalLM, HybridStrategy(), eager, packed documents (position_ids: attention per document)",
+     "hybrid-packed", False),
     ("hand-compiled", "hand-written LlamaForCausalLM, plain Lightning, layer.compile() per decoder layer",
      "handwritten", True),
     ("auto-compiled", "CausalLM, plain Lightning, layer.compile() per decoder layer", "lightning", True),
@@ -387,6 +391,9 @@ def section_throughput(check: Check) -> None:
             baseline = result["tokens_per_s"]
         tokens[key] = result["tokens_per_s"]
         text = _throughput_text(result, baseline, check.prediction, seconds)
+        if key == "hybrid-packed" and "hybrid-eager" in tokens:
+            ratio = tokens[key] / tokens["hybrid-eager"]
+            text += f"\npacked / unpacked, both eager, the same tokens per step: {ratio:.3f}x tokens/s (goal >= 0.95)"
         if key == "hybrid-compiled-fp8" and "hybrid-compiled" in tokens:
             text += (f"\nFP8 / bf16, both compiled: {tokens[key] / tokens['hybrid-compiled']:.3f}x tokens/s"
                      " (goal >= 1.2x on an H100/H200; emulated off CUDA)")
@@ -533,6 +540,23 @@ class RandomTokens:
         return self.ids[i, :-1], self.ids[i, 1:]
 
 
+class PackedTokens(RandomTokens):
+    """The same sequences as packed rows: each a run of documents of 64 to seq/2 tokens (seeded per row), their
+    ``position_ids`` restarting at 0, the last document filling the row."""
+
+    def __getitem__(self, i: int):
+        import torch
+
+        ids = self.ids[i, :-1]
+        generator = torch.Generator(device="cpu").manual_seed(i)
+        seq, positions, start = ids.size(0), [], 0
+        while start < seq:
+            length = min(seq - start, int(torch.randint(64, max(65, seq // 2), (1,), generator=generator)))
+            positions.append(torch.arange(length, device="cpu"))
+            start += length
+        return {"input_ids": ids, "position_ids": torch.cat(positions)}
+
+
 def _hand_written_module(llama: dict, compiled: bool, lr: float):
     """A LightningModule around ``transformers.LlamaForCausalLM`` as one would write it: the model built in
     ``configure_model`` (on the device Lightning makes ambient), cross entropy on fp32 logits, fused AdamW."""
@@ -658,8 +682,9 @@ def job_throughput(a: dict) -> dict:
         module = _causal_lm(a["llama"], False, lr)
         fp8 = {"fp8": "tensorwise"} if kind == "hybrid-fp8" else {}
         strategy = HybridStrategy(compile=True, **fp8) if compiled else HybridStrategy(**fp8)
-    data = DataLoader(RandomTokens(total * a["batch"], a["seq"], a["llama"]["vocab_size"]), batch_size=a["batch"],
-                      shuffle=False, drop_last=True, pin_memory=cuda)
+    rows = (PackedTokens if kind == "hybrid-packed" else RandomTokens)(total * a["batch"], a["seq"],
+                                                                      a["llama"]["vocab_size"])
+    data = DataLoader(rows, batch_size=a["batch"], shuffle=False, drop_last=True, pin_memory=cuda)
     clock = Clock()
     trainer = L.Trainer(
         accelerator=a["accelerator"], devices=1, precision="bf16-mixed", strategy=strategy, max_steps=total,
