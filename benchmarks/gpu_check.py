@@ -24,8 +24,9 @@ hang there is a row of the table, not the end of the script), one after another,
     (`run_distributed(..., one_rank_per_node=True)`, ``Trainer(devices=1, num_nodes=world)``) under tp2, pp2,
     and dp2 with ZeRO 0, 1 and 3: the fp32 losses and global gradient norms of a small GPT against one device
     with plain Lightning (relative 1e-5), or the exception that stopped the layout; then tiny transformers models
-    under bf16-mixed on the paths autocast changes (`MULTIRANK_BF16`: cp2, tp2 with SP and selective recompute, ep2
-    with pointwise recompute on Mixtral): that they train (finite losses), or the exception.
+    under bf16-mixed on the paths autocast changes (`MULTIRANK_BF16`: cp2 on packed documents -- each chunk attending
+    per document -- and plain, tp2 with SP and selective recompute, ep2 with pointwise recompute on Mixtral): that
+    they train (finite losses), or the exception.
 (d) the planner's predicted peak memory (and step time) of the runs in (b), beside the measured peaks: dp=tp=pp=1,
     ZeRO 0, bf16-mixed, on the closest cluster preset (``h100`` for an H100 or H200: the same bf16 peak).
 
@@ -91,7 +92,8 @@ MULTIRANK_RTOL = 1e-5
 # (c) then: name -> (transformers family, HybridStrategy arguments), bf16-mixed, trained 3 steps (no reference: bf16).
 # The paths where autocast meets this codebase's own ops: the CP attention (rotary's fp32 queries and keys beside a
 # bf16 value), the TP row layer as one op under a selective checkpoint, a MoE router's in-place topk weights.
-MULTIRANK_BF16 = {
+MULTIRANK_BF16 = {  # ("packed": the batches are packed documents -- not a strategy argument)
+    "bf16 llama cp2 packed documents": ("llama", dict(dp=1, cp=2, packed=True)),
     "bf16 llama cp2": ("llama", dict(dp=1, cp=2)),
     "bf16 llama tp2 sp recompute=attention": ("llama", dict(tp=2, sequence_parallel=True, recompute="attention")),
     "bf16 mixtral dp2 ep2 recompute=pointwise": ("mixtral", dict(dp=2, ep=2, recompute="pointwise")),
@@ -804,10 +806,12 @@ def _devices_and_nodes() -> tuple[int, int]:
 def multirank_bf16_fit(family: str, layout: dict, accelerator: str, backend: Optional[str], steps: int,
                        timeout_s: float) -> dict:
     """Train a tiny transformers ``family`` model (`CausalLM`) ``steps`` steps under bf16-mixed and
-    ``HybridStrategy(**layout)`` on this rank's process group; its losses."""
+    ``HybridStrategy(**layout)`` on this rank's process group (``layout["packed"]``: on packed documents, each row
+    four, positions restarting); its losses."""
     from datetime import timedelta
 
     import lightning as L
+    import torch
     import transformers as T
 
     from lightning_hybrid import HybridStrategy
@@ -820,7 +824,17 @@ def multirank_bf16_fit(family: str, layout: dict, accelerator: str, backend: Opt
               else T.LlamaConfig(**sizes))
     L.seed_everything(0, verbose=False)
     devices, num_nodes = _devices_and_nodes()
+    layout = dict(layout)
+    packed = layout.pop("packed", False)
     strategy = HybridStrategy(**layout, process_group_backend=backend, timeout=timedelta(seconds=timeout_s))
+
+    class Packed(ByteCorpusDataModule):
+        def on_before_batch_transfer(self, batch, dataloader_idx):
+            x, y = batch
+            places = torch.arange(x.size(1), device=x.device)
+            positions = places % (x.size(1) // 4)  # four documents a row
+            labels = y.masked_fill(positions == positions.max(), -100)  # a document's last token: no target
+            return {"input_ids": x, "labels": labels, "position_ids": positions.expand_as(x)}
     losses: list[float] = []
 
     class Losses(L.Callback):
@@ -831,7 +845,8 @@ def multirank_bf16_fit(family: str, layout: dict, accelerator: str, backend: Opt
                         precision="bf16-mixed", max_steps=steps, limit_val_batches=0, num_sanity_val_steps=0,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[Losses()])
-    trainer.fit(CausalLM(config, lr=5e-4), ByteCorpusDataModule(max_bytes=20_000, block_size=16, batch_size=4))
+    data = (Packed if packed else ByteCorpusDataModule)(max_bytes=20_000, block_size=16, batch_size=4)
+    trainer.fit(CausalLM(config, lr=5e-4), data)
     return {"losses": losses, "device": str(trainer.strategy.root_device)}
 
 
@@ -890,17 +905,21 @@ def _bf16_rows(a: dict, emit: Callable[[dict], None]) -> None:
 
     for name, family, layout, one_per_node in a.get("bf16", []):
         start = time.monotonic()
+        strategy = {k: v for k, v in layout.items() if k != "packed"}  # (a data choice, not an argument)
+        data = " on packed documents" if layout.get("packed") else ""
         try:
             ranks = testing.run_distributed(multirank_bf16_fit, a["world"], family, layout, a["accelerator"],
                                             a["backend"], 3, a["layout_timeout_s"], one_rank_per_node=one_per_node)
         except BaseException:
             text = describe_exception()
-            emit({"layout": name, "status": "ERROR", "text": f"HybridStrategy({_kwargs(layout)}): {_hint(text)}{text}"})
+            emit({"layout": name, "status": "ERROR",
+                  "text": f"HybridStrategy({_kwargs(strategy)}){data}: {_hint(text)}{text}"})
             continue
         losses = ranks[0]["losses"]
         trained = len(losses) == 3 and all(math.isfinite(x) for r in ranks for x in r["losses"])
         emit({"layout": name, "status": "ok" if trained else "NOT TRAINED",
-              "text": f"{family}, HybridStrategy({_kwargs(layout)}), bf16-mixed: losses {[round(x, 4) for x in losses]}"
+              "text": f"{family}, HybridStrategy({_kwargs(strategy)}){data}, bf16-mixed: losses"
+                      f" {[round(x, 4) for x in losses]}"
                       f" on {sorted({r['device'] for r in ranks})}; {time.monotonic() - start:.0f} s"})
 
 

@@ -32,7 +32,11 @@ __all__ = ["block_mask", "causal_sdpa_arguments", "document_attention", "documen
 
 
 def document_spans(position_ids: Tensor) -> list[list[tuple[int, int]]]:
-    """Per row of ``position_ids`` ``(B, T)``, the ``(start, end)`` places of its documents (a host sync)."""
+    """Per row of ``position_ids`` ``(B, T)``, the ``(start, end)`` places of its documents: a host sync, once per
+    tensor (kept on it, with the version it was read at: every layer of a forward gets the same positions)."""
+    kept = getattr(position_ids, "_document_spans", None)
+    if kept is not None and kept[0] == position_ids._version:
+        return kept[1]
     docs = document_ids(position_ids)
     change = torch.ones_like(docs, dtype=torch.bool)
     change[:, 1:] = docs[:, 1:] != docs[:, :-1]
@@ -43,6 +47,7 @@ def document_spans(position_ids: Tensor) -> list[list[tuple[int, int]]]:
         if spans[row]:
             spans[row][-1] = (spans[row][-1][0], start)
         spans[row].append((start, length))
+    position_ids._document_spans = (position_ids._version, spans)
     return spans
 
 

@@ -28,6 +28,12 @@ def test_spans_are_the_documents_of_each_row():
     spans = document_spans(POSITIONS)
     assert spans[0] == DOCUMENTS and spans[1] == [(0, 24)]
     assert spans[2] == [(0, 6), (6, 20), (20, 21), (21, 22), (22, 23), (23, 24)]
+    # Read once per tensor (every layer gets the same positions), again once it changes in place.
+    assert document_spans(POSITIONS) is spans
+    changed = POSITIONS.clone()
+    assert document_spans(changed) == spans
+    changed[1, 12:] = torch.arange(12)
+    assert document_spans(changed)[1] == [(0, 12), (12, 24)]
 
 
 @pytest.mark.parametrize("kv_heads, window", [(4, None), (2, None), (4, 5)])
