@@ -28,7 +28,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from lightning_hybrid.core.batch import document_causal_mask, document_ids
 
-__all__ = ["block_mask", "causal_sdpa_arguments", "document_attention", "document_block_attention", "document_spans"]
+__all__ = ["block_mask", "causal_sdpa_arguments", "document_attention", "document_block_attention", "document_spans",
+           "label_spans"]
 
 
 def document_spans(position_ids: Tensor) -> list[list[tuple[int, int]]]:
@@ -37,17 +38,22 @@ def document_spans(position_ids: Tensor) -> list[list[tuple[int, int]]]:
     kept = getattr(position_ids, "_document_spans", None)
     if kept is not None and kept[0] == position_ids._version:
         return kept[1]
-    docs = document_ids(position_ids)
-    change = torch.ones_like(docs, dtype=torch.bool)
-    change[:, 1:] = docs[:, 1:] != docs[:, :-1]
+    spans = label_spans(document_ids(position_ids))
+    position_ids._document_spans = (position_ids._version, spans)
+    return spans
+
+
+def label_spans(labels: Tensor) -> list[list[tuple[int, int]]]:
+    """Per row of ``labels`` ``(B, T)``, the ``(start, end)`` places of its runs of equal labels (a host sync)."""
+    change = torch.ones_like(labels, dtype=torch.bool)
+    change[:, 1:] = labels[:, 1:] != labels[:, :-1]
     rows, starts = change.nonzero(as_tuple=True)
-    length = position_ids.size(-1)
-    spans: list[list[tuple[int, int]]] = [[] for _ in range(position_ids.size(0))]
+    length = labels.size(-1)
+    spans: list[list[tuple[int, int]]] = [[] for _ in range(labels.size(0))]
     for row, start in zip(rows.tolist(), starts.tolist()):
         if spans[row]:
             spans[row][-1] = (spans[row][-1][0], start)
         spans[row].append((start, length))
-    position_ids._document_spans = (position_ids._version, spans)
     return spans
 
 
@@ -96,15 +102,18 @@ def document_attention(query: Tensor, key: Tensor, value: Tensor, position_ids: 
     return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
 
 
-def document_block_attention(query: Tensor, key: Tensor, value: Tensor, spans: list[list[tuple[int, int]]], start: int,
-                             dropout_p: float = 0.0, scale: Optional[float] = None,
+def document_block_attention(query: Tensor, key: Tensor, value: Tensor, spans: Optional[list[list[tuple[int, int]]]],
+                             start: int, dropout_p: float = 0.0, scale: Optional[float] = None,
                              window: Optional[int] = None) -> Tensor:
     """The queries at places ``start .. start + n - 1`` of a sequence (``query`` ``(B, heads, n, D)``) against its keys
     and values at places ``0 .. start + n - 1`` (``(B, heads, start + n, D)``), causal within each document (``spans``:
     per row the ``(start, end)`` places of its documents in the whole sequence, `document_spans`; ``window`` as in
     `document_attention`): what SDPA computes under `block_mask`, as one SDPA call per document a row's queries meet --
     those queries against the document's keys up to the last of them, causal aligned to the lower right -- with no
-    ``n x (start + n)`` mask (context parallelism's chunks, `lightning_hybrid.parallel.context_parallel`)."""
+    ``n x (start + n)`` mask (context parallelism's chunks, `lightning_hybrid.parallel.context_parallel`). ``spans``
+    None: every row one document from place 0, one call for all rows."""
+    if spans is None:
+        return _lower_right(query, key, value, start, dropout_p, scale, window)
     end = start + query.size(-2)
     rows = []
     for row, q_row, k_row, v_row in zip(spans, query.split(1), key.split(1), value.split(1)):

@@ -15,10 +15,10 @@ receives): a rank's tokens are not contiguous.
 their gradients, back to the rank that holds them), puts them in the sequence's order, and attends each of the
 rank's two chunks to the keys up to the chunk's last token under the mask of the whole sequence: causal by the
 tokens' places in the sequence and within each document (documents restart where the positions do not continue by
-+1, `lightning_hybrid.core.batch.document_ids`) -- the block of the mask one device uses that the chunk needs
-(`block_mask`; none for plain causal batches: causal aligned to the lower right). The model's own mask (built
-for the rank's tokens alone) is replaced, so it must be that mask: a float mask carrying anything but 0 / -inf
-(ALiBi), or an attention that is neither causal nor masked, is refused when first seen.
++1, `lightning_hybrid.core.batch.document_ids`): one SDPA call per document the chunk meets (plain causal batches:
+one call, causal aligned to the lower right), no mask of the block. The model's own mask (built for the rank's tokens
+alone) is replaced, so it must be that mask: a float mask carrying anything but 0 / -inf (ALiBi), or an attention
+that is neither causal nor masked, is refused when first seen.
 
 **All-gather, not a ring.** Gathering K and V costs each rank ``(cp - 1) / cp`` of the sequence's keys and values
 per layer (forward, and the same back in backward), the same volume a ring passes, in one collective that NCCL
@@ -39,7 +39,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.bias import causal_lower_right
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
@@ -47,15 +46,15 @@ from torch.utils.checkpoint import checkpoint
 from lightning_hybrid.core.autocast import autocast_inputs
 from lightning_hybrid.core.batch import TokenBatch, document_ids
 from lightning_hybrid.core.document_attention import (
-    block_mask,
     causal_sdpa_arguments,
     document_attention,
     document_block_attention,
     document_spans,
+    label_spans,
 )
 from lightning_hybrid.core.hooks import StepHooks
 
-__all__ = ["ContextParallel", "ContextParallelHooks", "apply_cp", "block_mask", "gather_prefixes", "kv_group_of",
+__all__ = ["ContextParallel", "ContextParallelHooks", "apply_cp", "gather_prefixes", "kv_group_of",
            "restricted_attention_of", "split_batch", "zigzag_indices"]
 
 
@@ -140,7 +139,8 @@ class ContextParallel:
         self._positions: Optional[Tensor] = None
         self._batch_positions: Optional[Tensor] = None  # the batch's, for layers that receive none
         self._checked: set[tuple] = set()
-        self._documents: dict[int, tuple] = {}  # id(positions) -> (positions, docs, whole positions, spans)
+        # id(positions) -> (positions, docs, whole positions, spans); (id, chunk) -> (positions, spans cut at chunks)
+        self._documents: dict = {}
         self._layer: Optional[int] = None  # the index of the layer running (`wrap`'s order)
         self._layers = 0
         self._kv_groups: dict[tuple, int] = {}  # (layer, query heads) -> query heads per key/value head gathered
@@ -212,11 +212,9 @@ class ContextParallel:
         # what SDPA saves of the rank's queries against them) for every layer until its backward. (Not inside a
         # checkpointed layer: its recomputation, or a selective policy replaying the ops in order, decides.)
         window, chunk = self._windows.get(self._layer, (None, None)) if self._layer is not None else (None, None)
-        chunks = self.whole_positions(positions, query.device) // chunk if chunk is not None else None
-        if (window is not None or chunk is not None) and docs is None:  # one document per row: still a mask
-            docs = torch.zeros(query.size(0), self.size * local, dtype=torch.long, device=query.device)
-            spans = [[(0, self.size * local)]] * query.size(0)
-        args = (query, key, value, docs, spans, dropout_p, scale, window, chunks)
+        if chunk is not None:  # attention chunks: a document is cut where a chunk starts (same document and chunk)
+            spans = self._chunk_spans(positions, 0 if docs is None else docs, chunk, query.device)
+        args = (query, key, value, spans, dropout_p, scale, window)
         return self._attend(*args) if not self.recompute_attention else checkpoint(self._attend, *args,
                                                                                    use_reentrant=False)
 
@@ -251,16 +249,13 @@ class ContextParallel:
         self._kv_groups[index] = group
         return group
 
-    def _attend(self, query: Tensor, key: Tensor, value: Tensor, docs: Optional[Tensor], spans: Optional[list],
-                dropout_p: float, scale: Optional[float], window: Optional[int] = None,
-                chunks: Optional[Tensor] = None) -> Tensor:
+    def _attend(self, query: Tensor, key: Tensor, value: Tensor, spans: Optional[list], dropout_p: float,
+                scale: Optional[float], window: Optional[int] = None) -> Tensor:
         """Each of the rank's two chunks (chunks ``rank`` and ``2 cp - 1 - rank`` of the sequence) attends the
-        keys of the sequence up to its own last token, in the sequence's order: plain causal batches (``docs``
-        None) causal aligned to the lower right, which SDPA's kernels take without a mask tensor; batches with
-        documents (or a sliding ``window``) one SDPA call per document a row's chunk meets, its queries against its
-        keys (`document_block_attention`: ``spans``, the documents' places), no mask of the block; with attention
-        ``chunks``, under the mask of the block -- same document, causal, within the window and the chunk -- made
-        here from ``docs`` (the ``(B, T)`` document of every token), ``B x chunk x end`` booleans a call."""
+        keys of the sequence up to its own last token, in the sequence's order (`document_block_attention`): plain
+        causal batches (``spans`` None) in one call, causal aligned to the lower right, which SDPA's kernels take
+        without a mask tensor; batches with documents (attention chunks: documents cut at every chunk) one call per
+        document a row's chunk meets, no mask of the block; a sliding ``window`` a mask per call."""
         chunk = query.size(-2) // 2
         indices = (self.rank, 2 * self.size - 1 - self.rank)
         ends = tuple((index + 1) * chunk for index in indices)
@@ -269,17 +264,7 @@ class ContextParallel:
         values = gather_prefixes(value, self.group, ends, repeats)
         outputs = []
         for part, index, k, v in zip(query.split(chunk, dim=-2), indices, keys, values):
-            start, end = index * chunk, (index + 1) * chunk
-            if docs is None:
-                with _disable_current_modes():  # a tensor subclass, which a dispatch mode (a memory tracker) refuses
-                    mask = causal_lower_right(chunk, end)
-            elif chunks is None:
-                outputs.append(document_block_attention(part, k, v, spans, start, dropout_p, scale, window))
-                continue
-            else:
-                mask = block_mask(docs, start, end, window, chunks)
-            outputs.append(F.scaled_dot_product_attention(part, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                                          scale=scale))
+            outputs.append(document_block_attention(part, k, v, spans, index * chunk, dropout_p, scale, window))
         return torch.cat(outputs, dim=-2)
 
     def whole_positions(self, positions: Tensor, device: torch.device) -> Tensor:
@@ -324,6 +309,15 @@ class ContextParallel:
         positions = self._batch_positions if positions is None else positions
         if isinstance(positions, Tensor) and not positions.is_meta:
             self.documents(positions, positions.device)
+
+    def _chunk_spans(self, positions: Tensor, docs: Any, chunk: int, device: torch.device) -> list:
+        """Each row's runs in one document and attention chunk (position // ``chunk``): once per batch and chunk."""
+        kept = self._documents.get((id(positions), chunk))
+        if kept is None or kept[0] is not positions:
+            chunks = self.whole_positions(positions, device) // chunk
+            kept = (positions, label_spans(docs * (int(chunks.max()) + 1) + chunks))  # a host sync
+            self._documents[(id(positions), chunk)] = kept
+        return kept[1]
 
     def _find_documents(self, positions: Tensor, device: torch.device) -> tuple:
         """The documents (``None``: plain causal attention), the positions of the whole sequence and each row's

@@ -79,7 +79,7 @@ def test_each_chunks_mask_is_the_whole_sequences_mask_cut_to_its_queries_and_key
     up to its last token) equals one device's document mask (`document_causal_mask`) cut to those rows and
     columns, for every chunk of every rank."""
     from lightning_hybrid.core.batch import document_ids
-    from lightning_hybrid.parallel.context_parallel import block_mask
+    from lightning_hybrid.core.document_attention import block_mask
 
     positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7],
                               [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 0, 1, 2, 3]])  # documents across chunks
@@ -99,8 +99,7 @@ def test_each_chunk_attends_its_documents_as_under_its_mask(window):
     import torch.nn.functional as F
 
     from lightning_hybrid.core.batch import document_ids
-    from lightning_hybrid.core.document_attention import document_block_attention, document_spans
-    from lightning_hybrid.parallel.context_parallel import block_mask
+    from lightning_hybrid.core.document_attention import block_mask, document_block_attention, document_spans
 
     positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7],
                               [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 0, 1, 2, 3]])
