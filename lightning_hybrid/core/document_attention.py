@@ -34,20 +34,25 @@ __all__ = ["block_mask", "causal_sdpa_arguments", "document_attention", "documen
 
 def document_spans(position_ids: Tensor) -> list[list[tuple[int, int]]]:
     """Per row of ``position_ids`` ``(B, T)``, the ``(start, end)`` places of its documents: a host sync, once per
-    tensor (kept on it, with the version it was read at: every layer of a forward gets the same positions)."""
+    tensor (kept on it, with the version it was read at: every layer of a forward gets the same positions). Its ops
+    run outside the dispatch modes: a selective recomputation replays a layer's ops in order, and the recomputation
+    finds the spans kept."""
     kept = getattr(position_ids, "_document_spans", None)
     if kept is not None and kept[0] == position_ids._version:
         return kept[1]
-    spans = label_spans(document_ids(position_ids))
+    with _disable_current_modes():
+        spans = label_spans(document_ids(position_ids))
     position_ids._document_spans = (position_ids._version, spans)
     return spans
 
 
 def label_spans(labels: Tensor) -> list[list[tuple[int, int]]]:
-    """Per row of ``labels`` ``(B, T)``, the ``(start, end)`` places of its runs of equal labels (a host sync)."""
-    change = torch.ones_like(labels, dtype=torch.bool)
-    change[:, 1:] = labels[:, 1:] != labels[:, :-1]
-    rows, starts = change.nonzero(as_tuple=True)
+    """Per row of ``labels`` ``(B, T)``, the ``(start, end)`` places of its runs of equal labels (a host sync; outside
+    the dispatch modes, as `document_spans`)."""
+    with _disable_current_modes():
+        change = torch.ones_like(labels, dtype=torch.bool)
+        change[:, 1:] = labels[:, 1:] != labels[:, :-1]
+        rows, starts = change.nonzero(as_tuple=True)
     length = labels.size(-1)
     spans: list[list[tuple[int, int]]] = [[] for _ in range(labels.size(0))]
     for row, start in zip(rows.tolist(), starts.tolist()):

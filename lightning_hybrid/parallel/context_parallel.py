@@ -314,8 +314,9 @@ class ContextParallel:
         """Each row's runs in one document and attention chunk (position // ``chunk``): once per batch and chunk."""
         kept = self._documents.get((id(positions), chunk))
         if kept is None or kept[0] is not positions:
-            chunks = self.whole_positions(positions, device) // chunk
-            kept = (positions, label_spans(docs * (int(chunks.max()) + 1) + chunks))  # a host sync
+            with _disable_current_modes():  # (a selective recomputation replays ops in order: it finds these kept)
+                chunks = self.whole_positions(positions, device) // chunk
+                kept = (positions, label_spans(docs * (int(chunks.max()) + 1) + chunks))  # a host sync
             self._documents[(id(positions), chunk)] = kept
         return kept[1]
 
