@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from lightning_hybrid.core.document_attention import document_attention
 
@@ -111,7 +112,9 @@ class DocumentAttention:
         if dropout:
             self.failed = f"{where}: attention dropout {dropout} (its random draws differ per call)"
             return
-        with torch.no_grad():
+        # Outside autograd and the dispatch modes: a selective recomputation replays a layer's ops in order, and the
+        # recomputed call, verified by then, does not run these.
+        with torch.no_grad(), _disable_current_modes():
             ours = document_attention(query, key, value, kwargs["position_ids"], scale=scaling,
                                       window=kwargs.get("sliding_window")).transpose(1, 2)
             tolerance = TOLERANCE.get(query.dtype, TOLERANCE_16)
