@@ -113,7 +113,10 @@ class CausalLM(LanguageModel):
         self._check_context_parallel_attention(model)
         # Packed batches without T x T masks where verified (`DocumentAttention`); CP runs its own attention.
         if self._context_parallel_size() == 1 and model.config._attn_implementation == "sdpa":
-            self.document_attention = DocumentAttention(model)
+            try:
+                self.document_attention = DocumentAttention(model)
+            except ValueError:  # a model that cannot switch its attention: its own masks, as before
+                model.config._attn_implementation = "sdpa"
         self._aux = RouterAuxLoss.of(model)
         if self._aux is not None and self._pipeline_size() > 1:
             self._check_pipelined_aux_loss(model)
