@@ -86,17 +86,17 @@ def document_attention(query: Tensor, key: Tensor, value: Tensor, position_ids: 
     gqa = key.size(-3) != query.size(-3)
     n = query.size(-2)
     if torch.compiler.is_compiling():  # a traceable mask: a call per document would recompile for every batch
-        mask = document_causal_mask(position_ids)
         if window is not None and n > window:
-            places = torch.arange(n, device=query.device)
-            distance = places.unsqueeze(1) - places.unsqueeze(0)
-            mask = (distance >= 0) & (distance < window) & (True if mask is None else mask)
+            docs = (torch.zeros(query.size(0), n, dtype=torch.long, device=query.device) if position_ids is None
+                    else document_ids(position_ids))
+            mask = block_mask(docs, 0, n, window)
+        else:
+            mask = document_causal_mask(position_ids)  # None: plain causal
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p,
                                               is_causal=mask is None, scale=scale, enable_gqa=gqa)
     spans = [[(0, n)]] * query.size(0) if position_ids is None else document_spans(position_ids)
-    if all(row == [(0, n)] for row in spans) and (window is None or n <= window):
-        return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=True, scale=scale,
-                                              enable_gqa=gqa)
+    if all(row == [(0, n)] for row in spans):  # one document a row: one call for all rows
+        return _lower_right(query, key, value, 0, dropout_p, scale, window)
     # split, not sliced: the backward of a split is one concatenation, of a slice a zero tensor of the whole input
     rows = []
     for row, q_row, k_row, v_row in zip(spans, query.split(1), key.split(1), value.split(1)):
@@ -153,23 +153,25 @@ def _lower_right(q: Tensor, k: Tensor, v: Tensor, offset: int, dropout_p: float,
         with _disable_current_modes():  # a tensor subclass, which a dispatch mode (a memory tracker) refuses
             mask = causal_lower_right(n, m)
     else:
-        distance = torch.arange(offset, offset + n, device=q.device).unsqueeze(1) - torch.arange(m, device=q.device)
-        mask = (distance >= 0) & (distance < window)
+        mask = _causal_band(offset, m, window, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
 
 
-def block_mask(docs: Tensor, start: int, end: int, window: Optional[int] = None,
-               chunks: Optional[Tensor] = None) -> Tensor:
+def _causal_band(start: int, end: int, window: Optional[int], device: torch.device) -> Tensor:
+    """``(end - start, end)``: whether the query at place ``start + i`` may see the key at place ``j`` -- not later
+    than it and, with ``window``, less than ``window`` places before it (transformers' ``sliding_window_overlay``)."""
+    places = torch.arange(end, device=device)
+    distance = places[start:].unsqueeze(1) - places.unsqueeze(0)  # query place - key place
+    return distance >= 0 if window is None else (distance >= 0) & (distance < window)
+
+
+def block_mask(docs: Tensor, start: int, end: int, window: Optional[int] = None) -> Tensor:
     """``(B, 1, end - start, end)``: the causal document mask of the queries at places ``start .. end - 1`` of the
     sequence against its keys ``0 .. end - 1`` (True: may attend), from ``docs`` ``(B, T)``, the document of every
     token (`lightning_hybrid.core.batch.document_ids`) -- rows ``start:end`` and columns ``:end`` of one device's
     `lightning_hybrid.core.batch.document_causal_mask`; with ``window``, a query sees only the keys less than ``window``
-    places before it (a sliding window, as transformers' ``sliding_window_overlay``); with ``chunks`` ``(B, T)``
-    (each token's position // the chunk size), only the keys of its own chunk (transformers' ``chunked_overlay``)."""
-    places = torch.arange(end, device=docs.device)
-    distance = places[start:].unsqueeze(1) - places.unsqueeze(0)  # query place - key place
-    allowed = distance >= 0 if window is None else (distance >= 0) & (distance < window)
-    mask = (docs[:, start:end].unsqueeze(-1) == docs[:, :end].unsqueeze(-2)) & allowed
-    if chunks is not None:
-        mask = mask & (chunks[:, start:end].unsqueeze(-1) == chunks[:, :end].unsqueeze(-2))
+    places before it (`_causal_band`). What `document_block_attention` attends under without making it; the
+    traceable mask of `document_attention` under ``torch.compile`` with a window."""
+    mask = (docs[:, start:end].unsqueeze(-1) == docs[:, :end].unsqueeze(-2)) & _causal_band(start, end, window,
+                                                                                             docs.device)
     return mask.unsqueeze(1)
