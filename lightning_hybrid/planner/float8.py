@@ -42,8 +42,8 @@ from .cluster import Cluster, Link
 from .model import ModelSpec
 
 __all__ = ["CAST_BYTES", "FP8_GEMM_EFFICIENCY", "FP8_LINEAR_OVERHEAD", "FP8_RECIPES", "MICROBENCHMARKS", "check_fp8",
-           "fp8_amax_time", "fp8_block_linears", "fp8_gemm_factor", "fp8_gemm_speedup", "fp8_linear_speedup",
-           "fp8_traffic"]
+           "fp8_amax_time", "fp8_block_linears", "fp8_extra_time", "fp8_gemm_factor", "fp8_gemm_speedup",
+           "fp8_linear_speedup", "fp8_traffic"]
 
 #: The recipes the planner models (`HybridStrategy`'s ``fp8`` names).
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -116,6 +116,16 @@ def fp8_traffic(fp8: str, linears: list[tuple[int, float, float]], tokens: float
     return total
 
 
+def fp8_extra_time(fp8: str, cluster: Cluster, gemms: float, passes: int, linears: list[tuple[int, float, float]],
+                   tokens: float, recompute: bool) -> float:
+    """Seconds ``linears`` (`fp8_block_linears`) take in float8 beyond their bf16 GEMM time ``gemms`` (over
+    ``passes`` GEMM passes), per micro-batch of ``tokens``: the GEMMs' change (`fp8_gemm_factor`), the casts' traffic
+    at the memory bandwidth (`fp8_traffic`) and the launches (`FP8_LINEAR_OVERHEAD` a linear)."""
+    return (gemms * (fp8_gemm_factor(fp8, passes, cluster) - 1)
+            + fp8_traffic(fp8, linears, tokens, recompute) / cluster.memory_bandwidth
+            + sum(count for count, _, _ in linears) * FP8_LINEAR_OVERHEAD)
+
+
 def fp8_amax_time(fp8: str, cluster: Cluster, stage_ranks: int, tp: int, stage_link: Link, tp_link: Link) -> float:
     """Seconds per converted linear and micro-batch of this codebase's amax all-reduces (module docstring): each
     ``2 ceil(log2 n)`` hops of its link plus ``collective_overhead``; 0 for a runtime that does not reduce them."""
@@ -137,6 +147,4 @@ def fp8_linear_speedup(m: int, k: int, n: int, cluster: Cluster, fp8: str = "ten
     measured, from the same terms `estimate_time` adds up."""
     check_fp8(fp8, cluster)
     gemms = 3 * 2 * m * k * n / cluster.achievable_flops("bf16-mixed") * (1 + cluster.matmul_k0 / k)
-    casts = fp8_traffic(fp8, [(1, k, n)], m, False) / cluster.memory_bandwidth
-    fp8_time = gemms * fp8_gemm_factor(fp8, 3, cluster) + casts + FP8_LINEAR_OVERHEAD
-    return gemms / fp8_time
+    return gemms / (gemms + fp8_extra_time(fp8, cluster, gemms, 3, [(1, k, n)], m, False))

@@ -175,14 +175,7 @@ from .communication import (
     ring_volume,
 )
 from .context_memory import PLAIN_KV_COPIES, context_transient_bytes, gathered_kv_bytes
-from .float8 import (
-    FP8_LINEAR_OVERHEAD,
-    check_fp8,
-    fp8_amax_time,
-    fp8_block_linears,
-    fp8_gemm_factor,
-    fp8_traffic,
-)
+from .float8 import check_fp8, fp8_amax_time, fp8_block_linears, fp8_extra_time
 from .layout import Layout
 from .model import ModelSpec
 from .placement import rank_block_counts, rank_expert_params, rank_layers, rank_params
@@ -314,12 +307,10 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     if fp8:
         weight_gemms = passes * tokens * 2 * model.block_matmul_weights() / t * shape / flops
         linears = fp8_block_linears(model, t)
-        count = sum(c for c, _, _ in linears)
-        block_compute += (weight_gemms * (fp8_gemm_factor(fp8, passes, cluster) - 1)
-                          + fp8_traffic(fp8, linears, tokens, recompute) / bandwidth + count * FP8_LINEAR_OVERHEAD)
+        block_compute += fp8_extra_time(fp8, cluster, weight_gemms, passes, linears, tokens, recompute)
         stage_ranks = lay.dp * cp * t
         amax = fp8_amax_time(fp8, cluster, stage_ranks, t, cluster.link(stage_ranks, 1), cluster.link(t, 1))
-        block_fp8 = count * amax
+        block_fp8 = sum(count for count, _, _ in linears) * amax
         head_fp8 = amax if cluster.fp8_head else 0.0
     tp_link = cluster.link(t, 1)
     tp_count = 6 if recompute else 4  # all-reduces (or AG + RS pairs) per block: forward, backward, recomputation
@@ -334,8 +325,7 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     head_gemms = 6 * tokens * h * model.vocab / t / flops * (1 + cluster.matmul_k0 / h)
     head_compute = head_gemms + 3 * cluster.layer_overhead
     if fp8 and cluster.fp8_head:
-        head_compute += (head_gemms * (fp8_gemm_factor(fp8, 3, cluster) - 1)
-                         + fp8_traffic(fp8, [(1, h, model.vocab / t)], tokens, False) / bandwidth + FP8_LINEAR_OVERHEAD)
+        head_compute += fp8_extra_time(fp8, cluster, head_gemms, 3, [(1, h, model.vocab / t)], tokens, False)
     if lay.loss_parallel:  # vocab-parallel cross entropy: all-reduces of a max, a sum and the target logit
         head_tp = 3 * ring_time(t, tokens * 4, tp_link)
     else:  # the logits gathered
