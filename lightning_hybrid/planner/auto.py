@@ -24,7 +24,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .cluster import Cluster, cpu_cluster, load_cluster
-from .float8 import FP8_RECIPES
+from .float8 import check_fp8
 from .layout import Layout
 from .memory import estimate_memory
 from .model import ModelSpec, hf_config
@@ -101,9 +101,11 @@ def _fp8(cfg: DictConfig, cluster: Cluster, model: ModelSpec) -> Optional[str]:
     model: `lightning_hybrid.planner.float8`); else None -- off CUDA the strategy emulates FP8, which the planner
     does not time, so the layouts are planned and predicted as in bf16."""
     fp8 = cfg.parallel.get("fp8") if cfg.get("parallel") is not None else None
-    if fp8 not in FP8_RECIPES or "fp8" not in cluster.flops or model.experts:
+    try:
+        check_fp8(fp8, cluster, model)
+    except ValueError:
         return None
-    return str(fp8)
+    return None if fp8 is None else str(fp8)
 
 
 def _cluster(cfg: DictConfig) -> Cluster:

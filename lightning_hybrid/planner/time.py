@@ -114,7 +114,7 @@ Context parallelism (`Layout.cp` = ``c``; `lightning_hybrid.parallel.context_par
   over the ``cp`` group; in backward they are gathered again (by the checkpointed attention's recomputation, or
   with activation checkpointing by the layer's), and the reduce-scatter of their gradients follows (gloo, on a CPU
   cluster: an all-reduce): 3 exchanges (`kv_exchanges`). Per micro-batch (not per block) the all-gather of the
-  tokens' int64 positions, from which each rank finds whether the batch has documents and makes their mask. Over
+  tokens' int64 positions, from which each rank finds whether the batch has documents and where they are. Over
   the link the cp group spans (``c`` ranks ``tp`` apart: NVLink while ``c tp`` fits in a node; `Cluster.link`).
   Not overlapped with computation (attention waits for the gathered keys; the implementation's collectives are
   synchronous): on the critical path (``cp_comm``), and in the pipeline bubble like the rest of a micro-batch's
@@ -186,11 +186,10 @@ __all__ = ["TimeEstimate", "all_to_all_bytes", "all_to_all_time", "bubble_fracti
 
 
 
-def context_attention_traffic(model: ModelSpec, b: int, precision: str, tp: int = 1, cp: int = 1,
-                              documents: bool = False) -> float:
+def context_attention_traffic(model: ModelSpec, b: int, precision: str, tp: int = 1, cp: int = 1) -> float:
     """Bytes of one block's context-parallel attention that are not the block's kept activations, for its
-    element-wise traffic: the gathered K and V and their copy in the sequence's order (``documents``: the same,
-    attended per document without masks); `KORTHIKANTI`'s block its scores. 0 for ``cp = 1``."""
+    element-wise traffic: the gathered K and V and their copy in the sequence's order (batches with documents the
+    same: attended per document, no masks); `KORTHIKANTI`'s block its scores. 0 for ``cp = 1``."""
     if cp == 1:
         return 0.0
     e = PRECISIONS[precision][3]
@@ -283,7 +282,7 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     # the block does not keep.
     selective = mode in ("attention", "pointwise")
     core_recompute = tokens * 4 * h * s / t if selective or (cp > 1 and mode == "none") else 0.0
-    cp_traffic = context_attention_traffic(model, b, prec, t, cp, documents)
+    cp_traffic = context_attention_traffic(model, b, prec, t, cp)
 
     block_flops = passes * tokens * (2 * model.block_matmul_weights() + 4 * h * s) / t + core_recompute
     shape = matmul_time_factor(model, t, cluster.matmul_k0)  # the weight GEMMs' time at their shapes
