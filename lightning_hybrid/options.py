@@ -20,7 +20,7 @@ from lightning_hybrid.checks.randomness import RANDOMNESS
 from lightning_hybrid.core.dims import ParallelDims, validate_zero_stage
 from lightning_hybrid.parallel.activation_checkpointing import Recompute, Selection, recompute_selection
 from lightning_hybrid.parallel.compile import Compile, compile_options
-from lightning_hybrid.parallel.float8 import Float8, validate_float8
+from lightning_hybrid.parallel.float8 import Float8, validate_float8, validate_float8_all_gather
 from lightning_hybrid.parallel.pipeline import resolve_schedule
 from lightning_hybrid.parallel.pipeline.executor import ScheduleSpec
 from lightning_hybrid.parallel.zero import DEFAULT_BUCKET_CAP_MB, GRAD_REDUCE
@@ -55,6 +55,7 @@ class ParallelOptions:
     async_tp: bool = False  # compiled SP collectives fused with their matmuls (`parallel.compile.enable_async_tp`)
     fp8: Float8 = None  # torchao's float8 recipe or config for the linears (`lightning_hybrid.parallel.float8`)
     fp8_exclude: tuple[str, ...] = ()  # globs of linears kept in the training precision
+    fp8_all_gather: bool = False  # ZeRO-3 gathers the float8 linears' weights in float8 (`parallel.float8_all_gather`)
 
     @classmethod
     def create(
@@ -78,6 +79,7 @@ class ParallelOptions:
         async_tp: bool = False,
         fp8: Float8 = None,
         fp8_exclude: Optional[list[str]] = None,
+        fp8_all_gather: bool = False,
     ) -> "ParallelOptions":
         """Validate the `HybridStrategy` arguments of the same names against the requested ``dims``.
         ``ValueError`` naming the bad value and what would be valid; an argument that nothing would use with these
@@ -134,6 +136,7 @@ class ParallelOptions:
                              f" reduce-scatters with their matmuls; it needs {', '.join(missing)} (got tp={tp},"
                              f" sequence_parallel={sequence_parallel}, compile={compile!r}).")
         validate_float8(fp8)
+        fp8_all_gather = validate_float8_all_gather(fp8, fp8_all_gather, zero_stage)
         if fp8_exclude is not None and (isinstance(fp8_exclude, str)
                                         or not all(isinstance(p, str) for p in fp8_exclude)):
             raise ValueError(f"fp8_exclude={fp8_exclude!r} is invalid: use a list of glob patterns of module names"
@@ -160,6 +163,7 @@ class ParallelOptions:
             recompute=selection, compile=MappingProxyType(arguments) if arguments is not None else None,
             batch_check_interval=batch_check_interval, randomness=randomness, grad_reduce=grad_reduce,
             async_tp=bool(async_tp), fp8=fp8, fp8_exclude=tuple(fp8_exclude or ()),
+            fp8_all_gather=fp8_all_gather,
         )
 
     def example_multiple(self, dims: ParallelDims) -> int:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
@@ -49,6 +49,7 @@ from lightning_hybrid.parallel.expert_parallel import (
     iter_expert_modules,
 )
 from lightning_hybrid.parallel.float8 import Float8Groups, Float8Report, apply_float8, float8_config
+from lightning_hybrid.parallel.float8_all_gather import register_float8_scales, wrap_float8_weights
 from lightning_hybrid.parallel.pipeline import PipelineExecutor, check_protocol, stage_module
 from lightning_hybrid.parallel.pipeline.aux import AuxLossExchange, Source
 from lightning_hybrid.parallel.pipeline.executor import SCHEDULES, forward_through_stages
@@ -284,7 +285,10 @@ def convert_float8(module: nn.Module, meshes: Meshes, options: ParallelOptions, 
     errors: list[str] = []
     report = Float8Report([], [], set())
     try:
-        report = apply_float8(module, float8_config(options.fp8, device), groups, options.fp8_exclude)
+        config = float8_config(options.fp8, device)
+        if options.fp8_all_gather:  # ZeRO-3's weights gathered in float8 (`shard_zero3` wraps them)
+            config = replace(config, enable_fsdp_float8_all_gather=True)
+        report = apply_float8(module, config, groups, options.fp8_exclude)
     except Exception as e:  # raised below on every rank: none goes on to a collective the others never reach
         errors.append(str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -347,13 +351,19 @@ def shard_zero3(
     """ZeRO-3 over DP with FSDP2; returns the FSDP roots. Expert-parallel experts first, each over its own DP
     group (``edp_mesh``). Under PP each stage is a root (the pipeline stage drives its gradient sync)
     and each of its layers a unit; else `apply_fsdp` picks the units of the whole module. A parameter that several
-    modules share (``shared``, `lightning_hybrid.parallel.tied`) stays in one unit."""
+    modules share (``shared``, `lightning_hybrid.parallel.tied`) stays in one unit. Float8 linears that ask for the
+    float8 all-gather get their weights wrapped first and a scale hook on each unit
+    (`lightning_hybrid.parallel.float8_all_gather`)."""
     if edp_mesh is not None:
         apply_fsdp_experts(list(iter_expert_modules(module)), edp_mesh, dp_mesh.size())
     tied = {id(p) for names in shared for p in [_parameter_or_none(module, names)] if p is not None}
+    wrap_float8_weights(module, tied)
     if stages is None:
-        return apply_fsdp(module, dp_mesh, parts, tied)
-    return [apply_fsdp_units(list(stage), stage, dp_mesh, parts, tied) for stage in stages.values()]
+        roots = apply_fsdp(module, dp_mesh, parts, tied)
+    else:
+        roots = [apply_fsdp_units(list(stage), stage, dp_mesh, parts, tied) for stage in stages.values()]
+    register_float8_scales(roots)
+    return roots
 
 
 def _parameter_or_none(module: nn.Module, names: tuple[str, ...]) -> Optional[nn.Parameter]:

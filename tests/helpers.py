@@ -46,9 +46,20 @@ class Recorder(L.Callback):
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once; DTensors by their
     local shard)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
     storages = {}
+
+    def add(t) -> None:
+        if is_traceable_wrapper_subclass(t):  # a DTensor, or a weight ZeRO-3 gathers in float8: its inner tensors
+            for name in t.__tensor_flatten__()[0]:
+                if isinstance(inner := getattr(t, name), torch.Tensor):
+                    add(inner)
+        else:
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+
     for t in tensors:
         if t is not None:
-            s = (t._local_tensor if hasattr(t, "_local_tensor") else t).untyped_storage()
-            storages[s.data_ptr()] = s.nbytes()
+            add(t)
     return sum(storages.values())

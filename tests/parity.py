@@ -483,8 +483,8 @@ class Float8GPT(SGDGPT):
         return out
 
 
-def float8_gpt(n_embd: int = 32, **kwargs):
+def float8_gpt(n_embd: int = 32, bias: bool = True, **kwargs):
     """`Float8GPT` (plain SGD at lr 0.1) of the reference GPT's test shape."""
     fields = dict(vocab_size=256, block_size=BLOCK, n_layer=2, n_head=4, n_kv_head=2, n_embd=n_embd, mlp="swiglu",
-                  dropout=0.0)
+                  dropout=0.0, bias=bias)
     return partial(Float8GPT, config=GPTConfig(**fields), lr=0.1, **kwargs)

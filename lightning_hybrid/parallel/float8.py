@@ -90,10 +90,34 @@ def validate_float8(fp8: Float8) -> None:
     if not isinstance(fp8, float8.Float8LinearConfig):
         raise ValueError(f"fp8={fp8!r} is invalid: use one of torchao's recipes {list(RECIPES)}, a"
                          " torchao.float8.Float8LinearConfig, or None (no FP8).")
-    if fp8.enable_fsdp_float8_all_gather:
-        raise ValueError("fp8 with enable_fsdp_float8_all_gather=True: ZeRO-3 all-gathers the weights in their"
-                         " training precision here (the float8 all-gather is not implemented); use a config with"
-                         " enable_fsdp_float8_all_gather=False.")
+
+
+def validate_float8_all_gather(fp8: Float8, option: bool, zero_stage: int) -> bool:
+    """Whether ZeRO-3 gathers the float8 linears' weights in float8 (`lightning_hybrid.parallel.float8_all_gather`):
+    asked by ``option`` (the strategy's ``fp8_all_gather``) or by a config's ``enable_fsdp_float8_all_gather``.
+    ``ValueError`` naming what would be valid where it is asked without fp8, without ZeRO-3, or with weights that
+    are not scaled tensorwise (a shard can only be cast with the one scale of the whole weight)."""
+    if option not in (True, False):
+        raise ValueError(f"fp8_all_gather={option!r} is invalid: use True or False.")
+    asked = option or (fp8 is not None and not isinstance(fp8, str) and fp8.enable_fsdp_float8_all_gather)
+    if not asked:
+        return False
+    name = "fp8_all_gather=True" if option else "enable_fsdp_float8_all_gather=True"
+    if fp8 is None:
+        raise ValueError(f"{name} gathers the float8 linears' weights in float8, but fp8=None trains none in FP8; set"
+                         " fp8='tensorwise', or leave the float8 all-gather off.")
+    if zero_stage != 3:
+        raise ValueError(f"{name} gathers ZeRO-3's sharded weights in float8; zero_stage={zero_stage} gathers no"
+                         " weights. Use zero_stage=3, or leave the float8 all-gather off.")
+    from torchao.float8.config import ScalingGranularity
+
+    config = _torchao().Float8LinearConfig.from_recipe_name(fp8) if isinstance(fp8, str) else fp8
+    weight = (config.cast_config_weight, config.cast_config_weight_for_grad_input)
+    if any(c.scaling_granularity is not ScalingGranularity.TENSORWISE for c in weight) or weight[0] != weight[1]:
+        raise ValueError(f"{name} casts each weight shard with the one scale of the whole weight: it needs"
+                         f" tensorwise weight casts (fp8='tensorwise'), not fp8={fp8!r}. Use fp8='tensorwise', or"
+                         " leave the float8 all-gather off.")
+    return True
 
 
 def float8_config(fp8: Float8, device: torch.device):
@@ -186,8 +210,8 @@ class Float8Matmul:
     def __call__(self, x: Tensor, weight_t: Tensor) -> Tensor:
         """``x @ weight_t`` (``x [..., in]``, ``weight_t [in, out]``) in float8, output in ``x``'s dtype (the
         autocast dtype under autocast, as torchao's ``Float8Linear``)."""
-        if not self.enabled:
-            return torch.matmul(x, weight_t)
+        if not self.enabled:  # a weight ZeRO-3 gathered in float8 in its float8 values
+            return torch.matmul(x, weight_t.to_original_precision() if _is_float8(weight_t) else weight_t)
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         layout = self.layout if torch.is_grad_enabled() else self.layout_without_grad
@@ -232,12 +256,20 @@ def _scales(casts: list[tuple], whole: Optional[dist.ProcessGroup], config) -> l
                 for a, (_, cast, _, _) in zip(amaxes, casts)]
 
 
+def _is_float8(t: Tensor) -> bool:
+    """Whether ``t`` is already torchao's float8 tensor: a weight ZeRO-3 gathered in float8
+    (`lightning_hybrid.parallel.float8_all_gather`), cast with the whole weight's tensorwise scale."""
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    return isinstance(t, Float8TrainingTensor)
+
+
 def _to_float8(t: Tensor, scale: Optional[Tensor], cast, axis: int, matmul: Float8Matmul, role):
-    """``t`` as torchao's float8 tensor of ``scale`` (``t`` itself where the cast is disabled)."""
+    """``t`` as torchao's float8 tensor of ``scale`` (``t`` itself where the cast is disabled or ``t`` is one)."""
     from torchao.float8.config import ScalingGranularity
     from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
 
-    if scale is None:
+    if scale is None or _is_float8(t):
         return t
     axiswise = cast.scaling_granularity is not ScalingGranularity.TENSORWISE
     return hp_tensor_and_scale_to_float8(t, scale, cast.target_dtype, matmul.mm_config, role,
@@ -267,8 +299,11 @@ class _Float8MM(torch.autograd.Function):
         c = matmul.config
         x_groups = layout.groups(layout.in_features)
         w_groups = (layout.in_features, layout.out_features)
-        x_scale, w_scale = _scales([(x2, c.cast_config_input, -1, x_groups),
-                                    (weight_t, c.cast_config_weight, 0, w_groups)], layout.tokens, c)
+        casts = [(x2, c.cast_config_input, -1, x_groups)]
+        if not _is_float8(weight_t):  # else gathered in float8 with its scale (tensorwise)
+            casts.append((weight_t, c.cast_config_weight, 0, w_groups))
+        x_scale, *w_scale = _scales(casts, layout.tokens, c)
+        w_scale = w_scale[0] if w_scale else weight_t._scale
         ctx.save_for_backward(x2, weight_t, x_scale, w_scale)
         xq = _to_float8(x2, x_scale, c.cast_config_input, -1, matmul, GemmInputRole.INPUT)
         wq = _to_float8(weight_t, w_scale, c.cast_config_weight, 0, matmul, GemmInputRole.WEIGHT)

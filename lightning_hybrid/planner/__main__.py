@@ -277,6 +277,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    " layers (default: a layer's parts, one at a time)")
     p.add_argument("--fp8", default=None, choices=FP8_RECIPES, help="the strategy's fp8 recipe: the linears on the"
                    " float8 tensor cores, their casts and amax all-reduces (GPU presets with float8: h100)")
+    p.add_argument("--fp8-all-gather", action="store_true", help="the strategy's fp8_all_gather=True (with --fp8"
+                   " tensorwise): ZeRO-3 gathers the converted weights in float8")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--json", default=None, help="write every candidate to this file")
     args = p.parse_args(argv)
@@ -295,6 +297,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 raise ValueError(f"--attention-speed {args.attention_speed}: must be > 0 (1: attention at the GEMMs'"
                                  f" rate; {FA2_ON_HOPPER:.2f}: FlashAttention-2 on H100)")
             cluster = dataclasses.replace(cluster, attention_speed=args.attention_speed)
+        if args.fp8_all_gather:
+            if args.fp8 != "tensorwise":
+                raise ValueError(f"--fp8-all-gather casts each weight shard with the whole weight's one scale: it"
+                                 f" needs --fp8 tensorwise (got --fp8 {args.fp8})")
+            cluster = dataclasses.replace(cluster, fp8_all_gather=True)
         layout = parse_layout(args.layout, model, args.devices, args.global_batch) if args.layout else None
         result = plan(model, cluster, args.devices, args.global_batch,
                       sequence_parallel=not args.no_sequence_parallel,

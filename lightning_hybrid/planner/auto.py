@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -109,8 +109,13 @@ def _fp8(cfg: DictConfig, cluster: Cluster, model: ModelSpec) -> Optional[str]:
 
 
 def _cluster(cfg: DictConfig) -> Cluster:
+    """``planner.cluster`` or this machine, gathering float8 weights under ZeRO-3 where the recipe's
+    ``parallel.fp8_all_gather`` says so."""
     name = cfg.planner.cluster if cfg.get("planner") is not None else None
-    return load_cluster(name) if name else this_machine(str(cfg.trainer.accelerator))
+    cluster = load_cluster(name) if name else this_machine(str(cfg.trainer.accelerator))
+    if cfg.get("parallel") is not None and cfg.parallel.get("fp8_all_gather"):
+        cluster = replace(cluster, fp8_all_gather=True)
+    return cluster
 
 
 def _devices(cfg: DictConfig) -> int:

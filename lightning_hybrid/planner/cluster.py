@@ -129,7 +129,9 @@ class Cluster:
     tensor cores): ``fp8_amax_reduced`` (``True``: this codebase, exact against one device) -- every amax
     MAX-reduced over the ranks that split its operand, small synchronous all-reduces per linear; ``False``: each
     rank scales by its own amax (torchtitan); ``fp8_all_gather``: ZeRO-3 gathers converted weights in float8
-    (torchtitan's ``enable_fsdp_float8_all_gather``; this codebase gathers them in their dtype); ``fp8_head``
+    (torchtitan's ``enable_fsdp_float8_all_gather``; this codebase's ``fp8_all_gather=True``, off by default, one
+    amax all-reduce per FSDP unit and forward: the CLI's ``--fp8-all-gather``, a recipe's
+    ``parallel.fp8_all_gather``); ``fp8_head``
     (``True``): the LM head is converted too (this codebase, unless ``fp8_exclude`` names it; torchtitan leaves
     its ``output`` in bf16).
     """

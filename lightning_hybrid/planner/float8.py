@@ -31,7 +31,8 @@ split features); ``rowwise_with_gw_hp`` only the one over TP. They are latency, 
 path: ``2 ceil(log2 n)`` hops of the group's link (NCCL's tree for small messages) plus the cluster's
 ``collective_overhead``. A runtime that scales each rank's activations by their own amax (torchtitan) pays none.
 ZeRO-3 with float8 all-gather (`Cluster.fp8_all_gather`, torchtitan's ``enable_fsdp_float8_all_gather``; this
-codebase gathers the weights in their own dtype) gathers a converted weight at 1 byte per element.
+codebase's ``fp8_all_gather=True``) gathers a converted weight at 1 byte per element; here the weights' amaxes then
+leave the linears' forward all-reduces for one all-reduce per FSDP unit and forward.
 """
 
 from __future__ import annotations

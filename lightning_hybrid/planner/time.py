@@ -310,6 +310,10 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
         stage_ranks = lay.dp * cp * t
         amax = fp8_amax_time(fp8, cluster, stage_ranks, t, cluster.link(stage_ranks, 1), cluster.link(t, 1))
         block_fp8 = sum(count for count, _, _ in linears) * amax
+        if fp8 == "tensorwise" and cluster.fp8_all_gather and lay.zero_stage == 3:
+            # Weights gathered in float8: their amaxes leave the linears' forward all-reduces for one of each FSDP
+            # unit per forward (`lightning_hybrid.parallel.float8_all_gather`; a block's, again when recomputed).
+            block_fp8 += (2 if recompute else 1) * amax / 2
         head_fp8 = amax if cluster.fp8_head else 0.0
     tp_link = cluster.link(t, 1)
     tp_count = 6 if recompute else 4  # all-reduces (or AG + RS pairs) per block: forward, backward, recomputation

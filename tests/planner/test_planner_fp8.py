@@ -69,6 +69,9 @@ def test_float8_all_gather_shrinks_zero3_gathers_only():
     plain = estimate_time(LLAMA3_8B, layout, H100, fp8="tensorwise")
     gathered = estimate_time(LLAMA3_8B, layout, dataclasses.replace(H100, fp8_all_gather=True), fp8="tensorwise")
     assert gathered.dp_comm < plain.dp_comm and gathered.compute == plain.compute
+    # This codebase reduces the gathered weights' amaxes once per FSDP unit (a block) and forward.
+    one = fp8_amax_time("tensorwise", H100, 64, 1, H100.link(64, 1), H100.intra) / 2
+    assert gathered.fp8_comm - plain.fp8_comm == pytest.approx(LLAMA3_8B.n_layer * one * layout.micro_batches)
     zero1 = Layout(64, 1, 1, 1, 1, 1, recompute="pointwise")
     assert (estimate_time(LLAMA3_8B, zero1, dataclasses.replace(H100, fp8_all_gather=True), fp8="tensorwise").dp_comm
             == estimate_time(LLAMA3_8B, zero1, H100, fp8="tensorwise").dp_comm)
@@ -101,6 +104,9 @@ def test_search_and_command_line(capsys):
     assert " fp8 " in capsys.readouterr().out  # the amax all-reduces' time in the breakdown
     assert planner_main([*args[:3], "a100", *args[4:], "--fp8", "rowwise"]) == 2
     assert "no float8 tensor cores" in capsys.readouterr().err
+    assert planner_main([*args, "--fp8", "tensorwise", "--fp8-all-gather"]) == 0
+    assert planner_main([*args, "--fp8", "rowwise", "--fp8-all-gather"]) == 2
+    assert "--fp8-all-gather casts each weight shard with the whole weight's one scale" in capsys.readouterr().err
 
 
 def test_parallel_auto_plans_the_recipes_fp8_where_the_cluster_has_float8():

@@ -89,6 +89,9 @@ def test_layout_fields_are_overridable():
     fp8 = instantiate(_compose("parallel=dp_tp", "parallel.fp8=rowwise", "parallel.fp8_exclude=[model.head.*]")
                       .parallel)
     assert fp8.options.fp8 == "rowwise" and fp8.options.fp8_exclude == ("model.head.*",)
+    gathered = instantiate(_compose("parallel=zero3", "parallel.fp8=tensorwise", "parallel.fp8_all_gather=true")
+                           .parallel)
+    assert gathered.options.fp8_all_gather and gathered.options.zero_stage == 3
 
 
 @pytest.mark.parametrize("typo", ["parallel.tpp=2", "model.n_layers=3", "data.batchsize=3", "trainer.max_step=3",

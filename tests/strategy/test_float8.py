@@ -142,5 +142,23 @@ def test_float8_layouts_match_one_device_float8():
         # Compiled with full activation checkpointing: the layers still compile to whole graphs.
         "fp8-dp2-zero3-compile-ac": (dict(dp=2, zero_stage=3, compile=True, activation_checkpointing=True,
                                           fp8="tensorwise"), float8_gpt(dp=2), two_steps, FP8_TOLERANCES),
+        # The weights gathered in float8, each shard cast with the whole weight's scale (no biases: the attention's
+        # and the MLP's FSDP units hold float8 weights alone, gathered as float8 bytes).
+        "fp8-dp2-zero3-float8-all-gather": (dict(dp=2, zero_stage=3, fp8="tensorwise", fp8_all_gather=True),
+                                            float8_gpt(dp=2, bias=False), two_steps, FP8_TOLERANCES),
     })
     # dp2 x tp2 x pp2: tests/strategy/test_strategy_parity.py's world of 8 ranks.
+
+
+def test_torchaos_float8_all_gather_flag_is_the_strategys_option():
+    """A ``Float8LinearConfig`` asking for FSDP's float8 all-gather is ``fp8_all_gather=True``: ZeRO-3 only, and
+    tensorwise weight casts only (each shard is cast with the one scale of the whole weight)."""
+    from torchao.float8 import Float8LinearConfig
+
+    from lightning_hybrid import HybridStrategy
+
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    assert HybridStrategy(dp=2, zero_stage=3, fp8=config).options.fp8_all_gather
+    assert not HybridStrategy(dp=2, zero_stage=3, fp8="tensorwise").options.fp8_all_gather
+    with pytest.raises(ValueError, match=r"enable_fsdp_float8_all_gather=True gathers ZeRO-3's sharded weights"):
+        HybridStrategy(dp=2, zero_stage=1, fp8=config)

@@ -61,6 +61,12 @@ ROOT = Path(__file__).resolve().parents[2]
         (dict(fp8_exclude=["lm_head"]), r"fp8_exclude=\['lm_head'\] names linears to keep out of FP8, but fp8=None"),
         (dict(fp8="tensorwise", fp8_exclude="lm_head"), r"fp8_exclude='lm_head' is invalid: use a list of glob"),
         (dict(fp8="tensorwise", ep=2), r"fp8='tensorwise' with ep=2: the experts' tokens are exchanged"),
+        (dict(fp8_all_gather=True, zero_stage=3), r"fp8_all_gather=True gathers .* but fp8=None trains none in FP8"),
+        (dict(fp8="tensorwise", fp8_all_gather=True, zero_stage=2),
+         r"fp8_all_gather=True gathers ZeRO-3's sharded weights in float8; zero_stage=2 gathers no weights"),
+        (dict(fp8="rowwise", fp8_all_gather=True, zero_stage=3),
+         r"fp8_all_gather=True casts each weight shard .* tensorwise weight casts .*, not fp8='rowwise'"),
+        (dict(fp8="tensorwise", fp8_all_gather="yes", zero_stage=3), r"fp8_all_gather='yes' is invalid: use True or"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, message):

@@ -47,6 +47,8 @@ class _InPlaceAllGather(AllGather):
         mine = output_tensor.narrow(0, rank * n, n)
         if input_tensor.data_ptr() != mine.data_ptr():
             mine.copy_(input_tensor)
+        if output_tensor.dtype.itemsize == 1 and output_tensor.dtype != torch.uint8:  # float8 (gloo has no such type)
+            output_tensor = output_tensor.view(torch.uint8)
         works = [dist.broadcast(output_tensor.narrow(0, r * n, n), group_src=r, group=group, async_op=True)
                  for r in range(dist.get_world_size(group))]
         for work in works[:-1]:
