@@ -400,7 +400,8 @@ def _cp_worker(cfg: dict) -> list[dict]:
                                     max_bytes=(25 + 2 * (cfg["steps"] + 2) * cfg["batch"]) * (seq + 1))  # 5% held out
         monitor = _ActivationMonitor(cfg["steps"])
         start = time.perf_counter()
-        trainer = L.Trainer(accelerator="cpu", devices=cp, strategy=HybridStrategy(dp=1, cp=cp),
+        attention = {"cp_attention": cfg["attention"]} if cp > 1 else {}
+        trainer = L.Trainer(accelerator="cpu", devices=cp, strategy=HybridStrategy(dp=1, cp=cp, **attention),
                             max_steps=cfg["steps"], limit_val_batches=0, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor])
         trainer.fit(module, data)
@@ -422,11 +423,12 @@ def _cp_worker(cfg: dict) -> list[dict]:
     return out
 
 
-def _cp_peaks(args, layers: int, hidden: int, seqs: list[int], cps: list[int]) -> dict[tuple[int, str, int], dict]:
+def _cp_peaks(args, layers: int, hidden: int, seqs: list[int], cps: list[int],
+              attention: str = "all_gather") -> dict[tuple[int, str, int], dict]:
     """``(cp, batches, T) ->`` the result of the rank with the highest activation peak (``"ranks"``: every rank's
-    peak)."""
+    peak); ``attention``: the strategy's ``cp_attention`` for cp > 1."""
     cfg = {"seqs": seqs, "layers": layers, "hidden": hidden, "heads": args.cp_heads, "batch": args.cp_batch,
-           "steps": args.cp_steps, "data": args.cp_data}
+           "steps": args.cp_steps, "data": args.cp_data, "attention": attention}
     out = {}
     for cp in cps:
         start = time.perf_counter()
@@ -534,6 +536,43 @@ def formula(config: str, s: int, b: int, h: int, a: int, t: int) -> float:
 ACTIVATIONS = REPO_ROOT / "benchmarks" / "ACTIVATIONS.md"
 TP_TITLE = "## Tensor parallelism, sequence parallelism, selective recompute: per layer, beside Korthikanti et al."
 CP_TITLE = "## Context parallelism: activation memory per rank against sequence length"
+RING_TITLE = "## Context parallelism: ring attention against the all-gather"
+
+
+def run_ring(args) -> str:
+    """The ring part: at the longest T, each rank's activation peak with the keys and values all-gathered and passed
+    around a ring (``cp_attention="ring"``), per model, batches and cp; the section of the report."""
+    mib, seq = 2**20, max(args.cp_seqs)
+    models = [(args.cp_layers, args.cp_hidden)]
+    if args.cp_check:
+        models.append(tuple(int(v) for v in args.cp_check.lower().split("x")))
+    rows = ["| model (layers x width) | batches | T | cp | all-gather peak, MiB | × cp | ring peak, MiB | × cp |"
+            " ring / all-gather |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for layers, hidden in models:
+        gathered = _cp_peaks(args, layers, hidden, [seq], args.cps)
+        ring = _cp_peaks(args, layers, hidden, [seq], [cp for cp in args.cps if cp > 1], "ring")
+        for kind in args.cp_data:
+            base = gathered[(args.cps[0], kind, seq)]["peak"]
+            for cp in (cp for cp in args.cps if cp > 1):
+                g, r = gathered[(cp, kind, seq)]["peak"], ring[(cp, kind, seq)]["peak"]
+                rows.append(f"| {layers} x {hidden} | {kind} | {seq} | {cp} | {g / mib:.2f} | {g * cp / base:.3f} |"
+                            f" {r / mib:.2f} | {r * cp / base:.3f} | {r / g:.3f} |")
+    lines = [
+        RING_TITLE,
+        "",
+        "The same fits as the section above (reference GPT, fp32, activation peak of a training step beyond the"
+        " rank's state, highest rank, steps 2..), at the longest T, with"
+        " `HybridStrategy(dp=1, cp=cp, cp_attention=\"ring\")` against the default all-gather; × cp = the peak"
+        " against cp=1's at the same T, times cp. The ring holds two ranks' keys and values and one chunk pair's"
+        " fp32 scores at a time, where the all-gather holds the whole sequence's keys and values of the layer it"
+        " computes.",
+        "",
+        *rows,
+        "",
+    ]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
 
 
 def run_tp(args) -> str:
@@ -585,7 +624,7 @@ def _kept_section(title: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=("tp", "cp"), default=None,
+    parser.add_argument("--only", choices=("tp", "cp", "ring"), default=None,
                         help="run one part (the report keeps the other part from its last run)")
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=2)
@@ -612,10 +651,11 @@ def main() -> None:
     start = time.perf_counter()
     tp_text = run_tp(args) if args.only in (None, "tp") else _kept_section(TP_TITLE)
     cp_text = run_cp(args) if args.only in (None, "cp") else _kept_section(CP_TITLE)
+    ring_text = run_ring(args) if args.only in (None, "ring") else _kept_section(RING_TITLE)
     from benchmarks.report import header
 
     title = header("Activation memory (benchmarks/bench_activations.py)")
-    ACTIVATIONS.write_text(title + tp_text + "\n" + cp_text)
+    ACTIVATIONS.write_text(title + tp_text + "\n" + cp_text + ("\n" + ring_text if ring_text else ""))
     print(f"written to {ACTIVATIONS.relative_to(REPO_ROOT)} ({time.perf_counter() - start:.0f} s)")
 
 

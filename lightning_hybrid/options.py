@@ -28,6 +28,10 @@ from lightning_hybrid.parallel.zero import DEFAULT_BUCKET_CAP_MB, GRAD_REDUCE
 PIPELINE_ARGUMENTS = ("schedule", "micro_batches", "virtual_stages", "split_points")
 
 
+#: The values of ``cp_attention`` (`lightning_hybrid.parallel.context_parallel.ring`).
+CP_ATTENTION = ("all_gather", "ring")
+
+
 @dataclass(frozen=True)
 class ParallelOptions:
     """Every option of the layout that is not a size, resolved: the schedule's spec and stages per rank, the
@@ -56,6 +60,7 @@ class ParallelOptions:
     fp8: Float8 = None  # torchao's float8 recipe or config for the linears (`lightning_hybrid.parallel.float8`)
     fp8_exclude: tuple[str, ...] = ()  # globs of linears kept in the training precision
     fp8_all_gather: bool = False  # ZeRO-3 gathers the float8 linears' weights in float8 (`parallel.float8_all_gather`)
+    cp_attention: str = "all_gather"  # CP's keys and values: all-gathered, or passed around a ring (`ring_attention`)
 
     @classmethod
     def create(
@@ -80,6 +85,7 @@ class ParallelOptions:
         fp8: Float8 = None,
         fp8_exclude: Optional[list[str]] = None,
         fp8_all_gather: bool = False,
+        cp_attention: str = "all_gather",
     ) -> "ParallelOptions":
         """Validate the `HybridStrategy` arguments of the same names against the requested ``dims``.
         ``ValueError`` naming the bad value and what would be valid; an argument that nothing would use with these
@@ -148,6 +154,13 @@ class ParallelOptions:
             raise ValueError(f"fp8={fp8!r} with ep={dims.ep}: the experts' tokens are exchanged over the EP group, and"
                              " scaling their float8 GEMMs as one device does is not implemented; use ep=1 with fp8,"
                              " or fp8=None.")
+        if cp_attention not in CP_ATTENTION:
+            raise ValueError(f"cp_attention={cp_attention!r} is invalid: use 'all_gather' (every rank gathers the whole"
+                             " sequence's keys and values per layer; SDPA's kernels) or 'ring' (passed around the CP"
+                             " group: two ranks' keys and values at a time).")
+        if cp_attention != "all_gather" and cp == 1:
+            raise ValueError(f"cp_attention={cp_attention!r} chooses how context parallelism's attention meets the"
+                             " other ranks' keys and values; cp=1 has none. Use cp > 1, or leave cp_attention unset.")
         if cp > 1 and arguments is not None:
             raise ValueError(f"cp={cp} with compile={compile!r}: context parallelism catches each layer's attention"
                              " at run time, which torch.compile does not trace; use compile=False with cp > 1.")
@@ -163,7 +176,7 @@ class ParallelOptions:
             recompute=selection, compile=MappingProxyType(arguments) if arguments is not None else None,
             batch_check_interval=batch_check_interval, randomness=randomness, grad_reduce=grad_reduce,
             async_tp=bool(async_tp), fp8=fp8, fp8_exclude=tuple(fp8_exclude or ()),
-            fp8_all_gather=fp8_all_gather,
+            fp8_all_gather=fp8_all_gather, cp_attention=cp_attention,
         )
 
     def example_multiple(self, dims: ParallelDims) -> int:

@@ -383,7 +383,8 @@ def split_context(
     except ValueError as e:  # no layer found: the message says where the layers must be
         raise ValueError(f"cp={meshes.dims.cp}: context parallelism wraps the layers. {e}") from e
     # A layer checkpointed as a whole (or selectively) recomputes its attention already.
-    return apply_cp(module, layers, meshes.group("cp"), not options.activation_checkpointing, device)
+    return apply_cp(module, layers, meshes.group("cp"), not options.activation_checkpointing, device,
+                    ring=options.cp_attention == "ring")
 
 
 def build_pipeline(

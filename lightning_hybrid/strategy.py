@@ -51,7 +51,8 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
     ``"colwise" | "rowwise" | "replicate"``), ``sequence_parallel``, ``loss_parallel``, ``async_tp`` (CUDA, compiled)
     for TP; ``fp8`` (torchao's ``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"`` or a ``Float8LinearConfig``)
     , ``fp8_exclude`` (globs of linears kept out of it) and ``fp8_all_gather`` (ZeRO-3 gathers their weights in
-    float8, tensorwise); ``micro_batches``,
+    float8, tensorwise); ``cp_attention`` (``"all_gather"`` or ``"ring"``: how CP's attention meets the other
+    ranks' keys and values); ``micro_batches``,
     ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"``), ``virtual_stages``,
     ``split_points`` for PP (refused at ``pp=1``); ``activation_checkpointing``, ``recompute``, ``compile``;
     ``randomness`` (``"exact"``: one device's draws or refused; ``"independent"``: per-rank streams);
@@ -69,7 +70,7 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
         recompute: Recompute = "full", compile: Compile = False, ep: int = 1, cp: int = 1,
         batch_check_interval: int = 100, randomness: str = "exact", dp_shard: Optional[int] = None,
         grad_reduce: str = "auto", async_tp: bool = False, fp8: Any = None, fp8_exclude: Optional[list[str]] = None,
-        fp8_all_gather: bool = False, process_group_backend: Optional[str] = None,
+        fp8_all_gather: bool = False, cp_attention: str = "all_gather", process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout, accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None, cluster_environment: Optional[Any] = None,
         checkpoint_io: Optional[Any] = None, precision_plugin: Optional[Any] = None,
@@ -84,7 +85,7 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
             virtual_stages=virtual_stages, split_points=split_points, activation_checkpointing=activation_checkpointing,
             recompute=recompute, compile=compile, batch_check_interval=batch_check_interval, randomness=randomness,
             bucket_cap_mb=bucket_cap_mb, grad_reduce=grad_reduce, async_tp=async_tp, fp8=fp8,
-            fp8_exclude=fp8_exclude, fp8_all_gather=fp8_all_gather,
+            fp8_exclude=fp8_exclude, fp8_all_gather=fp8_all_gather, cp_attention=cp_attention,
         )
         refuse_checkpoint_io(checkpoint_io)
         self._parallelized: Optional[Parallelized] = None

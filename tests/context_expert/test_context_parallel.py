@@ -122,7 +122,7 @@ def test_the_key_value_groups_are_read_from_the_modules_config():
     module's or its ``model``'s); None where no config says (GPT-NeoX has no key/value heads of its own: the ranks
     then go by the shapes only)."""
     from lightning_hybrid.models import GPTConfig, GPTLightningModule
-    from lightning_hybrid.parallel.context_parallel import kv_group_of
+    from lightning_hybrid.parallel.context_parallel.layers import kv_group_of
 
     gqa = GPTLightningModule(config=GPTConfig(vocab_size=256, block_size=16, n_layer=1, n_head=4, n_kv_head=2,
                                               n_embd=32))
@@ -134,7 +134,8 @@ def test_the_key_value_groups_are_read_from_the_modules_config():
 def test_context_parallel_layouts_match_one_device_on_4_ranks():
     """cp4, dp2 x cp2 with ZeRO-3, cp2 x tp2 with SP, cp2 x pp2 with selective recompute: the reference GPT and
     transformers families (one a mixture of experts under EP, two with sliding windows: Mistral's on every layer,
-    Qwen2's on its second), with causal, padded and packed batches."""
+    Qwen2's on its second), with causal, padded and packed batches; the keys and values all-gathered, or passed
+    around a ring (``cp_attention="ring"``)."""
     check_world(4, {
         "cp4-packed-gpt": (dict(dp=1, cp=4), gpt(), {"data": "packed"}),
         "dp2xcp2-zero3-padded-gpt": (dict(dp=2, cp=2, zero_stage=3), gpt(), {"data": "padded"}),
@@ -150,10 +151,12 @@ def test_context_parallel_layouts_match_one_device_on_4_ranks():
                                                      activation_checkpointing=True),
                                                 partial(_hf, "mistral", sliding_window=8), {"data": "packed"},
                                                 HF_TOLERANCES),
-        "cp4-window-qwen2": (dict(dp=1, cp=4), partial(_hf, "qwen2", use_sliding_window=True, sliding_window=6,
-                                                     layer_types=["full_attention", "sliding_attention"]),
-                             {}, HF_TOLERANCES),
-        "cp4-packed-gpt_neox": (dict(dp=1, cp=4), partial(_hf, "gpt_neox"), {"data": "packed"}, HF_TOLERANCES),
+        # Ring attention (the keys and values passed around the CP group): a window on one layer of two; documents.
+        "cp4-ring-window-qwen2": (dict(dp=1, cp=4, cp_attention="ring"),
+                                  partial(_hf, "qwen2", use_sliding_window=True, sliding_window=6,
+                                          layer_types=["full_attention", "sliding_attention"]), {}, HF_TOLERANCES),
+        "cp4-ring-packed-gpt_neox": (dict(dp=1, cp=4, cp_attention="ring"), partial(_hf, "gpt_neox"),
+                                     {"data": "packed"}, HF_TOLERANCES),
         # experts over EP ranks of dp * cp, the load-balancing loss over every rank's tokens
         "dp2xcp2-ep2-padded-olmoe": (dict(dp=2, cp=2, ep=2), partial(_hf, "olmoe"), {"data": "padded"},
                                      HF_TOLERANCES),
@@ -183,9 +186,9 @@ def test_checkpoints_resume_exactly_under_another_cp_on_4_ranks(tmp_path):
 def _refusals() -> dict:
     out = {}
 
-    def fit(module, block_size: int = 16, predict: bool = False, precision: str = "32-true") -> None:
+    def fit(module, block_size: int = 16, predict: bool = False, precision: str = "32-true", **layout) -> None:
         L.seed_everything(0, verbose=False)
-        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=HybridStrategy(dp=1, cp=2), max_steps=1,
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=HybridStrategy(dp=1, cp=2, **layout), max_steps=1,
                             precision=precision, **{**QUIET_TRAINER, "limit_val_batches": 0})
         data = ByteCorpusDataModule(max_bytes=10_000, block_size=block_size, batch_size=2)
         if predict:
@@ -203,6 +206,7 @@ def _refusals() -> dict:
         # Not a refusal: under autocast a Llama layer hands SDPA fp32 queries and keys (rotary's fp32 cos/sin) and a
         # bf16 value, which SDPA's autocast casts; the CP attention must do the same before its causal blocks.
         "bf16": lambda: fit(CausalLM(tiny_config("llama")), precision="bf16-mixed"),
+        "ring-dropout": lambda: fit(_hf("llama", attention_dropout=0.1), cp_attention="ring"),
     }.items():
         try:
             call()
@@ -223,6 +227,8 @@ def test_what_context_parallelism_cannot_split_is_refused_with_the_reason_on_2_r
     assert "BatchError" in first["predict"] and "predict under cp=2" in first["predict"], first
     assert other["length"] == other["predict"] == "SystemExit: 1", other
     assert first["bf16"] == other["bf16"] == "ran", (first, other)
+    for out in (first, other):  # every rank says it: the attention is the same on each
+        assert "cp_attention='ring' computes attention without dropout (dropout_p=0.1)" in out["ring-dropout"], out
     with pytest.raises(ValueError, match="compile=False with cp > 1"):
         HybridStrategy(cp=2, compile=True)
     with pytest.raises(ValueError, match="cp=0 is invalid"):

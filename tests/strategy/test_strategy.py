@@ -67,6 +67,8 @@ ROOT = Path(__file__).resolve().parents[2]
         (dict(fp8="rowwise", fp8_all_gather=True, zero_stage=3),
          r"fp8_all_gather=True casts each weight shard .* tensorwise weight casts .*, not fp8='rowwise'"),
         (dict(fp8="tensorwise", fp8_all_gather="yes", zero_stage=3), r"fp8_all_gather='yes' is invalid: use True or"),
+        (dict(cp=2, cp_attention="rings"), r"cp_attention='rings' is invalid: use 'all_gather' .* or 'ring'"),
+        (dict(cp_attention="ring"), r"cp_attention='ring' chooses how context parallelism's .*; cp=1 has none"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, message):

@@ -53,9 +53,10 @@ from lightning_hybrid.core.document_attention import (
     label_spans,
 )
 from lightning_hybrid.core.hooks import StepHooks
+from lightning_hybrid.parallel.context_parallel.layers import kv_group_of, restricted_attention_of
+from lightning_hybrid.parallel.context_parallel.ring import ring_attention
 
-__all__ = ["ContextParallel", "ContextParallelHooks", "apply_cp", "gather_prefixes", "kv_group_of",
-           "restricted_attention_of", "split_batch", "zigzag_indices"]
+__all__ = ["ContextParallel", "ContextParallelHooks", "apply_cp", "gather_prefixes", "split_batch", "zigzag_indices"]
 
 
 def zigzag_indices(length: int, cp: int, rank: int, device: Optional[torch.device] = None) -> Tensor:
@@ -87,36 +88,6 @@ def split_batch(batch: Any, cp: int, rank: int) -> TokenBatch:
     return TokenBatch(ids[:, places], tokens.labels[:, places], positions[:, places], padding)
 
 
-def restricted_attention_of(layer: nn.Module) -> tuple[Optional[int], Optional[int]]:
-    """``(window, chunk)``: the sliding window a layer's attention keeps (a query sees the keys less than that many
-    places before it) and the chunks it attends within (a query sees only the keys whose position // chunk is its
-    own), as a ``transformers`` config says them -- ``sliding_window``, per layer ``layer_types[layer_idx] ==
-    "sliding_attention"`` where the config lists them (Gemma, Cohere2, Qwen2 with ``use_sliding_window``), every
-    layer otherwise (Mistral); ``attention_chunk_size`` for ``"chunked_attention"`` layers (Llama 4). ``None`` for
-    what a layer does not declare (a model's own mask that says more is caught by the probe of the first step,
-    `lightning_hybrid.checks.probe`)."""
-    for sub in layer.modules():
-        config, index = getattr(sub, "config", None), getattr(sub, "layer_idx", None)
-        if config is None:
-            continue
-        types = getattr(config, "layer_types", None)
-        kind = types[index] if types is not None and isinstance(index, int) and 0 <= index < len(types) else None
-        window, chunk = getattr(config, "sliding_window", None), getattr(config, "attention_chunk_size", None)
-        window = window if isinstance(window, int) and not isinstance(window, bool) else None
-        chunk = chunk if isinstance(chunk, int) and not isinstance(chunk, bool) else None
-        if window is None and chunk is None:
-            continue
-        if getattr(config, "use_sliding_window", True) is False:
-            window = None
-        if types is not None:
-            window = window if kind == "sliding_attention" else None
-            chunk = chunk if kind == "chunked_attention" else None
-        else:
-            chunk = None
-        return window, chunk
-    return None, None
-
-
 class ContextParallel:
     """The attention of the layers of one module over the CP ``group`` (see the module doc).
 
@@ -130,8 +101,9 @@ class ContextParallel:
     """
 
     def __init__(self, group: dist.ProcessGroup, recompute_attention: bool = True,
-                 kv_group: Optional[int] = None) -> None:
+                 kv_group: Optional[int] = None, ring: bool = False) -> None:
         self.group, self.recompute_attention = group, recompute_attention
+        self.ring = ring  # the keys and values passed around the group (`ring_attention`), not all-gathered
         self.kv_group = kv_group  # the model's query heads per key/value head, where its config says (`kv_group_of`)
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.calls = 0
@@ -212,6 +184,15 @@ class ContextParallel:
         # what SDPA saves of the rank's queries against them) for every layer until its backward. (Not inside a
         # checkpointed layer: its recomputation, or a selective policy replaying the ops in order, decides.)
         window, chunk = self._windows.get(self._layer, (None, None)) if self._layer is not None else (None, None)
+        if self.ring:  # each query sees the keys of its own label (document, and attention chunk)
+            if dropout_p > 0:
+                raise ValueError(f"cp_attention='ring' computes attention without dropout (dropout_p={dropout_p});"
+                                 " use cp_attention='all_gather', or no attention dropout.")
+            labels = docs if chunk is None else self._chunk_labels(positions, docs, chunk, query.device)
+            ring = (query, key, value, labels, self.group, scale, window)
+            # Checkpointed as the all-gather: a layer keeps its own queries, keys and values, not the ring's output.
+            return ring_attention(*ring) if not self.recompute_attention else checkpoint(ring_attention, *ring,
+                                                                                         use_reentrant=False)
         if chunk is not None:  # attention chunks: a document is cut where a chunk starts (same document and chunk)
             spans = self._chunk_spans(positions, 0 if docs is None else docs, chunk, query.device)
         args = (query, key, value, spans, dropout_p, scale, window)
@@ -315,9 +296,19 @@ class ContextParallel:
         kept = self._documents.get((id(positions), chunk))
         if kept is None or kept[0] is not positions:
             with _disable_current_modes():  # (a selective recomputation replays ops in order: it finds these kept)
-                chunks = self.whole_positions(positions, device) // chunk
-                kept = (positions, label_spans(docs * (int(chunks.max()) + 1) + chunks))  # a host sync
+                kept = (positions, label_spans(self._chunk_labels(positions, docs, chunk, device)))  # a host sync
             self._documents[(id(positions), chunk)] = kept
+        return kept[1]
+
+    def _chunk_labels(self, positions: Tensor, docs: Optional[Tensor], chunk: int, device: torch.device) -> Tensor:
+        """``(B, T)``: each token's document and attention chunk (position // ``chunk``) as one label; once per batch
+        and chunk, outside the dispatch modes (a host sync)."""
+        kept = self._documents.get((id(positions), "labels", chunk))
+        if kept is None or kept[0] is not positions:
+            with _disable_current_modes():
+                chunks = self.whole_positions(positions, device) // chunk
+                kept = (positions, (0 if docs is None else docs) * (int(chunks.max()) + 1) + chunks)
+            self._documents[(id(positions), "labels", chunk)] = kept
         return kept[1]
 
     def _find_documents(self, positions: Tensor, device: torch.device) -> tuple:
@@ -353,19 +344,6 @@ class ContextParallel:
                     " the whole sequence: train this model with cp=1."
                 )
         self._checked.add(key)
-
-
-def kv_group_of(module: nn.Module) -> Optional[int]:
-    """Query heads per key/value head as the module's config says: ``n_head / n_kv_head`` (the reference GPT's
-    `GPTConfig`), ``num_attention_heads / num_key_value_heads`` (a transformers config: the module's ``config`` or
-    ``hf_config``, as `lightning_hybrid.hf.CausalLM`'s, or its ``model``'s); None where none says."""
-    model = getattr(module, "model", None)
-    for config in (getattr(module, "config", None), getattr(module, "hf_config", None), getattr(model, "config", None)):
-        for heads_name, kv_name in (("n_head", "n_kv_head"), ("num_attention_heads", "num_key_value_heads")):
-            heads, kv = getattr(config, heads_name, None), getattr(config, kv_name, None)
-            if isinstance(heads, int) and isinstance(kv, int) and 0 < kv <= heads and heads % kv == 0:
-                return heads // kv
-    return None
 
 
 class _AttentionMode(TorchFunctionMode):
@@ -445,10 +423,11 @@ class _GatherPrefixes(torch.autograd.Function):
 
 
 def apply_cp(module: nn.Module, layers: list[str], group: dist.ProcessGroup, recompute_attention: bool,
-             device: torch.device) -> "ContextParallelHooks":
+             device: torch.device, ring: bool = False) -> "ContextParallelHooks":
     """Context parallelism on ``module``: each of its ``layers`` (module names) attends over the CP ``group``
-    (`ContextParallel.wrap`); returns the hooks of its steps, which hold the `ContextParallel`."""
-    context = ContextParallel(group, recompute_attention, kv_group_of(module))
+    (`ContextParallel.wrap`; ``ring``: `ring_attention`); returns the hooks of its steps, which hold the
+    `ContextParallel`."""
+    context = ContextParallel(group, recompute_attention, kv_group_of(module), ring)
     for name in layers:
         context.wrap(module.get_submodule(name))
     return ContextParallelHooks(context, type(module).__name__, device)
