@@ -60,7 +60,7 @@ class ParallelOptions:
     fp8: Float8 = None  # torchao's float8 recipe or config for the linears (`lightning_hybrid.parallel.float8`)
     fp8_exclude: tuple[str, ...] = ()  # globs of linears kept in the training precision
     fp8_all_gather: bool = False  # ZeRO-3 gathers the float8 linears' weights in float8 (`parallel.float8_all_gather`)
-    cp_attention: str = "all_gather"  # CP's keys and values: all-gathered, or passed around a ring (`ring_attention`)
+    cp_attention: str = "all_gather"  # CP's keys and values: all-gathered, or around a ring (`context_parallel.ring`)
 
     @classmethod
     def create(

@@ -20,13 +20,13 @@ one call, causal aligned to the lower right), no mask of the block. The model's 
 alone) is replaced, so it must be that mask: a float mask carrying anything but 0 / -inf (ALiBi), or an attention
 that is neither causal nor masked, is refused when first seen.
 
-**All-gather, not a ring.** Gathering K and V costs each rank ``(cp - 1) / cp`` of the sequence's keys and values
-per layer (forward, and the same back in backward), the same volume a ring passes, in one collective that NCCL
-runs at full bandwidth, and it leaves SDPA's kernels and any mask untouched (a ring needs the partial results
-merged by their log-sum-exp, per mask block). The gather and the attention are checkpointed, so a layer keeps
-only its own keys and values for backward, which gathers them again; what grows with ``T`` per rank beyond its
-``T / cp`` tokens is the layer being computed's: the whole sequence's keys and values (and their gradients), and
-with documents one SDPA call's ``(T / 2 cp) x end`` mask.
+**All-gather by default, or a ring.** Gathering K and V costs each rank ``(cp - 1) / cp`` of the sequence's keys and
+values per layer (forward, and the same back in backward), the same volume a ring passes, in one collective that
+NCCL runs at full bandwidth, and it leaves SDPA's kernels and any mask untouched. The gather and the attention are
+checkpointed, so a layer keeps only its own keys and values for backward, which gathers them again; what grows with
+``T`` per rank beyond its ``T / cp`` tokens is the layer being computed's: the whole sequence's keys and values (and
+their gradients). ``cp_attention="ring"`` passes them around the group instead (`ring`: partial attentions merged
+by their log-sum-exp, two ranks' keys and values at a time), checkpointed alike.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class ContextParallel:
     def __init__(self, group: dist.ProcessGroup, recompute_attention: bool = True,
                  kv_group: Optional[int] = None, ring: bool = False) -> None:
         self.group, self.recompute_attention = group, recompute_attention
-        self.ring = ring  # the keys and values passed around the group (`ring_attention`), not all-gathered
+        self.ring = ring  # the keys and values passed around the group (`ring.ring_attention`), not all-gathered
         self.kv_group = kv_group  # the model's query heads per key/value head, where its config says (`kv_group_of`)
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.calls = 0
@@ -111,7 +111,8 @@ class ContextParallel:
         self._positions: Optional[Tensor] = None
         self._batch_positions: Optional[Tensor] = None  # the batch's, for layers that receive none
         self._checked: set[tuple] = set()
-        # id(positions) -> (positions, docs, whole positions, spans); (id, chunk) -> (positions, spans cut at chunks)
+        # id(positions) -> (positions, docs, whole positions, spans); (id, chunk) -> (positions, spans cut at chunks);
+        # (id, "labels", chunk) -> (positions, each token's document and chunk as one label)
         self._documents: dict = {}
         self._layer: Optional[int] = None  # the index of the layer running (`wrap`'s order)
         self._layers = 0

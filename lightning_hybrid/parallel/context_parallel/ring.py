@@ -97,6 +97,20 @@ def _fold(t: Tensor, repeats: int) -> Tensor:
     return t if repeats == 1 else t.unflatten(-3, (-1, repeats)).sum(-3)
 
 
+def _pairs(ring: "_Ring", step: int, visiting: Tensor, c: int, repeats: int, labels: Optional[Tensor],
+           window: Optional[int]):
+    """At ``step`` of the ring, each (query chunk, key chunk) pair of this rank's queries and the ``visiting`` keys
+    and values (``visiting[0]``, ``visiting[1]``: the rank ``step`` places before's) that the mask does not cut
+    whole: ``(query slot, key slot, keys, values, allowed)``, the key/value heads repeated per query head."""
+    source = (ring.rank - step) % ring.size
+    for qa, a in enumerate(_chunk_indices(ring.rank, ring.size)):
+        for kb, b in enumerate(_chunk_indices(source, ring.size)):
+            if not _masked_whole(a, b, c, window):
+                yield (qa, kb, _repeat(visiting[0].narrow(-2, kb * c, c), repeats),
+                       _repeat(visiting[1].narrow(-2, kb * c, c), repeats),
+                       _allowed(labels, window, a, b, c, visiting.device))
+
+
 class _Ring:
     """One ring pass over ``group``: send a tensor to the next rank and receive the previous rank's."""
 
@@ -135,25 +149,18 @@ class _RingAttention(torch.autograd.Function):
             works: list = []
             if step < ring.size - 1:
                 incoming, works = ring.start(kv)
-            source = (ring.rank - step) % ring.size
-            for qa, a in zip(range(2), _chunk_indices(ring.rank, ring.size)):
-                for kb, b in zip(range(2), _chunk_indices(source, ring.size)):
-                    if _masked_whole(a, b, c, window):
-                        continue
-                    k = _repeat(kv[0].narrow(-2, kb * c, c), repeats)
-                    v = _repeat(kv[1].narrow(-2, kb * c, c), repeats)
-                    allowed = _allowed(labels, window, a, b, c, q.device)
-                    for rows in _row_blocks(c):  # each query row's softmax is its own: scores a block of rows at a time
-                        s = _scores(q_chunks[qa][..., rows, :], k, _rows(allowed, rows), scale)
-                        block_lse = torch.logsumexp(s, dim=-1, keepdim=True)
-                        finite = torch.where(torch.isinf(block_lse), torch.zeros_like(block_lse), block_lse)
-                        block_out = torch.matmul(torch.exp(s - finite), v)
-                        before = lse[qa][..., rows, :]
-                        merged = torch.logaddexp(before, block_lse)
-                        safe = torch.where(torch.isinf(merged), torch.zeros_like(merged), merged)
-                        out[qa][..., rows, :] = (out[qa][..., rows, :] * torch.exp(before - safe)
-                                                 + block_out * torch.exp(block_lse - safe))
-                        lse[qa][..., rows, :] = merged
+            for qa, _, k, v, allowed in _pairs(ring, step, kv, c, repeats, labels, window):
+                for rows in _row_blocks(c):  # each query row's softmax is its own: scores a block of rows at a time
+                    s = _scores(q_chunks[qa][..., rows, :], k, _rows(allowed, rows), scale)
+                    block_lse = torch.logsumexp(s, dim=-1, keepdim=True)
+                    finite = torch.where(torch.isinf(block_lse), torch.zeros_like(block_lse), block_lse)
+                    block_out = torch.matmul(torch.exp(s - finite), v)
+                    before = lse[qa][..., rows, :]
+                    merged = torch.logaddexp(before, block_lse)
+                    safe = torch.where(torch.isinf(merged), torch.zeros_like(merged), merged)
+                    out[qa][..., rows, :] = (out[qa][..., rows, :] * torch.exp(before - safe)
+                                             + block_out * torch.exp(block_lse - safe))
+                    lse[qa][..., rows, :] = merged
             if works:
                 _wait(works)
                 kv = incoming
@@ -176,26 +183,18 @@ class _RingAttention(torch.autograd.Function):
         state = torch.stack([key.float(), value.float(), torch.zeros_like(key, dtype=torch.float32),
                              torch.zeros_like(value, dtype=torch.float32)]).contiguous()
         for step in range(ring.size):
-            source = (ring.rank - step) % ring.size
-            for qa, a in zip(range(2), _chunk_indices(ring.rank, ring.size)):
-                for kb, b in zip(range(2), _chunk_indices(source, ring.size)):
-                    if _masked_whole(a, b, c, window):
-                        continue
-                    k = _repeat(state[0].narrow(-2, kb * c, c), repeats)
-                    v = _repeat(state[1].narrow(-2, kb * c, c), repeats)
-                    allowed = _allowed(labels, window, a, b, c, q.device)
-                    dk = torch.zeros_like(k)
-                    dv = torch.zeros_like(v)
-                    for rows in _row_blocks(c):
-                        q_rows, g_rows = q_chunks[qa][..., rows, :], g_chunks[qa][..., rows, :]
-                        s = _scores(q_rows, k, _rows(allowed, rows), scale)
-                        p = torch.exp(s - lse_chunks[qa][..., rows, :])  # the block's attention weights (masked: 0)
-                        dv += torch.matmul(p.transpose(-1, -2), g_rows)
-                        ds = p * (torch.matmul(g_rows, v.transpose(-1, -2)) - delta_chunks[qa][..., rows, :])
-                        dq[qa][..., rows, :] += torch.matmul(ds, k) * scale
-                        dk += torch.matmul(ds.transpose(-1, -2), q_rows) * scale
-                    state[2].narrow(-2, kb * c, c).add_(_fold(dk, repeats))
-                    state[3].narrow(-2, kb * c, c).add_(_fold(dv, repeats))
+            for qa, kb, k, v, allowed in _pairs(ring, step, state, c, repeats, labels, window):
+                dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+                for rows in _row_blocks(c):
+                    q_rows, g_rows = q_chunks[qa][..., rows, :], g_chunks[qa][..., rows, :]
+                    s = _scores(q_rows, k, _rows(allowed, rows), scale)
+                    p = torch.exp(s - lse_chunks[qa][..., rows, :])  # the block's attention weights (masked: 0)
+                    dv += torch.matmul(p.transpose(-1, -2), g_rows)
+                    ds = p * (torch.matmul(g_rows, v.transpose(-1, -2)) - delta_chunks[qa][..., rows, :])
+                    dq[qa][..., rows, :] += torch.matmul(ds, k) * scale
+                    dk += torch.matmul(ds.transpose(-1, -2), q_rows) * scale
+                state[2].narrow(-2, kb * c, c).add_(_fold(dk, repeats))
+                state[3].narrow(-2, kb * c, c).add_(_fold(dv, repeats))
             # Pass everything on (the key and value gradients go home with the last pass: cp passes in all).
             travelling = state if step < ring.size - 1 else state[2:].contiguous()
             incoming, works = ring.start(travelling)
