@@ -279,6 +279,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    " float8 tensor cores, their casts and amax all-reduces (GPU presets with float8: h100)")
     p.add_argument("--fp8-all-gather", action="store_true", help="the strategy's fp8_all_gather=True (with --fp8"
                    " tensorwise): ZeRO-3 gathers the converted weights in float8")
+    p.add_argument("--async-tp", action="store_true", help="the strategy's async_tp=True (CUDA, compiled, sequence"
+                   " parallel): TP's forward collectives under the forward's GEMMs (torch's micro-pipelined TP)")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--json", default=None, help="write every candidate to this file")
     args = p.parse_args(argv)
@@ -302,6 +304,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 raise ValueError(f"--fp8-all-gather casts each weight shard with the whole weight's one scale: it"
                                  f" needs --fp8 tensorwise (got --fp8 {args.fp8})")
             cluster = dataclasses.replace(cluster, fp8_all_gather=True)
+        if args.async_tp:
+            cluster = dataclasses.replace(cluster, tp_comm_overlap=True, tp_overlap_backward=False)
         layout = parse_layout(args.layout, model, args.devices, args.global_batch) if args.layout else None
         result = plan(model, cluster, args.devices, args.global_batch,
                       sequence_parallel=not args.no_sequence_parallel,

@@ -110,7 +110,9 @@ class Cluster:
 
     What the runtime overlaps (the defaults: this codebase, whose TP layers are synchronous): ``tp_comm_overlap``:
     TP's collectives run under the block's GEMMs (Megatron-Core's ``--tp-comm-overlap``, Transformer Engine's
-    userbuffers); ``grad_reduce_overlap_pp`` (``True``): under PP each stage's gradient buckets are reduced during its
+    userbuffers) -- in every pass where ``tp_overlap_backward`` (``True``), the forward's alone and only under
+    sequence parallelism where not (torch's micro-pipelined async TP: this codebase's ``async_tp=True``, the CLI's
+    ``--async-tp``, torchtitan's; its backward is not decomposed); ``grad_reduce_overlap_pp`` (``True``): under PP each stage's gradient buckets are reduced during its
     last micro-batch's backward (this codebase, Megatron-Core's ``--overlap-grad-reduce``; ``False`` for a runtime
     that reduces after the schedule, Megatron-LM 2021); ``param_gather_overlap``: ZeRO 1-2's all-gather of the
     updated parameters runs under the next step's first forward, bucket by bucket (Megatron-Core's
@@ -153,6 +155,7 @@ class Cluster:
     precision: str = "bf16-mixed"
     notes: dict = field(default_factory=dict)
     tp_comm_overlap: bool = False
+    tp_overlap_backward: bool = True
     grad_reduce_overlap_pp: bool = True
     cp_gathers_kv_heads: bool = True
     pp_scatter_gather: bool = False

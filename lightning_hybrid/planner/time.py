@@ -27,8 +27,10 @@ Per micro-batch of ``b`` sequences (``T = b s`` tokens) and per block on one dev
   core and the element-wise ops have no TP collective, the reductions are kept, and sequence parallelism's
   all-gathers, which the recomputation runs again, are what SP's backward gathers again without recompute too --
   `lightning_hybrid.parallel.activation_checkpointing`); not
-  overlapped with compute in this codebase's TP layers; for a runtime that overlaps them with the GEMMs
-  (`Cluster.tp_comm_overlap`, Megatron-Core) only the latency and what exceeds the block's GEMM time show;
+  overlapped with compute in this codebase's TP layers (unless ``async_tp``); for a runtime that overlaps them with
+  the GEMMs (`Cluster.tp_comm_overlap`, Megatron-Core) only the latency and what exceeds the block's GEMM time show;
+  torch's async TP (this codebase's ``async_tp``, torchtitan's; `Cluster.tp_overlap_backward` False) overlaps the
+  forward's collectives alone, with the forward's GEMMs, under sequence parallelism;
 * PP (`pipeline_p2p_time`; the runtime: ``torch.distributed.pipelining``,
   `lightning_hybrid.parallel.pipeline.executor`): per micro-batch each stage boundary between two ranks carries one
   tensor forward, the hidden states, and its
@@ -318,11 +320,18 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     tp_link = cluster.link(t, 1)
     tp_count = 6 if recompute else 4  # all-reduces (or AG + RS pairs) per block: forward, backward, recomputation
     block_tp = tp_count * ring_time(t, tokens * h * e, tp_link)
-    if cluster.tp_comm_overlap and t > 1 and not cluster.compute_units:
-        # The runtime pipelines TP's collectives with the block's GEMMs (Megatron-Core's --tp-comm-overlap): what
-        # exceeds the block's matmul time shows, and each collective's latency (its first chunk) always does.
-        latency = tp_count * 2 * (t - 1) * tp_link.latency
-        block_tp = latency + max(0.0, block_tp - latency - block_matmul)
+    if cluster.tp_comm_overlap and t > 1 and not cluster.compute_units and (
+            cluster.tp_overlap_backward or lay.sequence_parallel):
+        # The runtime pipelines TP's collectives with the block's GEMMs: what exceeds the GEMMs' time shows, and
+        # each collective's latency (its first chunk) always does. Megatron-Core's --tp-comm-overlap overlaps every
+        # pass; torch's async TP (`Cluster.tp_overlap_backward` False, sequence parallelism only) the forward's
+        # (and a recomputed forward's) all-gathers and reduce-scatters with the forward's GEMMs, the backward's
+        # two collectives showing whole.
+        overlapped = tp_count if cluster.tp_overlap_backward else tp_count - 2
+        under = block_matmul if cluster.tp_overlap_backward else block_matmul * (passes - 2) / passes
+        one = block_tp / tp_count
+        latency = overlapped * 2 * (t - 1) * tp_link.latency
+        block_tp = (tp_count - overlapped) * one + latency + max(0.0, overlapped * one - latency - under)
     block_cp = kv_exchange_time(model, lay, cluster)  # per block, dense or MoE
     mask_cp = mask_gather_time(model, lay, cluster)  # per micro-batch: the positions, for its mask
     head_gemms = 6 * tokens * h * model.vocab / t / flops * (1 + cluster.matmul_k0 / h)
