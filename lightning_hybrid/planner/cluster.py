@@ -112,9 +112,10 @@ class Cluster:
     TP's collectives run under the block's GEMMs (Megatron-Core's ``--tp-comm-overlap``, Transformer Engine's
     userbuffers) -- in every pass where ``tp_overlap_backward`` (``True``), the forward's alone and only under
     sequence parallelism where not (torch's micro-pipelined async TP: this codebase's ``async_tp=True``, the CLI's
-    ``--async-tp``, torchtitan's; its backward is not decomposed); ``grad_reduce_overlap_pp`` (``True``): under PP each stage's gradient buckets are reduced during its
-    last micro-batch's backward (this codebase, Megatron-Core's ``--overlap-grad-reduce``; ``False`` for a runtime
-    that reduces after the schedule, Megatron-LM 2021); ``param_gather_overlap``: ZeRO 1-2's all-gather of the
+    ``--async-tp``, torchtitan's -- what its published speed-ups agree with); ``grad_reduce_overlap_pp``
+    (``True``): under PP each stage's gradient buckets are reduced during its last micro-batch's backward (this
+    codebase, Megatron-Core's ``--overlap-grad-reduce``; ``False`` for a runtime that reduces after the schedule,
+    Megatron-LM 2021); ``param_gather_overlap``: ZeRO 1-2's all-gather of the
     updated parameters runs under the next step's first forward, bucket by bucket (Megatron-Core's
     ``--overlap-param-gather``; this codebase gathers after the optimizer step); ``cp_gathers_kv_heads``
     (``True``): context parallelism all-gathers grouped-query attention's ``a_kv`` key/value heads and repeats them

@@ -214,5 +214,9 @@ def pipeline_p2p_time(model: ModelSpec, layout: Layout, cluster: Cluster) -> tup
         return ramp, 2 * max(times)
     # 1F1B: one exchange per neighbour; interleaved, ZB-V: per boundary a rank touches its forward send (it sends)
     # or its backward send (it receives) -- ``v`` times 1F1B's boundaries per rank for the interleaved schedule.
-    return ramp, max(sum(x for (src, dst, _), x in zip(bounds, times) if rank in (src, dst))
-                     for rank in range(layout.pp))
+    per_rank = [0.0] * layout.pp  # each rank's messages, summed in the boundaries' order
+    for (src, dst, _), x in zip(bounds, times):
+        per_rank[src] += x
+        if dst != src:
+            per_rank[dst] += x
+    return ramp, max(per_rank)

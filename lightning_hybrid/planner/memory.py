@@ -155,6 +155,7 @@ schedule holds and the estimate.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 from lightning_hybrid.parallel.pipeline.executor import SCHEDULES
@@ -261,6 +262,7 @@ def in_flight(schedule: str, pp: int, m: int, v: int, rank: int) -> float:
     return float(min(pp - rank, m))
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a search asks again for the same schedule and stages (other dp, ZeRO)
 def held_micro_batches(schedule: str, pp: int, m: int, v: int, rank: int, chunks: tuple[float, ...]) -> float:
     """The peak over the schedule of ``sum_c n_c chunks[c]``: ``n_c`` the micro-batches whose activations the rank's
     ``c``-th local stage holds, ``chunks[c]`` what one micro-batch of it holds (its blocks' activations: local stages
@@ -274,16 +276,18 @@ def held_micro_batches(schedule: str, pp: int, m: int, v: int, rank: int, chunks
     if pp == 1 or schedule != "interleaved_1f1b" or v == 1:
         return in_flight(schedule, pp, m, v, rank) * sum(chunks)
     total = m * v
-    held, forward, peak = [0] * v, 0, 0.0
+    held, forward = 0.0, 0  # what the local stages hold, kept as the schedule runs (a sum per step is O(v) more)
     for _ in range(min(total, (v - 1) * pp + 2 * (pp - 1 - rank))):
-        held[(forward // pp) % v] += 1
+        held += chunks[(forward // pp) % v]
         forward += 1
+    peak = 0.0
     for backward in range(total):
         if forward < total:
-            held[(forward // pp) % v] += 1
+            held += chunks[(forward // pp) % v]
             forward += 1
-        peak = max(peak, sum(n * c for n, c in zip(held, chunks)))
-        held[v - 1 - (backward // pp) % v] -= 1
+        if held > peak:
+            peak = held
+        held -= chunks[v - 1 - (backward // pp) % v]
     return peak
 
 

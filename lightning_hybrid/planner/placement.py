@@ -44,6 +44,7 @@ def _block_on_device(model: ModelSpec, moe: bool, tp: int, ep: int) -> float:
     return (model.block_params(True) - whole - experts) / tp + whole + experts / ep
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a search asks again for the same stages (other dp, ZeRO, micro-batches)
 def rank_params(model: ModelSpec, layers: tuple[int, ...], tp: int, ep: int = 1) -> float:
     """Parameters a device holds for pipeline ``layers`` under ``tp`` (and ``ep``): matrices, embeddings, the LM
     head and column-parallel biases split, norms and row-parallel biases whole; a MoE block's router whole and its
