@@ -39,19 +39,21 @@ folder per layer and TP slice; `export_pretrained`), `config` (the model's confi
 """
 
 from lightning_hybrid.hf.decomposition import check_decomposition
-from lightning_hybrid.hf.export import ExportPretrained, export_pretrained
+from lightning_hybrid.hf.export import ExportPretrained, export_adapter, export_pretrained
 from lightning_hybrid.hf.module import CausalLM
 from lightning_hybrid.hf.structure import PipelineDecompositionError, pipeline_structure
 
 __all__ = [
-    "CausalLM", "ExportPretrained", "PipelineDecompositionError", "check_decomposition", "export_pretrained",
+    "CausalLM", "ExportPretrained", "PipelineDecompositionError", "check_decomposition", "export_adapter",
+    "export_pretrained",
     "pipeline_structure",
 ]
 
 # The public names are `lightning_hybrid.hf`'s, wherever they are defined: class paths recorded by runs and
 # recipes (``lightning_hybrid.hf.CausalLM`` in metrics.json, Hydra's ``_target_``), pickles and tracebacks keep
 # naming them so.
-for _public in (CausalLM, ExportPretrained, PipelineDecompositionError, check_decomposition, export_pretrained,
+for _public in (CausalLM, ExportPretrained, PipelineDecompositionError, check_decomposition, export_adapter,
+                export_pretrained,
                 pipeline_structure):
     _public.__module__ = __name__
 del _public

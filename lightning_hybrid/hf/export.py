@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
+from lightning_hybrid.hf.lora import adapter_state, base_name, merged_weight
 from lightning_hybrid.hf.module import CausalLM
 from lightning_hybrid.hf.weights import tied_keys
 
@@ -23,7 +25,9 @@ def export_pretrained(trainer: "L.Trainer", folder: Union[str, os.PathLike], max
     safetensors, names as ``transformers`` writes them; shards of at most ``max_shard_bytes`` with their index
     when the model is larger), from any layout. Every rank calls it. The weights go through a sharded
     checkpoint (each tensor unsplit once, by one rank); rank 0 then reads it back part by part, so it holds
-    one shard at a time, never the whole model. The source folder's tokenizer files are copied along."""
+    one shard at a time, never the whole model. The source folder's tokenizer files are copied along. A model
+    trained with LoRA (``CausalLM(lora=...)``) is written merged -- each adapted weight ``W + s B A``, under the
+    model's own names -- and, into ``folder/adapter``, as the adapter alone (`export_adapter`)."""
     from safetensors.torch import save_file
 
     from lightning_hybrid.checkpoint import model_parts
@@ -46,13 +50,21 @@ def export_pretrained(trainer: "L.Trainer", folder: Union[str, os.PathLike], max
             written.append((path, list(shard)))
             shard.clear()
 
-        parts = model_parts(staging) if staging.is_dir() else [torch.load(staging, map_location="cpu")["state_dict"]]
+        def parts():
+            return model_parts(staging) if staging.is_dir() else [torch.load(staging, map_location="cpu")["state_dict"]]
+
+        adapters = _adapters(parts()) if module.lora is not None else {}
         held = 0
-        for part in parts:
+        for part in parts():
             for key, value in part.items():
                 name = key[len("model."):]
-                if not key.startswith("model.") or name in tied:
+                if not key.startswith("model.") or name in tied or ".lora_A." in name or ".lora_B." in name:
                     continue
+                if module.lora is not None and base_name(name) is not None:  # an adapted layer: merged
+                    layer, leaf = base_name(name).rsplit(".", 1)
+                    if leaf == "weight":
+                        value = merged_weight(value, *adapters[layer], module.lora)
+                    name = base_name(name)
                 size = value.numel() * value.element_size()
                 if shard and held + size > max_shard_bytes:
                     flush()
@@ -68,9 +80,58 @@ def export_pretrained(trainer: "L.Trainer", folder: Union[str, os.PathLike], max
                 own = f.name.endswith(".safetensors") or f.name in ("config.json", "model.safetensors.index.json")
                 if f.is_file() and not own:
                     shutil.copy2(f, folder / f.name)
+        if module.lora is not None:
+            _write_adapter(module, adapters, folder / "adapter")
         shutil.rmtree(staging, ignore_errors=True) if staging.is_dir() else staging.unlink(missing_ok=True)
     trainer.strategy.barrier("export_pretrained")
     return folder
+
+
+def export_adapter(trainer: "L.Trainer", folder: Union[str, os.PathLike]) -> Path:
+    """Write the LoRA adapter of the trained `CausalLM` of ``trainer`` (``CausalLM(lora=...)``) to ``folder`` as
+    peft's ``save_pretrained`` does (``adapter_config.json``, ``adapter_model.safetensors``): ``PeftModel.
+    from_pretrained(base, folder)`` puts it on the base model. Every rank calls it."""
+    module = trainer.lightning_module
+    if not isinstance(module, CausalLM) or module.model is None or module.lora is None:
+        raise TypeError("export_adapter exports the adapter of a lightning_hybrid.hf.CausalLM trained with lora=...")
+    from lightning_hybrid.checkpoint import model_parts
+
+    folder = Path(folder)
+    staging = folder / ".export-checkpoint"
+    trainer.save_checkpoint(staging, weights_only=True)
+    if trainer.is_global_zero:
+        parts = model_parts(staging) if staging.is_dir() else [torch.load(staging, map_location="cpu")["state_dict"]]
+        _write_adapter(module, _adapters(parts), folder)
+        shutil.rmtree(staging, ignore_errors=True) if staging.is_dir() else staging.unlink(missing_ok=True)
+    trainer.strategy.barrier("export_adapter")
+    return folder
+
+
+def _adapters(parts) -> dict[str, tuple[Tensor, Tensor]]:
+    """Adapted layer (transformers name) -> its ``(A, B)``, from a checkpoint's model parts."""
+    found: dict[str, dict[str, Tensor]] = {}
+    for part in parts:
+        for key, value in part.items():
+            name = key[len("model."):]
+            for kind in ("lora_A", "lora_B"):
+                if f".{kind}." in name:
+                    found.setdefault(name.split(f".{kind}.")[0], {})[kind] = value
+    return {layer: (pair["lora_A"], pair["lora_B"]) for layer, pair in found.items()}
+
+
+def _write_adapter(module: CausalLM, adapters: dict[str, tuple[Tensor, Tensor]], folder: Path) -> None:
+    """peft's adapter folder of ``adapters`` (`_adapters`) and the module's LoRA config."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for layer, (a, b) in adapters.items():
+        tensors.update(adapter_state({f"{layer}.lora_A.default.weight": a, f"{layer}.lora_B.default.weight": b}))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    config = copy.deepcopy(module.lora)
+    config.base_model_name_or_path = str(module.folder) if module.folder is not None else None
+    config.save_pretrained(str(folder))
 
 
 def _name_shards(folder: Path, written: list[tuple[Path, list[str]]], total: int) -> None:

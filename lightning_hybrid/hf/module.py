@@ -17,6 +17,7 @@ from lightning_hybrid.core.dims import layout_size
 from lightning_hybrid.hf.config import _resolve_config
 from lightning_hybrid.hf.decomposition import _PipelineCalls, check_decomposition, check_document_masks
 from lightning_hybrid.hf.document_attention import DocumentAttention
+from lightning_hybrid.hf.lora import check_lora_layout, inject_lora, lora_config, lora_hparams
 from lightning_hybrid.hf.moe import RouterAuxLoss, gather_rows
 from lightning_hybrid.hf.structure import PipelineDecompositionError, _Structure
 from lightning_hybrid.hf.weights import Safetensors, tied_keys
@@ -38,6 +39,9 @@ class CausalLM(LanguageModel):
             ``"linear"`` decay to ``min_lr_ratio * lr`` at step ``decay_steps`` (0: the run's last step).
         init_seed: seed of the random init (each pipeline layer its own, derived from it).
         attn_implementation: passed to ``transformers`` (``None``: its default for the model, SDPA where supported).
+        lora: LoRA adapters through ``peft`` (a ``peft.LoraConfig`` or a mapping of its fields, e.g. ``{"r": 16,
+            "target_modules": ["q_proj", "v_proj"]}``): the model trains its adapters alone, the rest frozen
+            (`lightning_hybrid.hf.lora`); under data parallelism (ZeRO 0-3) and context parallelism.
 
     Batches are ``(x, y)`` token tensors ``(B, T)``, ``y`` being ``x`` shifted by one (as the package's data
     modules give them), or dict batches of padded or packed documents (`lightning_hybrid.core.batch`), whose
@@ -59,6 +63,7 @@ class CausalLM(LanguageModel):
         decay_steps: int = 0,
         init_seed: int = 0,
         attn_implementation: Optional[str] = None,
+        lora: Optional[Any] = None,
     ) -> None:
         from transformers import PretrainedConfig
 
@@ -75,6 +80,10 @@ class CausalLM(LanguageModel):
             "decay_steps": decay_steps, "init_seed": init_seed,
             "attn_implementation": attn_implementation,
         })
+        #: peft's LoRA config (`lightning_hybrid.hf.lora.lora_config`), or None.
+        self.lora = lora_config(lora)
+        self.save_hyperparameters({"lora": None if self.lora is None else lora_hparams(self.lora)})
+        self.adapted: list[str] = []  # the modules that got adapters
         self.hf_config = hf_config
         self.folder: Optional[Path] = Path(spec) if isinstance(spec, str) and Path(spec).is_dir() else None
         self._structure: Optional[_Structure] = None
@@ -117,6 +126,8 @@ class CausalLM(LanguageModel):
                 self.document_attention = DocumentAttention(model)
             except ValueError:  # a model that cannot switch its attention: its own masks, as before
                 model.config._attn_implementation = "sdpa"
+        if self.lora is not None:  # before anything is built: the layouts that split layers by name refuse it
+            check_lora_layout(self._tp_size(), self._pipeline_size(), self._expert_parallel_size())
         self._aux = RouterAuxLoss.of(model)
         if self._aux is not None and self._pipeline_size() > 1:
             self._check_pipelined_aux_loss(model)
@@ -142,6 +153,8 @@ class CausalLM(LanguageModel):
                     self.init_pipeline_layer(index, layer)
                 if getattr(model.config, "tie_word_embeddings", False):
                     model.tie_weights()
+        if self.lora is not None:  # into the loaded model, the weights read under their own names
+            self.adapted = inject_lora(model, self.lora, int(self.hparams.init_seed) + 1_000_003)
 
     def _tp_size(self) -> int:
         mesh = self._device_mesh  # set by HybridStrategy before configure_model

@@ -507,3 +507,13 @@ def test_shards_run_resumed_from_last_in_its_folder_trains_the_same_losses_acros
     assert metrics["resumed_from"] == str(last) and metrics["steps"] == 8
     assert f"Restored all states from the checkpoint at {last}" in (run_dir / "pretrain.log").read_text()
     assert sorted(p.name for p in (tmp_path / "outputs").iterdir()) == ["first"]  # no new run folder
+
+
+def test_a_recipe_trains_lora_through_the_models_arguments():
+    """``model=hf model.lora={r: ..., target_modules: [...]}``: CausalLM's ``lora`` (peft's LoraConfig fields)."""
+    pytest.importorskip("peft")
+    cfg = _compose("model=hf", "model.model=llama", "+model.config={vocab_size: 256, hidden_size: 32,"
+                   " num_hidden_layers: 1, num_attention_heads: 4, num_key_value_heads: 2, intermediate_size: 64}",
+                   "model.lora={r: 4, lora_alpha: 8, target_modules: [q_proj, v_proj]}")
+    module = instantiate(cfg.model)
+    assert module.lora.r == 4 and module.lora.target_modules == {"q_proj", "v_proj"}
