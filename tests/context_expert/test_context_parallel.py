@@ -10,6 +10,8 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from lightning_hybrid import HybridStrategy
 from lightning_hybrid.core.batch import TokenBatch, document_causal_mask
@@ -182,6 +184,47 @@ def test_checkpoints_resume_exactly_under_another_cp_on_4_ranks(tmp_path):
     assert_resumed_exactly(by_rank, _CP_LAYOUTS)
 
 
+# ---------------------------------------------------------------------------------------------- ring attention
+# `ring_attention` against one device's masked SDPA, operator by operator (run in the refusals' 2-rank world below):
+# outputs and the gradients of queries, keys and values of every rank's zigzag chunks, for plain causal rows,
+# documents, a sliding window (both), and grouped-query heads, with query rows taken a few at a time (`ring.ROWS`).
+RING_T = 48
+
+
+def _ring_case(heads: int = 4, kv_heads: int = 2, labels=None, window=None) -> float:
+    from lightning_hybrid.parallel.context_parallel import ring
+
+    ring.ROWS = 5  # several row blocks per chunk (12 tokens at cp2)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, heads, RING_T, 8, generator=g, requires_grad=True)
+    k = torch.randn(2, kv_heads, RING_T, 8, generator=g, requires_grad=True)
+    v = torch.randn(2, kv_heads, RING_T, 8, generator=g, requires_grad=True)
+    grad = torch.randn(2, heads, RING_T, 8, generator=g)
+    places = torch.arange(RING_T)
+    allowed = (places[:, None] >= places[None, :])[None, None]
+    if window is not None:
+        allowed = allowed & (places[:, None] - places[None, :] < window)
+    if labels is not None:
+        allowed = allowed & (labels[:, None, :, None] == labels[:, None, None, :])
+    repeats = heads // kv_heads
+    reference = F.scaled_dot_product_attention(q, k.repeat_interleave(repeats, 1), v.repeat_interleave(repeats, 1),
+                                               attn_mask=allowed)
+    reference.backward(grad)
+    mine = zigzag_indices(RING_T, dist.get_world_size(), dist.get_rank())
+    local = [t.detach()[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+    out = ring.ring_attention(*local, labels, dist.group.WORLD, None, window)
+    out.backward(grad[:, :, mine])
+    pairs = [(out, reference)] + [(t.grad, whole.grad) for t, whole in zip(local, (q, k, v))]
+    return max((got - want[:, :, mine]).abs().max().item() for got, want in pairs)
+
+
+def _ring_cases() -> dict[str, float]:
+    docs = torch.tensor([[0] * 10 + [1] * 20 + [2] * 18, [0] * 30 + [1] * 18])
+    return {"plain": _ring_case(), "documents": _ring_case(labels=docs), "window": _ring_case(window=7),
+            "documents and window": _ring_case(labels=docs, window=5),
+            "one key head per query head": _ring_case(kv_heads=4)}
+
+
 # ---------------------------------------------------------------------------------------------- refusals
 def _refusals() -> dict:
     out = {}
@@ -215,11 +258,22 @@ def _refusals() -> dict:
             out[name] = f"{type(e).__name__}: {e}"
         except SystemExit as e:  # a batch error: rank 0 says it, the others leave quietly
             out[name] = f"SystemExit: {e.code}"
+    out["ring attention"] = _ring_cases()  # in the process group the fits made
     return out
 
 
-def test_what_context_parallelism_cannot_split_is_refused_with_the_reason_on_2_ranks():
-    first, other = run_distributed(_refusals, 2)
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_distributed(_refusals, 2)
+
+
+def test_ring_attention_is_one_devices_masked_attention(two_ranks):
+    for out in two_ranks:
+        assert max(out["ring attention"].values()) < 5e-6, out["ring attention"]
+
+
+def test_what_context_parallelism_cannot_split_is_refused_with_the_reason_on_2_ranks(two_ranks):
+    first, other = two_ranks
     for out in (first, other):
         assert "scaled_dot_product_attention" in out["eager"] and "attn_implementation='sdpa'" in out["eager"], out
         assert out["window"] == "ran", out

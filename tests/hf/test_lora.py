@@ -1,6 +1,6 @@
 """LoRA through peft (``CausalLM(lora=...)``): what is refused by name, the adapters' init and the frozen base, the
 exports (the merged model loads in transformers, the adapter in peft, both giving the trained module's logits).
-Parity under dp2 ZeRO-3 and cp2: tests/hf/test_finetune_parity.py."""
+Parity under dp2 ZeRO-3 and cp2: tests/hf/test_finetune_parity.py; tp2 refused: tests/strategy/test_user_code.py."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ pytest.importorskip("peft")
 
 import lightning as L  # noqa: E402
 
-from lightning_hybrid import HybridStrategy  # noqa: E402
 from lightning_hybrid.data.corpus import ByteCorpusDataModule  # noqa: E402
 from lightning_hybrid.hf import CausalLM, export_adapter, export_pretrained  # noqa: E402
+from lightning_hybrid.hf.lora import check_lora_layout  # noqa: E402
 from tests.families import tiny_config  # noqa: E402
-from tests.helpers import QUIET_TRAINER, run_distributed  # noqa: E402
+from tests.helpers import QUIET_TRAINER  # noqa: E402
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 
@@ -50,19 +50,11 @@ def test_adapters_alone_train_and_every_process_draws_them_alike():
         CausalLM(tiny_config("llama"), lora={"r": 4, "target_modules": ["wq"]}).configure_model()
 
 
-def _fit_tp2() -> str:
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=HybridStrategy(tp=2), max_steps=1, **QUIET_TRAINER)
-    try:
-        trainer.fit(CausalLM(tiny_config("llama"), lora=LORA), ByteCorpusDataModule(max_bytes=10_000, block_size=16,
-                                                                                    batch_size=2))
-    except ValueError as e:
-        return str(e)
-    return "trained"
-
-
-def test_layouts_that_split_layers_by_name_refuse_lora_on_every_rank():
-    for message in run_distributed(_fit_tp2, 2):
-        assert "lora with tp=2: splitting the adapters with their base layers" in message, message
+def test_layouts_that_split_layers_by_name_refuse_lora():
+    """(A whole run under tp2 is refused on every rank: tests/strategy/test_user_code.py.)"""
+    check_lora_layout(1, 1, 1)
+    with pytest.raises(ValueError, match=r"lora with pp=2, ep=4: splitting the adapters .* \(tp = pp = ep = 1\)"):
+        check_lora_layout(1, 2, 4)
 
 
 def test_exports_give_the_trained_modules_logits(tmp_path):

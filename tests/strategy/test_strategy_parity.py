@@ -14,7 +14,6 @@ import torch
 from lightning_hybrid.models import GPTConfig, GPTLightningModule
 from tests.parity import (
     BLOCK,
-    FP8_STEPS,
     FP8_TOLERANCES,
     PARAM_ATOL,
     RTOL,
@@ -237,14 +236,12 @@ def test_3d_with_every_zero_stage_matches_one_device():
     runs.update({f"user-3d-zero{stage}": (dict(pp=2, dp=2, tp=2, zero_stage=stage), UserLM, {}, USER_TOLERANCES)
                  for stage in range(4)})
     runs["3d-zero1-sp"] = (dict(pp=2, dp=2, tp=2, zero_stage=1, sequence_parallel=True), config, {})
-    # FP8 (torchao's tensorwise recipe, emulated): each micro-batch's amaxes over the stage's four ranks.
-    runs["fp8-3d-zero1-sp"] = (dict(pp=2, dp=2, tp=2, zero_stage=1, sequence_parallel=True, micro_batches=2,
-                                    fp8="tensorwise"), float8_gpt(64, dp=2, micro_batches=2),
-                               {"max_steps": FP8_STEPS}, FP8_TOLERANCES)
-    # ... and under ZeRO-3 with the weights gathered in float8: each shard cast with the scale of the whole weight,
-    # its amax over the dp shards and the TP pieces. One step: in the second, weights an ulp from one device's
-    # (ZeRO-3 sums its gradients in another order) put a value across a float8 rounding boundary (one tensor's
-    # gradient norm 2.2e-3 off, the same with the weights gathered in fp32; tests/parity.py's FP8_STEPS).
+    # FP8 (torchao's tensorwise recipe, emulated): each micro-batch's amaxes over the stage's four ranks, under
+    # ZeRO-3 with the weights gathered in float8 -- each shard cast with the scale of the whole weight, its amax over
+    # the dp shards and the TP pieces. One step: in the second, weights an ulp from one device's (ZeRO-3 sums its
+    # gradients in another order) put a value across a float8 rounding boundary (one tensor's gradient norm 2.2e-3
+    # off, the same with the weights gathered in fp32; tests/parity.py's FP8_STEPS). Two steps of FP8 under ZeRO
+    # and TP: tests/strategy/test_float8.py.
     runs["fp8-3d-zero3-sp-float8-all-gather"] = (
         dict(pp=2, dp=2, tp=2, zero_stage=3, sequence_parallel=True, micro_batches=2, fp8="tensorwise",
              fp8_all_gather=True), float8_gpt(64, dp=2, micro_batches=2), {"max_steps": 1}, FP8_TOLERANCES)

@@ -200,6 +200,9 @@ def _on_2_ranks() -> dict[str, str]:
                                                 lambda t: pairs_loader())),
         "tied head held directly, dp2 ZeRO-3": _outcome(lambda: _fit(HybridStrategy(dp=2, zero_stage=3), TiedLM(),
                                                                      lambda t: pairs_loader())),
+        # LoRA where layers are split by name (tests/hf/test_lora.py has the rest of it).
+        "lora, tp2": _outcome(lambda: _fit(HybridStrategy(tp=2), CausalLM(tiny_config("llama"), lora={
+            "r": 4, "target_modules": ["q_proj"]}), lambda t: pairs_loader())),
         **{f"parity: {name}": state for name, state in _parity_on_2_ranks().items()},
     }
 
@@ -225,6 +228,12 @@ def test_declared_losses_match_one_device(two_ranks, name):
         got = rank_states[f"parity: {name}"]
         apart = max((got[k] - v).abs().max().item() for k, v in reference.items())
         assert apart < PARAM_ATOL, (name, apart, moved)
+
+
+def test_lora_where_layers_are_split_by_name_is_refused_on_every_rank(two_ranks):
+    pytest.importorskip("peft")
+    for out in two_ranks:
+        assert "lora with tp=2: splitting the adapters with their base layers" in out["lora, tp2"], out["lora, tp2"]
 
 
 def test_an_undeclared_loss_is_refused_where_a_split_would_change_it(two_ranks):
