@@ -28,8 +28,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from lightning_hybrid.core.batch import document_causal_mask, document_ids
 
-__all__ = ["block_mask", "causal_sdpa_arguments", "document_attention", "document_block_attention", "document_spans",
-           "label_spans"]
+__all__ = ["block_mask", "causal_band", "causal_sdpa_arguments", "document_attention", "document_block_attention",
+           "document_spans", "label_spans"]
 
 
 def document_spans(position_ids: Tensor) -> list[list[tuple[int, int]]]:
@@ -153,15 +153,19 @@ def _lower_right(q: Tensor, k: Tensor, v: Tensor, offset: int, dropout_p: float,
         with _disable_current_modes():  # a tensor subclass, which a dispatch mode (a memory tracker) refuses
             mask = causal_lower_right(n, m)
     else:
-        mask = _causal_band(offset, m, window, q.device)
+        mask = causal_band(offset, m, window, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
 
 
-def _causal_band(start: int, end: int, window: Optional[int], device: torch.device) -> Tensor:
-    """``(end - start, end)``: whether the query at place ``start + i`` may see the key at place ``j`` -- not later
-    than it and, with ``window``, less than ``window`` places before it (transformers' ``sliding_window_overlay``)."""
-    places = torch.arange(end, device=device)
-    distance = places[start:].unsqueeze(1) - places.unsqueeze(0)  # query place - key place
+def causal_band(start: int, end: int, window: Optional[int], device: torch.device,
+                keys: Optional[tuple[int, int]] = None) -> Tensor:
+    """``(end - start, key_end - key_start)``: whether the query at place ``start + i`` may see the key at place
+    ``key_start + j`` -- not later than it and, with ``window``, less than ``window`` places before it
+    (transformers' ``sliding_window_overlay``); the keys ``keys`` (``(key_start, key_end)``), by default
+    ``0 .. end - 1``."""
+    key_start, key_end = keys if keys is not None else (0, end)
+    distance = (torch.arange(start, end, device=device).unsqueeze(1)
+                - torch.arange(key_start, key_end, device=device).unsqueeze(0))  # query place - key place
     return distance >= 0 if window is None else (distance >= 0) & (distance < window)
 
 
@@ -170,8 +174,8 @@ def block_mask(docs: Tensor, start: int, end: int, window: Optional[int] = None)
     sequence against its keys ``0 .. end - 1`` (True: may attend), from ``docs`` ``(B, T)``, the document of every
     token (`lightning_hybrid.core.batch.document_ids`) -- rows ``start:end`` and columns ``:end`` of one device's
     `lightning_hybrid.core.batch.document_causal_mask`; with ``window``, a query sees only the keys less than ``window``
-    places before it (`_causal_band`). What `document_block_attention` attends under without making it; the
+    places before it (`causal_band`). What `document_block_attention` attends under without making it; the
     traceable mask of `document_attention` under ``torch.compile`` with a window."""
-    mask = (docs[:, start:end].unsqueeze(-1) == docs[:, :end].unsqueeze(-2)) & _causal_band(start, end, window,
+    mask = (docs[:, start:end].unsqueeze(-1) == docs[:, :end].unsqueeze(-2)) & causal_band(start, end, window,
                                                                                              docs.device)
     return mask.unsqueeze(1)

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_hybrid.core.document_attention import causal_band
+
 __all__ = ["ring_attention"]
 
 
@@ -49,16 +51,10 @@ def _chunk_indices(rank: int, size: int) -> tuple[int, int]:
 def _allowed(labels: Optional[Tensor], window: Optional[int], a: int, b: int, c: int,
              device: torch.device) -> Optional[Tensor]:
     """Which keys of chunk ``b`` the queries of chunk ``a`` (``c`` tokens each) see: ``(B or 1, 1, c, c)`` bools, or
-    ``None`` for all of them."""
-    q_places = torch.arange(a * c, (a + 1) * c, device=device)
-    k_places = torch.arange(b * c, (b + 1) * c, device=device)
+    ``None`` for all of them (`causal_band`, and the same label)."""
     mask = None
     if a == b or window is not None:
-        distance = q_places[:, None] - k_places[None, :]
-        mask = distance >= 0
-        if window is not None:
-            mask = mask & (distance < window)
-        mask = mask[None, None]
+        mask = causal_band(a * c, (a + 1) * c, window, device, keys=(b * c, (b + 1) * c))[None, None]
     if labels is not None:
         same = (labels[:, a * c:(a + 1) * c, None] == labels[:, None, b * c:(b + 1) * c])[:, None]
         mask = same if mask is None else mask & same
