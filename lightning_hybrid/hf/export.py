@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import lightning.pytorch as L
 import torch
@@ -30,15 +31,13 @@ def export_pretrained(trainer: "L.Trainer", folder: Union[str, os.PathLike], max
     model's own names -- and, into ``folder/adapter``, as the adapter alone (`export_adapter`)."""
     from safetensors.torch import save_file
 
-    from lightning_hybrid.checkpoint import model_parts
-
     module = trainer.lightning_module
     if not isinstance(module, CausalLM) or module.model is None:
         raise TypeError("export_pretrained exports a trained lightning_hybrid.hf.CausalLM")
     folder = Path(folder)
-    staging = folder / ".export-checkpoint"
-    trainer.save_checkpoint(staging, weights_only=True)  # the weights only: no optimizer state
-    if trainer.is_global_zero:
+    with _staged(trainer, folder, "export_pretrained") as parts:
+        if parts is None:  # not rank 0
+            return folder
         tied = set(tied_keys(module.model))
         shard: dict[str, Tensor] = {}
         written: list[tuple[Path, list[str]]] = []  # (file, its tensors)
@@ -49,9 +48,6 @@ def export_pretrained(trainer: "L.Trainer", folder: Union[str, os.PathLike], max
             save_file(shard, str(path), metadata={"format": "pt"})
             written.append((path, list(shard)))
             shard.clear()
-
-        def parts():
-            return model_parts(staging) if staging.is_dir() else [torch.load(staging, map_location="cpu")["state_dict"]]
 
         adapters = _adapters(parts()) if module.lora is not None else {}
         held = 0
@@ -82,8 +78,6 @@ def export_pretrained(trainer: "L.Trainer", folder: Union[str, os.PathLike], max
                     shutil.copy2(f, folder / f.name)
         if module.lora is not None:
             _write_adapter(module, adapters, folder / "adapter")
-        shutil.rmtree(staging, ignore_errors=True) if staging.is_dir() else staging.unlink(missing_ok=True)
-    trainer.strategy.barrier("export_pretrained")
     return folder
 
 
@@ -94,17 +88,29 @@ def export_adapter(trainer: "L.Trainer", folder: Union[str, os.PathLike]) -> Pat
     module = trainer.lightning_module
     if not isinstance(module, CausalLM) or module.model is None or module.lora is None:
         raise TypeError("export_adapter exports the adapter of a lightning_hybrid.hf.CausalLM trained with lora=...")
+    folder = Path(folder)
+    with _staged(trainer, folder, "export_adapter") as parts:
+        if parts is not None:
+            _write_adapter(module, _adapters(parts()), folder)
+    return folder
+
+
+@contextlib.contextmanager
+def _staged(trainer: "L.Trainer", folder: Path, name: str) -> Iterator[Optional[Callable[[], Any]]]:
+    """The trained weights through a sharded checkpoint in ``folder/.export-checkpoint`` (the weights only; each
+    tensor unsplit once, by one rank): on rank 0 a function giving its model parts one at a time (each call reads
+    them again), ``None`` on the others; then the checkpoint removed and every rank met (barrier ``name``)."""
     from lightning_hybrid.checkpoint import model_parts
 
-    folder = Path(folder)
     staging = folder / ".export-checkpoint"
-    trainer.save_checkpoint(staging, weights_only=True)
+    trainer.save_checkpoint(staging, weights_only=True)  # no optimizer state
     if trainer.is_global_zero:
-        parts = model_parts(staging) if staging.is_dir() else [torch.load(staging, map_location="cpu")["state_dict"]]
-        _write_adapter(module, _adapters(parts), folder)
+        yield lambda: (model_parts(staging) if staging.is_dir()
+                       else [torch.load(staging, map_location="cpu")["state_dict"]])
         shutil.rmtree(staging, ignore_errors=True) if staging.is_dir() else staging.unlink(missing_ok=True)
-    trainer.strategy.barrier("export_adapter")
-    return folder
+    else:
+        yield None
+    trainer.strategy.barrier(name)
 
 
 def _adapters(parts) -> dict[str, tuple[Tensor, Tensor]]:
