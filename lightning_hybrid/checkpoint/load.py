@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from lightning_hybrid.checkpoint.folders import CheckpointError, _part_dir, read_meta, verify_files
 from lightning_hybrid.checkpoint.tensors import _own, _param_names, _slices_state
 from lightning_hybrid.core.devices import local_tensor
+from lightning_hybrid.core.protocol import checkpoint_excludes
 from lightning_hybrid.parallel.tensor_parallel.layers import (
     load_full_state_dict,
     local_piece,
@@ -24,9 +25,11 @@ from lightning_hybrid.parallel.tensor_parallel.layers import (
 )
 
 
-def check_model_fits(saved: dict[str, list[int]], expected: dict[str, list[int]]) -> None:
-    """Compare the checkpoint's tensors with the model's (unsplit names and shapes); ``CheckpointError``."""
-    missing = sorted(set(expected) - set(saved))
+def check_model_fits(saved: dict[str, list[int]], expected: dict[str, list[int]],
+                     rebuilt: frozenset[str] = frozenset()) -> None:
+    """Compare the checkpoint's tensors with the model's (unsplit names and shapes; those in ``rebuilt`` the model
+    gives itself: a checkpoint may lack them); ``CheckpointError``."""
+    missing = sorted(set(expected) - set(saved) - rebuilt)
     unexpected = sorted(set(saved) - set(expected))
     mis_shaped = {k: (saved[k], expected[k]) for k in sorted(set(saved) & set(expected))
                   if list(saved[k]) != list(expected[k])}
@@ -68,11 +71,13 @@ def load_sharded(path: str | Path, module: nn.Module, optimizers: list) -> dict[
     specs = tp_shard_specs(module)
     saved_shapes = meta["lightning_hybrid"]["model_shapes"]
 
-    # The model's unsplit names and shapes, over every pipeline stage.
-    targets = module.state_dict(keep_vars=True)
+    # The model's unsplit names and shapes, over every pipeline stage (what it rebuilds itself may be absent).
+    targets = {n: t for n, t in module.state_dict(keep_vars=True).items() if n in saved_shapes}
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, {name: unsplit_shape(name, t, specs) for name, t in targets.items()})
-    check_model_fits(saved_shapes, {k: v for part in everyone for k, v in part.items()})
+    shapes = {name: unsplit_shape(name, t, specs) for name, t in module.state_dict(keep_vars=True).items()}
+    dist.all_gather_object(everyone, (shapes, checkpoint_excludes(module)))
+    check_model_fits(saved_shapes, {k: v for part, _ in everyone for k, v in part.items()},
+                     frozenset().union(*(names for _, names in everyone)))
 
     saved_optimizers = meta["lightning_hybrid"]["optimizers"]
     if saved_optimizers and optimizers and len(saved_optimizers) != len(optimizers):

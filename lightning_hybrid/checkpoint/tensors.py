@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_hybrid.core.protocol import checkpoint_excludes
 from lightning_hybrid.parallel.tensor_parallel.layers import unsplit, unsplit_shape
 
 
@@ -51,9 +52,16 @@ def _slices_state(optimizer) -> bool:
     return isinstance(optimizer, ZeroOptimizer) and optimizer.shards_state
 
 
+def model_state(module: nn.Module) -> dict[str, Tensor]:
+    """The model tensors a checkpoint of ``module`` holds: its state dict but what it rebuilds itself
+    (`lightning_hybrid.core.protocol.RebuiltInCheckpoints`)."""
+    skip = checkpoint_excludes(module)
+    return {n: t for n, t in module.state_dict(keep_vars=True).items() if n not in skip}
+
+
 def _save_plan(module: nn.Module, optimizers: list, specs: dict) -> list[tuple[str, list[int], torch.dtype]]:
     """``(key, unsplit shape, dtype)`` of every tensor this rank saves, in the shared order (no communication)."""
-    out = [(f"model/{n}", unsplit_shape(n, t, specs), t.dtype) for n, t in module.state_dict(keep_vars=True).items()]
+    out = [(f"model/{n}", unsplit_shape(n, t, specs), t.dtype) for n, t in model_state(module).items()]
     for index, optimizer in enumerate(optimizers):
         for name, param, keys, place in _optimizer_entries(optimizer, module):
             state = optimizer.state[place.shard if place is not None else param]
@@ -68,7 +76,7 @@ def _save_plan(module: nn.Module, optimizers: list, specs: dict) -> list[tuple[s
 def _unsplit_tensors(module: nn.Module, optimizers: list, specs: dict):
     """The unsplit tensors of `_save_plan`, in its order, one at a time (collective over the ranks that hold
     them: TP gathers, ZeRO-3 full tensors, ZeRO-1/2 bucket state gathered over DP one bucket at a time)."""
-    for name, tensor in module.state_dict(keep_vars=True).items():
+    for name, tensor in model_state(module).items():
         yield unsplit(name, tensor, specs)
     for optimizer in optimizers:
         gathered_shard, gathered = None, {}

@@ -29,3 +29,19 @@ def linear_shape(module: nn.Module) -> LinearShape | None:
     if _is_conv1d(module) and module.weight is not None and module.weight.dim() == 2:
         return LinearShape(module.weight.size(0), module.weight.size(1), True)
     return None
+
+
+def lora_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is a LoRA wrapper: peft's ``lora.Linear`` / ``lora.Embedding`` (the wrapped layer as
+    ``base_layer``, the adapters in ``lora_A`` / ``lora_B``, one per adapter name). Recognised by these attributes;
+    nothing is imported."""
+    return isinstance(getattr(module, "base_layer", None), nn.Module) and isinstance(
+        getattr(module, "lora_A", None), nn.ModuleDict
+    )
+
+
+def lora_base(module: nn.Module) -> nn.Module | None:
+    """The linear-like layer a LoRA wrapper adapts (`lora_wrapper`), else ``None``."""
+    if lora_wrapper(module) and linear_shape(module.base_layer) is not None:
+        return module.base_layer
+    return None

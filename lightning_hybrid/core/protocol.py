@@ -18,8 +18,8 @@ from lightning_hybrid.core.devices import is_meta
 
 __all__ = [
     "PROTOCOL_HELP", "DeferredLayers", "LayerwiseInit", "PipelineAuxLoss", "PipelineLayers", "PipelineModule",
-    "SliceLoading",
-    "builds_per_rank", "check_protocol",
+    "RebuiltInCheckpoints", "SliceLoading",
+    "builds_per_rank", "check_protocol", "checkpoint_excludes",
 ]
 
 PROTOCOL_HELP = (
@@ -137,6 +137,22 @@ class DeferredLayers(Protocol):
     the meta device (``pp > 1``), the one case the strategy asks for it."""
 
     layers_deferred: bool
+
+
+@runtime_checkable
+class RebuiltInCheckpoints(Protocol):
+    """Optional, for any module: ``checkpoint_excludes()`` names the state-dict entries its ``configure_model`` gives
+    back exactly as they are (frozen weights read from a pretrained folder, or drawn from a fixed seed). Checkpoints
+    leave them out -- `lightning_hybrid.hf.CausalLM` with ``lora`` and ``checkpoint_frozen=False``: the adapters and
+    their optimizer state alone -- and resuming takes them from the module as built; a checkpoint that holds them
+    loads too."""
+
+    def checkpoint_excludes(self) -> frozenset[str]: ...
+
+
+def checkpoint_excludes(module: nn.Module) -> frozenset[str]:
+    """`RebuiltInCheckpoints`'s names of ``module`` (none for a module without the method)."""
+    return frozenset(module.checkpoint_excludes()) if isinstance(module, RebuiltInCheckpoints) else frozenset()
 
 
 def builds_per_rank(module: nn.Module) -> bool:

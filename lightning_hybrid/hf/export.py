@@ -103,7 +103,12 @@ def _staged(trainer: "L.Trainer", folder: Path, name: str) -> Iterator[Optional[
     from lightning_hybrid.checkpoint import model_parts
 
     staging = folder / ".export-checkpoint"
-    trainer.save_checkpoint(staging, weights_only=True)  # no optimizer state
+    module = trainer.lightning_module
+    whole, module.checkpoint_frozen = module.checkpoint_frozen, True  # the frozen base too
+    try:
+        trainer.save_checkpoint(staging, weights_only=True)  # no optimizer state
+    finally:
+        module.checkpoint_frozen = whole
     if trainer.is_global_zero:
         yield lambda: (model_parts(staging) if staging.is_dir()
                        else [torch.load(staging, map_location="cpu")["state_dict"]])

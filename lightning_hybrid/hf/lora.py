@@ -1,27 +1,34 @@
-"""LoRA on a `CausalLM` through ``peft`` (``CausalLM(..., lora={...})``): adapters injected into the loaded model,
-the base frozen, and exports of the adapter (a folder ``PeftModel.from_pretrained`` loads) and of the merged model.
+"""LoRA on a `CausalLM` through ``peft`` (``CausalLM(..., lora={...})``): adapters injected into the model, the base
+frozen, and exports of the adapter (a folder ``PeftModel.from_pretrained`` loads) and of the merged model.
 
-`inject_lora` runs ``peft.inject_adapter_in_model`` on the built and loaded model (so that a pretrained folder's
-weights are read under their own names), with the adapters' random init drawn from the module's ``init_seed`` (every
-rank, and one device, draw the same), and leaves only the adapters trainable: frozen weights get no gradient, no
-ZeRO bucket and no optimizer state. Layouts: data parallelism with ZeRO 0-3 and context parallelism train it as one
-device does; TP, PP and EP, which build the layers per rank from their unsplit names and would split the adapters
-with their base layers, are refused by name (`check_lora_layout`). Plain LoRA only: DoRA, per-module ranks or
-alphas and other peft tuners are refused at construction (`lora_config`).
-"""
+`inject_lora` runs ``peft.inject_adapter_in_model`` on the model as built, on the meta device, before any layout
+touches it; the layers are then materialised as without LoRA (the frozen weights read from a pretrained folder under
+their own names, `base_name`, or drawn by the model's init as without adapters) and each adapter tensor gets its
+value from `adapter_value`: peft's init, drawn from the module's ``init_seed`` and the tensor's name, the same on
+every rank and under every layout. Only the adapters train: frozen weights get no gradient, no ZeRO bucket and no
+optimizer state. Every layout takes it: tensor parallelism splits an adapted linear with its adapters
+(`lightning_hybrid.parallel.tensor_parallel.layers.split_adapted`, verified with the block), pipeline stages and
+expert parallelism build their layers with them. Plain LoRA only: DoRA, per-module ranks or alphas, inits computed
+from the weights and other peft tuners are refused at construction (`lora_config`), adapter dropout under TP by
+`check_lora_layout`."""
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping, Sequence
+import re
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["INSTALL_HINT", "adapter_state", "base_name", "check_lora_layout", "inject_lora", "lora_config",
-           "lora_hparams", "merged_weight"]
+from lightning_hybrid.core.linears import lora_wrapper
+
+__all__ = ["INSTALL_HINT", "adapter_modules", "adapter_state", "adapter_tensors", "adapter_value", "base_name",
+           "check_adapted_experts", "check_lora_layout", "init_adapters", "inject_lora", "lora_config", "lora_hparams",
+           "merged_weight"]
 
 INSTALL_HINT = "pip install 'lightning-hybrid[lora]' (peft)"
 #: Prefix of the adapter's tensors in a folder ``PeftModel.from_pretrained`` loads (peft's own ``save_pretrained``).
@@ -61,6 +68,10 @@ def lora_config(spec: Any):
     if unsupported:
         raise ValueError(f"lora: {unsupported} are not supported: plain LoRA (one rank and alpha for every adapted"
                          " module, the adapters alone trained; no DoRA, biases or modules to save).")
+    if config.init_lora_weights not in (True, False, "gaussian"):
+        raise ValueError(f"lora: init_lora_weights={config.init_lora_weights!r} is not supported: True (peft's"
+                         " default: A as nn.Linear's init, B zero), 'gaussian' or False (both random); the inits"
+                         " computed from the base weights or data (PiSSA, OLoRA, LoftQ, EVA, ...) are not.")
     if not config.target_modules:
         raise ValueError("lora: name the modules to adapt (target_modules, e.g. ['q_proj', 'v_proj'] or"
                          " 'all-linear').")
@@ -93,30 +104,98 @@ def lora_hparams(config) -> dict[str, Any]:
     return out
 
 
-def check_lora_layout(tp: int, pp: int, ep: int) -> None:
-    """``ValueError`` under the layouts that build layers per rank from their unsplit names (TP, PP, EP)."""
-    split = {name: size for name, size in (("tp", tp), ("pp", pp), ("ep", ep)) if size > 1}
-    if split:
-        sizes = ", ".join(f"{k}={v}" for k, v in split.items())
-        raise ValueError(f"lora with {sizes}: splitting the adapters with their base layers (and pipeline stages of"
-                         " an adapted model) is not implemented; train LoRA with data parallelism (ZeRO 0-3) and"
-                         " context parallelism (tp = pp = ep = 1).")
+def check_lora_layout(tp: int, config) -> None:
+    """``ValueError`` for what a layout cannot train exactly: adapter dropout under TP (a row-split layer's
+    adapter would drop other elements of its input piece than one device drops of the whole)."""
+    if tp > 1 and config.lora_dropout:
+        raise ValueError(f"lora_dropout={config.lora_dropout} with tp={tp}: a TP-split layer's adapter cannot draw"
+                         " the dropout mask one device draws for its whole input; set lora_dropout=0 under tp > 1.")
 
 
-def inject_lora(model: nn.Module, config, seed: int) -> list[str]:
-    """Adapters into ``model`` (loaded) as ``config`` says, their init drawn from ``seed``; peft leaves only them
-    trainable. Returns the adapted modules' names; ``ValueError`` when ``target_modules`` matches none."""
+def check_adapted_experts(adapted: Sequence[tuple[str, nn.Module]], ep: int) -> None:
+    """``ValueError`` under expert parallelism where an adapter sits on experts' packed parameters (peft's
+    ``ParamWrapper``, which ``target_modules="all-linear"`` puts on a transformers MoE's experts): expert parallelism
+    gives each rank its experts' slices, and such an adapter holds every expert's rows in one matrix."""
+    on_experts = [name for name, module in adapted
+                  if getattr(module, "parameter_name", None) and getattr(module, "num_experts", 1) > 1]
+    if ep > 1 and on_experts:
+        raise ValueError(f"lora on the experts' parameters ({on_experts[0]}, and {len(on_experts) - 1} more) with"
+                         f" ep={ep}: expert parallelism splits the experts, not an adapter of all their parameters;"
+                         " train with ep=1, or leave the experts out of the adapters: target_modules naming the modules"
+                         " to adapt, e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate'] (peft's exclude_modules does"
+                         " not remove what 'all-linear' puts on experts).")
+
+
+def inject_lora(model: nn.Module, config) -> list[str]:
+    """Adapters into ``model`` (built, on any device; on the meta device they are made there too) as ``config`` says;
+    peft leaves only them trainable. Their values are set where the layers are materialised (`adapter_value`).
+    Returns the adapted modules' names; ``ValueError`` when ``target_modules`` matches none."""
     peft = _peft()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        try:
-            peft.inject_adapter_in_model(config, model)
-        except ValueError as e:
-            leaves = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
-            raise ValueError(f"lora: target_modules={config.target_modules!r} matches no module of the model (peft:"
-                             f" {e}); its linear layers are named {leaves}.") from e
-    adapted = [name for name, module in model.named_modules() if hasattr(module, "lora_A") and module.lora_A]
-    return adapted  # (peft leaves the adapters alone trainable)
+    try:
+        peft.inject_adapter_in_model(config, model, low_cpu_mem_usage=True)
+    except ValueError as e:
+        leaves = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(f"lora: target_modules={config.target_modules!r} matches no module of the model (peft:"
+                         f" {e}); its linear layers are named {leaves}.") from e
+    return [name for name, module in model.named_modules() if lora_wrapper(module)]
+
+
+def adapter_modules(layer: nn.Module) -> set[int]:
+    """``id`` of every module of ``layer`` that belongs to an adapter (its linears, dropouts and their containers):
+    the modules a model's own init leaves alone, so that the frozen weights get the values they get without LoRA."""
+    out: set[int] = set()
+    for module in layer.modules():
+        if lora_wrapper(module):
+            for name, child in module.named_children():
+                if name != "base_layer":
+                    out.update(id(m) for m in child.modules())
+    return out
+
+
+def adapter_tensors(layer: nn.Module) -> Iterator[tuple[str, str, int]]:
+    """``(name in layer, kind, rank)`` of every adapter tensor of ``layer`` (kind: ``lora_A``, ``lora_B``, or an
+    adapted embedding's ``lora_embedding_A`` / ``lora_embedding_B``)."""
+    for name, module in layer.named_modules():
+        if not lora_wrapper(module):
+            continue
+        for kind in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
+            for adapter in getattr(module, kind, {}):
+                local = f"{name}.{kind}.{adapter}" + ("" if "embedding" in kind else ".weight")
+                yield local.lstrip("."), kind, module.r[adapter]
+
+
+def adapter_value(name: str, kind: str, r: int, shape: Sequence[int], seed: int, config) -> Tensor:
+    """The unsplit value of the adapter tensor ``name`` (its name in the model; ``kind`` and rank ``r`` as
+    `adapter_tensors` gives them) as peft draws it at init (``init_lora_weights``: ``True`` A as ``nn.Linear``'s
+    init, B zero; ``"gaussian"`` A normal with std 1/r; ``False`` both as ``nn.Linear``'s; embeddings as peft's), on
+    the CPU, from a generator seeded by ``seed`` and ``name`` -- so a tensor gets the same value under every layout,
+    whichever rank builds it and whichever of its pieces it keeps."""
+    how = config.init_lora_weights
+    generator = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    value = torch.empty(tuple(shape), device=generator.device)
+    with torch.no_grad():
+        if kind.startswith("lora_embedding"):  # peft's lora.Embedding: A zero and B normal, or (False) both normal
+            value.zero_() if (how is not False and kind.endswith("A")) else value.normal_(generator=generator)
+        elif kind == "lora_B" and how is not False:
+            value.zero_()
+        elif kind == "lora_A" and how == "gaussian":
+            value.normal_(std=1 / r, generator=generator)
+        else:
+            nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=generator)
+    return value
+
+
+@torch.no_grad()
+def init_adapters(layer: nn.Module, prefix: str, seed: int, config) -> None:
+    """Every adapter tensor of ``layer`` (the model's module ``prefix``; split by TP or whole) set to its
+    `adapter_value`, or to this rank's piece of it."""
+    from lightning_hybrid.parallel.tensor_parallel.layers import local_piece, tp_shard_specs, unsplit_shape
+
+    specs = tp_shard_specs(layer)
+    for name, kind, r in adapter_tensors(layer):
+        target = layer.get_parameter(name)
+        value = adapter_value(f"{prefix}.{name}", kind, r, unsplit_shape(name, target, specs), seed, config)
+        target.copy_(local_piece(name, value, target, specs).to(target.device))
 
 
 def adapter_state(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -146,4 +225,4 @@ def base_name(name: str) -> Optional[str]:
     ``...q_proj.weight``), ``None`` for another tensor."""
     if ".base_layer." not in name:
         return None
-    return name.replace(".base_layer.", ".")
+    return re.sub(r"(\.base_layer)+\.", ".", name)  # (peft nests wrappers: an experts module's two parameters)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,9 +16,19 @@ from lightning_hybrid.core.dims import layout_size
 from lightning_hybrid.hf.config import _resolve_config
 from lightning_hybrid.hf.decomposition import _PipelineCalls, check_decomposition, check_document_masks
 from lightning_hybrid.hf.document_attention import DocumentAttention
-from lightning_hybrid.hf.lora import check_lora_layout, inject_lora, lora_config, lora_hparams
+from lightning_hybrid.hf.lora import (
+    adapter_modules,
+    adapter_tensors,
+    base_name,
+    check_adapted_experts,
+    check_lora_layout,
+    init_adapters,
+    inject_lora,
+    lora_config,
+    lora_hparams,
+)
 from lightning_hybrid.hf.moe import RouterAuxLoss, gather_rows
-from lightning_hybrid.hf.structure import PipelineDecompositionError, _Structure
+from lightning_hybrid.hf.structure import PipelineDecompositionError, _Structure, cpu_twin, tensors_of
 from lightning_hybrid.hf.weights import Safetensors, tied_keys
 from lightning_hybrid.models.language_model import LanguageModel
 
@@ -41,7 +50,9 @@ class CausalLM(LanguageModel):
         attn_implementation: passed to ``transformers`` (``None``: its default for the model, SDPA where supported).
         lora: LoRA adapters through ``peft`` (a ``peft.LoraConfig`` or a mapping of its fields, e.g. ``{"r": 16,
             "target_modules": ["q_proj", "v_proj"]}``): the model trains its adapters alone, the rest frozen
-            (`lightning_hybrid.hf.lora`); under data parallelism (ZeRO 0-3) and context parallelism.
+            (`lightning_hybrid.hf.lora`); under every layout (TP splits the adapters with their base layers).
+        checkpoint_frozen: with ``lora``, ``False`` leaves the frozen base out of checkpoints (the adapters and
+            their optimizer state alone; resuming reads the base from ``model`` again).
 
     Batches are ``(x, y)`` token tensors ``(B, T)``, ``y`` being ``x`` shifted by one (as the package's data
     modules give them), or dict batches of padded or packed documents (`lightning_hybrid.core.batch`), whose
@@ -64,6 +75,7 @@ class CausalLM(LanguageModel):
         init_seed: int = 0,
         attn_implementation: Optional[str] = None,
         lora: Optional[Any] = None,
+        checkpoint_frozen: bool = True,
     ) -> None:
         from transformers import PretrainedConfig
 
@@ -82,7 +94,15 @@ class CausalLM(LanguageModel):
         })
         #: peft's LoRA config (`lightning_hybrid.hf.lora.lora_config`), or None.
         self.lora = lora_config(lora)
-        self.save_hyperparameters({"lora": None if self.lora is None else lora_hparams(self.lora)})
+        if not checkpoint_frozen and self.lora is None:
+            raise ValueError("checkpoint_frozen=False leaves a LoRA run's frozen base out of its checkpoints; without"
+                             " lora nothing is frozen: leave it True, or give lora={...}.")
+        #: Whether checkpoints hold the frozen base too (`checkpoint_excludes`); without it, a checkpoint of
+        #: Lightning's own strategies loads with the base missing (``strict_loading``).
+        self.checkpoint_frozen = bool(checkpoint_frozen)
+        self.strict_loading = self.checkpoint_frozen
+        self.save_hyperparameters({"lora": None if self.lora is None else lora_hparams(self.lora),
+                                   "checkpoint_frozen": self.checkpoint_frozen})
         self.adapted: list[str] = []  # the modules that got adapters
         self.hf_config = hf_config
         self.folder: Optional[Path] = Path(spec) if isinstance(spec, str) and Path(spec).is_dir() else None
@@ -126,18 +146,20 @@ class CausalLM(LanguageModel):
                 self.document_attention = DocumentAttention(model)
             except ValueError:  # a model that cannot switch its attention: its own masks, as before
                 model.config._attn_implementation = "sdpa"
-        if self.lora is not None:  # before anything is built: the layouts that split layers by name refuse it
-            check_lora_layout(self._tp_size(), self._pipeline_size(), self._expert_parallel_size())
         self._aux = RouterAuxLoss.of(model)
         if self._aux is not None and self._pipeline_size() > 1:
             self._check_pipelined_aux_loss(model)
-        self.model = model
         self._n_params = sum(p.numel() for p in model.parameters())  # the whole model's (for MFU)
-        self._structure = _Structure(model)
-        self._calls = _PipelineCalls(self._structure)
         if self.folder is not None:
             self._weights = Safetensors(self.folder)
             self._weights.check(model)
+        if self.lora is not None:  # on the meta model: every layout builds the layers with their adapters
+            check_lora_layout(self._tp_size(), self.lora)
+            self.adapted = inject_lora(model, self.lora)
+            check_adapted_experts([(n, model.get_submodule(n)) for n in self.adapted], self._expert_parallel_size())
+        self.model = model
+        self._structure = _Structure(model)
+        self._calls = _PipelineCalls(self._structure)
         with torch.device("cpu"):
             for name in self._structure.shared:  # rotary embeddings and the like: on every stage
                 self._materialise(getattr(self._structure.trunk, name), torch.device("cpu"))
@@ -153,8 +175,17 @@ class CausalLM(LanguageModel):
                     self.init_pipeline_layer(index, layer)
                 if getattr(model.config, "tie_word_embeddings", False):
                     model.tie_weights()
-        if self.lora is not None:  # into the loaded model, the weights read under their own names
-            self.adapted = inject_lora(model, self.lora, int(self.hparams.init_seed) + 1_000_003)
+
+    def checkpoint_excludes(self) -> frozenset[str]:
+        """With ``checkpoint_frozen=False``, the frozen base's parameters: `configure_model` reads them from the
+        folder (or draws them from ``init_seed``) again on resume (`lightning_hybrid.core.protocol`)."""
+        if self.checkpoint_frozen:
+            return frozenset()
+        return frozenset(n for n, p in self.named_parameters(remove_duplicate=False) if not p.requires_grad)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        for name in self.checkpoint_excludes():  # (Lightning's own strategies; HybridStrategy's skips them itself)
+            checkpoint.get("state_dict", {}).pop(name, None)
 
     def _tp_size(self) -> int:
         mesh = self._device_mesh  # set by HybridStrategy before configure_model
@@ -219,7 +250,7 @@ class CausalLM(LanguageModel):
         """``{folder name: name in the layer}`` of pipeline layer ``index``'s parameters and buffers."""
         assert self._structure is not None
         prefix = self._structure.layer_names()[index]
-        return {f"{prefix}.{k}": k for k, _ in _tensors(layer)}
+        return {f"{prefix}.{k}": k for k, _ in tensors_of(layer)}
 
     # ------------------------------------------------------------------ pipeline protocol
     def pipeline_layers(self) -> list[nn.Module]:
@@ -253,14 +284,23 @@ class CausalLM(LanguageModel):
         # The model's init draws from the global generator of the tensors' device: it runs on a CPU twin of the
         # layer, so that the values are those of a CPU run on every device (a CUDA generator draws others).
         on_cpu = module_device(layer).type == "cpu"
-        target = layer if on_cpu else _cpu_twin(layer)
+        target = layer if on_cpu else cpu_twin(layer)
+        adapters = adapter_modules(target)  # their values are set below (`_init_adapters`)
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(self.hparams.init_seed * 1_000_003 + index)
             for m in target.modules():
-                self.model._init_weights(m)
+                if id(m) not in adapters:
+                    self.model._init_weights(m)
             if not on_cpu:
-                for (_, t), (_, value) in zip(_tensors(layer), _tensors(target)):
+                for (_, t), (_, value) in zip(tensors_of(layer), tensors_of(target)):
                     t.copy_(value)
+        self._init_adapters(index, layer)
+
+    def _init_adapters(self, index: int, layer: nn.Module) -> None:
+        if self.lora is not None:  # (layer ``index``, split or whole)
+            assert self._structure is not None
+            seed = int(self.hparams.init_seed) + 1_000_003
+            init_adapters(layer, self._structure.layer_names()[index], seed, self.lora)
 
     def load_pipeline_layer_slices(self, index: int, layer: nn.Module) -> bool:
         """Fill the materialised, TP-split layer ``index`` from the folder, reading only this rank's pieces of
@@ -279,8 +319,12 @@ class CausalLM(LanguageModel):
 
         specs = tp_shard_specs(layer)
         params = dict(layer.named_parameters(remove_duplicate=False))
+        adapters = {name for name, *_ in adapter_tensors(layer)}
         missing_buffers = []
         for full, local in self._names(index, layer).items():
+            if local in adapters:  # not in the folder: drawn below
+                continue
+            full = base_name(full) or full  # an adapted layer's frozen weight, under the folder's name
             target = params[local] if local in params else layer.get_buffer(local)
             if full not in self._weights.files:
                 if local not in params:  # a buffer the folder does not hold (rotary inv_freq ...)
@@ -303,6 +347,7 @@ class CausalLM(LanguageModel):
                 target.narrow(spec.dim, at, n).copy_(self._weights.read(full, spec.dim, start, n))
         for owner in dict.fromkeys(missing_buffers):  # the model's init computes them
             self.model._init_weights(layer.get_submodule(owner))
+        self._init_adapters(index, layer)
 
     def forward(
         self, idx: Tensor, position_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None
@@ -440,24 +485,11 @@ class CausalLM(LanguageModel):
 
     def _flops_per_token(self, seq_len: int) -> Optional[int]:
         # 6 N per token for the matmuls of forward and backward, plus attention's 12 L H T (Kaplan et al. 2020;
-        # PaLM's appendix B), on the whole model (N: all its parameters, counted in configure_model).
+        # PaLM's appendix B), on the whole model (N: all its parameters, counted in configure_model); 4 N for a
+        # frozen base under LoRA (the adapters' own are negligible).
         config = self.hf_config
         layers = int(getattr(config, "num_hidden_layers", 0) or 0)
         hidden = int(getattr(config, "hidden_size", 0) or 0)
-        return 6 * self._n_params + 12 * layers * hidden * seq_len
-
-
-def _tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
-    return [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
-
-
-def _cpu_twin(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` whose parameters and buffers are new, uninitialised CPU tensors (nothing of the
-    original's values is copied)."""
-    memo: dict[int, Any] = {}
-    for _, t in _tensors(module):
-        if id(t) not in memo:
-            empty = torch.empty_like(t, device="cpu")
-            memo[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
-    return copy.deepcopy(module, memo)
+        weights = 4 if self.lora is not None else 6  # a frozen weight gets no gradient: no weight-gradient GEMM
+        return weights * self._n_params + 12 * layers * hidden * seq_len
 

@@ -3,9 +3,13 @@ modules before and after that list (embeddings, final norm), and the output head
 
 from __future__ import annotations
 
-from torch import nn
+import copy
+from typing import Any
 
-__all__ = ["PipelineDecompositionError", "pipeline_structure"]
+import torch
+from torch import Tensor, nn
+
+__all__ = ["PipelineDecompositionError", "cpu_twin", "pipeline_structure", "tensors_of"]
 
 
 class PipelineDecompositionError(ValueError):
@@ -101,3 +105,20 @@ def pipeline_structure(model: nn.Module) -> list[str]:
 def _embedding_dim(module: nn.Module) -> int:
     """The output size of an embedding (``nn.Embedding`` or a module with ``embedding_dim``); 0 otherwise."""
     return int(getattr(module, "embedding_dim", 0) or 0)
+
+
+def tensors_of(module: nn.Module) -> list[tuple[str, Tensor]]:
+    """``(name, tensor)`` of every parameter and buffer of ``module``, shared ones under each name."""
+    return [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+
+
+def cpu_twin(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers are new, uninitialised CPU tensors (nothing of the
+    original's values is copied)."""
+    memo: dict[int, Any] = {}
+    for _, t in tensors_of(module):
+        if id(t) not in memo:
+            empty = torch.empty_like(t, device="cpu")
+            memo[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    return copy.deepcopy(module, memo)
+

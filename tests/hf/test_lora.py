@@ -1,8 +1,11 @@
 """LoRA through peft (``CausalLM(lora=...)``): what is refused by name, the adapters' init and the frozen base, the
 exports (the merged model loads in transformers, the adapter in peft, both giving the trained module's logits).
-Parity under dp2 ZeRO-3 and cp2: tests/hf/test_finetune_parity.py; tp2 refused: tests/strategy/test_user_code.py."""
+Parity under every layout: tests/hf/test_finetune_parity.py; adapter dropout under tp2 refused on every rank:
+tests/strategy/test_user_code.py."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import pytest
 import torch
@@ -13,9 +16,9 @@ import lightning as L  # noqa: E402
 
 from lightning_hybrid.data.corpus import ByteCorpusDataModule  # noqa: E402
 from lightning_hybrid.hf import CausalLM, export_adapter, export_pretrained  # noqa: E402
-from lightning_hybrid.hf.lora import check_lora_layout  # noqa: E402
+from lightning_hybrid.hf.lora import check_adapted_experts, check_lora_layout, lora_config  # noqa: E402
 from tests.families import tiny_config  # noqa: E402
-from tests.helpers import QUIET_TRAINER  # noqa: E402
+from tests.helpers import QUIET_TRAINER, run_distributed  # noqa: E402
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 
@@ -26,6 +29,7 @@ LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_pr
     ({"r": 4, "target_modules": ["q_proj"], "modules_to_save": ["lm_head"]}, r"\['modules_to_save'\] are not"),
     ({"rank": 4, "target_modules": ["q_proj"]}, r"lora=\{'rank': 4, .*\} is invalid: .*rank"),
     ("r=4", r"lora='r=4' is invalid: use a peft.LoraConfig or a mapping of its fields"),
+    ({"r": 4, "target_modules": ["q_proj"], "init_lora_weights": "pissa"}, r"init_lora_weights='pissa' is not supp"),
 ])
 def test_what_lora_cannot_train_is_refused_at_construction(lora, message):
     with pytest.raises(ValueError, match=message):
@@ -44,17 +48,36 @@ def test_adapters_alone_train_and_every_process_draws_them_alike():
     again.configure_model()
     for (name, p), q in zip(module.named_parameters(), again.parameters()):
         assert torch.equal(p, q), name
+    # The frozen weights are those of the model without adapters; A is drawn as nn.Linear's init, B is zero (peft's
+    # default), each tensor from its own name (whichever rank builds it, whichever piece it keeps).
+    plain = CausalLM(tiny_config("llama"))
+    plain.configure_model()
+    weights = dict(plain.named_parameters())
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            assert torch.equal(p, weights[name.replace(".base_layer.", ".")]), name
+    a = module.model.model.layers[1].mlp.down_proj.lora_A.default.weight
+    assert a.abs().max() <= 1 / a.size(1) ** 0.5 and a.std() > 0
+    assert not module.model.model.layers[1].mlp.down_proj.lora_B.default.weight.any()
     # The hyperparameters hold a mapping that builds the same config (a checkpoint's, YAML-safe).
     assert CausalLM(tiny_config("llama"), lora=module.hparams["lora"]).lora == module.lora
     with pytest.raises(ValueError, match=r"target_modules=.*'wq'.* matches no module"):
         CausalLM(tiny_config("llama"), lora={"r": 4, "target_modules": ["wq"]}).configure_model()
 
 
-def test_layouts_that_split_layers_by_name_refuse_lora():
-    """(A whole run under tp2 is refused on every rank: tests/strategy/test_user_code.py.)"""
-    check_lora_layout(1, 1, 1)
-    with pytest.raises(ValueError, match=r"lora with pp=2, ep=4: splitting the adapters .* \(tp = pp = ep = 1\)"):
-        check_lora_layout(1, 2, 4)
+def test_what_a_layout_cannot_split_exactly_is_refused():
+    """Adapter dropout under TP; adapters on an MoE's packed expert parameters under EP (peft's all-linear puts
+    them there); the attention's and router's adapters train under EP (tests/hf/test_finetune_parity.py)."""
+    check_lora_layout(2, lora_config(LORA))
+    check_lora_layout(1, lora_config({**LORA, "lora_dropout": 0.1}))
+    with pytest.raises(ValueError, match=r"lora_dropout=0.1 with tp=2: .* set lora_dropout=0 under tp > 1"):
+        check_lora_layout(2, lora_config({**LORA, "lora_dropout": 0.1}))
+    module = CausalLM(tiny_config("olmoe"), lora={"r": 4, "target_modules": "all-linear"})
+    module.configure_model()
+    adapted = [(n, module.model.get_submodule(n)) for n in module.adapted]
+    check_adapted_experts(adapted, 1)
+    with pytest.raises(ValueError, match=r"lora on the experts' parameters \(model.layers.0.mlp.experts, .* ep=2"):
+        check_adapted_experts(adapted, 2)
 
 
 def test_exports_give_the_trained_modules_logits(tmp_path):
@@ -82,3 +105,37 @@ def test_exports_give_the_trained_modules_logits(tmp_path):
             peft_model = PeftModel.from_pretrained(
                 AutoModelForCausalLM.from_pretrained(tmp_path / "base").float(), folder).eval()
             torch.testing.assert_close(peft_model(input_ids=ids).logits, want, rtol=0, atol=1e-6)
+
+
+def _adapter_lm(folder: str) -> CausalLM:
+    return CausalLM(folder, lr=1e-2, lora=LORA, checkpoint_frozen=False)
+
+
+def _save_and_resume_adapters(folder: str, ckpt: str) -> dict:
+    from tests.strategy.test_checkpoint import fit_and_resume
+
+    return fit_and_resume(ckpt, dict(tp=2, sequence_parallel=True), {"dp2-zero3": dict(dp=2, zero_stage=3)},
+                          partial(_adapter_lm, folder), world=2, steps=4)
+
+
+def test_adapter_checkpoints_hold_the_adapters_alone_and_resume_exactly(tmp_path):
+    """``checkpoint_frozen=False``: the checkpoint holds the adapters and their optimizer state (the TP-split ones
+    whole), not the frozen base; resuming reads the base from the folder again -- bit for bit under the saved
+    layout (tp2 + SP), and resharded to dp2 ZeRO-3."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_hybrid.checkpoint import read_meta
+    from tests.strategy.test_checkpoint import assert_resumed_exactly
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama")).float().save_pretrained(tmp_path / "base")
+    ckpt = str(tmp_path / "adapters.ckpt")
+    by_rank = run_distributed(_save_and_resume_adapters, 2, str(tmp_path / "base"), ckpt)
+    assert_resumed_exactly(by_rank, {"dp2-zero3": None}, steps=4)
+    tensors = read_meta(ckpt)["lightning_hybrid"]["tensors"]
+    saved = {k.split("/")[1] if k.startswith("model/") else k.split("/")[2] for k in tensors}
+    assert saved and all(".lora_A." in name or ".lora_B." in name for name in saved), sorted(saved)[:5]
+    a = "model.model.layers.0.self_attn.q_proj.lora_B.default.weight"  # column-split: saved whole
+    assert tensors[f"model/{a}"][1] == [32, 4], tensors[f"model/{a}"]  # (hidden 32; each rank holds 16 rows)
+    with pytest.raises(ValueError, match="checkpoint_frozen=False leaves a LoRA run's frozen base out"):
+        CausalLM(tiny_config("llama"), checkpoint_frozen=False)

@@ -200,9 +200,9 @@ def _on_2_ranks() -> dict[str, str]:
                                                 lambda t: pairs_loader())),
         "tied head held directly, dp2 ZeRO-3": _outcome(lambda: _fit(HybridStrategy(dp=2, zero_stage=3), TiedLM(),
                                                                      lambda t: pairs_loader())),
-        # LoRA where layers are split by name (tests/hf/test_lora.py has the rest of it).
-        "lora, tp2": _outcome(lambda: _fit(HybridStrategy(tp=2), CausalLM(tiny_config("llama"), lora={
-            "r": 4, "target_modules": ["q_proj"]}), lambda t: pairs_loader())),
+        # LoRA's adapter dropout where TP splits the adapted layers (tests/hf/test_lora.py has the rest of it).
+        "lora dropout, tp2": _outcome(lambda: _fit(HybridStrategy(tp=2), CausalLM(tiny_config("llama"), lora={
+            "r": 4, "target_modules": ["q_proj"], "lora_dropout": 0.1}), lambda t: pairs_loader())),
         **{f"parity: {name}": state for name, state in _parity_on_2_ranks().items()},
     }
 
@@ -230,10 +230,10 @@ def test_declared_losses_match_one_device(two_ranks, name):
         assert apart < PARAM_ATOL, (name, apart, moved)
 
 
-def test_lora_where_layers_are_split_by_name_is_refused_on_every_rank(two_ranks):
+def test_lora_dropout_under_tp_is_refused_on_every_rank(two_ranks):
     pytest.importorskip("peft")
     for out in two_ranks:
-        assert "lora with tp=2: splitting the adapters with their base layers" in out["lora, tp2"], out["lora, tp2"]
+        assert "lora_dropout=0.1 with tp=2: a TP-split layer's adapter" in out["lora dropout, tp2"], out
 
 
 def test_an_undeclared_loss_is_refused_where_a_split_would_change_it(two_ranks):

@@ -26,12 +26,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_hybrid.core.devices import module_device
+from lightning_hybrid.core.linears import lora_base
 from lightning_hybrid.parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     is_tp_split,
-    linear_shape,
     shard_embedding,
+    split_adapted,
+    split_shape,
 )
 from lightning_hybrid.parallel.tensor_parallel.plan import TPPlan, Unit, _join, block_of
 from lightning_hybrid.parallel.tensor_parallel.sequence_parallel import (
@@ -108,6 +110,11 @@ def apply_variant(
         original = root.get_submodule(name)
         if isinstance(original, nn.Embedding):
             shard_embedding(original, group)
+            continue
+        if lora_base(original) is not None:  # a LoRA wrapper: its base and adapters split, the wrapper kept
+            for part in split_adapted(original, layer.style, group, layer.gather_output, layer.part_sizes,
+                                      layer.input_is_parallel):
+                part.sequence_parallel = sequence_parallel
             continue
         if layer.style == "colwise":
             split = ColumnParallelLinear(
@@ -294,7 +301,7 @@ def _splittable_here(unit: Unit, modules: dict[str, nn.Module]) -> bool:
     """Whether this rank holds the unit's modules (not layers of another pipeline rank), not yet split."""
     layers = [modules.get(_join(unit.name, rel)) for rel in unit.layers]
     return all(
-        m is not None and not is_tp_split(m) and (linear_shape(m) is not None or isinstance(m, nn.Embedding))
+        m is not None and not is_tp_split(m) and (split_shape(m) is not None or isinstance(m, nn.Embedding))
         for m in layers
     )
 

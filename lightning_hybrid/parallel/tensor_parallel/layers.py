@@ -38,7 +38,7 @@ from lightning_hybrid.core.collectives import (
     split_shard,
 )
 from lightning_hybrid.core.devices import local_tensor
-from lightning_hybrid.core.linears import linear_shape
+from lightning_hybrid.core.linears import linear_shape, lora_base
 from lightning_hybrid.core.split_logits import SplitLogits
 
 
@@ -131,7 +131,9 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel = input_is_parallel
         self.shard_specs = {"weight": ShardSpec(0 if self.transposed else 1, (self.in_features,))}
         self.weight = _shard(linear.weight, self.shard_specs["weight"], group)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+        self.bias = None if linear.bias is None else nn.Parameter(
+            linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
@@ -253,8 +255,35 @@ def shard_embedding(embedding: nn.Embedding, group: dist.ProcessGroup) -> nn.Emb
 
 
 def is_tp_split(module: nn.Module) -> bool:
-    """Whether ``module`` is already a TP layer (or a split embedding)."""
-    return isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or hasattr(module, "vocab_range")
+    """Whether ``module`` is already a TP layer (or a split embedding, or a LoRA wrapper of a TP layer)."""
+    split = (ColumnParallelLinear, RowParallelLinear)
+    return isinstance(module, split) or isinstance(getattr(module, "base_layer", None), split) or hasattr(
+        module, "vocab_range"
+    )
+
+
+def split_shape(module: nn.Module):
+    """The shape TP splits ``module`` by: a linear-like module's, or (a LoRA wrapper) its base layer's."""
+    return linear_shape(lora_base(module) or module)
+
+
+def split_adapted(wrapper: nn.Module, style: str, group: dist.ProcessGroup, gather_output: bool = False,
+                  part_sizes: tuple[int, ...] = (), input_is_parallel: bool = True) -> list[nn.Module]:
+    """Split a LoRA-adapted linear (`lightning_hybrid.core.linears.lora_base`) with its adapters, in place: its base
+    layer as ``style`` says; for a column-split base each adapter's ``B`` is split as the base's output (the same
+    parts, gathered alike) and ``A`` stays whole; for a row-split base ``A`` is split as the base's input and ``B``
+    stays whole. Then ``base(x) + s B(A(x))`` is the unsplit layer's output piece, with no collective the base does
+    not make already; the parameters whose gradients are per-rank parts (the whole adapter under sequence
+    parallelism) are found by the verification. Returns the TP layers made."""
+    if style == "colwise":
+        wrapper.base_layer = ColumnParallelLinear(wrapper.base_layer, group, gather_output, part_sizes)
+        for key, b in list(wrapper.lora_B.items()):
+            wrapper.lora_B[key] = ColumnParallelLinear(b, group, gather_output, part_sizes)
+        return [wrapper.base_layer, *wrapper.lora_B.values()]
+    wrapper.base_layer = RowParallelLinear(wrapper.base_layer, group, input_is_parallel)
+    for key, a in list(wrapper.lora_A.items()):
+        wrapper.lora_A[key] = RowParallelLinear(a, group, input_is_parallel)
+    return [wrapper.base_layer, *wrapper.lora_A.values()]
 
 
 # ---------------------------------------------------------------------------------------------- unsplit tensors

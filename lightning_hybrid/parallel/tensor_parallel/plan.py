@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from lightning_hybrid.parallel.tensor_parallel.layers import linear_shape
+from lightning_hybrid.core.linears import lora_base, lora_wrapper
+from lightning_hybrid.parallel.tensor_parallel.layers import split_shape
 from lightning_hybrid.parallel.tensor_parallel.model_plans import MODEL_STYLES, model_tp_plan
 from lightning_hybrid.parallel.tensor_parallel.variants import LayerPlan, Variant, unit_variants
 
@@ -98,7 +99,7 @@ def _join(unit: str, rel: str) -> str:
 
 def _auto_styles(modules: dict[str, nn.Module], splittable: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     """Heuristic styles of the splittable modules, and why each other one stays replicated."""
-    linears = {n: linear_shape(modules[n]) for n in splittable if linear_shape(modules[n]) is not None}
+    linears = {n: split_shape(modules[n]) for n in splittable if split_shape(modules[n]) is not None}
     styles: dict[str, str] = {}
     by_parent: dict[str, list[str]] = {}
     for name in linears:
@@ -189,7 +190,10 @@ def resolve_tp_plan(
     if not (tp_plan == "auto" or isinstance(tp_plan, dict)):
         raise ValueError(f"tp_plan={tp_plan!r} is invalid: use 'auto' or a dict of glob pattern -> {list(STYLES)}.")
     modules = dict(model.named_modules())
-    splittable = [n for n, m in modules.items() if n and (linear_shape(m) is not None or isinstance(m, nn.Embedding))]
+    # A LoRA wrapper is split as its base layer (with its adapters); what it wraps is not a module of the plan.
+    wrapped = tuple(f"{n}." for n, m in modules.items() if n and lora_wrapper(m))
+    splittable = [n for n, m in modules.items() if n and not n.startswith(wrapped)
+                  and (split_shape(m) is not None or isinstance(m, nn.Embedding))]
     auto, reasons = _auto_styles(modules, splittable)
     styles: dict[str, tuple[str, dict]] = {n: (s, {}) for n, s in auto.items()}
     sources = {n: "auto" for n in styles}
@@ -215,6 +219,7 @@ def resolve_tp_plan(
 
 
 def _shape(module: nn.Module) -> tuple[int, ...]:
+    module = lora_base(module) or module
     return tuple(module.weight.shape) if getattr(module, "weight", None) is not None else ()
 
 
@@ -227,7 +232,7 @@ def _group_units(modules: dict[str, nn.Module], styles: dict[str, tuple[str, dic
         by_parent.setdefault(_parent(name), []).append(name)
     units: dict[str, dict] = {}
     for parent, names in by_parent.items():
-        linear = [n for n in names if linear_shape(modules[n]) is not None]
+        linear = [n for n in names if split_shape(modules[n]) is not None]
         kinds = {styles[n][0] for n in linear}
         holds_stages = parent == "" or any(p.startswith(parent + ".") for p in pipeline_layers)
         paired = kinds == {"colwise", "rowwise"} and not holds_stages
@@ -259,7 +264,7 @@ def _check_explicit(unit: str, layers: dict, modules: dict[str, nn.Module], sour
                 )
             _check_divides(name, "num_embeddings (vocabulary)", module.num_embeddings, tp)
             continue
-        shape = linear_shape(module)
+        shape = split_shape(module)
         if style == "colwise":
             parts = pins.get("part_sizes") or (shape.out_features,)
             if sum(parts) != shape.out_features:

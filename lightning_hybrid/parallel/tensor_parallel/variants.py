@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from torch import nn
 
-from lightning_hybrid.parallel.tensor_parallel.layers import linear_shape
+from lightning_hybrid.parallel.tensor_parallel.layers import split_shape
 
 HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "heads")
 KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_head", "n_kv_heads")
@@ -147,7 +147,7 @@ def unit_variants(unit: nn.Module, styles: dict[str, tuple[str, dict]], tp: int)
         return _single_variants(unit, *styles[""], tp)
     cols = {n: s for n, s in styles.items() if s[0] == "colwise"}
     rows = {n: s for n, s in styles.items() if s[0] == "rowwise"}
-    shapes = {n: linear_shape(modules[n]) for n in styles}
+    shapes = {n: split_shape(modules[n]) for n in styles}
     row_in = {shapes[n].in_features for n in rows}
     info = head_info(unit) if rows and cols and _is_attention(unit) else None
     layouts = [_column_layouts(n, shapes[n].out_features, cols[n][1], info, row_in, tp) for n in cols]
@@ -177,7 +177,7 @@ def unit_variants(unit: nn.Module, styles: dict[str, tuple[str, dict]], tp: int)
 def _single_variants(module: nn.Module, style: str, pins: dict, tp: int) -> list[Variant]:
     if isinstance(module, nn.Embedding):
         return [Variant("vocabulary split", (("", LayerPlan("rowwise")),))] if module.num_embeddings % tp == 0 else []
-    shape = linear_shape(module)
+    shape = split_shape(module)
     if style == "colwise":
         parts = tuple(pins.get("part_sizes") or (shape.out_features,))
         plan = LayerPlan("colwise", gather_output=True, part_sizes=parts)
