@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, Iterable, Optional
 import lightning as L
 from hydra.core.config_store import ConfigStore
 from lightning.pytorch.strategies import ParallelStrategy
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, OmegaConf, open_dict
 
 from lightning_hybrid.data.corpus import ByteCorpusDataModule, TokenCorpusDataModule
 from lightning_hybrid.data.sft import SFTDataModule
@@ -183,15 +183,36 @@ def _recipe_config() -> type:
         ("max_steps", int, field(default=100)),
         ("ckpt_path", Optional[str], field(default=None)),
         ("checkpoint_every", int, field(default=0)),
+        ("peft", Optional[Dict[str, Any]], field(default=None)),
     ])
+
+
+def fold_peft(cfg: Any) -> Any:
+    """``peft=lora`` (``configs/peft/lora.yaml``: the fields of peft's ``LoraConfig``, ``peft.r=16``): a copy of
+    ``cfg`` whose model gets them as its ``lora`` argument (`lightning_hybrid.hf.CausalLM`'s); ``cfg`` itself
+    without ``peft``. ``ValueError`` for a model that takes no ``lora``, or one that is given it both ways."""
+    peft = cfg.get("peft")
+    if peft is None:
+        return cfg
+    model = cfg.model
+    if OmegaConf.is_struct(model) and "lora" not in model:
+        raise ValueError(f"peft: the model ({model.get('_target_')}) takes no lora argument; LoRA adapters train a"
+                         " Hugging Face model: model=hf (lightning_hybrid.hf.CausalLM).")
+    if model.get("lora") is not None:
+        raise ValueError("peft and model.lora both give the model adapters: set one of them.")
+    cfg = copy.deepcopy(cfg)
+    with open_dict(cfg):
+        cfg.model.lora = cfg.peft
+        cfg.peft = None
+    return cfg
 
 
 #: The top level of every recipe: ``model``, ``data`` (any ``_target_``), ``parallel``, ``trainer``, extra
 #: ``callbacks`` and ``loggers`` by name (each a ``_target_`` node), ``planner`` (set by ``parallel=auto``: the
 #: planner chooses the layout, `lightning_hybrid.planner.auto`), ``seed`` (``seed_everything`` before anything is
 #: built), ``max_steps``, ``ckpt_path`` (``last`` or a checkpoint / run folder to resume,
-#: `lightning_hybrid.runs.resume`) and ``checkpoint_every`` (save ``last.ckpt`` every that many optimizer steps; 0:
-#: after validations only).
+#: `lightning_hybrid.runs.resume`), ``checkpoint_every`` (save ``last.ckpt`` every that many optimizer steps; 0:
+#: after validations only) and ``peft`` (LoRA adapters for the model, `fold_peft`).
 RecipeConfig = _recipe_config()
 
 

@@ -58,7 +58,7 @@ from lightning_hybrid.runs.callbacks import (
     model_summary_callback,
     progress_bar_callback,
 )
-from lightning_hybrid.runs.config import RecipeConfig, register_configs
+from lightning_hybrid.runs.config import RecipeConfig, fold_peft, register_configs
 from lightning_hybrid.runs.memory import PeakMemoryMonitor
 from lightning_hybrid.runs.resume import checkpoint_to_resume, register_run_dir_resolver
 from lightning_hybrid.runtime.launch import fresh_launch_environment, take_over_launched_ranks, wait_for_launched_ranks
@@ -350,6 +350,10 @@ def _fit(cfg: DictConfig, callbacks: Sequence[L.Callback]) -> Dict[str, Any]:
     """`run` within its log and filters."""
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+    try:
+        cfg = fold_peft(cfg)  # peft=lora: the model's lora argument
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     if cfg.get("planner") is not None:  # parallel=auto: the planner's layout written into the config
         try:
             cfg, why = choose_layout(cfg)

@@ -29,7 +29,7 @@ from hydra.utils import instantiate
 from lightning_hybrid import HybridStrategy
 from lightning_hybrid.data.corpus import ByteCorpusDataModule
 from lightning_hybrid.models import GPTLightningModule
-from lightning_hybrid.runs.config import ParallelConfig, register_configs, schema_from_signature
+from lightning_hybrid.runs.config import ParallelConfig, fold_peft, register_configs, schema_from_signature
 from lightning_hybrid.runs.recipe import ConfigError, check, exit_on_config_error, import_target, run, world_layout
 from tests.user_model import CountingTokens, TinyLM
 
@@ -509,11 +509,26 @@ def test_shards_run_resumed_from_last_in_its_folder_trains_the_same_losses_acros
     assert sorted(p.name for p in (tmp_path / "outputs").iterdir()) == ["first"]  # no new run folder
 
 
-def test_a_recipe_trains_lora_through_the_models_arguments():
-    """``model=hf model.lora={r: ..., target_modules: [...]}``: CausalLM's ``lora`` (peft's LoraConfig fields)."""
+def test_a_recipe_trains_lora_through_the_peft_group_or_the_models_arguments():
+    """``peft=lora peft.r=4 ...`` (configs/peft/lora.yaml) or ``model.lora={...}``: CausalLM's ``lora`` (peft's
+    LoraConfig fields); refused for a model without adapters, and when given both ways."""
     pytest.importorskip("peft")
-    cfg = _compose("model=hf", "model.model=llama", "+model.config={vocab_size: 256, hidden_size: 32,"
-                   " num_hidden_layers: 1, num_attention_heads: 4, num_key_value_heads: 2, intermediate_size: 64}",
-                   "model.lora={r: 4, lora_alpha: 8, target_modules: [q_proj, v_proj]}")
-    module = instantiate(cfg.model)
+    tiny = ("model=hf", "model.model=llama", "+model.config={vocab_size: 256, hidden_size: 32, num_hidden_layers: 1,"
+            " num_attention_heads: 4, num_key_value_heads: 2, intermediate_size: 64}")
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        def finetune(*overrides: str):
+            return compose(config_name="finetune", overrides=list(overrides))
+
+        cfg = finetune(*tiny, "peft=lora", "peft.r=4", "peft.target_modules=[q_proj,v_proj]")
+        assert finetune(*tiny).peft is None  # no adapters by default
+        both = finetune(*tiny, "model.lora={r: 4, target_modules: [q_proj]}", "peft=lora")
+        gpt = finetune("model=small", "peft=lora")
+    module = instantiate(fold_peft(cfg).model)
+    assert module.lora.r == 4 and module.lora.lora_alpha == 32 and module.lora.target_modules == {"q_proj", "v_proj"}
+    cfg = _compose(*tiny, "model.lora={r: 4, lora_alpha: 8, target_modules: [q_proj, v_proj]}")
+    module = instantiate(fold_peft(cfg).model)
     assert module.lora.r == 4 and module.lora.target_modules == {"q_proj", "v_proj"}
+    with pytest.raises(ValueError, match="peft and model.lora both give the model adapters"):
+        fold_peft(both)
+    with pytest.raises(ValueError, match=r"peft: the model \(lightning_hybrid.models.GPTLightningModule\) takes no"):
+        fold_peft(gpt)
