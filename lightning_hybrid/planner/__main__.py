@@ -281,6 +281,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                    " tensorwise): ZeRO-3 gathers the converted weights in float8")
     p.add_argument("--async-tp", action="store_true", help="the strategy's async_tp=True (CUDA, compiled, sequence"
                    " parallel): TP's forward collectives under the forward's GEMMs (torch's micro-pipelined TP)")
+    p.add_argument("--lora-rank", type=int, default=0, metavar="R", help="LoRA of rank R on the blocks' matrices"
+                   " (CausalLM(lora=...)): the base frozen, no gradients or optimizer state for it (default: 0, every"
+                   " parameter trains)")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--json", default=None, help="write every candidate to this file")
     args = p.parse_args(argv)
@@ -293,6 +296,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             header = describe_hf(config, model, args.allow_mismatch)
         else:
             model, header = model_spec(args.model, args.seq_len), ""
+        if args.lora_rank:
+            model = dataclasses.replace(model, lora_rank=args.lora_rank)
         cluster = load_cluster(args.cluster)
         if args.attention_speed is not None:
             if not args.attention_speed > 0:

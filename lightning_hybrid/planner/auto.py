@@ -72,7 +72,9 @@ def _model(cfg: DictConfig, module: Any = None) -> ModelSpec:
         names = {f.name for f in fields(GPTConfig)}
         return ModelSpec.from_gpt({k: v for k, v in node.items() if k in names}, seq_len, name="gpt")
     if target.endswith("CausalLM"):
-        return ModelSpec.from_hf(_hf_config(cfg), seq_len)
+        spec = ModelSpec.from_hf(_hf_config(cfg), seq_len)
+        lora = node.get("lora")  # LoRA (a mapping of peft's LoraConfig fields; its default rank 8): a frozen base
+        return spec if lora is None else replace(spec, lora_rank=int(lora.get("r", 8)))
     if module is None:
         from hydra.utils import instantiate
 

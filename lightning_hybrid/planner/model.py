@@ -53,6 +53,11 @@ class ModelSpec:
     gate of the shared experts in each MoE block; ``router_bias``: ``E`` router biases per MoE block in a model
     without other biases (ERNIE 4.5's score-correction biases, parameters there); ``positions``: rows of the learned
     position table (GPT-2's ``n_positions``; 0: ``seq_len``).
+
+    ``lora_rank`` (``CausalLM(lora=...)``; 0: every parameter trains): LoRA adapters of that rank on the blocks'
+    matrices (`lightning_hybrid.planner.placement.block_adapters`) train, everything else is frozen -- no
+    gradients or optimizer state for it, no weight-gradient GEMMs, only the adapters' gradients reduced. ``params``
+    counts the base.
     """
 
     name: str
@@ -80,6 +85,7 @@ class ModelSpec:
     shared_expert_gate: bool = False
     positions: int = 0
     router_bias: bool = False
+    lora_rank: int = 0
 
     def __post_init__(self) -> None:
         for field in ("n_layer", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len"):
@@ -90,7 +96,7 @@ class ModelSpec:
             raise ValueError(f"hidden={self.hidden}, heads={self.heads}, kv_heads={self.kv_heads}: heads must divide"
                              " hidden (unless head_size is given) and kv_heads must divide heads.")
         for field in ("experts", "top_k", "expert_ffn", "moe_layers", "shared_ffn", "head_size", "extra_norms",
-                      "attention_matrices", "positions"):
+                      "attention_matrices", "positions", "lora_rank"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"ModelSpec.{field}={value!r} is invalid: it must be a non-negative integer.")
@@ -203,11 +209,11 @@ class ModelSpec:
         block's and the LM head's; embeddings are lookups -- plus ``12 L h s`` for the attention scores and their
         weighted sum (PaLM, Chowdhery et al. 2022, appendix B; the same count as ``GPT.flops_per_token``). A MoE
         block counts the weights a token multiplies by (`block_active_weights`: ``k`` experts, the shared
-        experts and the router ``E x h``), not every expert."""
+        experts and the router ``E x h``), not every expert; under LoRA ``4`` (no weight gradients)."""
         dense = self.n_layer - self.moe_layers
         blocks = dense * self.block_active_weights() + self.moe_layers * self.block_active_weights(True)
         weights = blocks + self.hidden * self.vocab
-        return 6 * weights + 12 * self.n_layer * self.hidden * self.seq_len
+        return (4 if self.lora_rank else 6) * weights + 12 * self.n_layer * self.hidden * self.seq_len
 
     def with_seq_len(self, seq_len: Optional[int]) -> "ModelSpec":
         """The same model at another sequence length (the parameter count is kept)."""

@@ -12,8 +12,9 @@ from lightning_hybrid.parallel.pipeline.partition import partition_layers, stage
 
 from .model import ModelSpec
 
-__all__ = ["fsdp_unit_params", "largest_block_params", "moe_block_count", "pipeline_stages", "rank_block_counts",
-           "rank_chunk_blocks", "rank_expert_params", "rank_layers", "rank_params"]
+__all__ = ["FUSED_GATE_UP", "FUSED_QKV", "block_adapters", "fsdp_unit_params", "largest_block_params",
+           "moe_block_count", "pipeline_stages", "rank_block_counts", "rank_chunk_blocks", "rank_expert_params",
+           "rank_layers", "rank_params", "rank_trainable"]
 
 @functools.lru_cache(maxsize=None)
 def pipeline_stages(model: ModelSpec, pp: int, stages_per_rank: int,
@@ -42,6 +43,43 @@ def _block_on_device(model: ModelSpec, moe: bool, tp: int, ep: int) -> float:
     whole = norms + (model.hidden if model.bias else 0) + model.router_params()  # norms, o bias, router
     whole += model.hidden if model.bias and model.shared_ffn else 0  # the shared experts' down bias
     return (model.block_params(True) - whole - experts) / tp + whole + experts / ep
+
+
+#: Families whose attention computes q, k and v with one fused linear (one adapter for the three), and whose gated
+#: MLP fuses its gate and up projections (`block_adapters`).
+FUSED_QKV = frozenset({"gpt_neox", "gpt2", "phi3", "bloom", "falcon", "gpt_bigcode", "codegen", "mpt", "persimmon",
+                       "olmo", "dbrx"})
+FUSED_GATE_UP = frozenset({"phi3"})
+
+
+def block_adapters(model: ModelSpec, moe: bool = False) -> tuple[int, int]:
+    """LoRA (``lora_rank`` r > 0): one block's adapters, as ``(whole, split)`` -- the elements every TP rank holds
+    and those TP splits. Adapted: every linear of the attention and of the MLP (a MoE block's shared experts'; not
+    the router's or the experts'), each ``r (h + n)`` for its ``h x n`` matrix -- a fused q/k/v or gate/up
+    projection (`FUSED_QKV`, `FUSED_GATE_UP`) one matrix -- the ``r h`` side whole (a column-split layer's A, a
+    row-split layer's B), the ``r n`` side split with its layer."""
+    r, h = model.lora_rank, model.hidden
+    if not r:
+        return 0, 0
+    width = model.shared_ffn if moe and model.experts else model.ffn
+    mlp = (3 if model.gated_mlp else 2) if width else 0
+    fused_mlp = 1 if mlp == 3 and model.name in FUSED_GATE_UP else 0  # gate and up: one matrix
+    attention = 2 if model.name in FUSED_QKV else 4  # q, k, v (or qkv) and o
+    return r * h * (attention + mlp - fused_mlp), r * (model.attention_weights() // h + mlp * width)
+
+
+def rank_trainable(model: ModelSpec, layers: tuple[int, ...], tp: int) -> float:
+    """LoRA: the adapter elements a device holds for pipeline ``layers`` under ``tp`` (the embedding and head carry
+    none); 0 without LoRA."""
+    if not model.lora_rank:
+        return 0.0
+    first_moe = model.n_layer - model.moe_layers + 1
+    total = 0.0
+    for i in layers:
+        if 0 < i <= model.n_layer:
+            whole, split = block_adapters(model, model.experts > 0 and i >= first_moe)
+            total += whole + split / tp
+    return total
 
 
 @functools.lru_cache(maxsize=1 << 16)  # a search asks again for the same stages (other dp, ZeRO, micro-batches)

@@ -180,7 +180,7 @@ from .context_memory import PLAIN_KV_COPIES, context_transient_bytes, gathered_k
 from .float8 import check_fp8, fp8_amax_time, fp8_block_linears, fp8_extra_time
 from .layout import Layout
 from .model import ModelSpec
-from .placement import rank_block_counts, rank_expert_params, rank_layers, rank_params
+from .placement import rank_block_counts, rank_expert_params, rank_layers, rank_params, rank_trainable
 
 __all__ = ["TimeEstimate", "all_to_all_bytes", "all_to_all_time", "bubble_fraction", "estimate_time",
            "matmul_time_factor", "pipeline_boundaries", "pipeline_p2p_time",
@@ -286,13 +286,18 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     core_recompute = tokens * 4 * h * s / t if selective or (cp > 1 and mode == "none") else 0.0
     cp_traffic = context_attention_traffic(model, b, prec, t, cp)
 
-    block_flops = passes * tokens * (2 * model.block_matmul_weights() + 4 * h * s) / t + core_recompute
+    # LoRA (``model.lora_rank``): a frozen weight has no weight-gradient GEMM, one pass of the weights' fewer (the
+    # adapters' own GEMMs, r/h of a weight's, are left out).
+    weight_passes = passes - (1 if model.lora_rank else 0)
+    block_flops = (weight_passes * tokens * 2 * model.block_matmul_weights() + passes * tokens * 4 * h * s) / t
+    block_flops += core_recompute
     shape = matmul_time_factor(model, t, cluster.matmul_k0)  # the weight GEMMs' time at their shapes
     # Attention's core (its counted 4 h s FLOPs per token and pass, and its recomputation) at the attention kernel's
     # speed, which is not a GEMM's (`Cluster.attention_speed`).
     attention_flops = passes * tokens * 4 * h * s / t + core_recompute
     slower = attention_flops * (1 / cluster.attention_speed - 1)
-    block_matmul = (block_flops + (shape - 1) * passes * tokens * 2 * model.block_matmul_weights() / t + slower) / flops
+    block_matmul = (block_flops + (shape - 1) * weight_passes * tokens * 2 * model.block_matmul_weights() / t
+                    + slower) / flops
     bandwidth = cluster.memory_bandwidth
     if selective:
         # Element-wise traffic is the work's, not what is kept: the block's whole activations (the attention core's
@@ -334,7 +339,8 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
         block_tp = (tp_count - overlapped) * one + latency + max(0.0, overlapped * one - latency - under)
     block_cp = kv_exchange_time(model, lay, cluster)  # per block, dense or MoE
     mask_cp = mask_gather_time(model, lay, cluster)  # per micro-batch: the positions, for its mask
-    head_gemms = 6 * tokens * h * model.vocab / t / flops * (1 + cluster.matmul_k0 / h)
+    head_passes = 2 if model.lora_rank else 3  # (never recomputed; frozen under LoRA)
+    head_gemms = 2 * head_passes * tokens * h * model.vocab / t / flops * (1 + cluster.matmul_k0 / h)
     head_compute = head_gemms + 3 * cluster.layer_overhead
     if fp8 and cluster.fp8_head:
         head_compute += fp8_extra_time(fp8, cluster, head_gemms, 3, [(1, h, model.vocab / t)], tokens, False)
@@ -350,7 +356,8 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
         routed = routed_tokens(tokens, t, lay.sequence_parallel)
         split = model.attention_weights() + model.mlp_weights(model.shared_ffn)
         expert = model.experts * h + model.top_k * model.mlp_weights(model.expert_ffn)
-        moe_flops = passes * (tokens * (2 * split + 4 * h * s) / t + routed * 2 * expert) + core_recompute
+        moe_flops = (weight_passes * (tokens * 2 * split / t + routed * 2 * expert) + passes * tokens * 4 * h * s / t
+                     + core_recompute)
         moe_compute = ((moe_flops * shape + slower) / flops + passes * cluster.layer_overhead
                        + 3 * (moe_act + cp_traffic) / bandwidth)
         moe_tp = moe_units / 2 * block_tp
@@ -397,25 +404,33 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
 
     if lay.zero_stage == 3:  # hybrid sharding: gathered and reduce-scattered within the dp_shard cp ranks
         n = lay.zero3_shard
-    groups = [(n, P - P_x, cluster.ring_link(n, t), messages(P - P_x, dense_units + moe_units_dp + 1)),
-              (edp, P_x, cluster.ring_link(edp, ep * t), messages(P_x, moe_units_dp))]
-    groups = [g for g in groups if g[0] > 1 and g[3] > 0]
+    # Each group: (ranks, elements gathered, elements reduced, link, messages). LoRA: the adapters (on the dense
+    # weights) alone are reduced, and gathered after the step by ZeRO 1-2; ZeRO-3 gathers the frozen weights too.
+    trained = rank_trainable(model, ranks[fullest], t) if model.lora_rank else None
+    dense_units_all = dense_units + moe_units_dp + 1
+    if trained is not None and lay.zero_stage < 3:
+        groups = [(n, trained, trained, cluster.ring_link(n, t), messages(trained, dense_units_all))]
+    else:
+        dense_reduced, experts_reduced = (P - P_x, P_x) if trained is None else (trained, 0.0)
+        groups = [(n, P - P_x, dense_reduced, cluster.ring_link(n, t), messages(P - P_x, dense_units_all)),
+                  (edp, P_x, experts_reduced, cluster.ring_link(edp, ep * t), messages(P_x, moe_units_dp))]
+    groups = [g for g in groups if g[0] > 1 and g[4] > 0]
     # ZeRO-3 with float8 all-gather (`Cluster.fp8_all_gather`, tensorwise): the converted weights at 1 byte.
     float8_gathered = 0.0
     if fp8 == "tensorwise" and cluster.fp8_all_gather and lay.zero_stage == 3:
         float8_gathered = (dense_units * model.block_matmul_weights()
                            + (h * model.vocab if cluster.fp8_head and head_index in ranks[fullest] else 0)) / t
     if lay.zero_stage == 0:
-        reduce = sum(ring_time(size, p * gb, link, messages=k) for size, p, link, k in groups)
+        reduce = sum(ring_time(size, r * gb, link, messages=k) for size, _, r, link, k in groups)
         gather = 0.0
     else:
-        reduce = sum(ring_time(size, p * gb, link, "reduce_scatter", k) for size, p, link, k in groups)
+        reduce = sum(ring_time(size, r * gb, link, "reduce_scatter", k) for size, _, r, link, k in groups)
         # (FP8 refuses experts: with float8 all-gather the only group is the dense one, P - P_x = P.)
         gather = sum(ring_time(size, p * pb - float8_gathered * (pb - 1), link, "all_gather", k)
-                     for size, p, link, k in groups)
+                     for size, p, _, link, k in groups)
     if lay.zero_stage == 3 and lay.replicas > 1:  # then each shard all-reduced across the replicas (n t ranks apart)
-        reduce += ring_time(lay.replicas, (P - P_x) / n * gb, cluster.ring_link(lay.replicas, n * t),
-                            messages=messages(P - P_x, dense_units + moe_units_dp + 1))
+        reduce += ring_time(lay.replicas, (P - P_x if trained is None else trained) / n * gb,
+                            cluster.ring_link(lay.replicas, n * t), messages=messages(P - P_x, dense_units_all))
     units = max(1, max((k for *_, k in groups), default=1))  # buckets (stages 0-2) or FSDP2 units (stage 3)
     # Each overlap once, only where the schedule allows it; what a compute window cannot hide shows, and so does
     # the one message that cannot start before the window ends (or must end before it starts): never 0 at scale.
@@ -451,6 +466,8 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     # ZeRO 1-3 step a 1/dp slice (the experts' 1/(dp/ep)); dp cp under CP
     optimizer = (per_param * (P - P_x) / (n if lay.zero_stage else 1)
                  + per_param * P_x / (edp if lay.zero_stage else 1))
+    if trained is not None:  # LoRA: the adapters alone are stepped
+        optimizer = per_param * trained / (n if lay.zero_stage else 1)
 
     own = m * compute_mb + optimizer  # what a rank computes itself
     # Collectives the fullest rank takes part in per step, each costing ``collective_overhead`` beyond its
