@@ -271,6 +271,25 @@ class DropoutLM(UserLM):
             self.blocks = nn.ModuleList(DropoutBlock(split_p, whole_p) for _ in range(len(self.blocks)))
 
 
+class LoraUserLM(UserLM):
+    """`UserLM` with peft's LoRA on its own linears, chosen by a pattern over their names (the query, value, and both
+    MLP projections of every block), as a user adds it in their module; plain SGD (Adam turns the fp32 noise of a
+    near-zero adapter gradient into lr-sized updates)."""
+
+    def __init__(self, dropout: float = 0.0, **kwargs) -> None:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        super().__init__(**kwargs)
+        config = LoraConfig(r=4, lora_alpha=16, init_lora_weights=False, lora_dropout=dropout,
+                            target_modules=r"blocks\.\d+\.(q|v|up|down)")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)
+            inject_adapter_in_model(config, self)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05)
+
+
 class DropoutMasks(L.Callback):
     """Keeps, per ``nn.Dropout`` module, the mask of its last call in the first training batch (a boolean tensor,
     True: dropped): the training forward's, after whatever the strategy's first-step checks ran."""

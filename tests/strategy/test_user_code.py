@@ -26,6 +26,7 @@ from tests.user_code import (
     DropoutLM,
     DropoutMasks,
     HandClippingLM,
+    LoraUserLM,
     ManualLM,
     MiscountedLM,
     SequenceLM,
@@ -123,6 +124,8 @@ PARITY = {
     "chunked attention, cp2": (dict(dp=1, cp=2), _llama4, pairs_loader, {}),
     # Dropout where a TP rank holds what one device holds (after the row-split projection): one device's masks.
     "dropout on replicated activations, tp2": (dict(tp=2), lambda: DropoutLM(whole_p=0.3), pairs_loader, {}),
+    # peft's LoRA on the module's own linears: TP splits each adapter with its layer.
+    "LoRA on the module's linears, tp2": (dict(tp=2), LoraUserLM, pairs_loader, {}),
 }
 
 
@@ -200,6 +203,8 @@ def _on_2_ranks() -> dict[str, str]:
                                                 lambda t: pairs_loader())),
         "tied head held directly, dp2 ZeRO-3": _outcome(lambda: _fit(HybridStrategy(dp=2, zero_stage=3), TiedLM(),
                                                                      lambda t: pairs_loader())),
+        "user LoRA dropout, tp2": _outcome(lambda: _fit(HybridStrategy(tp=2), LoraUserLM(dropout=0.1),
+                                                        lambda t: pairs_loader())),
         # LoRA's adapter dropout where TP splits the adapted layers (tests/hf/test_lora.py has the rest of it).
         "lora dropout, tp2": _outcome(lambda: _fit(HybridStrategy(tp=2), CausalLM(tiny_config("llama"), lora={
             "r": 4, "target_modules": ["q_proj"], "lora_dropout": 0.1}), lambda t: pairs_loader())),
@@ -231,9 +236,11 @@ def test_declared_losses_match_one_device(two_ranks, name):
 
 
 def test_lora_dropout_under_tp_is_refused_on_every_rank(two_ranks):
+    """CausalLM's lora refuses it at construction; peft's adapters on a user's module, where TP's plan finds them."""
     pytest.importorskip("peft")
     for out in two_ranks:
         assert "lora_dropout=0.1 with tp=2: a TP-split layer's adapter" in out["lora dropout, tp2"], out
+        assert "has LoRA dropout and tp=2 would split it: a split adapter" in out["user LoRA dropout, tp2"], out
 
 
 def test_an_undeclared_loss_is_refused_where_a_split_would_change_it(two_ranks):

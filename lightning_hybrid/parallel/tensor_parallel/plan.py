@@ -215,7 +215,19 @@ def resolve_tp_plan(
             for rel in layers
         )))
         plan.units[unit_name] = Unit(unit_name, kind, source, layers, variants)
+        _check_adapter_dropout(unit_name, layers, modules, tp)
     return plan
+
+
+def _check_adapter_dropout(unit: str, layers: dict, modules: dict[str, nn.Module], tp: int) -> None:
+    """``ValueError`` for a LoRA wrapper TP would split whose adapter drops its input out: a row-split layer's
+    adapter would draw its mask for its piece of the input, not one device's mask for the whole."""
+    for rel in layers:
+        module = modules[_join(unit, rel)]
+        dropouts = getattr(module, "lora_dropout", {}).values() if lora_wrapper(module) else ()
+        if any(getattr(d, "p", 0) for d in dropouts):
+            raise ValueError(f"{_join(unit, rel)} has LoRA dropout and tp={tp} would split it: a split adapter cannot"
+                             " draw the mask one device draws for its whole input; set lora_dropout=0 under tp > 1.")
 
 
 def _shape(module: nn.Module) -> tuple[int, ...]:
