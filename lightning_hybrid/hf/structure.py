@@ -121,4 +121,3 @@ def cpu_twin(module: nn.Module) -> nn.Module:
             empty = torch.empty_like(t, device="cpu")
             memo[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
     return copy.deepcopy(module, memo)
-

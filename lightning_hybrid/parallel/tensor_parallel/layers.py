@@ -272,9 +272,10 @@ def split_adapted(wrapper: nn.Module, style: str, group: dist.ProcessGroup, gath
     """Split a LoRA-adapted linear (`lightning_hybrid.core.linears.lora_base`) with its adapters, in place: its base
     layer as ``style`` says; for a column-split base each adapter's ``B`` is split as the base's output (the same
     parts, gathered alike) and ``A`` stays whole; for a row-split base ``A`` is split as the base's input and ``B``
-    stays whole. Then ``base(x) + s B(A(x))`` is the unsplit layer's output piece, with no collective the base does
-    not make already; the parameters whose gradients are per-rank parts (the whole adapter under sequence
-    parallelism) are found by the verification. Returns the TP layers made."""
+    stays whole. Then ``base(x) + s B(A(x))`` is the unsplit layer's output piece, at the cost of one collective of
+    ``r``-wide activations per layer (a row layer's ``A`` output reduced; a column layer's ``B`` input gradient,
+    without sequence parallelism); the parameters whose gradients are per-rank parts (the whole matrix of each pair
+    under sequence parallelism) are found by the verification. Returns the TP layers made."""
     if style == "colwise":
         wrapper.base_layer = ColumnParallelLinear(wrapper.base_layer, group, gather_output, part_sizes)
         for key, b in list(wrapper.lora_B.items()):
