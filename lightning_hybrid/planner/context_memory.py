@@ -2,8 +2,9 @@
 values all-gathered over the ``cp`` ranks (`gathered_kv_bytes`), the attention's transient of the layer being
 computed (`context_transient_bytes`), the calls' masks and the documents a micro-batch keeps (`context_mask_bytes`,
 `context_documents_bytes`, `context_masks`), and without context parallelism the documents' joined outputs
-(`document_output_bytes`) or under compile SDPA's float copy of the document mask (`document_mask_bytes`). The
-model: `lightning_hybrid.planner.memory`'s docstring.
+(`document_output_bytes`) or under compile SDPA's float copy of the document mask (`document_mask_bytes`); what
+the attention moves beside the kept activations (`context_attention_traffic`, for the time model). The model:
+`lightning_hybrid.planner.memory`'s docstring.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from .activations import KORTHIKANTI, PRECISIONS, ActivationCoefficients, block_
 from .layout import Layout
 from .model import ModelSpec
 
-__all__ = ["DOCUMENT_KV_COPIES", "PLAIN_KV_COPIES", "context_documents_bytes", "context_mask_bytes", "context_masks",
-           "context_transient_bytes", "document_mask_bytes", "document_output_bytes", "gathered_kv_bytes"]
+__all__ = ["DOCUMENT_KV_COPIES", "PLAIN_KV_COPIES", "context_attention_traffic", "context_documents_bytes",
+           "context_mask_bytes", "context_masks", "context_transient_bytes", "document_mask_bytes",
+           "document_output_bytes", "gathered_kv_bytes"]
+
 
 def gathered_kv_bytes(model: ModelSpec, b: int, element: float, tp: int = 1, cp: int = 1) -> float:
     """Bytes of one block's keys and values all-gathered over ``cp`` ranks for a micro-batch of ``b`` sequences:
@@ -95,3 +98,15 @@ def context_transient_bytes(model: ModelSpec, b: int, precision: str, tp: int = 
         return kv + block_activation_bytes(ActivationCoefficients(0.0, 0.0, KORTHIKANTI.scores), model.seq_len, b,
                                            model.hidden, model.heads, tp, cp=cp)
     return kv
+
+
+def context_attention_traffic(model: ModelSpec, b: int, precision: str, tp: int = 1, cp: int = 1) -> float:
+    """Bytes of one block's context-parallel attention that are not the block's kept activations, for its
+    element-wise traffic: the gathered K and V and their copy in the sequence's order (batches with documents the
+    same: attended per document, no masks); `KORTHIKANTI`'s block its scores. 0 for ``cp = 1``."""
+    if cp == 1:
+        return 0.0
+    e = PRECISIONS[precision][3]
+    kv = gathered_kv_bytes(model, b, e, tp, cp)
+    scores = context_transient_bytes(model, b, precision, tp, cp) - PLAIN_KV_COPIES * kv  # KORTHIKANTI's, else 0
+    return 2 * kv + scores

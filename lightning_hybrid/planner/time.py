@@ -176,7 +176,7 @@ from .communication import (
     ring_time,
     ring_volume,
 )
-from .context_memory import PLAIN_KV_COPIES, context_transient_bytes, gathered_kv_bytes
+from .context_memory import context_attention_traffic
 from .float8 import check_fp8, fp8_amax_time, fp8_block_linears, fp8_extra_time
 from .layout import Layout
 from .model import ModelSpec
@@ -185,19 +185,6 @@ from .placement import rank_block_counts, rank_expert_params, rank_layers, rank_
 __all__ = ["TimeEstimate", "all_to_all_bytes", "all_to_all_time", "bubble_fraction", "estimate_time",
            "matmul_time_factor", "pipeline_boundaries", "pipeline_p2p_time",
            "kv_exchange_bytes", "kv_exchange_time", "kv_exchanges", "mask_gather_time", "ring_time", "ring_volume"]
-
-
-
-def context_attention_traffic(model: ModelSpec, b: int, precision: str, tp: int = 1, cp: int = 1) -> float:
-    """Bytes of one block's context-parallel attention that are not the block's kept activations, for its
-    element-wise traffic: the gathered K and V and their copy in the sequence's order (batches with documents the
-    same: attended per document, no masks); `KORTHIKANTI`'s block its scores. 0 for ``cp = 1``."""
-    if cp == 1:
-        return 0.0
-    e = PRECISIONS[precision][3]
-    kv = gathered_kv_bytes(model, b, e, tp, cp)
-    scores = context_transient_bytes(model, b, precision, tp, cp) - PLAIN_KV_COPIES * kv  # KORTHIKANTI's, else 0
-    return 2 * kv + scores
 
 
 def matmul_time_factor(model: ModelSpec, tp: int = 1, k0: float = 0.0) -> float:
