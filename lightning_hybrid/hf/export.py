@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
-from lightning_hybrid.hf.lora import adapter_state, base_name, merged_weight
+from lightning_hybrid.hf.lora import adapter_merges, adapter_state, base_name, inject_lora, merged_weight
 from lightning_hybrid.hf.module import CausalLM
 from lightning_hybrid.hf.weights import tied_keys
 
@@ -50,17 +50,16 @@ def export_pretrained(trainer: "L.Trainer", folder: Union[str, os.PathLike], max
             shard.clear()
 
         adapters = _adapters(parts()) if module.lora is not None else {}
+        merges = _merges(module) if module.lora is not None else {}
         held = 0
         for part in parts():
             for key, value in part.items():
                 name = key[len("model."):]
                 if not key.startswith("model.") or name in tied or ".lora_A." in name or ".lora_B." in name:
                     continue
-                if module.lora is not None and base_name(name) is not None:  # an adapted layer: merged
-                    layer, leaf = base_name(name).rsplit(".", 1)
-                    if leaf == "weight":
-                        value = merged_weight(value, *adapters[layer], module.lora)
-                    name = base_name(name)
+                name = base_name(name) or name  # an adapted layer's weight, bias: under transformers' names
+                if name in merges:  # an adapted weight: merged
+                    value = merged_weight(value, *adapters[merges[name].wrapper], merges[name])
                 size = value.numel() * value.element_size()
                 if shard and held + size > max_shard_bytes:
                     flush()
@@ -116,6 +115,17 @@ def _staged(trainer: "L.Trainer", folder: Path, name: str) -> Iterator[Optional[
     else:
         yield None
     trainer.strategy.barrier(name)
+
+
+def _merges(module: CausalLM) -> dict:
+    """`lightning_hybrid.hf.lora.adapter_merges` of the module's model, read from a copy built on the meta device
+    (rank 0 may hold some of its layers only)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(module.hf_config, dtype=torch.float32)
+    inject_lora(skeleton, module.lora)
+    return adapter_merges(skeleton)
 
 
 def _adapters(parts) -> dict[str, tuple[Tensor, Tensor]]:

@@ -19,16 +19,16 @@ import math
 import re
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
 
-from lightning_hybrid.core.linears import lora_wrapper
+from lightning_hybrid.core.linears import lora_base, lora_wrapper
 
-__all__ = ["INSTALL_HINT", "adapter_modules", "adapter_state", "adapter_tensors", "adapter_value", "base_name",
-           "check_adapted_experts", "check_lora_layout", "init_adapters", "inject_lora", "lora_config", "lora_hparams",
-           "merged_weight"]
+__all__ = ["INSTALL_HINT", "Merge", "adapter_merges", "adapter_modules", "adapter_state", "adapter_tensors",
+           "adapter_value", "base_name", "check_adapted_experts", "check_lora_layout", "init_adapters", "inject_lora",
+           "lora_config", "lora_hparams", "merged_weight"]
 
 INSTALL_HINT = "pip install 'lightning-hybrid[lora]' (peft)"
 #: Prefix of the adapter's tensors in a folder ``PeftModel.from_pretrained`` loads (peft's own ``save_pretrained``).
@@ -209,15 +209,56 @@ def adapter_state(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def merged_weight(weight: Tensor, a: Tensor, b: Tensor, config) -> Tensor:
-    """The base layer's ``weight`` with its adapter merged in: ``W + s B A`` (``s = alpha / r``, ``alpha / sqrt(r)``
-    with rsLoRA; transposed for a ``fan_in_fan_out`` layer such as GPT-2's ``Conv1D``), computed in float32."""
-    r = a.shape[0]
-    scale = config.lora_alpha / (math.sqrt(r) if config.use_rslora else r)
-    delta = (b.float() @ a.float()) * scale
-    if config.fan_in_fan_out:
-        delta = delta.t()
-    return (weight.float() + delta).to(weight.dtype)
+class Merge(NamedTuple):
+    """How one adapter merges into the weight it adapts (`adapter_merges`): the adapter's wrapper (its module's name),
+    the scale ``s`` and, for an adapter on packed expert parameters (peft's ``ParamWrapper``), the experts' count
+    and whether the parameter is stored ``(experts, out, in)``; ``fan_in_fan_out``: a ``Conv1D``'s ``(in, out)``."""
+
+    wrapper: str
+    scale: float
+    experts: int = 1
+    out_first: bool = False
+    fan_in_fan_out: bool = False
+
+
+def adapter_merges(model: nn.Module, adapter: str = "default") -> dict[str, Merge]:
+    """``{name of an adapted weight, as transformers names it: its Merge}`` of ``model`` as peft injected it (on the
+    meta device is enough: only the wrappers' settings are read)."""
+    out = {}
+    for name, module in model.named_modules():
+        if not (lora_wrapper(module) and adapter in module.lora_A):
+            continue
+        scale = float(module.scaling[adapter])
+        parameter = getattr(module, "parameter_name", None)
+        if parameter:  # peft's ParamWrapper: the parameter of the innermost base module
+            owner = name + ".base_layer" * _depth(module)
+            out[base_name(f"{owner}.{parameter}") or f"{owner}.{parameter}"] = Merge(
+                name, scale, int(getattr(module, "num_experts", 1)), bool(module._did_swap_in_out_features))
+        elif lora_base(module) is not None:
+            out[f"{name}.weight"] = Merge(name, scale, fan_in_fan_out=bool(getattr(module, "fan_in_fan_out", False)))
+    return out
+
+
+def _depth(module: nn.Module) -> int:
+    depth = 0
+    while lora_wrapper(module):
+        module, depth = module.base_layer, depth + 1
+    return depth
+
+
+def merged_weight(weight: Tensor, a: Tensor, b: Tensor, merge: Merge) -> Tensor:
+    """``weight`` with its adapter ``(a, b)`` merged in, as peft merges it, computed in float32: ``W + s B A``
+    (transposed for a ``fan_in_fan_out`` layer such as GPT-2's ``Conv1D``); for packed experts each expert's own
+    ``s B_e A_e`` (A's rows and B's columns hold the experts' ranks: peft's ``ParamWrapper.get_delta_weight``)."""
+    a, b = a.float(), b.float()
+    if merge.experts == 1:
+        delta = b @ a
+        delta = delta.t() if merge.fan_in_fan_out else delta
+    else:
+        a = a.reshape(merge.experts, -1, a.shape[-1])  # experts x rank x in
+        b = b.reshape(b.shape[0], -1, merge.experts)  # out x rank x experts
+        delta = torch.einsum("o r e, e r i -> e o i" if merge.out_first else "o r e, e r i -> e i o", b, a)
+    return (weight.float() + delta * merge.scale).to(weight.dtype)
 
 
 def base_name(name: str) -> Optional[str]:

@@ -80,15 +80,21 @@ def test_what_a_layout_cannot_split_exactly_is_refused():
         check_adapted_experts(adapted, 2)
 
 
-def test_exports_give_the_trained_modules_logits(tmp_path):
+@pytest.mark.parametrize("family, lora", [
+    ("llama", LORA),
+    # all-linear on an MoE: peft's ParamWrapper on the router's weight and on the experts' two packed parameters
+    # (nested), each merged expert by expert
+    ("mixtral", {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "init_lora_weights": False}),
+])
+def test_exports_give_the_trained_modules_logits(tmp_path, family, lora):
     """One device: the merged folder loads in transformers, the adapter folder in peft onto the base folder."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_config("llama")).float().save_pretrained(tmp_path / "base")
+    AutoModelForCausalLM.from_config(tiny_config(family)).float().save_pretrained(tmp_path / "base")
     L.seed_everything(0, verbose=False)
-    module = CausalLM(str(tmp_path / "base"), lr=1e-2, lora=LORA)
+    module = CausalLM(str(tmp_path / "base"), lr=1e-2, lora=lora)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, limit_val_batches=0, **QUIET_TRAINER)
     trainer.fit(module, ByteCorpusDataModule(max_bytes=10_000, block_size=16, batch_size=2))
     export_pretrained(trainer, tmp_path / "merged")
