@@ -46,6 +46,7 @@ from lightning_hybrid.parallel.expert_parallel import (
     apply_ep,
     check_experts,
     expert_parameter_names,
+    expert_units,
     iter_expert_modules,
 )
 from lightning_hybrid.parallel.float8 import Float8Groups, Float8Report, apply_float8, float8_config
@@ -355,7 +356,7 @@ def shard_zero3(
     float8 all-gather get their weights wrapped first and a scale hook on each unit
     (`lightning_hybrid.parallel.float8_all_gather`)."""
     if edp_mesh is not None:
-        apply_fsdp_experts(list(iter_expert_modules(module)), edp_mesh, dp_mesh.size())
+        apply_fsdp_experts(expert_units(module), edp_mesh, dp_mesh.size())
     tied = {id(p) for names in shared for p in [_parameter_or_none(module, names)] if p is not None}
     wrap_float8_weights(module, tied)
     if stages is None:

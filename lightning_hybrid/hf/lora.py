@@ -7,10 +7,10 @@ their own names, `base_name`, or drawn by the model's init as without adapters) 
 value from `adapter_value`: peft's init, drawn from the module's ``init_seed`` and the tensor's name, the same on
 every rank and under every layout. Only the adapters train: frozen weights get no gradient, no ZeRO bucket and no
 optimizer state. Every layout takes it: tensor parallelism splits an adapted linear with its adapters
-(`lightning_hybrid.parallel.tensor_parallel.layers.split_adapted`, verified with the block), pipeline stages and
-expert parallelism build their layers with them. Plain LoRA only: DoRA, per-module ranks or alphas, inits computed
-from the weights and other peft tuners are refused at construction (`lora_config`), adapter dropout under TP by
-`check_lora_layout`."""
+(`lightning_hybrid.parallel.tensor_parallel.layers.split_adapted`, verified with the block), pipeline stages build
+their layers with them, and expert parallelism cuts the adapters of packed experts with the experts. Plain LoRA
+only: DoRA, per-module ranks or alphas, inits computed from the weights and other peft tuners are refused at
+construction (`lora_config`), adapter dropout under TP by `check_lora_layout`."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from lightning_hybrid.core.linears import lora_base, lora_wrapper
 
 __all__ = ["INSTALL_HINT", "Merge", "adapter_merges", "adapter_modules", "adapter_state", "adapter_tensors",
-           "adapter_value", "base_name", "check_adapted_experts", "check_lora_layout", "init_adapters", "inject_lora",
+           "adapter_value", "base_name", "check_lora_layout", "init_adapters", "inject_lora",
            "lora_config", "lora_hparams", "merged_weight"]
 
 INSTALL_HINT = "pip install 'lightning-hybrid[lora]' (peft)"
@@ -110,20 +110,6 @@ def check_lora_layout(tp: int, config) -> None:
     if tp > 1 and config.lora_dropout:
         raise ValueError(f"lora_dropout={config.lora_dropout} with tp={tp}: a TP-split layer's adapter cannot draw"
                          " the dropout mask one device draws for its whole input; set lora_dropout=0 under tp > 1.")
-
-
-def check_adapted_experts(adapted: Sequence[tuple[str, nn.Module]], ep: int) -> None:
-    """``ValueError`` under expert parallelism where an adapter sits on experts' packed parameters (peft's
-    ``ParamWrapper``, which ``target_modules="all-linear"`` puts on a transformers MoE's experts): expert parallelism
-    gives each rank its experts' slices, and such an adapter holds every expert's rows in one matrix."""
-    on_experts = [name for name, module in adapted
-                  if getattr(module, "parameter_name", None) and getattr(module, "num_experts", 1) > 1]
-    if ep > 1 and on_experts:
-        raise ValueError(f"lora on the experts' parameters ({on_experts[0]}, and {len(on_experts) - 1} more) with"
-                         f" ep={ep}: expert parallelism splits the experts, not an adapter of all their parameters;"
-                         " train with ep=1, or leave the experts out of the adapters: target_modules naming the modules"
-                         " to adapt, e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate'] (peft's exclude_modules does"
-                         " not remove what 'all-linear' puts on experts).")
 
 
 def inject_lora(model: nn.Module, config) -> list[str]:

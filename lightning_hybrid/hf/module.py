@@ -20,7 +20,6 @@ from lightning_hybrid.hf.lora import (
     adapter_modules,
     adapter_tensors,
     base_name,
-    check_adapted_experts,
     check_lora_layout,
     init_adapters,
     inject_lora,
@@ -156,7 +155,6 @@ class CausalLM(LanguageModel):
         if self.lora is not None:  # on the meta model: every layout builds the layers with their adapters
             check_lora_layout(self._tp_size(), self.lora)
             self.adapted = inject_lora(model, self.lora)
-            check_adapted_experts([(n, model.get_submodule(n)) for n in self.adapted], self._expert_parallel_size())
         self.model = model
         self._structure = _Structure(model)
         self._calls = _PipelineCalls(self._structure)

@@ -44,9 +44,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_hybrid.core.collectives import ShardSpec
+from lightning_hybrid.core.collectives import ShardSpec, split_shard
+from lightning_hybrid.core.linears import lora_wrapper
 
-__all__ = ["ExpertParallel", "apply_ep", "check_experts", "expert_parameter_names", "find_experts"]
+__all__ = ["ExpertParallel", "apply_ep", "check_experts", "expert_parameter_names", "expert_units", "find_experts"]
 
 _EXPERTS_ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
 
@@ -81,12 +82,51 @@ def _argument_names(experts: nn.Module) -> tuple[str, ...]:
 
 
 def expert_parameter_names(module: nn.Module) -> frozenset[str]:
-    """Qualified names of the parameters of ``module``'s expert-parallel experts modules (`apply_ep` ran)."""
+    """Qualified names of the parameters of ``module``'s expert-parallel experts modules (`apply_ep` ran), and of
+    the LoRA adapters on their parameters (each rank holds its experts' rows of them)."""
     return frozenset(
         f"{name}.{p}" if name else p
-        for name, sub in module.named_modules() if isinstance(getattr(sub, "_expert_parallel", None), ExpertParallel)
+        for name, sub in module.named_modules()
+        if isinstance(getattr(sub, "_expert_parallel", None), ExpertParallel) or getattr(sub, "_expert_adapter", False)
         for p, _ in sub.named_parameters(recurse=False)
     )
+
+
+def _adapter_wrappers(root: nn.Module, experts: nn.Module) -> list[nn.Module]:
+    """peft's LoRA wrappers of ``experts``' packed parameters (``ParamWrapper``: ``base_layer`` chains that end at
+    the experts module; ``all-linear`` nests one per parameter), outermost first."""
+    chains = []
+    for sub in root.modules():
+        inner, depth = sub, 0
+        while lora_wrapper(inner):
+            inner, depth = inner.base_layer, depth + 1
+        if depth and inner is experts:
+            chains.append((depth, sub))
+    return [sub for _, sub in sorted(chains, key=lambda c: -c[0])]
+
+
+def _split_adapters(wrapper: nn.Module, count: int, group: dist.ProcessGroup, rank: int, size: int) -> None:
+    """The adapters of a wrapper of an experts module's parameter cut to this rank's experts, as peft lays them out
+    (``ParamWrapper.get_delta_weight``): A ``(E r, in)`` holds each expert's ``r`` rows in turn, B ``(out, r E)`` its
+    columns ``k E + e``; the wrapper's ``num_experts`` becomes the local count."""
+    for key in wrapper.lora_A:
+        a, b = wrapper.lora_A[key], wrapper.lora_B[key]
+        r = a.weight.size(0) // count
+        for linear, spec in ((a, ShardSpec(0, (count * r,))), (b, ShardSpec(1, (count,) * r))):
+            piece = split_shard(linear.weight.detach(), spec, rank, size)
+            linear.weight = nn.Parameter(piece, requires_grad=linear.weight.requires_grad)
+            linear.shard_specs, linear.group, linear._expert_adapter = {"weight": spec}, group, True
+    wrapper.num_experts = count // size
+
+
+def expert_units(module: nn.Module) -> list[nn.Module]:
+    """What ZeRO-3 shards over the experts' own data-parallel group: each split experts module, or the outermost
+    LoRA wrapper of its parameters (whose forward reads the adapters' weights itself)."""
+    units = []
+    for experts in iter_expert_modules(module):
+        wrappers = _adapter_wrappers(module, experts)
+        units.append(wrappers[0] if wrappers else experts)
+    return units
 
 
 def _local_slice(tensor: Tensor, rank: int, ep: int) -> Tensor:
@@ -235,6 +275,9 @@ def apply_ep(module: nn.Module, group: dist.ProcessGroup, verify: bool = True) -
         experts.group = group
         experts.register_forward_pre_hook(state.dispatch, with_kwargs=True)
         experts.register_forward_hook(state.combine, with_kwargs=True)
+        for wrapper in _adapter_wrappers(module, experts):
+            if getattr(wrapper, "num_experts", 1) == count:
+                _split_adapters(wrapper, count, group, rank, size)
     return []
 
 

@@ -369,9 +369,10 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
                 grads = gb * (P + (slices if lay.zero_stage == 2 and sharded else 0))
         optimizer = ob * (P - experts) / dp + ob * experts / edp
         if model.lora_rank:  # LoRA: the adapters alone have gradients and optimizer state (ZeRO shards them too)
-            adapters = rank_trainable(model, layers, t)
-            params += pb * adapters
-            grads, optimizer = gb * adapters, ob * adapters / dp
+            dense_adapters, expert_adapters = rank_trainable(model, layers, t, ep)
+            params += pb * (dense_adapters + expert_adapters)
+            grads = gb * (dense_adapters + expert_adapters)
+            optimizer = ob * (dense_adapters / dp + expert_adapters / edp)
         per_chunk = tuple((d + x) * kept if lay.activation_checkpointing
                           else d * (dense_act + own_mask) + x * (moe_act + own_mask)
                           for d, x in chunks[rank])
@@ -406,8 +407,8 @@ def resolve_grad_reduce(model: ModelSpec, layout: Layout, precision: str, device
         spec = SCHEDULES[layout.schedule] if layout.pp > 1 else SCHEDULES["1f1b"]
         per_rank = layout.virtual_stages if layout.pp > 1 else 1
         gb = PRECISIONS[precision][1]
-        count = rank_trainable if model.lora_rank else rank_params  # (LoRA: the adapters alone have gradients)
-        fullest = max(count(model, layers, layout.tp, *(() if model.lora_rank else (layout.ep,)))
+        fullest = max(sum(rank_trainable(model, layers, layout.tp, layout.ep)) if model.lora_rank  # (LoRA: the
+                      else rank_params(model, layers, layout.tp, layout.ep)  # adapters alone have gradients)
                       for layers in rank_layers(model, layout.pp, per_rank, spec.style))
         every = gb * fullest > AUTO_WINDOW_FRACTION * device_memory
     return replace(layout, grad_reduce="micro_batch" if every else "window")

@@ -12,9 +12,9 @@ from lightning_hybrid.parallel.pipeline.partition import partition_layers, stage
 
 from .model import ModelSpec
 
-__all__ = ["FUSED_GATE_UP", "FUSED_QKV", "block_adapters", "fsdp_unit_params", "largest_block_params",
-           "moe_block_count", "pipeline_stages", "rank_block_counts", "rank_chunk_blocks", "rank_expert_params",
-           "rank_layers", "rank_params", "rank_trainable"]
+__all__ = ["FUSED_GATE_UP", "FUSED_QKV", "PACKED_EXPERT_ADAPTERS", "block_adapters", "fsdp_unit_params",
+           "largest_block_params", "moe_block_count", "pipeline_stages", "rank_block_counts", "rank_chunk_blocks",
+           "rank_expert_params", "rank_layers", "rank_params", "rank_trainable"]
 
 @functools.lru_cache(maxsize=None)
 def pipeline_stages(model: ModelSpec, pp: int, stages_per_rank: int,
@@ -50,36 +50,47 @@ def _block_on_device(model: ModelSpec, moe: bool, tp: int, ep: int) -> float:
 FUSED_QKV = frozenset({"gpt_neox", "gpt2", "phi3", "bloom", "falcon", "gpt_bigcode", "codegen", "mpt", "persimmon",
                        "olmo", "dbrx"})
 FUSED_GATE_UP = frozenset({"phi3"})
+#: MoE families whose router and packed experts peft's ``all-linear`` adapts (its ``ParamWrapper``: the router's
+#: weight at rank r, the experts' fused gate/up at rank 2r and down at rank r, each for every expert).
+PACKED_EXPERT_ADAPTERS = frozenset({"mixtral", "olmoe", "qwen3_moe", "deepseek_v3", "ernie4_5_moe"})
 
 
-def block_adapters(model: ModelSpec, moe: bool = False) -> tuple[int, int]:
-    """LoRA (``lora_rank`` r > 0): one block's adapters, as ``(whole, split)`` -- the elements every TP rank holds
-    and those TP splits. Adapted: every linear of the attention and of the MLP (a MoE block's shared experts'; not
-    the router's or the experts'), each ``r (h + n)`` for its ``h x n`` matrix -- a fused q/k/v or gate/up
-    projection (`FUSED_QKV`, `FUSED_GATE_UP`) one matrix -- the ``r h`` side whole (a column-split layer's A, a
-    row-split layer's B), the ``r n`` side split with its layer."""
+def block_adapters(model: ModelSpec, moe: bool = False) -> tuple[int, int, int]:
+    """LoRA (``lora_rank`` r > 0): one block's adapters, as ``(whole, split, experts)`` -- the elements every TP rank
+    holds, those TP splits, and those on the experts (split by expert parallelism). Adapted, as peft's
+    ``all-linear`` adapts them: every linear of the attention and of the MLP (a MoE block's shared experts'), each
+    ``r (h + n)`` for its ``h x n`` matrix -- a fused q/k/v or gate/up projection (`FUSED_QKV`, `FUSED_GATE_UP`) one
+    matrix -- the ``r h`` side whole (a column-split layer's A, a row-split layer's B), the ``r n`` side split with
+    its layer; in a MoE block of `PACKED_EXPERT_ADAPTERS` the router (whole) and the experts."""
     r, h = model.lora_rank, model.hidden
     if not r:
-        return 0, 0
+        return 0, 0, 0
     width = model.shared_ffn if moe and model.experts else model.ffn
     mlp = (3 if model.gated_mlp else 2) if width else 0
     fused_mlp = 1 if mlp == 3 and model.name in FUSED_GATE_UP else 0  # gate and up: one matrix
     attention = 2 if model.name in FUSED_QKV else 4  # q, k, v (or qkv) and o
-    return r * h * (attention + mlp - fused_mlp), r * (model.attention_weights() // h + mlp * width)
+    whole, split = r * h * (attention + mlp - fused_mlp), r * (model.attention_weights() // h + mlp * width)
+    experts = 0
+    if moe and model.experts and model.name in PACKED_EXPERT_ADAPTERS:
+        whole += r * (h + model.experts)  # the router's weight
+        f = model.expert_ffn
+        experts = model.experts * r * (2 * (h + 2 * f) + (f + h))
+    return whole, split, experts
 
 
-def rank_trainable(model: ModelSpec, layers: tuple[int, ...], tp: int) -> float:
-    """LoRA: the adapter elements a device holds for pipeline ``layers`` under ``tp`` (the embedding and head carry
-    none); 0 without LoRA."""
+def rank_trainable(model: ModelSpec, layers: tuple[int, ...], tp: int, ep: int = 1) -> tuple[float, float]:
+    """LoRA: the adapter elements a device holds for pipeline ``layers`` under ``tp`` and ``ep`` (the embedding and
+    head carry none), as ``(dense, experts)`` -- those reduced over the data-parallel ranks and those on the experts,
+    reduced over the experts' own; ``(0, 0)`` without LoRA."""
     if not model.lora_rank:
-        return 0.0
+        return 0.0, 0.0
     first_moe = model.n_layer - model.moe_layers + 1
-    total = 0.0
+    dense = on_experts = 0.0
     for i in layers:
         if 0 < i <= model.n_layer:
-            whole, split = block_adapters(model, model.experts > 0 and i >= first_moe)
-            total += whole + split / tp
-    return total
+            whole, split, experts = block_adapters(model, model.experts > 0 and i >= first_moe)
+            dense, on_experts = dense + whole + split / tp, on_experts + experts / ep
+    return dense, on_experts
 
 
 @functools.lru_cache(maxsize=1 << 16)  # a search asks again for the same stages (other dp, ZeRO, micro-batches)

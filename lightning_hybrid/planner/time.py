@@ -393,12 +393,14 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
         n = lay.zero3_shard
     # Each group: (ranks, elements gathered, elements reduced, link, messages). LoRA: the adapters (on the dense
     # weights) alone are reduced, and gathered after the step by ZeRO 1-2; ZeRO-3 gathers the frozen weights too.
-    trained = rank_trainable(model, ranks[fullest], t) if model.lora_rank else None
+    trained = rank_trainable(model, ranks[fullest], t, ep) if model.lora_rank else None
     dense_units_all = dense_units + moe_units_dp + 1
     if trained is not None and lay.zero_stage < 3:
-        groups = [(n, trained, trained, cluster.ring_link(n, t), messages(trained, dense_units_all))]
+        (dense_t, experts_t), expert_units = trained, moe_units_dp
+        groups = [(n, dense_t, dense_t, cluster.ring_link(n, t), messages(dense_t, dense_units_all)),
+                  (edp, experts_t, experts_t, cluster.ring_link(edp, ep * t), messages(experts_t, expert_units))]
     else:
-        dense_reduced, experts_reduced = (P - P_x, P_x) if trained is None else (trained, 0.0)
+        dense_reduced, experts_reduced = (P - P_x, P_x) if trained is None else trained
         groups = [(n, P - P_x, dense_reduced, cluster.ring_link(n, t), messages(P - P_x, dense_units_all)),
                   (edp, P_x, experts_reduced, cluster.ring_link(edp, ep * t), messages(P_x, moe_units_dp))]
     groups = [g for g in groups if g[0] > 1 and g[4] > 0]
@@ -416,7 +418,7 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
         gather = sum(ring_time(size, p * pb - float8_gathered * (pb - 1), link, "all_gather", k)
                      for size, p, _, link, k in groups)
     if lay.zero_stage == 3 and lay.replicas > 1:  # then each shard all-reduced across the replicas (n t ranks apart)
-        reduce += ring_time(lay.replicas, (P - P_x if trained is None else trained) / n * gb,
+        reduce += ring_time(lay.replicas, (P - P_x if trained is None else trained[0]) / n * gb,
                             cluster.ring_link(lay.replicas, n * t), messages=messages(P - P_x, dense_units_all))
     units = max(1, max((k for *_, k in groups), default=1))  # buckets (stages 0-2) or FSDP2 units (stage 3)
     # Each overlap once, only where the schedule allows it; what a compute window cannot hide shows, and so does
@@ -454,7 +456,8 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     optimizer = (per_param * (P - P_x) / (n if lay.zero_stage else 1)
                  + per_param * P_x / (edp if lay.zero_stage else 1))
     if trained is not None:  # LoRA: the adapters alone are stepped
-        optimizer = per_param * trained / (n if lay.zero_stage else 1)
+        sharded = lay.zero_stage > 0
+        optimizer = per_param * (trained[0] / (n if sharded else 1) + trained[1] / (edp if sharded else 1))
 
     own = m * compute_mb + optimizer  # what a rank computes itself
     # Collectives the fullest rank takes part in per step, each costing ``collective_overhead`` beyond its

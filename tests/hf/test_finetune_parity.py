@@ -2,7 +2,8 @@
 train under every layout as on one device (losses, gradients, weights), with the loss the token mean of the global
 batch; and a packed document trains as the document alone.
 
-The layouts run in few process groups (one per world size); the one-device references run in the test process.
+The layouts run in few process groups (one per world size: those on 4 and 8 ranks in tests/hf/test_hf.py's worlds);
+the one-device references run in the test process.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from lightning_hybrid.core.batch import TokenBatch, document_causal_mask
 from lightning_hybrid.models import GPTLightningModule
-from tests.parity import BLOCK, RTOL, DocumentSamples, check_world
+from tests.parity import BLOCK, PARAM_ATOL, RTOL, STEPS, DocumentSamples, check_world
 from tests.strategy.test_strategy_parity import gpt
 
 pytest.importorskip("transformers")
@@ -43,11 +44,6 @@ class _SGDLoraLM(CausalLM):
 
     def configure_optimizers(self):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.01)
-
-
-#: An MoE's adapters where expert parallelism can split the layers: peft's all-linear also adapts the experts' packed
-#: parameters, one adapter for all of them, which EP refuses (tests/hf/test_lora.py).
-ATTENTION_AND_ROUTER = ["q_proj", "k_proj", "v_proj", "o_proj", "gate"]
 
 
 def _lora_lm(family: str, target_modules="all-linear") -> CausalLM:
@@ -184,32 +180,43 @@ def test_padded_and_packed_batches_match_one_device_on_2_ranks():
     runs["tp2-sp-packed-lora-llama"] = (dict(tp=2, sequence_parallel=True), partial(_lora_lm, "llama"),
                                         {"data": "packed"})
     runs["pp2-padded-lora-gpt_neox"] = (dict(pp=2, micro_batches=2), partial(_lora_lm, "gpt_neox"), {"data": "padded"})
-    runs["dp2-ep2-packed-lora-olmoe"] = (dict(dp=2, ep=2), partial(_lora_lm, "olmoe", ATTENTION_AND_ROUTER),
-                                         {"data": "packed"})
+    # (an MoE's all-linear: peft's ParamWrapper on the router's weight and on the experts' packed parameters, whose
+    # adapters EP splits by expert with them)
+    runs["dp2-ep2-packed-lora-olmoe"] = (dict(dp=2, ep=2), partial(_lora_lm, "olmoe"), {"data": "packed"})
     results = check_world(2, runs, steps=HF_STEPS, tolerances=HF_TOLERANCES)
     _assert_adapters_split(results, "tp2-sp-packed-lora-llama", partial(_lora_lm, "llama"))
 
 
-def test_padded_and_packed_batches_match_one_device_on_4_and_8_ranks():
-    check_world(4, {
-        "dp2xtp2-sp-padded-gpt": (dict(dp=2, tp=2, sequence_parallel=True), gpt(), {"data": "padded"}),
+# The layouts on 4 and 8 ranks run in tests/hf/test_hf.py's 4- and 8-rank worlds (one process group each for both
+# files' layouts); the GPT's with the harness's own steps and tolerances.
+GPT_CHECK = {"max_steps": STEPS}
+
+
+def runs_on_4_ranks() -> dict:
+    return {
+        "dp2xtp2-sp-padded-gpt": (dict(dp=2, tp=2, sequence_parallel=True), gpt(), {"data": "padded", **GPT_CHECK},
+                                  (RTOL, PARAM_ATOL)),
         "tp2xpp2-sp-packed-gpt": (dict(tp=2, pp=2, micro_batches=2, sequence_parallel=True), gpt(),
-                                  {"data": "packed"}),
+                                  {"data": "packed", **GPT_CHECK}, (RTOL, PARAM_ATOL)),
         "dp2xtp2-sp-packed-llama": (dict(dp=2, tp=2, sequence_parallel=True), partial(_lm, "llama"),
-                                    {"data": "packed"}, HF_TOLERANCES),
+                                    {"data": "packed", **GPT_CHECK}, HF_TOLERANCES),
         "dp2xpp2-zero3-packed-gpt_neox": (dict(dp=2, pp=2, zero_stage=3, micro_batches=2),
-                                          partial(_lm, "gpt_neox"), {"data": "packed"}, HF_TOLERANCES),
+                                          partial(_lm, "gpt_neox"), {"data": "packed", **GPT_CHECK}, HF_TOLERANCES),
         # LoRA: fused projections' adapters split by their parts (Phi-3's qkv_proj, gate_up_proj) across stages.
         "tp2xpp2-sp-packed-lora-phi3": (dict(tp=2, pp=2, micro_batches=2, sequence_parallel=True),
                                         partial(_lora_lm, "phi3"), {"data": "packed", "max_steps": HF_STEPS},
                                         HF_TOLERANCES),
         "dp2xtp2-ep2-zero3-padded-lora-mixtral": (dict(dp=2, tp=2, ep=2, zero_stage=3),
-                                                  partial(_lora_lm, "mixtral", ATTENTION_AND_ROUTER),
+                                                  partial(_lora_lm, "mixtral"),
                                                   {"data": "padded", "max_steps": HF_STEPS}, HF_TOLERANCES),
-    })
-    check_world(8, {
+    }
+
+
+def runs_on_8_ranks() -> dict:
+    return {
         "3d-interleaved-packed-gpt": (dict(dp=2, tp=2, pp=2, schedule="interleaved_1f1b", virtual_stages=2,
-                                           micro_batches=2, zero_stage=1), gpt(n_layer=4), {"data": "packed"}),
+                                           micro_batches=2, zero_stage=1), gpt(n_layer=4),
+                                      {"data": "packed", **GPT_CHECK}, (RTOL, PARAM_ATOL)),
         "3d-sp-padded-qwen2": (dict(dp=2, tp=2, pp=2, micro_batches=2, sequence_parallel=True),
-                               partial(_lm, "qwen2"), {"data": "padded"}, HF_TOLERANCES),
-    })
+                               partial(_lm, "qwen2"), {"data": "padded", **GPT_CHECK}, HF_TOLERANCES),
+    }

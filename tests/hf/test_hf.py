@@ -20,6 +20,7 @@ from lightning_hybrid.parallel.pipeline.stages import keep_local_layers, plan_st
 from lightning_hybrid.runs.memory import LiveTensorTracker  # noqa: E402
 from tests.families import tiny_config  # noqa: E402
 from tests.helpers import QUIET_TRAINER, run_distributed, storage_bytes  # noqa: E402
+from tests.hf.test_finetune_parity import runs_on_4_ranks, runs_on_8_ranks  # noqa: E402
 from tests.parity import RTOL, check_world  # noqa: E402
 
 FAMILIES = ("llama", "qwen2", "gpt_neox", "gpt2")
@@ -126,6 +127,7 @@ def test_families_under_tp_pp_and_3d_layouts_match_one_device():
     runs["tp2xpp2-sp-gpt2"] = (dict(tp=2, pp=2, micro_batches=2, sequence_parallel=True), partial(_lm, "gpt2"), {})
     # transformers' decoder layers compiled (TorchTitan's per-block torch.compile), TP-split and FSDP2-sharded.
     runs["dp2xtp2-zero3-compile-llama"] = (dict(dp=2, tp=2, zero_stage=3, compile=True), partial(_lm, "llama"), {})
+    runs.update(runs_on_4_ranks())  # padded and packed batches, LoRA (tests/hf/test_finetune_parity.py)
     references: dict = {}
     _no_rank_holds_the_whole_model(
         check_world(4, runs, steps=STEPS, references=references, tolerances=TOLERANCES), references)
@@ -136,6 +138,7 @@ def test_families_under_tp_pp_and_3d_layouts_match_one_device():
     }
     runs["dp2xtp2xpp2-zero1-sp-qwen2"] = (
         dict(dp=2, tp=2, pp=2, zero_stage=1, micro_batches=2, sequence_parallel=True), partial(_lm, "qwen2"), {})
+    runs.update(runs_on_8_ranks())
     _no_rank_holds_the_whole_model(
         check_world(8, runs, steps=STEPS, references=references, tolerances=TOLERANCES), references)
 

@@ -16,7 +16,7 @@ import lightning as L  # noqa: E402
 
 from lightning_hybrid.data.corpus import ByteCorpusDataModule  # noqa: E402
 from lightning_hybrid.hf import CausalLM, export_adapter, export_pretrained  # noqa: E402
-from lightning_hybrid.hf.lora import check_adapted_experts, check_lora_layout, lora_config  # noqa: E402
+from lightning_hybrid.hf.lora import check_lora_layout, lora_config  # noqa: E402
 from tests.families import tiny_config  # noqa: E402
 from tests.helpers import QUIET_TRAINER, run_distributed  # noqa: E402
 
@@ -66,18 +66,11 @@ def test_adapters_alone_train_and_every_process_draws_them_alike():
 
 
 def test_what_a_layout_cannot_split_exactly_is_refused():
-    """Adapter dropout under TP; adapters on an MoE's packed expert parameters under EP (peft's all-linear puts
-    them there); the attention's and router's adapters train under EP (tests/hf/test_finetune_parity.py)."""
+    """Adapter dropout under TP (a user module's peft wrappers: tests/strategy/test_user_code.py)."""
     check_lora_layout(2, lora_config(LORA))
     check_lora_layout(1, lora_config({**LORA, "lora_dropout": 0.1}))
     with pytest.raises(ValueError, match=r"lora_dropout=0.1 with tp=2: .* set lora_dropout=0 under tp > 1"):
         check_lora_layout(2, lora_config({**LORA, "lora_dropout": 0.1}))
-    module = CausalLM(tiny_config("olmoe"), lora={"r": 4, "target_modules": "all-linear"})
-    module.configure_model()
-    adapted = [(n, module.model.get_submodule(n)) for n in module.adapted]
-    check_adapted_experts(adapted, 1)
-    with pytest.raises(ValueError, match=r"lora on the experts' parameters \(model.layers.0.mlp.experts, .* ep=2"):
-        check_adapted_experts(adapted, 2)
 
 
 @pytest.mark.parametrize("family, lora", [

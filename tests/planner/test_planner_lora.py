@@ -35,6 +35,8 @@ def _quiet_transformers():
 @pytest.mark.parametrize("family, fields", [
     ("llama", _BASE), ("qwen3", dict(_BASE, head_dim=24)), ("phi3", dict(_BASE, pad_token_id=0)),  # fused qkv, gate_up
     ("gpt_neox", {k: v for k, v in _BASE.items() if k != "num_key_value_heads"}),  # fused qkv, plain MLP
+    ("mixtral", dict(_BASE, num_local_experts=4, num_experts_per_tok=2)),  # the router's and the experts' adapters
+    ("olmoe", dict(_BASE, num_experts=4, num_experts_per_tok=2)),
 ])
 def test_the_adapters_counted_are_peft_s(family, fields):
     """peft's ``all-linear`` on the blocks (not the LM head): the planner's count, whole and split over tp2 as TP
@@ -49,11 +51,15 @@ def test_the_adapters_counted_are_peft_s(family, fields):
     adapters = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
     spec = dataclasses.replace(ModelSpec.from_hf(config, 64), lora_rank=8)
     layers = tuple(range(spec.n_layer + 2))
-    assert rank_trainable(spec, layers, 1) == sum(adapters.values())
+    on_experts = sum(n for name, n in adapters.items() if ".experts." in name)
+    assert rank_trainable(spec, layers, 1) == (sum(adapters.values()) - on_experts, on_experts)
     columns = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj", "query_key_value",
                "dense_h_to_4h")
-    whole = sum(n for name, n in adapters.items() if (".lora_A." in name) == any(c in name for c in columns))
-    assert rank_trainable(spec, layers, 2) == whole + (sum(adapters.values()) - whole) / 2
+    whole = sum(n for name, n in adapters.items()
+                if ".experts." not in name and ((".lora_A." in name) == any(c in name for c in columns)
+                                                or ".gate." in name))  # (the router: whole)
+    assert rank_trainable(spec, layers, 2, 2) == (whole + (sum(adapters.values()) - on_experts - whole) / 2,
+                                                   on_experts / 2)
 
 
 def test_a_frozen_base_keeps_no_gradients_or_optimizer_state_and_skips_weight_gradients():
@@ -62,7 +68,7 @@ def test_a_frozen_base_keeps_no_gradients_or_optimizer_state_and_skips_weight_gr
     lora = dataclasses.replace(full, lora_rank=16)
     layout = Layout(dp=8, tp=1, pp=1, zero_stage=1, micro_batch=1, micro_batches=4, activation_checkpointing=True)
     m_full, m_lora = (estimate_memory(m, layout, cluster.precision) for m in (full, lora))
-    adapters = rank_trainable(lora, tuple(range(lora.n_layer + 2)), 1)
+    adapters = sum(rank_trainable(lora, tuple(range(lora.n_layer + 2)), 1))
     assert 0 < adapters < 0.01 * full.params
     pb, gb, ob, _ = PRECISIONS[cluster.precision]
     assert m_lora.grads == gb * adapters and m_lora.optimizer == pytest.approx(ob * adapters / 8)  # ZeRO-1 over dp8

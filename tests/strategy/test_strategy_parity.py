@@ -233,8 +233,10 @@ def test_3d_with_every_zero_stage_matches_one_device():
     each rank holds about 1/(pp*tp) of the GPT (1/dp more under ZeRO-3)."""
     config = gpt(n_layer=2, n_embd=64)
     runs = {f"3d-zero{stage}": (dict(pp=2, dp=2, tp=2, zero_stage=stage), config, {}) for stage in range(4)}
+    # (the user module at the ends of the range; ZeRO-1 in the 4-rank world (tied head), ZeRO-2 under manual
+    # optimization in tests/strategy/test_user_code.py)
     runs.update({f"user-3d-zero{stage}": (dict(pp=2, dp=2, tp=2, zero_stage=stage), UserLM, {}, USER_TOLERANCES)
-                 for stage in range(4)})
+                 for stage in (0, 3)})
     runs["3d-zero1-sp"] = (dict(pp=2, dp=2, tp=2, zero_stage=1, sequence_parallel=True), config, {})
     # FP8 (torchao's tensorwise recipe, emulated): each micro-batch's amaxes over the stage's four ranks, under
     # ZeRO-3 with the weights gathered in float8 -- each shard cast with the scale of the whole weight, its amax over
