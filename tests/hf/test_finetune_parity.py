@@ -219,4 +219,8 @@ def runs_on_8_ranks() -> dict:
                                       {"data": "packed", **GPT_CHECK}, (RTOL, PARAM_ATOL)),
         "3d-sp-padded-qwen2": (dict(dp=2, tp=2, pp=2, micro_batches=2, sequence_parallel=True),
                                partial(_lm, "qwen2"), {"data": "padded", **GPT_CHECK}, HF_TOLERANCES),
+        # LoRA on dp2 x tp2 x pp2: adapters split with their layers, across stages, reduced over DP (ZeRO-1 buckets).
+        "3d-sp-zero1-packed-lora-qwen2": (dict(dp=2, tp=2, pp=2, micro_batches=2, sequence_parallel=True, zero_stage=1),
+                                          partial(_lora_lm, "qwen2"), {"data": "packed", "max_steps": HF_STEPS},
+                                          HF_TOLERANCES),
     }
