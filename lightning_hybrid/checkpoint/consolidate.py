@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +18,14 @@ from lightning_hybrid.checkpoint.folders import read_meta, verify_files
 from lightning_hybrid.checkpoint.load import _read_parts
 
 
-def model_parts(checkpoint: str | Path) -> Iterable[dict[str, Tensor]]:
+def model_parts(checkpoint: str | Path, select: Callable[[str], bool] | None = None) -> Iterable[dict[str, Tensor]]:
     """The model's unsplit tensors (LightningModule keys) of a checkpoint, one part at a time (at most a bucket
-    each, as saved). Runs on one process, no process group."""
+    each, as saved); with ``select``, only those whose key it accepts are read. Runs on one process, no process
+    group."""
     path = Path(checkpoint)
     meta = read_meta(path)
     verify_files(path, meta)
-    keys = [f"model/{k}" for k in meta["lightning_hybrid"]["model_shapes"]]
+    keys = [f"model/{k}" for k in meta["lightning_hybrid"]["model_shapes"] if select is None or select(k)]
     for part in _read_parts(path, meta, keys, no_dist=True):
         yield {k[len("model/") :]: v for k, v in part.items()}
 

@@ -49,13 +49,13 @@ def export_pretrained(trainer: "L.Trainer", folder: Union[str, os.PathLike], max
             written.append((path, list(shard)))
             shard.clear()
 
-        adapters = _adapters(parts()) if module.lora is not None else {}
+        adapters = _adapters(parts(_is_adapter)) if module.lora is not None else {}
         merges = _merges(module) if module.lora is not None else {}
         held = 0
         for part in parts():
             for key, value in part.items():
                 name = key[len("model."):]
-                if not key.startswith("model.") or name in tied or ".lora_A." in name or ".lora_B." in name:
+                if not key.startswith("model.") or name in tied or _is_adapter(name):
                     continue
                 name = base_name(name) or name  # an adapted layer's weight, bias: under transformers' names
                 if name in merges:  # an adapted weight: merged
@@ -90,15 +90,16 @@ def export_adapter(trainer: "L.Trainer", folder: Union[str, os.PathLike]) -> Pat
     folder = Path(folder)
     with _staged(trainer, folder, "export_adapter") as parts:
         if parts is not None:
-            _write_adapter(module, _adapters(parts()), folder)
+            _write_adapter(module, _adapters(parts(_is_adapter)), folder)
     return folder
 
 
 @contextlib.contextmanager
-def _staged(trainer: "L.Trainer", folder: Path, name: str) -> Iterator[Optional[Callable[[], Any]]]:
+def _staged(trainer: "L.Trainer", folder: Path, name: str) -> Iterator[Optional[Callable[..., Any]]]:
     """The trained weights through a sharded checkpoint in ``folder/.export-checkpoint`` (the weights only; each
     tensor unsplit once, by one rank): on rank 0 a function giving its model parts one at a time (each call reads
-    them again), ``None`` on the others; then the checkpoint removed and every rank met (barrier ``name``)."""
+    them again; ``select``: only the tensors whose key it accepts), ``None`` on the others; then the checkpoint
+    removed and every rank met (barrier ``name``)."""
     from lightning_hybrid.checkpoint import model_parts
 
     staging = folder / ".export-checkpoint"
@@ -109,8 +110,8 @@ def _staged(trainer: "L.Trainer", folder: Path, name: str) -> Iterator[Optional[
     finally:
         module.checkpoint_frozen = whole
     if trainer.is_global_zero:
-        yield lambda: (model_parts(staging) if staging.is_dir()
-                       else [torch.load(staging, map_location="cpu")["state_dict"]])
+        yield lambda select=None: (model_parts(staging, select) if staging.is_dir()
+                                   else [torch.load(staging, map_location="cpu")["state_dict"]])
         shutil.rmtree(staging, ignore_errors=True) if staging.is_dir() else staging.unlink(missing_ok=True)
     else:
         yield None
@@ -126,6 +127,10 @@ def _merges(module: CausalLM) -> dict:
         skeleton = AutoModelForCausalLM.from_config(module.hf_config, dtype=torch.float32)
     inject_lora(skeleton, module.lora)
     return adapter_merges(skeleton)
+
+
+def _is_adapter(key: str) -> bool:
+    return ".lora_A." in key or ".lora_B." in key
 
 
 def _adapters(parts) -> dict[str, tuple[Tensor, Tensor]]:
