@@ -72,9 +72,10 @@ def load_sharded(path: str | Path, module: nn.Module, optimizers: list) -> dict[
     saved_shapes = meta["lightning_hybrid"]["model_shapes"]
 
     # The model's unsplit names and shapes, over every pipeline stage (what it rebuilds itself may be absent).
-    targets = {n: t for n, t in module.state_dict(keep_vars=True).items() if n in saved_shapes}
+    state = module.state_dict(keep_vars=True)
+    targets = {n: t for n, t in state.items() if n in saved_shapes}
     everyone: list[Any] = [None] * dist.get_world_size()
-    shapes = {name: unsplit_shape(name, t, specs) for name, t in module.state_dict(keep_vars=True).items()}
+    shapes = {name: unsplit_shape(name, t, specs) for name, t in state.items()}
     dist.all_gather_object(everyone, (shapes, checkpoint_excludes(module)))
     check_model_fits(saved_shapes, {k: v for part, _ in everyone for k, v in part.items()},
                      frozenset().union(*(names for _, names in everyone)))
