@@ -217,19 +217,12 @@ def adapter_merges(model: nn.Module, adapter: str = "default") -> dict[str, Merg
         scale = float(module.scaling[adapter])
         parameter = getattr(module, "parameter_name", None)
         if parameter:  # peft's ParamWrapper: the parameter of the innermost base module
-            owner = name + ".base_layer" * _depth(module)
-            out[base_name(f"{owner}.{parameter}") or f"{owner}.{parameter}"] = Merge(
+            full = f"{name}.{parameter}"  # (its transformers name: the wrappers' base_layer steps dropped)
+            out[base_name(full) or full] = Merge(
                 name, scale, int(getattr(module, "num_experts", 1)), bool(module._did_swap_in_out_features))
         elif lora_base(module) is not None:
             out[f"{name}.weight"] = Merge(name, scale, fan_in_fan_out=bool(getattr(module, "fan_in_fan_out", False)))
     return out
-
-
-def _depth(module: nn.Module) -> int:
-    depth = 0
-    while lora_wrapper(module):
-        module, depth = module.base_layer, depth + 1
-    return depth
 
 
 def merged_weight(weight: Tensor, a: Tensor, b: Tensor, merge: Merge) -> Tensor:
