@@ -108,14 +108,14 @@ def parse_layout(text: str, model: ModelSpec, devices: int, global_batch: int) -
     """A `Layout` from the table's own notation (`Layout.label`): ``dp4xtp8xpp2 cp2 ep2 zero1 mb2x4 1f1b/v2 ac sp``
     (spaces or commas between parts; ``sel``: selective recompute of the attention core, ``pw``: pointwise selective
     recompute; ``hsdpN``: ZeRO-3 hybrid-sharded over ``N`` of the dp ranks; ``rs-mb``: ZeRO-3 reduce-scattering every
-    micro-batch). What is left out: ``tp``, ``pp``, ``cp``,
+    micro-batch; ``accN``: N runs of the pipeline's schedule per step). What is left out: ``tp``, ``pp``, ``cp``,
     ``ep`` 1, ``dp`` what they leave of ``devices``, ZeRO 0, micro-batches of 1 sequence (``mbB`` sets the size;
     ``mbBxM`` both: ``dp B M`` must be the global batch), schedule ``1f1b``. Raises ``ValueError`` for a layout
     the strategy would refuse (sizes that do not multiply to ``devices``, ``tp`` not dividing the heads, ``ep`` the
     experts, ...)."""
     sizes: dict[str, int] = {}
     zero, b, m, schedule, v, ac, sp, sel, pw = 0, 1, 0, "1f1b", 0, False, False, False, False
-    dp_shard, grad_reduce = None, "auto"
+    dp_shard, grad_reduce, accumulate = None, "auto", 1
     for part in re.split(r"[\s,]+", text.strip()):
         pieces = part.split("x") if all(_DIMS.match(x) for x in part.split("x")) else [part]
         for piece in pieces:
@@ -129,6 +129,8 @@ def parse_layout(text: str, model: ModelSpec, devices: int, global_batch: int) -
                 b, m = int(mb.group(1)), int(mb.group(2) or 0)
             elif re.fullmatch(r"hsdp\d+", piece):
                 dp_shard = int(piece[4:])
+            elif re.fullmatch(r"acc\d+", piece):
+                accumulate = int(piece[3:])
             elif piece == "rs-mb":
                 grad_reduce = "micro_batch"
             elif piece in ("ac", "sp", "sel", "pw"):
@@ -138,21 +140,24 @@ def parse_layout(text: str, model: ModelSpec, devices: int, global_batch: int) -
                 schedule, v = sched.group(1), int(sched.group(2) or 0)
             else:
                 raise ValueError(f"--layout {text!r}: {piece!r} is not a part of a layout (dpN, tpN, ppN, cpN, epN,"
-                                 f" zero0-3, hsdpN, rs-mb, mbB or mbBxM, a schedule {sorted(SCHEDULES)} with /vN, ac,"
-                                 " sel, pw, sp).")
+                                 f" zero0-3, hsdpN, rs-mb, mbB or mbBxM, a schedule {sorted(SCHEDULES)} with /vN, accN,"
+                                 " ac, sel, pw, sp).")
     tp, pp, cp, ep = (sizes.get(k, 1) for k in ("tp", "pp", "cp", "ep"))
     if min(tp, pp, cp, ep, b) < 1:
         raise ValueError(f"--layout {text!r}: every size must be positive.")
     dp = sizes.get("dp", devices // (tp * pp * cp))
     if dp < 1 or dp * tp * pp * cp != devices:
         raise ValueError(f"--layout {text!r}: dp {dp} x tp {tp} x pp {pp} x cp {cp} is not the {devices} devices.")
-    if global_batch % (dp * b):
+    if accumulate > 1 and pp == 1:
+        raise ValueError(f"--layout {text!r}: acc{accumulate} runs a pipeline's schedule {accumulate} times per step:"
+                         " it needs pp > 1 (without a pipeline, mbBxM's M micro-batches are the accumulation).")
+    if global_batch % (dp * b * accumulate):
         raise ValueError(f"--layout {text!r}: the global batch {global_batch} does not split into dp={dp} replicas"
-                         f" of micro-batches of {b}.")
-    m = m or global_batch // (dp * b)
-    if dp * b * m != global_batch:
-        raise ValueError(f"--layout {text!r}: dp {dp} x mb{b}x{m} = {dp * b * m} sequences, not the global batch"
-                         f" {global_batch}.")
+                         f" of {accumulate} x micro-batches of {b}.")
+    m = m or global_batch // (dp * b * accumulate)
+    if dp * b * m * accumulate != global_batch:
+        raise ValueError(f"--layout {text!r}: dp {dp} x mb{b}x{m} x acc{accumulate} = {dp * b * m * accumulate}"
+                         f" sequences, not the global batch {global_batch}.")
     if not tp_divides(model, tp):
         raise ValueError(f"--layout {text!r}: tp={tp} must divide the heads ({model.heads}), key/value heads"
                          f" ({model.kv_heads}), MLP ({model.ffn}), vocabulary ({model.vocab}) and shared experts"
@@ -168,7 +173,7 @@ def parse_layout(text: str, model: ModelSpec, devices: int, global_batch: int) -
     # selective recompute of the attention core (sel), of it and the element-wise ops (pw)
     selective = {"recompute": "attention"} if sel else {"recompute": "pointwise"} if pw else {}
     layout = Layout(dp, tp, pp, zero, b, m, schedule, v, ac, sp, ep=ep, cp=cp, dp_shard=dp_shard,
-                    grad_reduce=grad_reduce, **selective)
+                    grad_reduce=grad_reduce, accumulate=accumulate, **selective)
     layout.check_model(model)
     return layout
 
@@ -265,6 +270,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--attention-speed", type=float, default=None, metavar="X",
                    help="the attention kernel's speed relative to the GEMMs' (default: the cluster's, 1;"
                         f" FlashAttention-2 on H100: {FA2_ON_HOPPER:.2f})")
+    p.add_argument("--window-kernels", action="store_true", help="the attention kernel skips what a sliding window"
+                   " masks (FlashAttention, flex attention, transformers' flash_attention_2): a windowed model's"
+                   " attention at the window's cost (default: every key up to the query, this codebase's SDPA)")
     p.add_argument("--devices", type=int, required=True)
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--seq-len", type=int, default=None, help="default: the model's")
@@ -309,6 +317,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 raise ValueError(f"--fp8-all-gather casts each weight shard with the whole weight's one scale: it"
                                  f" needs --fp8 tensorwise (got --fp8 {args.fp8})")
             cluster = dataclasses.replace(cluster, fp8_all_gather=True)
+        if args.window_kernels:
+            cluster = dataclasses.replace(cluster, window_kernels=True)
         if args.async_tp:
             cluster = dataclasses.replace(cluster, tp_comm_overlap=True, tp_overlap_backward=False)
         layout = parse_layout(args.layout, model, args.devices, args.global_batch) if args.layout else None

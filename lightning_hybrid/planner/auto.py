@@ -199,7 +199,7 @@ def _recipe_layout(cfg: DictConfig, world: dict[str, int], batch_size: Optional[
     layout = Layout(dp, world["tp"], world["pp"], int(par.zero_stage), max(1, b), m,
                     str(par.schedule or "1f1b"), int(par.virtual_stages or 1) if par.schedule != "zero_bubble" else 2,
                     checkpointing, bool(par.get("sequence_parallel", False)), bool(par.get("loss_parallel", False)),
-                    ep=int(par.get("ep", 1) or 1), cp=cp)
+                    ep=int(par.get("ep", 1) or 1), cp=cp, accumulate=accumulate if world["pp"] > 1 else 1)
     return layout, dp * batch * accumulate
 
 

@@ -124,6 +124,11 @@ class Cluster:
     that backward -- relative to the GEMMs' ``matmul_efficiency`` (its kernel is not a GEMM: on A100 the
     published runs the planner is checked on agree with 1, on H100 too for a kernel written for it; FlashAttention-2,
     whose kernels use no Hopper instructions, `FA2_ON_HOPPER` there);
+    ``window_kernels`` (``False``): the attention kernel skips the key blocks a sliding window masks
+    (FlashAttention's ``window_size``, flex attention's block mask, cuDNN's; transformers' ``flash_attention_2``):
+    a windowed model's attention core costs `lightning_hybrid.planner.model.ModelSpec.attention_span` of causal
+    attention's; without it (this codebase's SDPA, which takes the window as a mask) every key up to the query is
+    computed;
     ``pp_scatter_gather``: each TP rank sends ``1/tp`` of a pipeline boundary's tensor and the receiver all-gathers
     it over TP (Megatron-LM's scatter/gather, Narayanan et al. 2021, section 4.1; this codebase sends it whole
     without sequence parallelism). Set for published runs of those runtimes (`benchmarks/bench_planner.py`).
@@ -166,6 +171,7 @@ class Cluster:
     fp8_amax_reduced: bool = True
     fp8_all_gather: bool = False
     fp8_head: bool = True
+    window_kernels: bool = False
 
     def link(self, group_size: int, stride: int) -> Link:
         """The link a collective over ``group_size`` ranks ``stride`` ranks apart uses: within a node when the

@@ -36,7 +36,11 @@ class Layout:
     ``dp_shard`` (ZeRO-3 only, ``ep = 1``): hybrid sharding -- ZeRO-3 within groups of ``dp_shard cp`` ranks,
     replicated across ``dp / dp_shard`` of them (``None``: over all ``dp cp``); ``grad_reduce`` (ZeRO-3 under
     accumulation, ``pp = 1``): ``"window"`` (reduce-scatter once per optimizer step, unsharded gradients kept through
-    the window), ``"micro_batch"`` (every micro-batch) or ``"auto"`` (`resolve_grad_reduce`, as the strategy)."""
+    the window), ``"micro_batch"`` (every micro-batch) or ``"auto"`` (`resolve_grad_reduce`, as the strategy);
+    ``accumulate`` (``pp > 1``): gradient accumulation around the pipeline -- each optimizer step runs the schedule
+    of ``micro_batches`` that many times (Lightning's ``accumulate_grad_batches`` under a pipeline strategy; a
+    bubble per run), the gradients reduced once, after the last (1: one run; under ``pp = 1`` the micro-batches are
+    the accumulation)."""
 
     dp: int
     tp: int
@@ -54,6 +58,7 @@ class Layout:
     recompute: str = "full"
     dp_shard: Optional[int] = None
     grad_reduce: str = "auto"
+    accumulate: int = 1
 
     def __post_init__(self) -> None:
         if self.dp_shard is not None:
@@ -63,6 +68,11 @@ class Layout:
             if self.zero_stage != 3 or self.ep > 1:
                 raise ValueError(f"dp_shard={self.dp_shard} (hybrid sharding) takes zero_stage=3 and ep=1, got"
                                  f" zero_stage={self.zero_stage}, ep={self.ep}.")
+        if not isinstance(self.accumulate, int) or isinstance(self.accumulate, bool) or self.accumulate < 1 or (
+                self.accumulate > 1 and self.pp == 1):
+            raise ValueError(f"accumulate={self.accumulate!r} is invalid for pp={self.pp}: it counts the pipeline"
+                             " schedules run per optimizer step (a positive integer; 1 when pp == 1, where"
+                             " micro_batches are the accumulation).")
         if self.grad_reduce not in GRAD_REDUCE:
             raise ValueError(f"grad_reduce={self.grad_reduce!r} is invalid: use one of {list(GRAD_REDUCE)}.")
         if self.recompute not in RECOMPUTE_MODES[1:]:
@@ -125,12 +135,19 @@ class Layout:
 
     @property
     def accumulation(self) -> int:
-        """Optimizer step = this many backward passes outside a pipeline (1 under PP: the schedule runs them)."""
-        return self.micro_batches if self.pp == 1 else 1
+        """Optimizer step = this many backward passes outside a pipeline, this many runs of the schedule under PP
+        (``accumulate``)."""
+        return self.micro_batches if self.pp == 1 else self.accumulate
+
+    @property
+    def sequences(self) -> int:
+        """Sequences per optimizer step: ``dp`` replicas of ``micro_batch x micro_batches`` (x ``accumulate``)."""
+        return self.dp * self.micro_batch * self.micro_batches * self.accumulate
 
     def label(self) -> str:
-        """``dp4xtp2xpp2 cp2 ep2 zero1 mb2x4 1f1b ac sp`` (only what differs from the defaults; ``sel``: selective
-        recompute of the attention core, ``pw``: pointwise selective recompute)."""
+        """``dp4xtp2xpp2 cp2 ep2 zero1 mb2x4 1f1b acc2 ac sp`` (only what differs from the defaults; ``sel``:
+        selective recompute of the attention core, ``pw``: pointwise selective recompute; ``accN``: N runs of the
+        pipeline schedule per optimizer step)."""
         parts = [f"dp{self.dp}xtp{self.tp}" + (f"xpp{self.pp}" if self.pp > 1 else "")]
         parts += [f"cp{self.cp}"] if self.cp > 1 else []
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
@@ -140,6 +157,7 @@ class Layout:
         parts.append(f"mb{self.micro_batch}x{self.micro_batches}")
         if self.pp > 1:
             parts.append(self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
+            parts += [f"acc{self.accumulate}"] if self.accumulate > 1 else []
         parts += ["ac"] if self.activation_checkpointing else []
         parts += {"attention": ["sel"], "pointwise": ["pw"]}.get(self.recompute, [])
         parts += ["sp"] if self.sequence_parallel else []

@@ -26,6 +26,19 @@ from typing import Any, Optional
 
 from torch import nn
 
+from .hf_configs import (
+    BIAS_FAMILIES,
+    FOUR_NORM_FAMILIES,
+    LEARNED_POSITIONS,
+    PLAIN_MLP_FAMILIES,
+    QK_NORMS,
+    hf_config,
+    hf_experts,
+    hf_notes,
+    hf_parameter_count,
+    hf_windows,
+)
+
 __all__ = ["BIAS_FAMILIES", "FOUR_NORM_FAMILIES", "LEARNED_POSITIONS", "MODEL_PRESETS", "MOE_FIELDS", "ModelSpec",
            "PLAIN_MLP_FAMILIES", "QK_NORMS", "hf_config", "hf_notes", "hf_parameter_count", "model_spec"]
 
@@ -53,6 +66,11 @@ class ModelSpec:
     gate of the shared experts in each MoE block; ``router_bias``: ``E`` router biases per MoE block in a model
     without other biases (ERNIE 4.5's score-correction biases, parameters there); ``positions``: rows of the learned
     position table (GPT-2's ``n_positions``; 0: ``seq_len``).
+
+    ``window``: sliding-window attention -- a query attends the ``window`` keys up to itself -- in ``window_layers``
+    of the blocks (0: all of them when ``window`` is set; Gemma's and GPT-OSS's alternate windowed and full layers):
+    `attention_span`, the attention core's FLOPs where the runtime's kernel skips what the window masks
+    (`lightning_hybrid.planner.cluster.Cluster.window_kernels`).
 
     ``lora_rank`` (``CausalLM(lora=...)``; 0: every parameter trains): LoRA adapters of that rank on the blocks'
     matrices (`lightning_hybrid.planner.placement.block_adapters`) train, everything else is frozen -- no
@@ -86,6 +104,8 @@ class ModelSpec:
     positions: int = 0
     router_bias: bool = False
     lora_rank: int = 0
+    window: int = 0
+    window_layers: int = 0
 
     def __post_init__(self) -> None:
         for field in ("n_layer", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len"):
@@ -96,7 +116,7 @@ class ModelSpec:
             raise ValueError(f"hidden={self.hidden}, heads={self.heads}, kv_heads={self.kv_heads}: heads must divide"
                              " hidden (unless head_size is given) and kv_heads must divide heads.")
         for field in ("experts", "top_k", "expert_ffn", "moe_layers", "shared_ffn", "head_size", "extra_norms",
-                      "attention_matrices", "positions", "lora_rank"):
+                      "attention_matrices", "positions", "lora_rank", "window", "window_layers"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"ModelSpec.{field}={value!r} is invalid: it must be a non-negative integer.")
@@ -111,6 +131,12 @@ class ModelSpec:
         elif self.top_k or self.expert_ffn or self.moe_layers or self.shared_ffn:
             raise ValueError("top_k, expert_ffn, moe_layers and shared_ffn describe experts: set experts > 0 (the"
                              " number of experts per MoE layer), or leave them 0 for a dense model.")
+        if self.window_layers > self.n_layer or (self.window_layers and not self.window):
+            raise ValueError(f"window_layers={self.window_layers} is invalid: it counts the layers of the"
+                             f" {self.n_layer} that attend within window={self.window} tokens (0: all of them, when"
+                             " window > 0).")
+        if self.window and not self.window_layers:
+            object.__setattr__(self, "window_layers", self.n_layer)
         if not self.params:
             object.__setattr__(self, "params", sum(self.pipeline_layer_params()))
 
@@ -204,16 +230,29 @@ class ModelSpec:
         (Mixtral 8x7B: 12.9B of 46.7B); ``params`` for a dense model."""
         return self.params - self.moe_layers * (self.experts - self.top_k) * self.expert_params()
 
+    def attention_span(self) -> float:
+        """The keys a query attends, on average over the layers, relative to causal attention over the whole
+        sequence (1 without a window): a layer with a sliding window of ``w`` tokens -- a query at position ``i``
+        attends ``min(i + 1, w)`` keys, transformers' and FlashAttention's convention -- attends
+        ``(w (w + 1) / 2 + (s - w) w) / (s (s + 1) / 2)`` of them; ``window_layers`` of the ``L`` layers do."""
+        s, w = self.seq_len, self.window
+        if not w or w >= s:
+            return 1.0
+        windowed = (w * (w + 1) / 2 + (s - w) * w) / (s * (s + 1) / 2)
+        return (self.window_layers * windowed + self.n_layer - self.window_layers) / self.n_layer
+
     def flops_per_token(self) -> int:
         """Training FLOPs (forward + backward, no recomputation) per token: ``6`` per matmul weight -- every
         block's and the LM head's; embeddings are lookups -- plus ``12 L h s`` for the attention scores and their
         weighted sum (PaLM, Chowdhery et al. 2022, appendix B; the same count as ``GPT.flops_per_token``). A MoE
         block counts the weights a token multiplies by (`block_active_weights`: ``k`` experts, the shared
-        experts and the router ``E x h``), not every expert; under LoRA ``4`` (no weight gradients)."""
+        experts and the router ``E x h``), not every expert; under LoRA ``4`` (no weight gradients). With sliding
+        windows the attention term is the keys the model attends (x `attention_span`)."""
         dense = self.n_layer - self.moe_layers
         blocks = dense * self.block_active_weights() + self.moe_layers * self.block_active_weights(True)
         weights = blocks + self.hidden * self.vocab
-        return (4 if self.lora_rank else 6) * weights + 12 * self.n_layer * self.hidden * self.seq_len
+        attention = 12 * self.n_layer * self.hidden * self.seq_len * self.attention_span()
+        return (4 if self.lora_rank else 6) * weights + round(attention)
 
     def with_seq_len(self, seq_len: Optional[int]) -> "ModelSpec":
         """The same model at another sequence length (the parameter count is kept)."""
@@ -239,10 +278,10 @@ class ModelSpec:
         `BIAS_FAMILIES`; q, k, v only: Qwen2's, ``attention_bias``, ``qkv_bias``), tied embeddings, learned positions
         (GPT-2's ``n_positions`` table), q/k norms, DeepSeek's multi-head latent attention (its low-rank
         projections and norms: ``attention_matrices``, ``extra_norms``; heads of ``qk_nope_head_dim +
-        qk_rope_head_dim``) and the experts (`_hf_experts`). ``seq_len`` defaults to ``max_position_embeddings``
-        (``n_positions``). What it does not model: `hf_notes`; the parameter count it derives equals
-        ``AutoModelForCausalLM.from_config(config)``'s for the families tests/planner/test_planner_hf.py builds
-        (`hf_parameter_count` checks any other)."""
+        qk_rope_head_dim``), the experts (`lightning_hybrid.planner.hf_configs.hf_experts`) and sliding windows
+        (`hf_windows`). ``seq_len`` defaults to ``max_position_embeddings`` (``n_positions``). What it does not model:
+        `hf_notes`; the parameter count it derives equals ``AutoModelForCausalLM.from_config(config)``'s for the
+        families tests/planner/test_planner_hf.py builds (`hf_parameter_count` checks any other)."""
         def first(*names: str, default: Any = None) -> Any:
             for n in names:
                 value = getattr(config, n, None)
@@ -280,7 +319,7 @@ class ModelSpec:
         learned = family in LEARNED_POSITIONS
         if learned:
             extra["positions"] = int(first(LEARNED_POSITIONS[family]))
-        moe = _hf_experts(config, n_layer)
+        moe = hf_experts(config, n_layer)
         if moe and family == "qwen2_moe" and moe.get("shared_ffn"):
             extra["shared_expert_gate"] = True
         if moe and family == "ernie4_5_moe":  # its MoE statistics: a score-correction bias per expert, a parameter
@@ -293,6 +332,7 @@ class ModelSpec:
             gated_mlp=family not in PLAIN_MLP_FAMILIES, bias=full_bias,
             learned_positions=learned, tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             head_size=head_size, qkv_bias=attention_bias and not full_bias, **moe, **extra,
+            **hf_windows(config, n_layer),
         )
 
     @classmethod
@@ -323,118 +363,6 @@ class ModelSpec:
         return cls(name=type(module).__name__, n_layer=len(blocks), hidden=int(hidden), heads=heads, kv_heads=heads,
                    ffn=int(ffn), vocab=int(vocab), seq_len=int(seq_len), params=params)
 
-
-def _hf_experts(config: Any, n_layer: int) -> dict[str, int]:
-    """The MoE fields of a Hugging Face config (empty for a dense model): experts (``num_local_experts`` Mixtral,
-    GPT-OSS; ``num_experts`` Qwen2/3-MoE, OLMoE; ``n_routed_experts`` DeepSeek), ``num_experts_per_tok``, the
-    expert width (``moe_intermediate_size``, else ``intermediate_size``), the shared experts' (Qwen2-MoE's
-    ``shared_expert_intermediate_size``; DeepSeek's ``n_shared_experts`` -- ``num_shared_experts``,
-    ``moe_num_shared_experts`` in other families -- times the expert width; Llama 4's one shared expert, always there)
-    and how many layers are MoE (DeepSeek's ``first_k_dense_replace`` dense first; Llama 4's ``moe_layers`` list;
-    ERNIE 4.5's ``moe_layer_start_index`` to ``moe_layer_end_index`` every ``moe_layer_interval``; Qwen's
-    ``decoder_sparse_step`` and ``mlp_only_layers``)."""
-    def get(name: str) -> Any:
-        return getattr(config, name, None)
-
-    experts = next((int(get(n)) for n in ("num_local_experts", "num_experts", "n_routed_experts") if get(n)), 0)
-    if not experts:
-        return {}
-    if get("first_k_dense_replace") is not None:
-        moe_layers = n_layer - int(get("first_k_dense_replace"))
-    elif isinstance(get("moe_layers"), (list, tuple)):  # Llama 4: the MoE layers' indices
-        moe_layers = len(get("moe_layers"))
-    elif get("moe_layer_start_index") is not None:  # ERNIE 4.5: every interval-th layer from start to end
-        start, interval = int(get("moe_layer_start_index")), int(get("moe_layer_interval") or 1)
-        end = int(get("moe_layer_end_index") if get("moe_layer_end_index") is not None else n_layer - 1)
-        moe_layers = sum(1 for i in range(n_layer) if start <= i <= end and (i + 1) % interval == 0)
-    else:
-        step, dense = int(get("decoder_sparse_step") or 1), set(get("mlp_only_layers") or ())
-        moe_layers = sum(1 for i in range(n_layer) if i not in dense and (i + 1) % step == 0)
-    if moe_layers <= 0:
-        return {}
-    expert_ffn = int(get("moe_intermediate_size") or get("intermediate_size"))
-    copies = next((get(n) for n in ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
-                   if isinstance(get(n), int)), 0)
-    if str(get("model_type")) in ("llama4_text", "llama4"):  # Llama4TextMoe: one shared expert of the expert width
-        copies = 1
-    shared = int(get("shared_expert_intermediate_size") or 0) or int(copies) * expert_ffn
-    top_k = int(get("num_experts_per_tok") or get("moe_top_k") or 1)
-    return {"experts": experts, "top_k": top_k, "expert_ffn": expert_ffn, "moe_layers": moe_layers,
-            "shared_ffn": shared}
-
-
-#: Families whose MLP is two matrices (up, down) with a plain activation; every other family's is gated (three:
-#: gate, up, down -- SwiGLU, GeGLU), as Llama's.
-PLAIN_MLP_FAMILIES = frozenset({"gpt2", "gpt_neox", "gptj", "gpt_neo", "gpt_bigcode", "opt", "bloom", "falcon", "phi",
-                                "starcoder2", "codegen", "mpt", "biogpt", "xglm"})
-#: Families with biases on every Linear and LayerNorm (GPT-2 style).
-BIAS_FAMILIES = frozenset({"gpt2", "gpt_neox", "gpt_bigcode", "opt", "bloom", "phi", "starcoder2"})
-#: Families with a learned position table, and the config field of its rows.
-LEARNED_POSITIONS = {"gpt2": "n_positions", "gpt_bigcode": "n_positions"}
-#: Families with q/k norms: one of ``head_dim`` each (``"head"``), or over all heads (``"all"``: ``a d``, ``a_kv d``).
-QK_NORMS = {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "olmoe": "all", "olmo2": "all"}
-#: Families with four norms per block (pre and post attention and MLP) instead of two.
-FOUR_NORM_FAMILIES = frozenset({"gemma2", "gemma3_text"})
-
-
-def hf_config(source: Any, overrides: Optional[dict[str, Any]] = None) -> Any:
-    """A ``transformers`` config without a download: ``source`` a local folder (its ``config.json``), a
-    ``config.json`` file, a model type (``"llama"``: transformers' own defaults) or a ``PretrainedConfig``;
-    ``overrides`` given to the config's constructor, so that what it derives follows them (Llama's ``head_dim``
-    from ``hidden_size``), a field the class does not know refused -- as `lightning_hybrid.hf.CausalLM` reads its
-    ``model`` and ``config``."""
-    from transformers import PretrainedConfig
-
-    from lightning_hybrid.hf.config import _resolve_config
-
-    if isinstance(source, PretrainedConfig):
-        source = {"model_type": source.model_type, **source.to_dict()}
-    elif not isinstance(source, dict):
-        path = Path(str(source))
-        if path.is_file():
-            source = str(path.parent) if path.name == "config.json" else json.loads(path.read_text())
-        else:
-            source = str(source)
-    return _resolve_config(source, dict(overrides or {}))
-
-
-def hf_parameter_count(config: Any) -> int:
-    """The parameters of ``AutoModelForCausalLM.from_config(config)``, built on the meta device (no memory, no
-    download; DeepSeek-V3's 671B in about a second), shared tensors once."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
-def hf_notes(config: Any, spec: ModelSpec) -> list[str]:
-    """What the planner does not model of ``config`` (described as ``spec``), one line each: sliding-window
-    attention (costed as full causal attention), MLA's attention shapes (activations and attention FLOPs as ``a``
-    heads of ``qk_nope_head_dim + qk_rope_head_dim``), heads whose width is not ``h / a`` (activation coefficients
-    per unit of ``h``), a learned position table shorter than ``seq_len``."""
-    notes = []
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True) is not False and int(window) < spec.seq_len:
-        layer_types = list(getattr(config, "layer_types", None) or [])
-        sliding = sum(1 for t in layer_types if "sliding" in str(t)) if layer_types else spec.n_layer
-        if sliding:
-            notes.append(f"sliding-window attention ({int(window)} tokens, {sliding} of {spec.n_layer} layers) is"
-                         " costed as full causal attention: its savings in attention FLOPs and memory at long"
-                         " sequences are not modelled (an upper bound).")
-    if getattr(config, "kv_lora_rank", None):
-        notes.append(f"multi-head latent attention (MLA): parameters exact; activations, attention FLOPs and the"
-                     f" context-parallel K/V exchange modelled as {spec.heads} heads of {spec.head_dim}"
-                     " (qk_nope_head_dim + qk_rope_head_dim), not MLA's compressed latents (an approximation).")
-    elif spec.head_size and spec.heads * spec.head_size != spec.hidden:
-        notes.append(f"heads of {spec.head_size}: {spec.heads} x {spec.head_size} = {spec.heads * spec.head_size}"
-                     f" != hidden {spec.hidden}; parameters, FLOPs of the projections and the K/V exchange use it,"
-                     " the block's activation coefficients are per unit of hidden (an approximation).")
-    if spec.learned_positions and spec.positions and spec.seq_len > spec.positions:
-        notes.append(f"seq_len {spec.seq_len} > the learned position table's {spec.positions} rows: the model"
-                     " cannot run at this length as it is.")
-    return notes
 
 #: Published models (sequence length 2048, vocabulary 51,200 for the GPT rows as in Narayanan et al. 2021,
 #: Table 1), Mixtral (Jiang et al. 2024; trained at 32k, planned here at 4096), and the recipe's own

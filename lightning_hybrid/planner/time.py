@@ -9,7 +9,8 @@ the group's ranks per node, at most NVLink's; one NIC when the group has one ran
 Per micro-batch of ``b`` sequences (``T = b s`` tokens) and per block on one device:
 
 * compute: forward ``2 W / tp`` FLOPs per token for the block's ``W`` matrix weights plus ``4 h s / tp`` for
-  attention (the `ModelSpec.flops_per_token` count), backward twice that, a checkpointed block's forward
+  attention (the `ModelSpec.flops_per_token` count; ``s`` x `ModelSpec.attention_span` under sliding windows where
+  the kernel skips what they mask, `Cluster.window_kernels`), backward twice that, a checkpointed block's forward
   again (so x4/3), under selective recompute (``recompute="attention"``, and ``"pointwise"``) the attention core's
   ``4 h s / tp`` once more; at the cluster's achievable matmul FLOP/s, the weight GEMMs slower by their shapes
   (`matmul_time_factor`: ``E K / (K + K0)`` for a reduction ``K`` per device; ``K0`` the depth an output tile's
@@ -59,7 +60,9 @@ all-gather (fp32).
 Pipeline (Narayanan et al. 2021): ``step = (m + bubble) t_mb`` with the bubble ``(pp - 1)`` micro-batch
 times for GPipe and 1F1B -- a bubble fraction ``(pp-1)/m`` of the ideal time -- ``(pp - 1)/v`` for the
 interleaved schedule with ``v`` stages per rank, and a third of 1F1B's for zero-bubble (Qi et al. 2024, ZB-H1's
-figure; a conservative bound for ZB-V).
+figure; a conservative bound for ZB-V). Accumulation around the pipeline (`Layout.accumulate` runs of the schedule
+per step): each run has its bubble and its ramp; the gradients are reduced once, after the last (ZeRO-3: the stage
+gathered in each run).
 
 DP (this codebase's buckets, `lightning_hybrid.parallel.zero`): stage 0 all-reduces the gradients, stages 1-2
 reduce-scatter them and all-gather the updated parameters, stage 3 all-gathers the parameters in forward and
@@ -178,6 +181,7 @@ from .communication import (
 )
 from .context_memory import context_attention_traffic
 from .float8 import check_fp8, fp8_amax_time, fp8_block_linears, fp8_extra_time
+from .gemm import matmul_time_factor
 from .layout import Layout
 from .model import ModelSpec
 from .placement import rank_block_counts, rank_expert_params, rank_layers, rank_params, rank_trainable
@@ -185,26 +189,6 @@ from .placement import rank_block_counts, rank_expert_params, rank_layers, rank_
 __all__ = ["TimeEstimate", "all_to_all_bytes", "all_to_all_time", "bubble_fraction", "estimate_time",
            "matmul_time_factor", "pipeline_boundaries", "pipeline_p2p_time",
            "kv_exchange_bytes", "kv_exchange_time", "kv_exchanges", "mask_gather_time", "ring_time", "ring_volume"]
-
-
-def matmul_time_factor(model: ModelSpec, tp: int = 1, k0: float = 0.0) -> float:
-    """How much longer a block's weight GEMMs take than at the cluster's ``matmul_efficiency``, by their shapes.
-
-    A GEMM ``(M x K) @ (K x N)`` runs at ``E K / (K + K0)`` of the peak: each output tile pays, besides its
-    ``K``-deep reduction at ``E`` of the peak, a fixed cost (loading its first operands, the epilogue writing it,
-    the last wave's tail) worth a reduction ``K0`` deep -- so GEMMs with a short reduction are slow whatever ``M``
-    and ``N``. Per device under TP the reduction is ``h`` for the column-parallel matrices (q/k/v, the MLP's up and
-    gate) and ``a d / tp`` and ``F / tp`` for the row-parallel ones (o, down). The factor is the weights' mean of
-    ``1 + K0 / K`` (1 for ``k0 = 0``: one efficiency for every shape, as on the CPU cluster). `estimate_time` applies
-    it to the blocks' weight GEMMs (a MoE block's experts too) and ``1 + K0/h`` to the LM head; attention's core
-    (flash / SDPA kernels, whose reduction is the head or the sequence) stays at ``E``."""
-    if k0 <= 0:
-        return 1.0
-    h, F, o = model.hidden, model.ffn, model.heads * model.head_dim * model.hidden
-    parts = [(model.attention_weights() - o, h), (o, model.heads * model.head_dim / tp),
-             (model.mlp_weights(F) - h * F, h), (h * F, F / tp)]
-    weights = sum(w for w, _ in parts)
-    return sum(w * (1 + k0 / k) for w, k in parts) / weights if weights else 1.0
 
 
 #: Schedules run by torch's schedule runtime, which posts receives early and waits for sends at the end: their
@@ -269,19 +253,21 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     # with full recomputation the recomputed layer's forward, counted in the passes, includes it. Under CP the
     # element-wise traffic includes the gathered K/V and their reordered copy (KORTHIKANTI: its own scores), which
     # the block does not keep.
+    # Sliding windows: the attention core on the keys the windows leave, where the kernel skips the rest.
+    keys = s * model.attention_span() if cluster.window_kernels else s
     selective = mode in ("attention", "pointwise")
-    core_recompute = tokens * 4 * h * s / t if selective or (cp > 1 and mode == "none") else 0.0
+    core_recompute = tokens * 4 * h * keys / t if selective or (cp > 1 and mode == "none") else 0.0
     cp_traffic = context_attention_traffic(model, b, prec, t, cp)
 
     # LoRA (``model.lora_rank``): a frozen weight has no weight-gradient GEMM, one pass of the weights' fewer (the
     # adapters' own GEMMs, r/h of a weight's, are left out).
     weight_passes = passes - (1 if model.lora_rank else 0)
-    block_flops = (weight_passes * tokens * 2 * model.block_matmul_weights() + passes * tokens * 4 * h * s) / t
+    block_flops = (weight_passes * tokens * 2 * model.block_matmul_weights() + passes * tokens * 4 * h * keys) / t
     block_flops += core_recompute
     shape = matmul_time_factor(model, t, cluster.matmul_k0)  # the weight GEMMs' time at their shapes
     # Attention's core (its counted 4 h s FLOPs per token and pass, and its recomputation) at the attention kernel's
     # speed, which is not a GEMM's (`Cluster.attention_speed`).
-    attention_flops = passes * tokens * 4 * h * s / t + core_recompute
+    attention_flops = passes * tokens * 4 * h * keys / t + core_recompute
     slower = attention_flops * (1 / cluster.attention_speed - 1)
     block_matmul = (block_flops + (shape - 1) * weight_passes * tokens * 2 * model.block_matmul_weights() / t
                     + slower) / flops
@@ -343,7 +329,7 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
         routed = routed_tokens(tokens, t, lay.sequence_parallel)
         split = model.attention_weights() + model.mlp_weights(model.shared_ffn)
         expert = model.experts * h + model.top_k * model.mlp_weights(model.expert_ffn)
-        moe_flops = (weight_passes * (tokens * 2 * split / t + routed * 2 * expert) + passes * tokens * 4 * h * s / t
+        moe_flops = (weight_passes * (tokens * 2 * split / t + routed * 2 * expert) + passes * tokens * 4 * h * keys / t
                      + core_recompute)
         moe_compute = ((moe_flops * shape + slower) / flops + passes * cluster.layer_overhead
                        + 3 * (moe_act + cp_traffic) / bandwidth)
@@ -368,12 +354,13 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
 
     times = [rank_times(rank) for rank in range(lay.pp)]
     compute_mb, tp_mb, ep_mb, cp_mb, fp8_mb = max(times, key=sum)
-    m = lay.micro_batches
+    runs = lay.accumulate  # pipeline schedules per optimizer step (1 without accumulation around the pipeline)
+    m = lay.micro_batches * runs  # micro-batches per optimizer step
     t_mb = compute_mb + tp_mb + ep_mb + cp_mb + fp8_mb
-    bubble = bubble_fraction(lay.schedule, lay.pp, m, lay.virtual_stages) * m * t_mb
+    bubble = bubble_fraction(lay.schedule, lay.pp, lay.micro_batches, lay.virtual_stages) * m * t_mb  # each run's
     ramp, steady = pipeline_p2p_time(model, lay, cluster)
     pp_mb = steady if cluster.compute_units else max(0.0, steady - compute_mb * (lay.schedule in _ASYNC_P2P))
-    pp_comm = ramp + m * pp_mb
+    pp_comm = runs * ramp + m * pp_mb
 
     # DP: the fullest rank's parameters over the dp ring (ranks tp apart; dp cp ranks under CP), in gradient buckets
     # of ``bucket_cap_mb`` (stages 0-2) or FSDP2 units, one per block and one for the rest (stage 3). Under EP the
@@ -428,9 +415,9 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     backward = compute_mb - forward
     if cluster.compute_units:  # on a CPU the transfers are the cores' own work: nothing overlaps computation
         reductions = m if lay.zero_stage == 3 and lay.pp == 1 and lay.grad_reduce == "micro_batch" else 1
-        dp_comm = reductions * reduce + (gather if lay.zero_stage != 3 else (1 if lay.pp > 1 else 2 * m) * gather)
-    elif lay.zero_stage == 3 and lay.pp > 1:  # a stage gathered once, reduced after the schedule
-        dp_comm = reduce + gather
+        dp_comm = reductions * reduce + (gather if lay.zero_stage != 3 else (runs if lay.pp > 1 else 2 * m) * gather)
+    elif lay.zero_stage == 3 and lay.pp > 1:  # a stage gathered once per schedule, reduced after the last
+        dp_comm = reduce + runs * gather
     elif lay.zero_stage == 3:
         # FSDP2, per micro-batch: forward gathers unit by unit, each prefetched under the previous unit's forward
         # (the first shows: G/u); backward gathers again under the previous unit's backward, and in the window's
@@ -481,7 +468,7 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     pp_colls = m * 2 * per_rank if lay.pp > 1 else 0
     dp_messages = sum(k for *_, k in groups)
     if lay.zero_stage == 3:
-        dp_colls = 3 * dp_messages * (1 if lay.pp > 1 else m)
+        dp_colls = dp_messages * (2 * runs + 1 if lay.pp > 1 else 3 * m)
     else:
         dp_colls = dp_messages * (2 if lay.zero_stage else 1)
     sync = (tp_colls + ep_colls + cp_colls + pp_colls + dp_colls) * cluster.collective_overhead

@@ -1,0 +1,107 @@
+"""What the planner can now describe of other runs: sliding-window attention (its keys counted from the mask itself,
+read from transformers' configs, costed where the kernel skips what the window masks) and gradient accumulation
+around a pipeline schedule (a bubble per run, one reduction)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lightning_hybrid.planner import Layout, ModelSpec, estimate_memory, load_cluster, model_spec
+from lightning_hybrid.planner.__main__ import parse_layout
+from lightning_hybrid.planner.model import hf_config
+from lightning_hybrid.planner.time import estimate_time
+
+
+def _keys(s: int, window: int) -> int:
+    """Pairs (query, key) a causal mask with a sliding window allows, counted from the mask itself (transformers'
+    convention: key within ``window`` positions up to the query)."""
+    q, k = torch.arange(s, device="cpu")[:, None], torch.arange(s, device="cpu")[None, :]
+    return int(((k <= q) & (q - k < window)).sum())
+
+
+@pytest.mark.parametrize("window", [1, 5, 31, 32, 64])
+def test_attention_span_is_the_masks_share_of_causal_keys(window):
+    s, layers = 32, 6
+    for windowed in (1, 3, 6):
+        m = ModelSpec("w", layers, 64, 4, 4, 256, 100, s, window=window, window_layers=windowed)
+        expected = (windowed * _keys(s, window) + (layers - windowed) * _keys(s, s)) / (layers * _keys(s, s))
+        assert m.attention_span() == pytest.approx(expected)
+    assert ModelSpec("w", layers, 64, 4, 4, 256, 100, s, window=window).window_layers == layers  # 0: every layer
+    with pytest.raises(ValueError, match="window_layers=7"):
+        ModelSpec("w", layers, 64, 4, 4, 256, 100, s, window=window, window_layers=7)
+    with pytest.raises(ValueError, match="window_layers=2"):
+        ModelSpec("w", layers, 64, 4, 4, 256, 100, s, window_layers=2)
+
+
+def test_windows_read_from_transformers_configs():
+    base = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                num_hidden_layers=6, vocab_size=128, max_position_embeddings=256)
+    mistral = ModelSpec.from_hf(hf_config("mistral", dict(base, sliding_window=32)))
+    assert (mistral.window, mistral.window_layers) == (32, 6)
+    gemma = ModelSpec.from_hf(hf_config("gemma2", dict(base, sliding_window=16, head_dim=16)))
+    assert gemma.window == 16 and gemma.window_layers == 3  # alternating sliding and full layers
+    assert ModelSpec.from_hf(hf_config("qwen2", dict(base, sliding_window=16))).window == 0  # use_sliding_window off
+    qwen = ModelSpec.from_hf(hf_config("qwen2", dict(base, sliding_window=16, use_sliding_window=True,
+                                                     max_window_layers=2)))
+    assert (qwen.window, qwen.window_layers) == (16, 4)  # layers from max_window_layers on use the window
+    oss = hf_config("gpt_oss", dict(base, num_local_experts=4, num_experts_per_tok=2, sliding_window=8, head_dim=16))
+    spec = ModelSpec.from_hf(oss)
+    assert (spec.window, spec.window_layers) == (8, 3)
+    assert ModelSpec.from_hf(hf_config("llama", base)).attention_span() == 1.0
+
+
+def test_windowed_attention_costs_its_keys_where_the_kernel_skips_the_rest():
+    full = ModelSpec("m", 8, 1024, 16, 4, 4096, 32000, 4096, gated_mlp=True, bias=False, learned_positions=False)
+    windowed = dataclasses.replace(full, window=512, window_layers=0, params=0)
+    span = windowed.attention_span()
+    assert 0.2 < span < 0.25
+    lay = Layout(8, 1, 1, 1, 1, 2)
+    h100 = dataclasses.replace(load_cluster("h100"), precision="megatron-flash")
+    skips = dataclasses.replace(h100, window_kernels=True)
+    # The attention core's time is its FLOPs at attention_speed of the GEMMs' rate: a window of span f costs what the
+    # whole causal attention costs at speed 1/f -- nothing else in the block changes.
+    assert estimate_time(windowed, lay, skips).compute == pytest.approx(
+        estimate_time(full, lay, dataclasses.replace(h100, attention_speed=1 / span)).compute)
+    assert estimate_time(windowed, lay, h100).compute == estimate_time(full, lay, h100).compute  # a masked SDPA
+    assert estimate_time(windowed, lay, skips).compute < estimate_time(full, lay, skips).compute
+    attention = 12 * full.n_layer * full.hidden * full.seq_len
+    assert full.flops_per_token() - windowed.flops_per_token() == round(attention * (1 - span)) or (
+        abs(full.flops_per_token() - windowed.flops_per_token() - attention * (1 - span)) <= 1)
+    assert estimate_memory(windowed, lay, "megatron-flash").total == estimate_memory(full, lay, "megatron-flash").total
+
+
+def test_accumulation_around_a_pipeline_runs_the_schedule_again():
+    m = model_spec("gpt3-175b")
+    cluster = dataclasses.replace(load_cluster("a100"), precision="megatron")
+    once = Layout(8, 8, 8, 1, 1, 16, activation_checkpointing=True)
+    twice = dataclasses.replace(once, micro_batches=8, accumulate=2)
+    assert twice.sequences == once.sequences and twice.accumulation == 2 and once.accumulation == 1
+    assert twice.label() == "dp8xtp8xpp8 zero1 mb1x8 1f1b acc2 ac"
+    a, b = estimate_time(m, once, cluster), estimate_time(m, twice, cluster)
+    assert b.compute == pytest.approx(a.compute)  # the same micro-batches
+    assert b.bubble == pytest.approx(2 * a.bubble)  # a bubble per run: (pp - 1) micro-batch times each
+    assert b.dp_comm == pytest.approx(a.dp_comm)  # reduced once, after the last run
+    assert b.total > a.total
+    assert estimate_memory(m, twice, "megatron").total == estimate_memory(m, once, "megatron").total  # 1F1B holds pp
+    assert parse_layout("dp8xtp8xpp8 zero1 mb1x8 acc2 ac", m, 512, 128) == twice
+    with pytest.raises(ValueError, match="acc2 runs a pipeline's schedule"):
+        parse_layout("dp64xtp8 mb1x1 acc2", m, 512, 128)
+    with pytest.raises(ValueError, match="accumulate=2 is invalid for pp=1"):
+        Layout(8, 8, 1, 1, 1, 16, accumulate=2)
+
+
+def test_a_recipe_accumulating_around_its_pipeline_is_read_as_such():
+    from omegaconf import OmegaConf
+
+    from lightning_hybrid.planner.auto import _recipe_layout
+
+    cfg = OmegaConf.create({
+        "data": {"batch_size": 8}, "trainer": {"accumulate_grad_batches": 3},
+        "parallel": {"zero_stage": 1, "micro_batches": 4, "schedule": "1f1b", "virtual_stages": None,
+                     "activation_checkpointing": False}})
+    layout, global_batch = _recipe_layout(cfg, {"dp": 2, "tp": 1, "pp": 2})
+    assert (layout.micro_batch, layout.micro_batches, layout.accumulate) == (2, 4, 3)
+    assert global_batch == layout.sequences == 48
