@@ -107,14 +107,14 @@ _DIMS = re.compile(r"^(dp|tp|pp|cp|ep)(\d+)$")
 def parse_layout(text: str, model: ModelSpec, devices: int, global_batch: int) -> Layout:
     """A `Layout` from the table's own notation (`Layout.label`): ``dp4xtp8xpp2 cp2 ep2 zero1 mb2x4 1f1b/v2 ac sp``
     (spaces or commas between parts; ``sel``: selective recompute of the attention core, ``pw``: pointwise selective
-    recompute; ``hsdpN``: ZeRO-3 hybrid-sharded over ``N`` of the dp ranks; ``rs-mb``: ZeRO-3 reduce-scattering every
-    micro-batch; ``accN``: N runs of the pipeline's schedule per step). What is left out: ``tp``, ``pp``, ``cp``,
-    ``ep`` 1, ``dp`` what they leave of ``devices``, ZeRO 0, micro-batches of 1 sequence (``mbB`` sets the size;
-    ``mbBxM`` both: ``dp B M`` must be the global batch), schedule ``1f1b``. Raises ``ValueError`` for a layout
-    the strategy would refuse (sizes that do not multiply to ``devices``, ``tp`` not dividing the heads, ``ep`` the
-    experts, ...)."""
+    recompute, ``op``: torchtitan's per-op selective recompute; ``hsdpN``: ZeRO-3 hybrid-sharded over ``N`` of the dp
+    ranks; ``rs-mb``: ZeRO-3 reduce-scattering every micro-batch; ``accN``: N runs of the pipeline's schedule per
+    step). What is left out: ``tp``, ``pp``, ``cp``, ``ep`` 1, ``dp`` what they leave of ``devices``, ZeRO 0,
+    micro-batches of 1 sequence (``mbB`` sets the size; ``mbBxM`` both: ``dp B M`` must be the global batch), schedule
+    ``1f1b``. Raises ``ValueError`` for a layout the strategy would refuse (sizes that do not multiply to ``devices``,
+    ``tp`` not dividing the heads, ``ep`` the experts, ...)."""
     sizes: dict[str, int] = {}
-    zero, b, m, schedule, v, ac, sp, sel, pw = 0, 1, 0, "1f1b", 0, False, False, False, False
+    zero, b, m, schedule, v, ac, sp, sel, pw, op = 0, 1, 0, "1f1b", 0, False, False, False, False, False
     dp_shard, grad_reduce, accumulate = None, "auto", 1
     for part in re.split(r"[\s,]+", text.strip()):
         pieces = part.split("x") if all(_DIMS.match(x) for x in part.split("x")) else [part]
@@ -133,15 +133,15 @@ def parse_layout(text: str, model: ModelSpec, devices: int, global_batch: int) -
                 accumulate = int(piece[3:])
             elif piece == "rs-mb":
                 grad_reduce = "micro_batch"
-            elif piece in ("ac", "sp", "sel", "pw"):
+            elif piece in ("ac", "sp", "sel", "pw", "op"):
                 ac, sp = ac or piece == "ac", sp or piece == "sp"
-                sel, pw = sel or piece == "sel", pw or piece == "pw"
+                sel, pw, op = sel or piece == "sel", pw or piece == "pw", op or piece == "op"
             elif sched and sched.group(1) in SCHEDULES:
                 schedule, v = sched.group(1), int(sched.group(2) or 0)
             else:
                 raise ValueError(f"--layout {text!r}: {piece!r} is not a part of a layout (dpN, tpN, ppN, cpN, epN,"
                                  f" zero0-3, hsdpN, rs-mb, mbB or mbBxM, a schedule {sorted(SCHEDULES)} with /vN, accN,"
-                                 " ac, sel, pw, sp).")
+                                 " ac, sel, pw, op, sp).")
     tp, pp, cp, ep = (sizes.get(k, 1) for k in ("tp", "pp", "cp", "ep"))
     if min(tp, pp, cp, ep, b) < 1:
         raise ValueError(f"--layout {text!r}: every size must be positive.")
@@ -167,11 +167,11 @@ def parse_layout(text: str, model: ModelSpec, devices: int, global_batch: int) -
     v = v or (2 if schedule == "zero_bubble" else 1)
     if pp > 1:
         resolve_schedule(schedule, pp, m, v)
-    if sel and pw:
-        raise ValueError(f"--layout {text!r}: sel (the attention core recomputed) and pw (the attention core and the"
-                         " element-wise ops) are two recompute modes: give one.")
-    # selective recompute of the attention core (sel), of it and the element-wise ops (pw)
-    selective = {"recompute": "attention"} if sel else {"recompute": "pointwise"} if pw else {}
+    if sel + pw + op > 1:
+        raise ValueError(f"--layout {text!r}: sel (the attention core recomputed), pw (the attention core and the"
+                         " element-wise ops) and op (torchtitan's per-op policy) are recompute modes: give one.")
+    # selective recompute of the attention core (sel), of it and the element-wise ops (pw), torchtitan's (op)
+    selective = {"recompute": "attention" if sel else "pointwise" if pw else "op"} if sel or pw or op else {}
     layout = Layout(dp, tp, pp, zero, b, m, schedule, v, ac, sp, ep=ep, cp=cp, dp_shard=dp_shard,
                     grad_reduce=grad_reduce, accumulate=accumulate, **selective)
     layout.check_model(model)

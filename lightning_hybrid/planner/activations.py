@@ -1,7 +1,8 @@
 """Activation bytes of one block for one micro-batch on a device: the bytes per element of each precision
 (`PRECISIONS`) and the block's coefficients (``rep``, ``split``, ``scores`` per token: `ActivationCoefficients`) by
 precision and recompute mode -- Korthikanti's count (`KORTHIKANTI`, `korthikanti_coefficients`), this codebase's
-(`codebase_coefficients`, `attention_coefficients`, `pointwise_coefficients`) --, a MoE block's experts and router
+(`codebase_coefficients`, `attention_coefficients`, `pointwise_coefficients`), torchtitan's per-op selective
+recompute's (`op_coefficients`) --, a MoE block's experts and router
 (`expert_activation_bytes`), and a layout's dense and MoE block (`block_activations`). What each count holds:
 `lightning_hybrid.planner.memory`'s docstring.
 """
@@ -18,7 +19,8 @@ __all__ = ["CODEBASE_GATED_TENSORS", "KORTHIKANTI", "MEGATRON_GATED_TENSORS", "M
            "NORM_OUTPUT_BYTES", "POINTWISE_GATED_TENSORS", "POINTWISE_PLAIN_TENSORS", "PRECISIONS", "QKV_PROJECTIONS",
            "ActivationCoefficients", "attention_coefficients", "block_activation_bytes", "block_activations",
            "block_coefficients", "codebase_coefficients", "context_unsaved_split", "expert_activation_bytes",
-           "korthikanti_coefficients", "mlp_tensors", "moe_coefficients", "pointwise_coefficients",
+           "korthikanti_coefficients", "mlp_tensors", "moe_coefficients", "op_coefficients", "op_recomputed_weights",
+           "pointwise_coefficients",
            "pointwise_recomputed_bytes", "routed_tokens", "selective_coefficients", "uses_layer_norm"]
 
 #: bytes per element: (parameters, gradients, optimizer state, activations). Adam keeps 2 moments.
@@ -184,6 +186,47 @@ def pointwise_recomputed_bytes(model: ModelSpec, layout: Layout, precision: str)
     return dense, moe + routed * model.top_k * e * act * model.expert_ffn
 
 
+def _op_matmuls(model: ModelSpec, width: int) -> list[tuple[float, float, bool]]:
+    """A block's weight matmuls in the order its forward calls them (torchtitan's Llama: ``wq, wk, wv, wo``, then
+    ``w1, w3, w2``; a plain MLP ``fc1, fc2``), each ``(weights, output width over h, column-parallel)``, with an MLP
+    (or shared experts) of ``width`` (none for 0)."""
+    h, d = model.hidden, model.head_dim
+    q, kv = model.heads * d, model.kv_heads * d
+    mms = [(h * q, q / h, True), (h * kv, kv / h, True), (h * kv, kv / h, True), (q * h, 1.0, False)]
+    if width:
+        up = [(h * width, width / h, True)] * (2 if model.gated_mlp else 1)
+        mms += up + [(width * h, 1.0, False)]
+    return mms
+
+
+def op_coefficients(model: ModelSpec, precision: str) -> ActivationCoefficients:
+    """A block's coefficients under torchtitan's per-op selective recompute (``recompute="op"``, its
+    ``selective_ac_option = "op"``: a policy per checkpointed block that keeps the outputs of every other ``mm`` --
+    the 1st, 3rd, ... in call order, `_op_matmuls` -- and of the attention kernel, and recomputes everything else):
+    ``rep`` the block's input (the residual stream's dtype) and the kept row-parallel outputs (``e`` each: a gated
+    MLP's ``w2``), ``split`` the kept column outputs (``wq``'s ``e q``, ``wv``'s ``e kv``, ``w1``'s ``e F/h``: ``mlp``),
+    the attention's output ``e q`` and its logsumexp ``4 a/h``. (Under TP a kept row output is its partial sum before
+    the reduction, whole on each rank; it is counted as the reduced one.)"""
+    e = PRECISIONS[precision][3]
+    residual = e if precision in MEGATRON_PRECISIONS else PRECISIONS[precision][0]
+    mms = _op_matmuls(model, model.ffn)
+    kept = mms[0::2]
+    mlp = e * sum(w for _, w, column in kept[2:] if column)
+    split = e * sum(w for _, w, column in kept if column) + e * model.heads * model.head_dim / model.hidden
+    return ActivationCoefficients(rep=residual + e * sum(w for _, w, column in kept if not column),
+                                  split=split + 4 * model.heads / model.hidden, scores=0.0, mlp=mlp)
+
+
+def op_recomputed_weights(model: ModelSpec, moe: bool = False) -> tuple[float, float]:
+    """Weights whose GEMMs per-op selective recompute (`op_coefficients`) runs again in backward, per token: the
+    even-numbered matmuls of a dense block (``wk, wo, w3``), or of a MoE block's attention and shared experts; and
+    per (token, expert) pair a MoE block's experts whole (their grouped GEMMs are not ``mm``: never kept)."""
+    if not moe:
+        return float(sum(w for w, _, _ in _op_matmuls(model, model.ffn)[1::2])), 0.0
+    return (float(sum(w for w, _, _ in _op_matmuls(model, model.shared_ffn)[1::2])),
+            float(model.mlp_weights(model.expert_ffn)))
+
+
 #: ffn-wide tensors a gated MLP keeps: Megatron's fused SwiGLU 3 (the first matmul's ``2F`` output, the second's ``F``
 #: input), this codebase's 4 (``silu(w1 x) * w3 x`` in eager PyTorch: ``w1 x``, its SiLU, ``w3 x``, the product);
 #: a GELU MLP keeps 2 either way (GELU's input and output). Under pointwise recompute the matmuls' outputs alone:
@@ -194,9 +237,11 @@ POINTWISE_GATED_TENSORS, POINTWISE_PLAIN_TENSORS = 2, 1
 
 def mlp_tensors(model: ModelSpec, precision: str, recompute: str = "none") -> int:
     """ffn-wide tensors an MLP (or expert) keeps per token at ``precision`` (`MEGATRON_GATED_TENSORS`); under
-    ``recompute="pointwise"`` its matmuls' outputs (`POINTWISE_GATED_TENSORS`)."""
+    ``recompute="pointwise"`` its matmuls' outputs (`POINTWISE_GATED_TENSORS`), under ``"op"`` the first."""
     if recompute == "pointwise":
         return POINTWISE_GATED_TENSORS if model.gated_mlp else POINTWISE_PLAIN_TENSORS
+    if recompute == "op":  # the first of the MLP's matmul outputs (`op_coefficients`)
+        return 1
     if not model.gated_mlp:
         return 2
     return MEGATRON_GATED_TENSORS if precision in MEGATRON_PRECISIONS else CODEBASE_GATED_TENSORS
@@ -310,6 +355,8 @@ def block_activations(model: ModelSpec, layout: Layout, precision: str) -> tuple
     mode = layout.recompute_mode
     if mode == "pointwise":  # the attention core and the element-wise ops recomputed: matmul and norm outputs kept
         coeffs = pointwise_coefficients(model, precision)
+    elif mode == "op":  # torchtitan's per-op policy: every other matmul's output and the attention's kept
+        coeffs = op_coefficients(model, precision)
     elif mode == "attention":  # selective recompute: the attention core's activations not kept
         coeffs = selective_coefficients(coeffs, model, precision)
     elif cp > 1:

@@ -12,7 +12,9 @@ __all__ = ["Layout", "RECOMPUTE_MODES"]
 
 #: What a layer recomputes in backward: nothing, the whole layer (activation checkpointing), the attention core only
 #: (selective recompute), or the attention core and every element-wise op (pointwise selective recompute).
-RECOMPUTE_MODES = ("none", "full", "attention", "pointwise")
+#: ``"op"``: torchtitan's per-op policy (every other matmul's output and the attention's kept; other runtimes only:
+#: `Layout.strategy_kwargs` refuses it).
+RECOMPUTE_MODES = ("none", "full", "attention", "pointwise", "op")
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,8 @@ class Layout:
     its activations but the attention core's, which backward recomputes) or ``"pointwise"`` (selective recompute of
     the attention core and every element-wise op: a layer keeps only its matmul, norm and reduction outputs;
     `lightning_hybrid.parallel.activation_checkpointing`); with either selective mode ``activation_checkpointing`` is
-    False, as the strategy checkpoints every layer selectively. `recompute_mode` names the four choices.
+    False, as the strategy checkpoints every layer selectively; ``"op"`` describes torchtitan's per-op selective
+    recompute for other runtimes (not the strategy's). `recompute_mode` names the five choices.
     ``dp_shard`` (ZeRO-3 only, ``ep = 1``): hybrid sharding -- ZeRO-3 within groups of ``dp_shard cp`` ranks,
     replicated across ``dp / dp_shard`` of them (``None``: over all ``dp cp``); ``grad_reduce`` (ZeRO-3 under
     accumulation, ``pp = 1``): ``"window"`` (reduce-scatter once per optimizer step, unsharded gradients kept through
@@ -76,7 +79,7 @@ class Layout:
         if self.grad_reduce not in GRAD_REDUCE:
             raise ValueError(f"grad_reduce={self.grad_reduce!r} is invalid: use one of {list(GRAD_REDUCE)}.")
         if self.recompute not in RECOMPUTE_MODES[1:]:
-            raise ValueError(f"recompute={self.recompute!r} is invalid: use 'full', 'attention' or 'pointwise'.")
+            raise ValueError(f"recompute={self.recompute!r} is invalid: use 'full', 'attention', 'pointwise' or 'op'.")
         if self.recompute != "full" and self.activation_checkpointing:
             raise ValueError(f"recompute={self.recompute!r} is selective recompute of every layer: it takes"
                              " activation_checkpointing=False (True with 'full' recomputes whole layers).")
@@ -103,8 +106,9 @@ class Layout:
     @property
     def recompute_mode(self) -> str:
         """``"none"``, ``"full"`` (activation checkpointing), ``"attention"`` (selective recompute of the attention
-        core) or ``"pointwise"`` (selective recompute of the attention core and the element-wise ops)."""
-        if self.recompute in ("attention", "pointwise"):
+        core), ``"pointwise"`` (selective recompute of the attention core and the element-wise ops) or ``"op"``
+        (torchtitan's per-op policy)."""
+        if self.recompute in ("attention", "pointwise", "op"):
             return self.recompute
         return "full" if self.activation_checkpointing else "none"
 
@@ -159,7 +163,7 @@ class Layout:
             parts.append(self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
             parts += [f"acc{self.accumulate}"] if self.accumulate > 1 else []
         parts += ["ac"] if self.activation_checkpointing else []
-        parts += {"attention": ["sel"], "pointwise": ["pw"]}.get(self.recompute, [])
+        parts += {"attention": ["sel"], "pointwise": ["pw"], "op": ["op"]}.get(self.recompute, [])
         parts += ["sp"] if self.sequence_parallel else []
         return " ".join(parts)
 
@@ -183,6 +187,10 @@ class Layout:
             if "cp" not in accepted:
                 raise ValueError(f"cp={self.cp}: {strategy_cls.__name__} takes no cp (context parallelism).")
             kwargs["cp"] = self.cp
+        if self.recompute == "op":
+            raise ValueError("recompute='op' is torchtitan's per-op selective recompute, which the planner describes"
+                             f" for other runtimes: {strategy_cls.__name__} has recompute='pointwise' (the attention"
+                             " core and the element-wise ops recomputed, every matmul output kept).")
         if self.recompute != "full":
             if "recompute" not in accepted:
                 raise ValueError(f"recompute={self.recompute!r}: {strategy_cls.__name__} takes no recompute.")

@@ -160,6 +160,7 @@ from .activations import (
     block_activation_bytes,
     block_activations,
     block_coefficients,
+    op_recomputed_weights,
     pointwise_recomputed_bytes,
     routed_tokens,
 )
@@ -262,24 +263,27 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     # LoRA (``model.lora_rank``): a frozen weight has no weight-gradient GEMM, one pass of the weights' fewer (the
     # adapters' own GEMMs, r/h of a weight's, are left out).
     weight_passes = passes - (1 if model.lora_rank else 0)
-    block_flops = (weight_passes * tokens * 2 * model.block_matmul_weights() + passes * tokens * 4 * h * keys) / t
-    block_flops += core_recompute
+    # Per-op selective recompute (torchtitan's "op"): the even-numbered matmuls' forward GEMMs again.
+    op_dense = op_recomputed_weights(model)[0] if mode == "op" else 0.0
+    gemms = (weight_passes * model.block_matmul_weights() + op_dense) * tokens * 2 / t
+    block_flops = gemms + passes * tokens * 4 * h * keys / t + core_recompute
     shape = matmul_time_factor(model, t, cluster.matmul_k0)  # the weight GEMMs' time at their shapes
     # Attention's core (its counted 4 h s FLOPs per token and pass, and its recomputation) at the attention kernel's
     # speed, which is not a GEMM's (`Cluster.attention_speed`).
     attention_flops = passes * tokens * 4 * h * keys / t + core_recompute
     slower = attention_flops * (1 / cluster.attention_speed - 1)
-    block_matmul = (block_flops + (shape - 1) * weight_passes * tokens * 2 * model.block_matmul_weights() / t
-                    + slower) / flops
+    block_matmul = (block_flops + (shape - 1) * gemms + slower) / flops
     bandwidth = cluster.memory_bandwidth
-    if selective:
+    if selective or mode == "op":
         # Element-wise traffic is the work's, not what is kept: the block's whole activations (the attention core's
         # too, though not kept), and the recomputed core's (Korthikanti's scores, softmax and dropout) once more;
         # under "pointwise" the element-wise outputs computed again too (written once more: 1/3 of the 3 passes).
         whole, whole_moe = block_activations(model, dataclasses.replace(lay, recompute="full"), prec)
         core = block_activation_bytes(ActivationCoefficients(0.0, 0.0, block_coefficients(model, prec).scores), s,
                                       b, h, model.heads, t, cp=cp)
-        again, again_moe = pointwise_recomputed_bytes(model, lay, prec) if mode == "pointwise" else (0.0, 0.0)
+        if mode == "op":  # the attention's output kept: no core recomputed; the element-wise ops are
+            core = 0.0
+        again, again_moe = pointwise_recomputed_bytes(model, lay, prec) if mode != "attention" else (0.0, 0.0)
         dense_act, moe_act = whole + (core + again) / 3, whole_moe + (core + again_moe) / 3
     block_compute = block_matmul + passes * cluster.layer_overhead + 3 * (dense_act + cp_traffic) / bandwidth
     block_fp8 = head_fp8 = 0.0  # FP8: the amax all-reduces per micro-batch
@@ -329,8 +333,10 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
         routed = routed_tokens(tokens, t, lay.sequence_parallel)
         split = model.attention_weights() + model.mlp_weights(model.shared_ffn)
         expert = model.experts * h + model.top_k * model.mlp_weights(model.expert_ffn)
+        op_split, op_expert = op_recomputed_weights(model, True) if mode == "op" else (0.0, 0.0)
+        op_moe = tokens * 2 * op_split / t + routed * 2 * model.top_k * op_expert  # experts whole: grouped GEMMs
         moe_flops = (weight_passes * (tokens * 2 * split / t + routed * 2 * expert) + passes * tokens * 4 * h * keys / t
-                     + core_recompute)
+                     + core_recompute + op_moe)
         moe_compute = ((moe_flops * shape + slower) / flops + passes * cluster.layer_overhead
                        + 3 * (moe_act + cp_traffic) / bandwidth)
         moe_tp = moe_units / 2 * block_tp

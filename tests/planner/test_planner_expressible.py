@@ -105,3 +105,28 @@ def test_a_recipe_accumulating_around_its_pipeline_is_read_as_such():
     layout, global_batch = _recipe_layout(cfg, {"dp": 2, "tp": 1, "pp": 2})
     assert (layout.micro_batch, layout.micro_batches, layout.accumulate) == (2, 4, 3)
     assert global_batch == layout.sequences == 48
+
+
+def test_per_op_recompute_keeps_every_other_matmul_and_the_attention_as_torchtitans_policy():
+    from lightning_hybrid.planner.activations import op_coefficients, op_recomputed_weights
+
+    m = ModelSpec("llama", 4, 4096, 32, 8, 14336, 128256, 8192, gated_mlp=True, bias=False, learned_positions=False)
+    h, q, kv, F = 4096, 4096, 1024, 14336
+    # Call order wq wk wv wo w1 w3 w2: the 1st, 3rd, 5th and 7th kept (wq, wv, w1, w2), the others recomputed.
+    c = op_coefficients(m, "megatron-flash")
+    assert c.rep * h == pytest.approx(2 * h + 2 * h)  # the block's input, w2's output
+    assert c.split * h == pytest.approx(2 * q + 2 * kv + 2 * F + 2 * q + 4 * 32)  # wq, wv, w1; attention out + lse
+    assert op_recomputed_weights(m) == (h * kv + q * h + h * F, 0.0)  # wk, wo, w3
+    lay, none = Layout(8, 1, 1, 3, 1, 1, recompute="op"), Layout(8, 1, 1, 3, 1, 1)
+    assert lay.label() == "dp8xtp1 zero3 mb1x1 op" and parse_layout("dp8 zero3 mb1x1 op", m, 8, 8) == lay
+    with pytest.raises(ValueError, match="per-op selective recompute"):
+        lay.strategy_kwargs()
+    kept = estimate_memory(m, lay, "megatron-flash").activations
+    assert kept < estimate_memory(m, none, "megatron-flash").activations
+    # Without element-wise cost the difference in compute is the recomputed GEMMs alone.
+    cluster = dataclasses.replace(load_cluster("h100"), precision="megatron-flash", memory_bandwidth=float("inf"))
+    extra = (estimate_time(m, lay, cluster).compute - estimate_time(m, none, cluster).compute) / m.n_layer
+    from lightning_hybrid.planner.gemm import matmul_time_factor
+
+    gemm = 2 * m.seq_len * sum(op_recomputed_weights(m)) * matmul_time_factor(m, 1, cluster.matmul_k0)
+    assert extra == pytest.approx(gemm / cluster.achievable_flops("megatron-flash"))
