@@ -109,13 +109,13 @@ def parse_layout(text: str, model: ModelSpec, devices: int, global_batch: int) -
     (spaces or commas between parts; ``sel``: selective recompute of the attention core, ``pw``: pointwise selective
     recompute, ``op``: torchtitan's per-op selective recompute; ``hsdpN``: ZeRO-3 hybrid-sharded over ``N`` of the dp
     ranks; ``rs-mb``: ZeRO-3 reduce-scattering every micro-batch; ``accN``: N runs of the pipeline's schedule per
-    step). What is left out: ``tp``, ``pp``, ``cp``, ``ep`` 1, ``dp`` what they leave of ``devices``, ZeRO 0,
-    micro-batches of 1 sequence (``mbB`` sets the size; ``mbBxM`` both: ``dp B M`` must be the global batch), schedule
-    ``1f1b``. Raises ``ValueError`` for a layout the strategy would refuse (sizes that do not multiply to ``devices``,
-    ``tp`` not dividing the heads, ``ep`` the experts, ...)."""
+    step; ``fold``: expert parallelism folded over the TP ranks). What is left out: ``tp``, ``pp``, ``cp``, ``ep``
+    1, ``dp`` what they leave of ``devices``, ZeRO 0, micro-batches of 1 sequence (``mbB`` sets the size; ``mbBxM``
+    both: ``dp B M`` must be the global batch), schedule ``1f1b``. Raises ``ValueError`` for a layout the strategy
+    would refuse (sizes that do not multiply to ``devices``, ``tp`` not dividing the heads, ``ep`` the experts, ...)."""
     sizes: dict[str, int] = {}
     zero, b, m, schedule, v, ac, sp, sel, pw, op = 0, 1, 0, "1f1b", 0, False, False, False, False, False
-    dp_shard, grad_reduce, accumulate = None, "auto", 1
+    dp_shard, grad_reduce, accumulate, fold = None, "auto", 1, False
     for part in re.split(r"[\s,]+", text.strip()):
         pieces = part.split("x") if all(_DIMS.match(x) for x in part.split("x")) else [part]
         for piece in pieces:
@@ -131,6 +131,8 @@ def parse_layout(text: str, model: ModelSpec, devices: int, global_batch: int) -
                 dp_shard = int(piece[4:])
             elif re.fullmatch(r"acc\d+", piece):
                 accumulate = int(piece[3:])
+            elif piece == "fold":
+                fold = True
             elif piece == "rs-mb":
                 grad_reduce = "micro_batch"
             elif piece in ("ac", "sp", "sel", "pw", "op"):
@@ -141,7 +143,7 @@ def parse_layout(text: str, model: ModelSpec, devices: int, global_batch: int) -
             else:
                 raise ValueError(f"--layout {text!r}: {piece!r} is not a part of a layout (dpN, tpN, ppN, cpN, epN,"
                                  f" zero0-3, hsdpN, rs-mb, mbB or mbBxM, a schedule {sorted(SCHEDULES)} with /vN, accN,"
-                                 " ac, sel, pw, op, sp).")
+                                 " ac, sel, pw, op, sp, fold).")
     tp, pp, cp, ep = (sizes.get(k, 1) for k in ("tp", "pp", "cp", "ep"))
     if min(tp, pp, cp, ep, b) < 1:
         raise ValueError(f"--layout {text!r}: every size must be positive.")
@@ -173,7 +175,7 @@ def parse_layout(text: str, model: ModelSpec, devices: int, global_batch: int) -
     # selective recompute of the attention core (sel), of it and the element-wise ops (pw), torchtitan's (op)
     selective = {"recompute": "attention" if sel else "pointwise" if pw else "op"} if sel or pw or op else {}
     layout = Layout(dp, tp, pp, zero, b, m, schedule, v, ac, sp, ep=ep, cp=cp, dp_shard=dp_shard,
-                    grad_reduce=grad_reduce, accumulate=accumulate, **selective)
+                    grad_reduce=grad_reduce, accumulate=accumulate, ep_folding=fold, **selective)
     layout.check_model(model)
     return layout
 
@@ -270,6 +272,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--attention-speed", type=float, default=None, metavar="X",
                    help="the attention kernel's speed relative to the GEMMs' (default: the cluster's, 1;"
                         f" FlashAttention-2 on H100: {FA2_ON_HOPPER:.2f})")
+    p.add_argument("--ep-overlap", action="store_true", help="expert parallelism's all-to-alls under another"
+                   " micro-batch's computation of the block (Megatron-Core's --overlap-moe-expert-parallel-comm;"
+                   " default: synchronous, as this codebase's)")
+    p.add_argument("--ep-folding", action="store_true", help="search expert parallelism folded over the TP ranks too"
+                   " (Megatron-Core's MoE parallel folding, expert TP 1; 'fold' in --layout)")
     p.add_argument("--window-kernels", action="store_true", help="the attention kernel skips what a sliding window"
                    " masks (FlashAttention, flex attention, transformers' flash_attention_2): a windowed model's"
                    " attention at the window's cost (default: every key up to the query, this codebase's SDPA)")
@@ -317,6 +324,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 raise ValueError(f"--fp8-all-gather casts each weight shard with the whole weight's one scale: it"
                                  f" needs --fp8 tensorwise (got --fp8 {args.fp8})")
             cluster = dataclasses.replace(cluster, fp8_all_gather=True)
+        if args.ep_overlap or args.ep_folding:
+            cluster = dataclasses.replace(cluster, ep_comm_overlap=args.ep_overlap, ep_folding=args.ep_folding)
         if args.window_kernels:
             cluster = dataclasses.replace(cluster, window_kernels=True)
         if args.async_tp:

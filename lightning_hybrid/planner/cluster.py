@@ -129,6 +129,14 @@ class Cluster:
     a windowed model's attention core costs `lightning_hybrid.planner.model.ModelSpec.attention_span` of causal
     attention's; without it (this codebase's SDPA, which takes the window as a mask) every key up to the query is
     computed;
+    ``ep_comm_overlap``: expert parallelism's all-to-alls run under another micro-batch's computation of the same
+    MoE block (Megatron-Core's ``--overlap-moe-expert-parallel-comm``, its combined 1F1B; DeepSeek-V3's DualPipe):
+    only what exceeds the block's compute and the latency show (this codebase's are synchronous); ``ep_folding``:
+    the runtime can fold expert parallelism over the TP ranks (Megatron-Core's MoE parallel folding: the search
+    tries `lightning_hybrid.planner.layout.Layout.ep_folding` layouts); ``ep_dispatcher``: ``"alltoall"`` (this
+    codebase, Megatron-Core's alltoall dispatcher: every (token, expert) pair sent to its rank) or ``"deepep"``
+    (DeepEP, Megatron-Core's flex dispatcher: a token crosses the network once per node holding its experts,
+    `lightning_hybrid.planner.communication.deepep_node_copies`);
     ``pp_scatter_gather``: each TP rank sends ``1/tp`` of a pipeline boundary's tensor and the receiver all-gathers
     it over TP (Megatron-LM's scatter/gather, Narayanan et al. 2021, section 4.1; this codebase sends it whole
     without sequence parallelism). Set for published runs of those runtimes (`benchmarks/bench_planner.py`).
@@ -172,6 +180,9 @@ class Cluster:
     fp8_all_gather: bool = False
     fp8_head: bool = True
     window_kernels: bool = False
+    ep_comm_overlap: bool = False
+    ep_folding: bool = False
+    ep_dispatcher: str = "alltoall"
 
     def link(self, group_size: int, stride: int) -> Link:
         """The link a collective over ``group_size`` ranks ``stride`` ranks apart uses: within a node when the

@@ -16,8 +16,9 @@ from .layout import Layout
 from .model import ModelSpec
 from .placement import moe_block_count, pipeline_stages, rank_layers
 
-__all__ = ["all_to_all_bytes", "all_to_all_time", "kv_exchange_bytes", "kv_exchange_time", "kv_exchanges",
-           "mask_gather_time", "pipeline_boundaries", "pipeline_p2p_time", "ring_time", "ring_volume"]
+__all__ = ["all_to_all_bytes", "all_to_all_time", "deepep_node_copies", "ep_all_to_all_time", "kv_exchange_bytes",
+           "kv_exchange_time", "kv_exchanges", "mask_gather_time", "pipeline_boundaries", "pipeline_p2p_time",
+           "ring_time", "ring_volume"]
 
 def ring_volume(n: int, nbytes: float, op: str = "all_reduce") -> float:
     """Bytes each rank sends in a ring ``op`` over ``n`` ranks: ``2 (n-1)/n B`` for all-reduce, ``(n-1)/n B``
@@ -43,6 +44,44 @@ def all_to_all_time(n: int, sent: float, link: Link, messages: int = 1) -> float
     if n <= 1:
         return 0.0
     return messages * (n - 1) * link.latency + sent / link.bandwidth
+
+
+def ep_all_to_all_time(cluster: Cluster, n: int, stride: int, sent: float, messages: int = 1,
+                       model: ModelSpec | None = None) -> float:
+    """Seconds of ``messages`` all-to-alls over an expert-parallel group of ``n`` ranks ``stride`` apart in which a
+    rank sends ``sent`` bytes in all, spread evenly over its ``n - 1`` peers: the ``k - 1`` on its node (``k`` the
+    group's ranks per node) over NVLink, the others through its NIC, both at once -- the slower sets the pace (a group
+    within a node: `all_to_all_time` over NVLink); ``n - 1`` steps of the slowest hop's latency each.
+
+    With DeepEP's dispatch and combine (`Cluster.ep_dispatcher` ``"deepep"``; ``model``: the experts) a token crosses
+    the network once per other node holding one of its experts and is forwarded to them over NVLink there: the NIC
+    carries `deepep_node_copies` of a token's rows, not one per remote expert, and NVLink every row once."""
+    if n <= 1:
+        return 0.0
+    k = max(1, min(n, cluster.devices_per_node // max(1, stride)))
+    if k >= n:
+        return all_to_all_time(n, sent, cluster.intra, messages)
+    off = (n - k) / (n - 1)  # the share of a rank's bytes that leaves its node
+    if cluster.ep_dispatcher == "deepep" and model is not None:
+        rows = sent * n / (n - 1)  # the rank's rows, every pair: sent is the (n-1)/n that leaves the rank
+        inter = rows * deepep_node_copies(model.experts, model.top_k, n // k) / model.top_k
+        return messages * (n - 1) * cluster.inter.latency + max(rows / cluster.intra.bandwidth,
+                                                                 inter / cluster.inter.bandwidth)
+    return (messages * (n - 1) * cluster.inter.latency
+            + max(sent * (1 - off) / cluster.intra.bandwidth, sent * off / cluster.inter.bandwidth))
+
+
+def deepep_node_copies(experts: int, top_k: int, nodes: int) -> float:
+    """Copies of a token DeepEP sends across the network: the other nodes (of ``nodes`` holding ``experts / nodes``
+    experts each) that hold at least one of the token's ``top_k`` experts under uniform routing -- ``(nodes - 1) (1 -
+    C(E - E/G, k) / C(E, k))``."""
+    if nodes <= 1:
+        return 0.0
+    per_node = experts / nodes
+    missed = 1.0
+    for i in range(top_k):  # none of the k experts (drawn without replacement) on a given node
+        missed *= max(0.0, (experts - per_node - i) / (experts - i))
+    return (nodes - 1) * (1 - missed)
 
 
 def _pipeline_ranks(model: ModelSpec, layout: Layout) -> tuple[tuple[int, ...], ...]:

@@ -43,7 +43,11 @@ class Layout:
     ``accumulate`` (``pp > 1``): gradient accumulation around the pipeline -- each optimizer step runs the schedule
     of ``micro_batches`` that many times (Lightning's ``accumulate_grad_batches`` under a pipeline strategy; a
     bubble per run), the gradients reduced once, after the last (1: one run; under ``pp = 1`` the micro-batches are
-    the accumulation)."""
+    the accumulation); ``ep_folding``: Megatron-Core's MoE parallel folding with expert tensor parallel size 1 -- the
+    expert-parallel group spans the tp ranks too (``ep`` divides ``dp cp tp``; the experts' data-parallel group is
+    the rest, `edp`), each expert whole on its rank, a TP group's ranks routing their own sequence shards (sequence
+    parallelism) to different experts; described for other runtimes (this strategy keeps a rank's experts on every
+    rank of its TP group: `strategy_kwargs` refuses folding)."""
 
     dp: int
     tp: int
@@ -62,6 +66,7 @@ class Layout:
     dp_shard: Optional[int] = None
     grad_reduce: str = "auto"
     accumulate: int = 1
+    ep_folding: bool = False
 
     def __post_init__(self) -> None:
         if self.dp_shard is not None:
@@ -85,11 +90,20 @@ class Layout:
                              " activation_checkpointing=False (True with 'full' recomputes whole layers).")
         if not isinstance(self.cp, int) or isinstance(self.cp, bool) or self.cp < 1:
             raise ValueError(f"cp={self.cp!r} is invalid: it must be a positive integer (1: no context parallelism).")
-        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1 or self.dp * self.cp % self.ep:
+        if self.ep_folding:
+            if not isinstance(self.ep, int) or self.ep < 2 or self.dp * self.cp * self.tp % self.ep:
+                raise ValueError(f"ep={self.ep!r} with ep_folding is invalid for dp*cp*tp ="
+                                 f" {self.dp * self.cp * self.tp}: folding splits the experts over ep > 1 ranks out"
+                                 " of dp*cp*tp.")
+            if self.tp > 1 and not self.sequence_parallel:
+                raise ValueError(f"ep_folding with tp={self.tp} takes sequence_parallel=True: the ranks of a TP group"
+                                 " route their own sequence shards (Megatron-Core's MoE with TP needs it).")
+        elif not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1 or self.dp * self.cp % self.ep:
             within = f"dp*cp = {self.dp * self.cp}" if self.cp > 1 else f"dp={self.dp}"
             raise ValueError(f"ep={self.ep!r} is invalid for {within}: it must be a positive divisor of dp"
                              + ("*cp" if self.cp > 1 else "")
-                             + " (the expert-parallel ranks are carved out of the data-parallel ones).")
+                             + " (the expert-parallel ranks are carved out of the data-parallel ones; ep_folding"
+                             " carves them out of dp*cp*tp).")
 
     def check_model(self, model: Any) -> None:
         """Raise ``ValueError`` unless ``ep`` and ``cp`` suit ``model`` (a `ModelSpec`): ``ep > 1`` needs experts, and
@@ -114,8 +128,14 @@ class Layout:
 
     @property
     def edp(self) -> int:
-        """The experts' own data-parallel size: ranks holding the same experts (``dp cp / ep``)."""
-        return self.dp * self.cp // self.ep
+        """The experts' own data-parallel size: ranks holding the same experts (``dp cp / ep``; ``dp cp tp / ep``
+        under `ep_folding`)."""
+        return self.dp * self.cp * (self.tp if self.ep_folding else 1) // self.ep
+
+    @property
+    def ep_stride(self) -> int:
+        """How many ranks apart the ranks of an expert-parallel group are: ``tp`` (one per TP group), 1 folded."""
+        return 1 if self.ep_folding else self.tp
 
     @property
     def shard(self) -> int:
@@ -155,6 +175,7 @@ class Layout:
         parts = [f"dp{self.dp}xtp{self.tp}" + (f"xpp{self.pp}" if self.pp > 1 else "")]
         parts += [f"cp{self.cp}"] if self.cp > 1 else []
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
+        parts += ["fold"] if self.ep_folding else []
         parts += [f"zero{self.zero_stage}"] if self.zero_stage else []
         parts += [f"hsdp{self.dp_shard}"] if self.replicas > 1 else []
         parts += ["rs-mb"] if self.grad_reduce == "micro_batch" else []
@@ -187,6 +208,10 @@ class Layout:
             if "cp" not in accepted:
                 raise ValueError(f"cp={self.cp}: {strategy_cls.__name__} takes no cp (context parallelism).")
             kwargs["cp"] = self.cp
+        if self.ep_folding:
+            raise ValueError(f"ep_folding: {strategy_cls.__name__} keeps a rank's experts on every rank of its TP"
+                             " group (ep within dp*cp); folding expert parallelism over TP is described for other"
+                             " runtimes (Megatron-Core).")
         if self.recompute == "op":
             raise ValueError("recompute='op' is torchtitan's per-op selective recompute, which the planner describes"
                              f" for other runtimes: {strategy_cls.__name__} has recompute='pointwise' (the attention"

@@ -12,7 +12,8 @@ without PP, gradient accumulation), the schedule and its virtual stages (checked
 whose memory model refuses it), sequence parallelism
 (``tp > 1``), and for a mixture-of-experts
 model expert parallelism ``ep`` (`ep_choices`: the divisors of ``dp cp`` that divide the number of experts, 1
-included; with every ZeRO stage, `EP_ZERO_STAGES`). Each candidate gets `estimate_memory`; those that fit the
+included; with every ZeRO stage, `EP_ZERO_STAGES`; for a runtime that folds it over TP, `Cluster.ep_folding`, the
+divisors of ``dp cp tp`` too, folded). Each candidate gets `estimate_memory`; those that fit the
 device (`USABLE_MEMORY` of it) get `estimate_time` and are ranked by step time (then memory).
 
 The partition of the layers over stages is cached per stage count (`rank_layers`), so 1,024 devices search in
@@ -179,7 +180,7 @@ def enumerate_layouts(model: ModelSpec, cluster: Cluster, devices: int, global_b
                         continue
                     yield from _schedules(model, dims, cp, b, m, pipeline_layers, sequence_parallel, schedules,
                                           max_virtual_stages, invalid, recomputes,
-                                          _node_shard(dims.dp, tp, cp, cluster.devices_per_node))
+                                          _node_shard(dims.dp, tp, cp, cluster.devices_per_node), cluster.ep_folding)
 
 
 def _node_shard(dp: int, tp: int, cp: int, devices_per_node: int) -> Optional[int]:
@@ -190,7 +191,7 @@ def _node_shard(dp: int, tp: int, cp: int, devices_per_node: int) -> Optional[in
 
 
 def _schedules(model, dims, cp, b, m, pipeline_layers, sequence_parallel, schedules, max_virtual_stages, invalid,
-               recomputes=RECOMPUTE_CHOICES, node_shard: Optional[int] = None):
+               recomputes=RECOMPUTE_CHOICES, node_shard: Optional[int] = None, ep_folding: bool = False):
     tp, pp, dp = dims.tp, dims.pp, dims.dp
     choices = [("1f1b", 1)] if pp == 1 else []
     for name in (schedules if pp > 1 else ()):
@@ -205,17 +206,22 @@ def _schedules(model, dims, cp, b, m, pipeline_layers, sequence_parallel, schedu
                 invalid[f"{name}: micro-batch count (resolve_schedule)"] += 1
                 continue
             choices.append((name, v))
+    # Expert parallelism within dp cp; for a runtime that folds it over TP (`Cluster.ep_folding`), also over dp cp tp
+    # (sequence parallel only).
+    eps = [(ep, False) for ep in ep_choices(model, dp * cp)]
+    if ep_folding and tp > 1 and sequence_parallel:
+        eps += [(ep, True) for ep in ep_choices(model, dp * cp * tp) if ep > 1]
     for name, v in choices:
-        for ep in ep_choices(model, dp * cp):
+        for ep, fold in eps:
             for zero in ((0, 1, 2, 3) if dp * cp > 1 else (0,)):
                 if ep > 1 and zero not in EP_ZERO_STAGES:
                     continue
                 shards = (None, node_shard) if zero == 3 and ep == 1 and node_shard is not None else (None,)
                 for ac, recompute in recomputes:
-                    for sp in ((False, True) if tp > 1 and sequence_parallel else (False,)):
+                    for sp in ((True,) if fold else (False, True) if tp > 1 and sequence_parallel else (False,)):
                         for dp_shard in shards:
                             yield Layout(dp, tp, pp, zero, b, m, name, v, ac, sp, ep=ep, cp=cp, recompute=recompute,
-                                         dp_shard=dp_shard)
+                                         dp_shard=dp_shard, ep_folding=fold)
 
 
 def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: int,

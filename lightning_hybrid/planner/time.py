@@ -86,21 +86,10 @@ where the schedule allows it, as ``max(0, communication - its compute window)``,
 Every term keeps its collectives' latency, so no layout's DP communication is 0 at scale. The optimizer step reads
 and writes its states once (memory bound), or takes the measured time per parameter (CPU).
 
-Mixture of experts (`ModelSpec.experts`; `lightning_hybrid.parallel.expert_parallel`), per MoE block and micro-batch:
-
-* compute: attention and the shared experts as a dense block's (``/tp``); the router (``2 E h``) and the experts
-  (``2 x`` one expert's weights per (token, expert) pair, ``k`` pairs per token under uniform routing) on the
-  tokens the rank routes -- all of its replica's under TP (the experts are replicated over TP, so this work is
-  not split), ``1/tp`` of them with sequence parallelism -- whatever ``ep`` (a rank computes as many pairs as it
-  sends); TP's collectives only for attention (and the shared experts, when there are);
-* EP (``ep > 1``): an all-to-all of the pairs to the experts' ranks and one back in forward, the reverse two in
-  backward (two more when the block is recomputed), each sending ``(ep-1)/ep`` of the ``N k`` rows of ``h``
-  elements (`all_to_all_bytes`), over the link the EP group spans (``ep`` data-parallel ranks, ``tp`` apart:
-  `Cluster.link`), pairwise (``ep - 1`` steps of latency), plus the split sizes' exchange before each forward
-  dispatch; synchronous (a host sync for the split sizes per layer): on the critical path, not overlapped.
-* DP: the experts' gradients (``E/ep`` experts per MoE block) are reduced over their own data-parallel group of
-  ``dp/ep`` ranks (``ep tp`` apart), in their own buckets; the rest over ``dp`` as above; the optimizer steps
-  ``1/(dp/ep)`` of them under ZeRO.
+Mixture of experts (`ModelSpec.experts`): a MoE block's compute and all-to-alls are
+`lightning_hybrid.planner.expert_time`'s (its docstring); the experts' gradients (``E/ep`` experts per MoE block) are
+reduced over their own data-parallel group of ``edp`` ranks (``ep`` x the EP group's stride apart), in their own
+buckets; the rest over ``dp`` as below; the optimizer steps ``1/edp`` of them under ZeRO.
 
 Context parallelism (`Layout.cp` = ``c``; `lightning_hybrid.parallel.context_parallel`), per block and micro-batch:
 
@@ -162,13 +151,11 @@ from .activations import (
     block_coefficients,
     op_recomputed_weights,
     pointwise_recomputed_bytes,
-    routed_tokens,
 )
 from .cluster import Cluster
 
 # The collectives' times and volumes (re-exported here, as they were defined here).
 from .communication import (
-    _exchange_bytes,
     all_to_all_bytes,
     all_to_all_time,
     kv_exchange_bytes,
@@ -181,6 +168,7 @@ from .communication import (
     ring_volume,
 )
 from .context_memory import context_attention_traffic
+from .expert_time import moe_block_time
 from .float8 import check_fp8, fp8_amax_time, fp8_block_linears, fp8_extra_time
 from .gemm import matmul_time_factor
 from .layout import Layout
@@ -330,20 +318,11 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     moe_compute = moe_tp = moe_ep = 0.0
     moe_units = 2 if model.shared_ffn else 1  # TP regions of a MoE block (a dense block has 2)
     if model.experts:
-        routed = routed_tokens(tokens, t, lay.sequence_parallel)
-        split = model.attention_weights() + model.mlp_weights(model.shared_ffn)
-        expert = model.experts * h + model.top_k * model.mlp_weights(model.expert_ffn)
-        op_split, op_expert = op_recomputed_weights(model, True) if mode == "op" else (0.0, 0.0)
-        op_moe = tokens * 2 * op_split / t + routed * 2 * model.top_k * op_expert  # experts whole: grouped GEMMs
-        moe_flops = (weight_passes * (tokens * 2 * split / t + routed * 2 * expert) + passes * tokens * 4 * h * keys / t
-                     + core_recompute + op_moe)
-        moe_compute = ((moe_flops * shape + slower) / flops + passes * cluster.layer_overhead
-                       + 3 * (moe_act + cp_traffic) / bandwidth)
+        moe_compute, moe_ep = moe_block_time(
+            model, lay, cluster, tokens=tokens, weight_passes=weight_passes, recompute=recompute, mode=mode,
+            attention_flops=attention_flops, slower=slower,
+            elementwise=passes * cluster.layer_overhead + 3 * (moe_act + cp_traffic) / bandwidth)
         moe_tp = moe_units / 2 * block_tp
-        ep_link = cluster.link(ep, t)
-        exchanges = 6 if recompute else 4
-        moe_ep = (all_to_all_time(ep, exchanges * _exchange_bytes(model, lay, tokens, e), ep_link, exchanges)
-                  + all_to_all_time(ep, (2 if recompute else 1) * 8 * (ep - 1), ep_link, 2 if recompute else 1))
 
     spec = SCHEDULES[lay.schedule] if lay.pp > 1 else SCHEDULES["1f1b"]
     per_rank = lay.virtual_stages if lay.pp > 1 else 1
@@ -391,11 +370,12 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     if trained is not None and lay.zero_stage < 3:
         (dense_t, experts_t), expert_units = trained, moe_units_dp
         groups = [(n, dense_t, dense_t, cluster.ring_link(n, t), messages(dense_t, dense_units_all)),
-                  (edp, experts_t, experts_t, cluster.ring_link(edp, ep * t), messages(experts_t, expert_units))]
+                  (edp, experts_t, experts_t, cluster.ring_link(edp, ep * lay.ep_stride),
+                   messages(experts_t, expert_units))]
     else:
         dense_reduced, experts_reduced = (P - P_x, P_x) if trained is None else trained
         groups = [(n, P - P_x, dense_reduced, cluster.ring_link(n, t), messages(P - P_x, dense_units_all)),
-                  (edp, P_x, experts_reduced, cluster.ring_link(edp, ep * t), messages(P_x, moe_units_dp))]
+                  (edp, P_x, experts_reduced, cluster.ring_link(edp, ep * lay.ep_stride), messages(P_x, moe_units_dp))]
     groups = [g for g in groups if g[0] > 1 and g[4] > 0]
     # ZeRO-3 with float8 all-gather (`Cluster.fp8_all_gather`, tensorwise): the converted weights at 1 byte.
     float8_gathered = 0.0
