@@ -44,6 +44,7 @@ from typing import Any, Optional
 
 from lightning_hybrid.parallel.pipeline.executor import SCHEDULES, resolve_schedule
 
+from .activations import PRECISIONS
 from .cluster import DEFAULT_CALIBRATION, FA2_ON_HOPPER, USABLE_MEMORY, Cluster, calibrate, load_cluster
 from .float8 import FP8_RECIPES
 from .layout import Layout
@@ -269,6 +270,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--layout", default=None, help="one layout to check, as the table writes them: 'dp8xtp8',"
                    " 'dp4xtp8xpp2 zero1 mb1x16 ac sp' (its memory by kind, whether it fits, the margin)")
     p.add_argument("--cluster", default="cpu", help="a100, h100, cpu, or a cluster JSON (default: cpu)")
+    p.add_argument("--precision", default=None, choices=sorted(PRECISIONS), help="what the runtime keeps in which"
+                   " dtype (default: the cluster's; bf16-mixed on the GPU presets, this codebase's; fsdp-bf16:"
+                   " FSDP2 with bf16 parameters and no autocast, torchtitan's; megatron-flash: Megatron-Core's)")
     p.add_argument("--attention-speed", type=float, default=None, metavar="X",
                    help="the attention kernel's speed relative to the GEMMs' (default: the cluster's, 1;"
                         f" FlashAttention-2 on H100: {FA2_ON_HOPPER:.2f})")
@@ -314,6 +318,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.lora_rank:
             model = dataclasses.replace(model, lora_rank=args.lora_rank)
         cluster = load_cluster(args.cluster)
+        if args.precision:
+            cluster = dataclasses.replace(cluster, precision=args.precision)
         if args.attention_speed is not None:
             if not args.attention_speed > 0:
                 raise ValueError(f"--attention-speed {args.attention_speed}: must be > 0 (1: attention at the GEMMs'"

@@ -29,8 +29,12 @@ __all__ = ["CODEBASE_GATED_TENSORS", "KORTHIKANTI", "MEGATRON_GATED_TENSORS", "M
 #: Korthikanti's block with its unfused attention and dropout (the ``s x s`` scores kept: the 2021/2022 Megatron
 #: runs); ``megatron-flash``: the same states, the block as the runs since 2023 train it (flash / SDPA attention:
 #: no ``s x s`` tensor, only ``O(s)`` per head -- the softmax's logsumexp, negligible beside ``h``; dropout 0).
+#: ``fsdp-bf16``: FSDP2 with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` and no autocast
+#: (torchtitan's, NeMo AutoModel's): fp32 parameter shards gathered in bf16 (2; the shard's other 2 bytes counted
+#: with the optimizer's 8: 10), gradients computed in bf16 and reduced and kept sharded in fp32 (4), bf16 activations
+#: and residual stream, this codebase's eager block otherwise (`codebase_coefficients`).
 PRECISIONS = {"32-true": (4, 4, 8, 4), "bf16-mixed": (4, 4, 8, 2), "megatron": (2, 2, 12, 2),
-              "megatron-flash": (2, 2, 12, 2)}
+              "megatron-flash": (2, 2, 12, 2), "fsdp-bf16": (2, 4, 10, 2)}
 #: Precisions whose block is Korthikanti's count (`korthikanti_coefficients`; ``megatron-flash``: no scores or dropout).
 MEGATRON_PRECISIONS = ("megatron", "megatron-flash")
 
