@@ -149,7 +149,9 @@ class Cluster:
     amax all-reduce per FSDP unit and forward: the CLI's ``--fp8-all-gather``, a recipe's
     ``parallel.fp8_all_gather``); ``fp8_head``
     (``True``): the LM head is converted too (this codebase, unless ``fp8_exclude`` names it; torchtitan leaves
-    its ``output`` in bf16).
+    its ``output`` in bf16); ``fp8_fused_casts``: Transformer Engine's casts, fused into the kernels producing
+    the operands and weights cast once per step (Megatron-Core, NeMo; `lightning_hybrid.planner.float8.
+    FUSED_CAST_BYTES`; this codebase's torchao casts are kernels of their own).
     """
 
     name: str
@@ -179,6 +181,7 @@ class Cluster:
     fp8_amax_reduced: bool = True
     fp8_all_gather: bool = False
     fp8_head: bool = True
+    fp8_fused_casts: bool = False
     window_kernels: bool = False
     ep_comm_overlap: bool = False
     ep_folding: bool = False

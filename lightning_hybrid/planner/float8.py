@@ -42,9 +42,9 @@ import math
 from .cluster import Cluster, Link
 from .model import ModelSpec
 
-__all__ = ["CAST_BYTES", "FP8_GEMM_EFFICIENCY", "FP8_LINEAR_OVERHEAD", "FP8_RECIPES", "MICROBENCHMARKS", "check_fp8",
-           "fp8_amax_time", "fp8_block_linears", "fp8_extra_time", "fp8_gemm_factor", "fp8_gemm_speedup",
-           "fp8_linear_speedup", "fp8_traffic"]
+__all__ = ["CAST_BYTES", "FP8_GEMM_EFFICIENCY", "FP8_LINEAR_OVERHEAD", "FP8_RECIPES", "FUSED_CAST_BYTES",
+           "MICROBENCHMARKS", "check_fp8", "fp8_amax_time", "fp8_block_linears", "fp8_extra_time", "fp8_gemm_factor",
+           "fp8_gemm_speedup", "fp8_linear_speedup", "fp8_traffic"]
 
 #: The recipes the planner models (`HybridStrategy`'s ``fp8`` names).
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -59,6 +59,11 @@ FP8_GRAD_WEIGHT_HP = ("rowwise_with_gw_hp",)
 CAST_BYTES = {"tensorwise": (8, 8, 8), "rowwise": (10, 10, 10), "rowwise_with_gw_hp": (5, 10, 5)}
 #: ... and per element of the input and weight when a recomputed forward casts them again (an amax and one cast).
 RECAST_BYTES = 5
+#: Transformer Engine's casts (`Cluster.fp8_fused_casts`: Megatron-Core, NeMo): the input's cast is fused into the
+#: kernel producing it (LayerNormLinear's norm, the fused activation), the weights are cast once per optimizer step
+#: (kept in float8 between micro-batches), the output gradient read once and written in both layouts by one
+#: cast-transpose kernel (2 + 1 + 1 bytes); no launches of their own.
+FUSED_CAST_BYTES = (0, 0, 4)
 #: Seconds per converted linear and micro-batch that do not scale with its size (the amax and cast kernels'
 #: launches; fitted with the tensorwise speedup on `MICROBENCHMARKS`).
 FP8_LINEAR_OVERHEAD = 8e-6
@@ -107,9 +112,12 @@ def fp8_block_linears(model: ModelSpec, tp: int) -> list[tuple[int, float, float
             (ups, h, model.ffn / tp), (1, model.ffn / tp, h)]
 
 
-def fp8_traffic(fp8: str, linears: list[tuple[int, float, float]], tokens: float, recompute: bool) -> float:
-    """HBM bytes the casts of ``linears`` (`fp8_block_linears`) move per micro-batch of ``tokens`` on the rank."""
-    x, w, g = CAST_BYTES[fp8]
+def fp8_traffic(fp8: str, linears: list[tuple[int, float, float]], tokens: float, recompute: bool,
+                fused: bool = False) -> float:
+    """HBM bytes the casts of ``linears`` (`fp8_block_linears`) move per micro-batch of ``tokens`` on the rank
+    (``fused``: Transformer Engine's, `FUSED_CAST_BYTES`)."""
+    x, w, g = FUSED_CAST_BYTES if fused else CAST_BYTES[fp8]
+    recompute = recompute and not fused
     total = 0.0
     for count, k, n in linears:
         total += count * (x * tokens * k + w * k * n + g * tokens * n
@@ -122,9 +130,10 @@ def fp8_extra_time(fp8: str, cluster: Cluster, gemms: float, passes: int, linear
     """Seconds ``linears`` (`fp8_block_linears`) take in float8 beyond their bf16 GEMM time ``gemms`` (over
     ``passes`` GEMM passes), per micro-batch of ``tokens``: the GEMMs' change (`fp8_gemm_factor`), the casts' traffic
     at the memory bandwidth (`fp8_traffic`) and the launches (`FP8_LINEAR_OVERHEAD` a linear)."""
+    fused = cluster.fp8_fused_casts
     return (gemms * (fp8_gemm_factor(fp8, passes, cluster) - 1)
-            + fp8_traffic(fp8, linears, tokens, recompute) / cluster.memory_bandwidth
-            + sum(count for count, _, _ in linears) * FP8_LINEAR_OVERHEAD)
+            + fp8_traffic(fp8, linears, tokens, recompute, fused) / cluster.memory_bandwidth
+            + (0 if fused else sum(count for count, _, _ in linears) * FP8_LINEAR_OVERHEAD))
 
 
 def fp8_amax_time(fp8: str, cluster: Cluster, stage_ranks: int, tp: int, stage_link: Link, tp_link: Link) -> float:

@@ -130,3 +130,25 @@ def test_per_op_recompute_keeps_every_other_matmul_and_the_attention_as_torchtit
 
     gemm = 2 * m.seq_len * sum(op_recomputed_weights(m)) * matmul_time_factor(m, 1, cluster.matmul_k0)
     assert extra == pytest.approx(gemm / cluster.achievable_flops("megatron-flash"))
+
+
+def test_transformer_engines_fused_casts_and_neMos_published_fp8_runs():
+    import sys
+    from pathlib import Path
+
+    from lightning_hybrid.planner.float8 import FUSED_CAST_BYTES, fp8_traffic
+
+    linears = [(1, 4096, 4096)]
+    # Fused: the input's and weight's casts cost nothing of their own, the output gradient 4 bytes an element.
+    assert fp8_traffic("tensorwise", linears, 1000, True, fused=True) == FUSED_CAST_BYTES[2] * 1000 * 4096
+    m = ModelSpec("llama", 4, 4096, 32, 8, 14336, 128256, 8192, gated_mlp=True, bias=False, learned_positions=False)
+    lay = Layout(8, 1, 1, 1, 1, 4)
+    h100 = load_cluster("h100")
+    te = dataclasses.replace(h100, fp8_fused_casts=True)
+    assert estimate_time(m, lay, te, fp8="tensorwise").total < estimate_time(m, lay, h100, fp8="tensorwise").total
+    assert estimate_time(m, lay, te).total == estimate_time(m, lay, h100).total  # bf16 unchanged
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks.bench_planner import nemo_fp8_rows
+
+    _, errors = nemo_fp8_rows()  # benchmarks/PLANNER.md: 13 runs, nothing fitted
+    assert sum(abs(e) for e in errors) / len(errors) <= 0.10 and max(abs(e) for e in errors) <= 0.20
