@@ -10,6 +10,7 @@ recompute's (`op_coefficients`) --, a MoE block's experts and router
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from .layout import Layout
@@ -352,11 +353,17 @@ def block_activations(model: ModelSpec, layout: Layout, precision: str) -> tuple
     activation checkpointing less `context_unsaved_split` (the checkpointed attention's logsumexp; a rotary model's
     fp32 Q and K kept as its inputs). With activation checkpointing this is the block being recomputed (its count
     without recompute)."""
+    return _block_activations(model, layout.micro_batch, layout.tp, layout.sequence_parallel, layout.cp,
+                              layout.recompute_mode, layout.activation_checkpointing, precision)
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_activations(model: ModelSpec, b: int, t: int, sp: bool, cp: int, mode: str, checkpointing: bool,
+                       precision: str) -> tuple[float, float]:
+    """`block_activations` of the layout fields it reads (cached: the search asks for the same ones often)."""
     e = PRECISIONS[precision][3]
     coeffs = block_coefficients(model, precision)
-    s, b, h, t, sp = model.seq_len, layout.micro_batch, model.hidden, layout.tp, layout.sequence_parallel
-    cp = layout.cp
-    mode = layout.recompute_mode
+    s, h = model.seq_len, model.hidden
     if mode == "pointwise":  # the attention core and the element-wise ops recomputed: matmul and norm outputs kept
         coeffs = pointwise_coefficients(model, precision)
     elif mode == "op":  # torchtitan's per-op policy: every other matmul's output and the attention's kept
@@ -366,7 +373,7 @@ def block_activations(model: ModelSpec, layout: Layout, precision: str) -> tuple
     elif cp > 1:
         if precision in MEGATRON_PRECISIONS:  # Korthikanti: the scores of the layer being computed are the transient's
             coeffs = dataclasses.replace(coeffs, scores=0.0)
-        elif not layout.activation_checkpointing:  # the attention is checkpointed: SDPA's output not kept
+        elif not checkpointing:  # the attention is checkpointed: SDPA's output not kept
             coeffs = dataclasses.replace(coeffs, split=coeffs.split - context_unsaved_split(model, e))
     dense = block_activation_bytes(coeffs, s, b, h, model.heads, t, sp, cp)
     if not model.experts:

@@ -139,6 +139,11 @@ class ModelSpec:
             object.__setattr__(self, "window_layers", self.n_layer)
         if not self.params:
             object.__setattr__(self, "params", sum(self.pipeline_layer_params()))
+        # Hashed once (the planner's caches key on the spec; a frozen dataclass rehashes every field each time).
+        object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     # ------------------------------------------------------------------------------------------- counts
     @property

@@ -44,6 +44,40 @@ def test_partition_minimises_the_largest_stage():
     assert partition_layers([5, 5, 5], 3) == [range(0, 1), range(1, 2), range(2, 3)]
 
 
+def test_partition_splits_as_trying_every_last_stage_start():
+    """The split scans each last stage's starts from the right and stops once that stage alone is too big: the same
+    split as trying every start and keeping the smallest of least cost (ties included: equal layers, zeros)."""
+    import random
+
+    def every_start(sizes, stages):
+        n, prefix = len(sizes), [0]
+        for size in sizes:
+            prefix.append(prefix[-1] + size)
+        best = [[float("inf")] * (n + 1) for _ in range(stages + 1)]
+        cut = [[0] * (n + 1) for _ in range(stages + 1)]
+        best[0][0] = 0
+        for s in range(1, stages + 1):
+            for end in range(s, n + 1):
+                for start in range(s - 1, end):
+                    cost = max(best[s - 1][start], prefix[end] - prefix[start])
+                    if cost < best[s][end]:
+                        best[s][end], cut[s][end] = cost, start
+        ranges, end = [], n
+        for s in range(stages, 0, -1):
+            ranges.append(range(cut[s][end], end))
+            end = cut[s][end]
+        return ranges[::-1]
+
+    rng = random.Random(0)
+    for _ in range(400):
+        n = rng.randint(1, 30)
+        sizes = rng.choice([[7] * n, [rng.choice([0, 1, 5, 5, 100]) for _ in range(n)],
+                            [rng.randint(0, 1000) for _ in range(n)]])
+        sizes[0], sizes[-1] = rng.randint(0, 3000), rng.randint(0, 3000)  # an embedding and a head
+        stages = rng.randint(1, n)
+        assert partition_layers(sizes, stages) == every_start(sizes, stages)
+
+
 def test_explicit_split_points_and_their_errors():
     assert partition_layers([1] * 6, 3, split_points=[1, 5]) == [range(0, 1), range(1, 5), range(5, 6)]
     for bad in ([3], [2, 2], [0, 3], [3, 6], [4, 2]):

@@ -22,7 +22,10 @@ def partition_layers(sizes: Sequence[int], num_stages: int, split_points: Sequen
             )
         bounds = [0, *points, n]
         return [range(bounds[i], bounds[i + 1]) for i in range(num_stages)]
-    # Minimise the largest stage (dynamic programming over prefix sums; n and num_stages are small).
+    # Minimise the largest stage (dynamic programming over prefix sums). For each stage count and end the last
+    # stage's start is the smallest one of least cost; scanning the starts from the right, the last stage only
+    # grows, so once it alone exceeds the best cost no start further left can do better (the same split as
+    # trying every start, in about n^2 steps instead of n^2 x stages).
     prefix = [0]
     for size in sizes:
         prefix.append(prefix[-1] + size)
@@ -31,11 +34,17 @@ def partition_layers(sizes: Sequence[int], num_stages: int, split_points: Sequen
     cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
     best[0][0] = 0
     for s in range(1, num_stages + 1):
+        before, row, cuts = best[s - 1], best[s], cut[s]
         for end in range(s, n + 1):
-            for start in range(s - 1, end):
-                cost = max(best[s - 1][start], prefix[end] - prefix[start])
-                if cost < best[s][end]:
-                    best[s][end], cut[s][end] = cost, start
+            least, where = inf, 0
+            for start in range(end - 1, s - 2, -1):
+                last = prefix[end] - prefix[start]
+                if last > least:
+                    break
+                cost = before[start] if before[start] > last else last
+                if cost <= least:
+                    least, where = cost, start
+            row[end], cuts[end] = least, where
     ranges, end = [], n
     for s in range(num_stages, 0, -1):
         start = cut[s][end]
