@@ -17,6 +17,8 @@ level (``intra``: within a node, ``inter``: across nodes) the bandwidth and late
     gets the node's 8 HCAs together (`Cluster.ring_link`).
   - latencies: ~5 us per NVLink hop, ~10 us per InfiniBand hop (NCCL's small-message all-reduce latency
     orders of magnitude; they matter only for small messages).
+* ``a100-40gb``: DGX A100 nodes with A100-SXM4-40GB: the same compute and links, 40 GB of HBM2 at 1.555 TB/s
+  (datasheet; ``K0`` 1,026 by its ridge point).
 * ``h100``: DGX H100 nodes: 8 x H100-SXM5-80GB; 989 TFLOP/s dense BF16, 1,979 FP8, 67 FP32 (datasheet); 3.35 TB/s HBM3
   (ridge 295 FLOP/byte against A100's 156: ``K0`` 1,514); NVLink 4: 900 GB/s per GPU -> 450 per direction;
   8 x 400 Gb/s NDR InfiniBand = 50 GB/s per GPU. Attention at the GEMMs' rate (``attention_speed`` 1: a kernel
@@ -260,10 +262,12 @@ def _gpu(
 #: What CUDA reports of an "80GB" card (``torch.cuda.get_device_properties(0).total_memory``): A100-SXM4-80GB
 #: 81,920 MiB (80 GiB), H100-SXM5-80GB 81,559 MiB -- binary gigabytes, not 80e9 bytes (74.5 GiB).
 A100_80GB_BYTES = 81920 * 2**20
+A100_40GB_BYTES = 40960 * 2**20
 H100_80GB_BYTES = 81559 * 2**20
 
 CLUSTER_PRESETS: dict[str, Cluster] = {
     "a100": _gpu("a100", 312, 19.5, 2.0, 600, 25, A100_80GB_BYTES),
+    "a100-40gb": _gpu("a100-40gb", 312, 19.5, 1.555, 600, 25, A100_40GB_BYTES),
     "h100": _gpu("h100", 989, 67, 3.35, 900, 50, H100_80GB_BYTES, tflops_fp8=1979),
 }
 
