@@ -8,7 +8,9 @@ Mixture of experts (`ModelSpec.experts`; `lightning_hybrid.parallel.expert_paral
   tokens the rank routes -- all of its replica's under TP without sequence parallelism (the experts are whole on
   every TP rank, so this work is not split), ``1/tp`` of them with it -- whatever ``ep`` (a rank computes as many
   pairs as it sends); the weight GEMMs at their shapes (`moe_time_factors`: an expert's down projection reduces over
-  its own width ``F_e``, whole on its rank); TP's collectives only for attention (and the shared experts);
+  its own width ``F_e``, whole on its rank); the routing's permutation copies (`permutation_bytes`: each pair's row
+  gathered to its expert and scattered back, forward and backward) at the memory bandwidth, beside the block's
+  element-wise traffic; TP's collectives only for attention (and the shared experts);
 * EP (``ep > 1``): an all-to-all of the pairs to the experts' ranks and one back in forward (dispatch, combine),
   the reverse two in backward (two more when the block is recomputed), each sending ``(ep-1)/ep`` of the ``N k`` rows
   of ``h`` elements (`all_to_all_bytes`), plus the split sizes' exchange before each forward dispatch. Over the EP
@@ -32,7 +34,22 @@ from .gemm import moe_time_factors
 from .layout import Layout
 from .model import ModelSpec
 
-__all__ = ["moe_block_time"]
+__all__ = ["PERMUTATION_COPIES", "moe_block_time", "permutation_bytes"]
+
+#: Rows of ``h`` elements the routing copies per (token, expert) pair and pass pair: in forward the token's row
+#: gathered into its expert's order and the expert's output scattered back into the token's sum, in backward the same
+#: two for the gradients -- each a read and a write: 8. Measured on this machine
+#: (`benchmarks/bench_moe_routing.py`, benchmarks/MOE_ROUTING.md: a transformers Qwen3-MoE block against the same
+#: GEMMs without routing): 64 and 128 narrow experts route in 0.91-1.00 of the time predicted with the copies,
+#: 1.5-1.8x of it without them; 8 wide experts 0.8-1.4x (the difference of two noisy timings).
+PERMUTATION_COPIES = 8
+
+
+def permutation_bytes(model: ModelSpec, routed: float, element: float, recompute: bool = False) -> float:
+    """HBM bytes the routing's permutation moves for ``routed`` tokens on a rank, forward and backward
+    (`PERMUTATION_COPIES` rows per pair; a recomputed forward gathers and scatters again)."""
+    copies = PERMUTATION_COPIES + (PERMUTATION_COPIES // 2 if recompute else 0)
+    return routed * model.top_k * model.hidden * element * copies
 
 
 def moe_block_time(model: ModelSpec, lay: Layout, cluster: Cluster, *, tokens: float, weight_passes: int,
@@ -59,7 +76,7 @@ def moe_block_time(model: ModelSpec, lay: Layout, cluster: Cluster, *, tokens: f
     core_pass = (attention_flops + slower) / flops / passes if passes else 0.0
     matmul = (weight_passes * (split_pass + expert_pass) + core_pass * passes
               + (tokens * 2 * op_split / t * f_split + routed * 2 * model.top_k * op_expert * f_experts) / flops)
-    compute = matmul + elementwise
+    compute = matmul + elementwise + permutation_bytes(model, routed, e, recompute) / cluster.memory_bandwidth
     if ep == 1:
         return compute, 0.0
     exchanges, sizes = (6, 2) if recompute else (4, 1)

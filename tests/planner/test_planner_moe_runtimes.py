@@ -94,8 +94,9 @@ def test_the_search_folds_expert_parallelism_for_a_runtime_that_does():
 
 
 def test_published_moe_runs_and_memory_peaks():
-    """benchmarks/PLANNER.md's MoE rows (Megatron-Core, nothing fitted): the cross-node DeepEP run, the Megatron-FSDP
-    run and Mixtral 8x22B within 15% (the all-to-all and TP4 rows are the section's outliers, reported there); the
+    """benchmarks/PLANNER.md's MoE rows (Megatron-Core, nothing fitted): the cross-node DeepEP run with and without the
+    combined-1F1B overlap, the Megatron-FSDP run and Mixtral 8x22B within 20% (the all-to-all and TP4 rows are the
+    section's outliers, reported there); the
     published peaks (torchtitan) within 15%, and its out-of-memory run predicted not to fit."""
     import sys
     from pathlib import Path
@@ -104,7 +105,7 @@ def test_published_moe_runs_and_memory_peaks():
     from benchmarks.bench_planner import memory_rows, moe_rows
 
     lines, errors = moe_rows()
-    assert all(abs(errors[i]) <= 0.15 for i in (0, 2, 5))
+    assert all(abs(errors[i]) <= 0.20 for i in (0, 1, 2, 5))
     assert errors[1] > errors[0]  # the combined-1F1B overlap is predicted faster
     lines, errors = memory_rows()
     assert all(abs(e) <= 0.15 for e in errors) and "DISAGREES" not in "\n".join(lines)

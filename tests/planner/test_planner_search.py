@@ -141,7 +141,8 @@ def test_recipe_parallel_auto_end_to_end(tmp_path):
     # A bad planner setting is a config error: one line, exit code 2, before any rank starts.
     bad = _recipe(["parallel=auto", "planner.cluster=nope", "trainer.devices=2"], tmp_path, tmp_path / "none.json")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "error: parallel=auto: cluster 'nope' is neither a preset (['a100', 'cpu', 'h100']) nor a cluster JSON file."]
+        "error: parallel=auto: cluster 'nope' is neither a preset (['a100', 'a100-40gb', 'cpu', 'h100']) nor a cluster"
+        " JSON file."]
 
 
 def test_sweep_summary_shows_predictions_and_ranks(tmp_path):
