@@ -38,9 +38,19 @@ PARAM_ATOL = 5e-6
 # FP8 runs (tests/strategy/test_float8.py; ``max_steps=FP8_STEPS`` in their trainer kwargs): two steps -- the first
 # from the same weights, the second from weights an ulp apart; later, fp32 noise at a float8 rounding boundary moves a
 # value by a whole float8 step, and every step compounds it -- at the fp32 tolerances but a tensor's gradient norm's
-# (measured 1.7e-6; 1.6e-2 when broken).
+# (measured 1.7e-6 on the machines of earlier runs, 2.2e-5 in the 3D run on an AVX-512 one, whose fp32 kernels sum in
+# another order; 1.6e-2 when broken: each rank scaling by its own amax).
 FP8_STEPS = 2
-FP8_TOLERANCES = (RTOL, PARAM_ATOL, 1e-3, 1e-5)
+FP8_TOLERANCES = (RTOL, PARAM_ATOL, 1e-3, 1e-4)
+# ... and compiled: the one-device reference runs eager, and the compiled graphs' fused fp32 element-wise ops put an
+# activation at a float8 rounding boundary on the other side already in the first step (a tensor's gradient norm
+# 2e-4 off after one step, 1.0e-3 after two, the global norm 1.6e-5, on the AVX-512 machine; within 1e-5 elsewhere):
+# a whole float8 step, still ten times below a broken split's.
+FP8_COMPILED_TOLERANCES = (5e-5, PARAM_ATOL, 1e-3, 5e-3)
+# LoRA rows (tests/hf/test_finetune_parity.py): random adapters at scale 4 make the attention near one-hot in places,
+# where an fp32 sum split across ranks moves a global or a tensor's gradient norm by 1.6e-6-3.2e-6 (AVX-512 machine;
+# within RTOL and TENSOR_RTOL on earlier ones): held to the suite's promise, 1e-5 (a wrong split is 1e-2 off).
+LORA_TOLERANCES = (1e-5, 1e-5, 1e-3, 1e-5)
 
 
 def one_device_loader(dataset: Dataset, batch_size: int) -> DataLoader:
