@@ -243,7 +243,7 @@ def describe_hf(config: Any, spec: ModelSpec, allow_mismatch: bool = False) -> s
               f"{spec.n_layer - spec.moe_layers} dense first layers" if spec.is_moe and spec.moe_layers < spec.n_layer
               else ""]
     lines = [f"config {spec.name}: {check}; {', '.join(e for e in extras if e)}"]
-    lines += [f"not modelled: {note}" for note in hf_notes(config, spec)]
+    lines += [f"modelled in part: {note}" for note in hf_notes(config, spec)]
     return "\n".join(lines)
 
 
