@@ -573,14 +573,20 @@ def nemo_fp8_rows() -> tuple[list[str], list[float]]:
         errors.append(predicted / published - 1)
         lines.append(f"| {release} | {model.name} | {gpus} | {batch} | {layout.label()} | {published} |"
                      f" {predicted:.0f} | {predicted / published:.2f} | {unfused / published:.2f} |")
+    remark = ("Nothing is fitted on these rows; shapes from NeMo's configs (GPT-3: GELU 4h, learned positions,"
+              " vocabulary 50,304). The last column is the same prediction with torchao's casts (kernels of their own,"
+              " this codebase's FP8): 13-18% slow, the miss these runs showed before Transformer Engine's fused casts"
+              " were described.")
+    return lines + _sources_and_errors(NEMO_FP8_PUBLISHED, errors, remark), errors
+
+
+def _sources_and_errors(published: list, errors: list[float], remark: str) -> list[str]:
+    """A published section's sources (each row's citation but "same ..." repeats) and its mean and worst error
+    against the goals (10% mean, 20% a run), then ``remark``."""
     mae, worst = sum(abs(e) for e in errors) / len(errors), max(errors, key=abs)
-    lines += ["", "Sources:", ""] + [f"* {cite}" for cite, *_ in NEMO_FP8_PUBLISHED if not cite.startswith("same")]
-    lines += ["", f"Mean absolute error {mae:.1%}, worst {worst:+.1%} (goals 10% and 20%:"
-              f" {'met' if mae <= 0.10 and abs(worst) <= 0.20 else 'NOT MET'}). Nothing is fitted on these rows;"
-              " shapes from NeMo's configs (GPT-3: GELU 4h, learned positions, vocabulary 50,304). The last column"
-              " is the same prediction with torchao's casts (kernels of their own, this codebase's FP8): 13-18% slow,"
-              " the miss these runs showed before Transformer Engine's fused casts were described."]
-    return lines, errors
+    return (["", "Sources:", ""] + [f"* {cite}" for cite, *_ in published if not cite.startswith("same")]
+            + ["", f"Mean absolute error {mae:.1%}, worst {worst:+.1%} (goals 10% and 20%:"
+                   f" {'met' if mae <= 0.10 and abs(worst) <= 0.20 else 'NOT MET'}). {remark}"])
 
 
 def megatron_flops_per_token(model: ModelSpec) -> float:
@@ -609,13 +615,10 @@ def moe_rows() -> tuple[list[str], list[float]]:
         errors.append(predicted / published - 1)
         lines.append(f"| {model.name} | {gpus} | {batch} | {layout.label()} | {what} | {published:g} |"
                      f" {predicted:.0f} | {predicted / published:.2f} | {t.ep_comm / t.total:.0%} |")
-    mae, worst = sum(abs(e) for e in errors) / len(errors), max(errors, key=abs)
-    lines += ["", "Sources:", ""] + [f"* {cite}" for cite, *_ in MOE_PUBLISHED if not cite.startswith("same")]
-    lines += ["", f"Mean absolute error {mae:.1%}, worst {worst:+.1%} (goals: 10% and 20%:"
-              f" {'met' if mae <= 0.10 and abs(worst) <= 0.20 else 'NOT MET'}). Nothing is fitted on these rows."
-              " Routing is uniform in the planner; the published rows are natural routing unless stated (forced"
-              " balance is 5-20% faster, the same table's long-context rows); the all-to-all and no-recompute rows"
-              " ran Megatron-LM main (1e057005), the others moe_dev (f3e6c5)."]
+    lines += _sources_and_errors(MOE_PUBLISHED, errors, "Nothing is fitted on these rows. Routing is uniform in the"
+                                 " planner; the published rows are natural routing unless stated (forced balance is"
+                                 " 5-20% faster, the same table's long-context rows); the all-to-all and no-recompute"
+                                 " rows ran Megatron-LM main (1e057005), the others moe_dev (f3e6c5).")
     return lines, errors
 
 
