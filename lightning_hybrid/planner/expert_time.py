@@ -52,11 +52,12 @@ def permutation_bytes(model: ModelSpec, routed: float, element: float, recompute
     return routed * model.top_k * model.hidden * element * copies
 
 
-def moe_block_time(model: ModelSpec, lay: Layout, cluster: Cluster, *, tokens: float, weight_passes: int,
+def moe_block_time(model: ModelSpec, lay: Layout, cluster: Cluster, *, tokens: float, passes: int, weight_passes: int,
                    recompute: bool, mode: str, attention_flops: float, slower: float,
                    elementwise: float) -> tuple[float, float]:
-    """``(compute, all-to-alls)`` seconds of one MoE block and micro-batch of ``tokens`` on a rank: ``weight_passes``
-    of the weight GEMMs (3, one fewer under LoRA, one more recomputed), ``recompute``: the whole block recomputed
+    """``(compute, all-to-alls)`` seconds of one MoE block and micro-batch of ``tokens`` on a rank: ``passes`` of the
+    block (forward, backward as two, a recomputed forward), ``weight_passes`` of its weight GEMMs (one fewer under
+    LoRA), ``recompute``: the whole block recomputed
     (two more all-to-alls), ``mode``: the recompute mode (``"op"``: torchtitan's per-op policy, whose recomputation
     runs the experts' grouped GEMMs again whole), ``attention_flops`` the attention core's FLOPs and ``slower`` what
     its kernel's speed adds (as the dense block's), ``elementwise`` the seconds of the block's launches and
@@ -72,9 +73,8 @@ def moe_block_time(model: ModelSpec, lay: Layout, cluster: Cluster, *, tokens: f
     # One pass of each part's GEMMs (forward), at their shapes; the attention core forward at its kernel's speed.
     split_pass = tokens * 2 * split / t * f_split / flops
     expert_pass = routed * 2 * expert * f_experts / flops
-    passes = weight_passes + (1 if model.lora_rank else 0)  # the core runs in every pass, trained or frozen weights
-    core_pass = (attention_flops + slower) / flops / passes if passes else 0.0
-    matmul = (weight_passes * (split_pass + expert_pass) + core_pass * passes
+    core = (attention_flops + slower) / flops  # every pass's, trained or frozen weights
+    matmul = (weight_passes * (split_pass + expert_pass) + core
               + (tokens * 2 * op_split / t * f_split + routed * 2 * model.top_k * op_expert * f_experts) / flops)
     compute = matmul + elementwise + permutation_bytes(model, routed, e, recompute) / cluster.memory_bandwidth
     if ep == 1:
@@ -88,7 +88,7 @@ def moe_block_time(model: ModelSpec, lay: Layout, cluster: Cluster, *, tokens: f
     # Combined 1F1B: each all-to-all beside the other direction's chunk (forward dispatch | experts' backward,
     # forward combine | attention's backward, backward dispatch | experts' forward, backward combine | attention's
     # forward; a backward pass is two forwards); a recomputed block's two more all-to-alls show whole.
-    attention_forward, experts_forward = split_pass + core_pass, expert_pass
+    attention_forward, experts_forward = split_pass + core / passes, expert_pass
     chunks = (2 * experts_forward, 2 * attention_forward, experts_forward, attention_forward)
     shown = sum(latency + max(0.0, per_exchange - latency - chunk) for chunk in chunks)
     return compute, shown + (exchanges - 4) * per_exchange + size_exchanges

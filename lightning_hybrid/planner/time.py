@@ -319,8 +319,8 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     moe_units = 2 if model.shared_ffn else 1  # TP regions of a MoE block (a dense block has 2)
     if model.experts:
         moe_compute, moe_ep = moe_block_time(
-            model, lay, cluster, tokens=tokens, weight_passes=weight_passes, recompute=recompute, mode=mode,
-            attention_flops=attention_flops, slower=slower,
+            model, lay, cluster, tokens=tokens, passes=passes, weight_passes=weight_passes, recompute=recompute,
+            mode=mode, attention_flops=attention_flops, slower=slower,
             elementwise=passes * cluster.layer_overhead + 3 * (moe_act + cp_traffic) / bandwidth)
         moe_tp = moe_units / 2 * block_tp
 
