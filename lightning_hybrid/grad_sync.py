@@ -37,7 +37,7 @@ from lightning_hybrid.core.collectives import sum_grads_over_tp_
 from lightning_hybrid.core.devices import device_memory_bytes, local_tensor
 from lightning_hybrid.grad_norm import clip_grads_, global_grad_norm, parameter_grad_norms
 from lightning_hybrid.parallel.tied import sum_tied_grads
-from lightning_hybrid.parallel.zero import AUTO_WINDOW_FRACTION, ZeroOptimizer
+from lightning_hybrid.parallel.zero import AUTO_WINDOW_FRACTION, ParameterGathers, ZeroOptimizer
 from lightning_hybrid.parallelize import Parallelized
 
 T = TypeVar("T")
@@ -74,16 +74,20 @@ class GradientSync:
         self._stash: list[tuple[torch.nn.Parameter, Optional[Tensor]]] = []
         #: ZeRO-3 under accumulation: reduce-scatter every batch of the window (else once, after the last).
         self.reduce_every_batch = resolve_grad_reduce(grad_reduce, parallelized, device)
+        #: ZeRO 1-2: the updated slices' all-gathers, waited for by the next forward where ``deferring``.
+        self.gathers = ParameterGathers()
 
     @property
     def module(self) -> torch.nn.Module:
         return self.parallelized.module
 
     # ------------------------------------------------------------------ optimizers
-    def wrap_optimizers(self, optimizers: list[Optimizer]) -> list[Optimizer]:
+    def wrap_optimizers(self, optimizers: list[Optimizer], defer_gathers: bool = False) -> list[Optimizer]:
         """ZeRO 0-2 over DP (``dp > 1``): each optimizer wrapped by `ZeroOptimizer` on gradient buckets; else as
-        they are. The returned list is the one the other methods work with."""
+        they are. The returned list is the one the other methods work with. ``defer_gathers``: ZeRO 1-2's
+        parameter gathers run under the next forward (`after_step`, `parameters_whole`)."""
         self.close()
+        self.gathers.deferring = defer_gathers
         if self.zero_stage in (0, 1, 2) and self.dp > 1:
             names = {id(p): n for n, p in self.module.named_parameters()}
             tp_sharded = {i for i, n in names.items() if n in self.parallelized.tp_sharded}
@@ -92,7 +96,8 @@ class GradientSync:
                 ids = {i for i, n in names.items() if n in self.parallelized.expert_params}
                 experts = (ids, self.parallelized.meshes.group("edp"))
             optimizers = [
-                ZeroOptimizer(opt, self.dp_group, self.zero_stage, tp_sharded, self.bucket_cap_mb, names, experts)
+                ZeroOptimizer(opt, self.dp_group, self.zero_stage, tp_sharded, self.bucket_cap_mb, names, experts,
+                              self.gathers)
                 for opt in optimizers
             ]
         self.optimizers = list(optimizers)
@@ -104,10 +109,27 @@ class GradientSync:
         return [opt for opt in self.optimizers if isinstance(opt, ZeroOptimizer)]
 
     def close(self) -> None:
-        """Remove the buckets' backward hooks (a later fit wraps new optimizers with buckets of their own)."""
+        """Remove the buckets' backward hooks (a later fit wraps new optimizers with buckets of their own); no
+        parameter gather is waited for any more."""
+        self.stop()
         for opt in self._zero():
             opt.gradients.remove()
         self.optimizers = []
+
+    # ------------------------------------------------------------------ ZeRO 1-2's parameter gathers
+    def after_step(self) -> None:
+        """After the optimizer step (and its agreement collective): the queued gathers start; until the next
+        forward ends (`parameters_whole`) a read of a parameter in flight waits for its bucket."""
+        self.gathers.start()
+        self.gathers.guard()
+
+    def parameters_whole(self) -> None:
+        """Every gather of the last step done, the guard off."""
+        self.gathers.release()
+
+    def stop(self) -> None:
+        """The run stops (an error, teardown): the guard off, nothing waited for."""
+        self.gathers.drop()
 
     # ------------------------------------------------------------------ the accumulation window
     @contextmanager

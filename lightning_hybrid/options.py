@@ -61,6 +61,7 @@ class ParallelOptions:
     fp8_exclude: tuple[str, ...] = ()  # globs of linears kept in the training precision
     fp8_all_gather: bool = False  # ZeRO-3 gathers the float8 linears' weights in float8 (`parallel.float8_all_gather`)
     cp_attention: str = "all_gather"  # CP's keys and values: all-gathered, or around a ring (`context_parallel.ring`)
+    overlap_param_gather: Optional[bool] = None  # ZeRO 1-2's gathers under the next forward (None: where possible)
 
     @classmethod
     def create(
@@ -86,6 +87,7 @@ class ParallelOptions:
         fp8_exclude: Optional[list[str]] = None,
         fp8_all_gather: bool = False,
         cp_attention: str = "all_gather",
+        overlap_param_gather: Optional[bool] = None,
     ) -> "ParallelOptions":
         """Validate the `HybridStrategy` arguments of the same names against the requested ``dims``.
         ``ValueError`` naming the bad value and what would be valid; an argument that nothing would use with these
@@ -164,6 +166,18 @@ class ParallelOptions:
         if cp > 1 and arguments is not None:
             raise ValueError(f"cp={cp} with compile={compile!r}: context parallelism catches each layer's attention"
                              " at run time, which torch.compile does not trace; use compile=False with cp > 1.")
+        if overlap_param_gather not in (None, True, False):
+            raise ValueError(f"overlap_param_gather={overlap_param_gather!r} is invalid: use None (ZeRO 1-2's parameter"
+                             " all-gathers under the next forward wherever it can be done), True (required) or False"
+                             " (gathered in the optimizer step).")
+        if overlap_param_gather and zero_stage not in (1, 2):
+            raise ValueError(f"overlap_param_gather=True overlaps ZeRO 1-2's all-gather of the updated parameters with"
+                             f" the next forward; zero_stage={zero_stage} has none (stage 3 gathers each layer's"
+                             " parameters in its forward). Use zero_stage 1 or 2, or leave overlap_param_gather=None.")
+        if overlap_param_gather and arguments is not None:
+            raise ValueError(f"overlap_param_gather=True with compile={compile!r}: a read of a parameter whose gather"
+                             " is in flight is caught at run time, which torch.compile does not trace; use"
+                             " compile=False, or leave overlap_param_gather=None (gathered in the step when compiled).")
         return cls(
             zero_stage=validate_zero_stage(zero_stage), bucket_cap_mb=float(bucket_cap_mb),
             tp_plan=MappingProxyType(dict(tp_plan)) if isinstance(tp_plan, Mapping) else tp_plan,
@@ -176,8 +190,19 @@ class ParallelOptions:
             recompute=selection, compile=MappingProxyType(arguments) if arguments is not None else None,
             batch_check_interval=batch_check_interval, randomness=randomness, grad_reduce=grad_reduce,
             async_tp=bool(async_tp), fp8=fp8, fp8_exclude=tuple(fp8_exclude or ()),
-            fp8_all_gather=fp8_all_gather, cp_attention=cp_attention,
+            fp8_all_gather=fp8_all_gather, cp_attention=cp_attention, overlap_param_gather=overlap_param_gather,
         )
+
+    def defers_param_gather(self, automatic_optimization: bool) -> bool:
+        """Whether ZeRO 1-2's gathers run under the next forward (`lightning_hybrid.parallel.zero.gather`): stages
+        1-2, not compiled, under automatic optimization (a manual ``training_step`` steps inside itself and reads
+        on). ``ValueError`` where ``overlap_param_gather=True`` asked for it under manual optimization."""
+        if self.overlap_param_gather and not automatic_optimization:
+            raise ValueError("overlap_param_gather=True: the module uses manual optimization, whose training_step"
+                             " steps the optimizers itself and may read the parameters right after; use automatic"
+                             " optimization, or leave overlap_param_gather=None (gathered in the step).")
+        return (self.overlap_param_gather is not False and self.zero_stage in (1, 2) and self.compile is None
+                and automatic_optimization)
 
     def example_multiple(self, dims: ParallelDims) -> int:
         """Example inputs of the TP verification have a sequence length divisible by this (the SP split)."""

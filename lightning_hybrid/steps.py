@@ -92,6 +92,7 @@ class TrainingSteps:
                 self.sync.add_loss_items(pipeline.last_items)
         for hook in self.parallelized.hooks:
             hook.after_training_step()
+        self.sync.parameters_whole()  # ZeRO 1-2: what the forward did not read of the last step's gathers
         return output
 
     def backward(self, closure_loss: Tensor, run_backward: Callable[[Tensor], Any]) -> Tensor:

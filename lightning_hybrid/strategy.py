@@ -44,20 +44,20 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
     """Data x tensor x pipeline x context x expert parallelism with ZeRO on one device mesh.
 
     Every argument is described in docs/strategy.md; in short: ``dp``, ``tp``, ``pp``, ``cp``, ``ep`` are the sizes
-    (``dp=-1``: ``world_size // (tp * pp * cp)``; ``ep`` divides ``dp * cp``); ``zero_stage`` 0-3 over the
-    gradient ranks, with gradient buckets of ``bucket_cap_mb``; under ZeRO-3 ``dp_shard`` (hybrid sharding: shard
-    within groups of ``dp_shard`` ranks, replicate across them) and ``grad_reduce`` (``"micro_batch"``, ``"window"``
-    or ``"auto"``: when gradients are reduce-scattered under accumulation); ``tp_plan`` (``"auto"`` or glob patterns ->
-    ``"colwise" | "rowwise" | "replicate"``), ``sequence_parallel``, ``loss_parallel``, ``async_tp`` (CUDA, compiled)
-    for TP; ``fp8`` (torchao's ``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"`` or a ``Float8LinearConfig``)
-    , ``fp8_exclude`` (globs of linears kept out of it) and ``fp8_all_gather`` (ZeRO-3 gathers their weights in
-    float8, tensorwise); ``cp_attention`` (``"all_gather"`` or ``"ring"``: how CP's attention meets the other
-    ranks' keys and values); ``micro_batches``,
-    ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"``), ``virtual_stages``,
-    ``split_points`` for PP (refused at ``pp=1``); ``activation_checkpointing``, ``recompute``, ``compile``;
-    ``randomness`` (``"exact"``: one device's draws or refused; ``"independent"``: per-rank streams);
-    ``batch_check_interval`` (every n-th batch compared between the ranks that share it);
-    ``process_group_backend`` (default from the accelerator: gloo on CPU, nccl on CUDA) and ``timeout``.
+    (``dp=-1``: ``world_size // (tp * pp * cp)``; ``ep`` divides ``dp * cp``); ``zero_stage`` 0-3 over the gradient
+    ranks, with gradient buckets of ``bucket_cap_mb``; under ZeRO-3 ``dp_shard`` (hybrid sharding: shard within groups
+    of ``dp_shard`` ranks, replicate across them) and ``grad_reduce`` (``"micro_batch"``, ``"window"`` or ``"auto"``:
+    when gradients are reduce-scattered under accumulation); ``tp_plan`` (``"auto"`` or glob patterns -> ``"colwise" |
+    "rowwise" | "replicate"``), ``sequence_parallel``, ``loss_parallel``, ``async_tp`` (CUDA, compiled) for TP; ``fp8``
+    (torchao's ``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"`` or a ``Float8LinearConfig``), ``fp8_exclude``
+    (globs of linears kept out of it) and ``fp8_all_gather`` (ZeRO-3 gathers their weights in float8, tensorwise);
+    ``cp_attention`` (``"all_gather"`` or ``"ring"``: how CP's attention meets the other ranks' keys and values);
+    ``overlap_param_gather`` (ZeRO 1-2: the updated parameters all-gathered under the next forward, ``None``: wherever
+    it can be); ``micro_batches``, ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"``),
+    ``virtual_stages``, ``split_points`` for PP (refused at ``pp=1``); ``activation_checkpointing``, ``recompute``,
+    ``compile``; ``randomness`` (``"exact"``: one device's draws or refused; ``"independent"``: per-rank streams);
+    ``batch_check_interval`` (every n-th batch compared between the ranks that share it); ``process_group_backend``
+    (default from the accelerator: gloo on CPU, nccl on CUDA) and ``timeout``.
     """
 
     strategy_name = "hybrid"
@@ -70,7 +70,8 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
         recompute: Recompute = "full", compile: Compile = False, ep: int = 1, cp: int = 1,
         batch_check_interval: int = 100, randomness: str = "exact", dp_shard: Optional[int] = None,
         grad_reduce: str = "auto", async_tp: bool = False, fp8: Any = None, fp8_exclude: Optional[list[str]] = None,
-        fp8_all_gather: bool = False, cp_attention: str = "all_gather", process_group_backend: Optional[str] = None,
+        fp8_all_gather: bool = False, cp_attention: str = "all_gather", overlap_param_gather: Optional[bool] = None,
+        process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout, accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None, cluster_environment: Optional[Any] = None,
         checkpoint_io: Optional[Any] = None, precision_plugin: Optional[Any] = None,
@@ -86,6 +87,7 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
             recompute=recompute, compile=compile, batch_check_interval=batch_check_interval, randomness=randomness,
             bucket_cap_mb=bucket_cap_mb, grad_reduce=grad_reduce, async_tp=async_tp, fp8=fp8,
             fp8_exclude=fp8_exclude, fp8_all_gather=fp8_all_gather, cp_attention=cp_attention,
+            overlap_param_gather=overlap_param_gather,
         )
         refuse_checkpoint_io(checkpoint_io)
         self._parallelized: Optional[Parallelized] = None
@@ -177,7 +179,8 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
         assert self._sync is not None
-        self.optimizers = self._sync.wrap_optimizers(self.optimizers)
+        self.optimizers = self._sync.wrap_optimizers(
+            self.optimizers, self.options.defers_param_gather(self.lightning_module.automatic_optimization))
 
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
@@ -206,6 +209,8 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
         return self._steps.training_step(lambda: super(HybridStrategy, self).training_step(*args, **kwargs),
                                          args[0] if args else kwargs.get("batch"), first_in_window)
 
+    on_validation_start = on_train_end = ShardedCheckpoints._gathered  # Lightning's own are no-ops
+
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         assert self._steps is not None
         return self._steps.backward(closure_loss, lambda loss: super(HybridStrategy, self).backward(
@@ -229,10 +234,14 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
             self._checks.stepped()
         if torch.distributed.is_initialized():
             self._preemption.agree(self.lightning_module.trainer, self.root_device)
+        if self._sync is not None:  # ZeRO 1-2's gathers start: until the next forward ends, reads wait for them
+            self._sync.after_step()
         return output
 
     def on_exception(self, exception: BaseException) -> None:
         """On a SIGTERM every rank agreed on: ``last.ckpt`` first; then stop as on any error."""
+        if self._sync is not None:
+            self._sync.stop()
         self._preemption.save_on_stop(exception, getattr(self.lightning_module, "_trainer", None), self.global_rank)
         super().on_exception(exception)
 

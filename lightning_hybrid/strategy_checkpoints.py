@@ -18,12 +18,20 @@ from lightning_hybrid.checkpoint import remove as remove_checkpoint_path
 
 
 class ShardedCheckpoints:
-    """Mixed into `HybridStrategy` (before `MeshStrategy`): reads its module, optimizers, meshes and options."""
+    """Mixed into `HybridStrategy` (before `MeshStrategy`): reads its module, optimizers, meshes, options and
+    gradient sync; `_gathered` waits for ZeRO 1-2's parameter gathers in flight before a checkpoint reads the
+    parameters' storage (the strategy also before validation and at the end of training)."""
+
+    def _gathered(self) -> None:
+        """ZeRO 1-2's parameter gathers of the last step all done (`GradientSync.parameters_whole`)."""
+        if getattr(self, "_sync", None) is not None:
+            self._sync.parameters_whole()
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """The full (unsplit) state dict on every rank, gathered over every dimension (collective); the plain
         one-device module loads it with ``load_state_dict``."""
         assert self.lightning_module is not None
+        self._gathered()
         return full_state_dict(self.lightning_module, self.pp_group)
 
     restore_checkpoint_after_setup = property(lambda self: True)  # read into the parallelised model and optimizers
@@ -45,11 +53,13 @@ class ShardedCheckpoints:
         if storage_options is not None:
             raise TypeError("HybridStrategy.save_checkpoint(..., storage_options=...) is not supported.")
         assert self.lightning_module is not None
+        self._gathered()  # DCP reads the parameters' storage, not through torch functions
         save_sharded(self.broadcast(str(filepath)), self.lightning_module, self.optimizers, self.meshes, checkpoint,
                      self.options.zero_stage, int(self.options.bucket_cap_mb * 2**20), self.root_device)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         assert self.lightning_module is not None
+        self._gathered()
         return load_sharded(self.broadcast(str(checkpoint_path)), self.lightning_module, self.optimizers)
 
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -203,6 +203,29 @@ class ManualLM(UserLM):
         optimizer.step()
 
 
+class GainLM(UserLM):
+    """A gain of its own, applied to the logits in ``training_step`` (read outside any layer's forward); a buffer
+    ``weight_sum`` for `SumWeights`."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.gain = nn.Parameter(torch.ones(()))
+        self.register_buffer("weight_sum", torch.zeros(()))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.loss_fn(self(x) * self.gain, y)
+
+
+class SumWeights(L.Callback):
+    """Adds the parameters up after every step into the module's ``weight_sum`` (as a weight-averaging callback
+    reads them)."""
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        with torch.no_grad():
+            pl_module.weight_sum += sum(p.sum() for p in pl_module.parameters())
+
+
 class TiedLM(UserLM):
     """The LM head tied to the token embedding, held directly by the LightningModule."""
 

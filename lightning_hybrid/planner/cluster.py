@@ -117,9 +117,11 @@ class Cluster:
     ``--async-tp``, torchtitan's -- what its published speed-ups agree with); ``grad_reduce_overlap_pp``
     (``True``): under PP each stage's gradient buckets are reduced during its last micro-batch's backward (this
     codebase, Megatron-Core's ``--overlap-grad-reduce``; ``False`` for a runtime that reduces after the schedule,
-    Megatron-LM 2021); ``param_gather_overlap``: ZeRO 1-2's all-gather of the
+    Megatron-LM 2021); ``param_gather_overlap`` (``True``): ZeRO 1-2's all-gather of the
     updated parameters runs under the next step's first forward, bucket by bucket (Megatron-Core's
-    ``--overlap-param-gather``; this codebase gathers after the optimizer step); ``cp_gathers_kv_heads``
+    ``--overlap-param-gather``; this codebase's ``overlap_param_gather``, on unless compiled: the CLI's
+    ``--compile`` and ``--async-tp`` turn it off; ``False`` for a runtime that gathers after the optimizer step,
+    DeepSpeed's ZeRO-1); ``cp_gathers_kv_heads``
     (``True``): context parallelism all-gathers grouped-query attention's ``a_kv`` key/value heads and repeats them
     after (this codebase, Llama 3's CP); ``False`` for a runtime that repeats them to ``a`` heads first;
     ``attention_speed`` (``1``): the attention core's speed -- its counted ``4 h s`` FLOPs per token forward, twice
@@ -179,7 +181,7 @@ class Cluster:
     pp_scatter_gather: bool = False
     matmul_k0: float = 0.0
     attention_speed: float = 1.0
-    param_gather_overlap: bool = False
+    param_gather_overlap: bool = True
     fp8_amax_reduced: bool = True
     fp8_all_gather: bool = False
     fp8_head: bool = True

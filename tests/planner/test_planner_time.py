@@ -174,9 +174,9 @@ def test_published_runs_within_the_goals():
 def test_param_gather_overlap_hides_the_gather_under_the_first_forward():
     m = model_spec("gpt3-175b")
     zero1, zero0 = (Layout(64, 8, 1, z, 1, 4, sequence_parallel=True) for z in (1, 0))
-    base = dataclasses.replace(load_cluster("h100"), precision="megatron-flash")
-    over = dataclasses.replace(base, param_gather_overlap=True)
-    assert not base.param_gather_overlap  # this codebase gathers after the optimizer step
+    over = dataclasses.replace(load_cluster("h100"), precision="megatron-flash")
+    base = dataclasses.replace(over, param_gather_overlap=False)  # DeepSpeed's ZeRO-1: after the optimizer step
+    assert over.param_gather_overlap  # this codebase: under the next forward (overlap_param_gather, eager)
     t0, t1 = estimate_time(m, zero1, base), estimate_time(m, zero1, over)
     assert t1.dp_comm < t0.dp_comm and t1.compute == t0.compute
     assert estimate_time(m, zero0, over).dp_comm == estimate_time(m, zero0, base).dp_comm  # stage 0: no gather

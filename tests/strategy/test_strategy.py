@@ -69,6 +69,10 @@ ROOT = Path(__file__).resolve().parents[2]
         (dict(fp8="tensorwise", fp8_all_gather="yes", zero_stage=3), r"fp8_all_gather='yes' is invalid: use True or"),
         (dict(cp=2, cp_attention="rings"), r"cp_attention='rings' is invalid: use 'all_gather' .* or 'ring'"),
         (dict(cp_attention="ring"), r"cp_attention='ring' chooses how context parallelism's .*; cp=1 has none"),
+        (dict(zero_stage=1, overlap_param_gather="yes"), r"overlap_param_gather='yes' is invalid: use None"),
+        (dict(zero_stage=3, overlap_param_gather=True), r"overlap_param_gather=True overlaps ZeRO 1-2's .*"
+                                                        r"zero_stage=3 has none"),
+        (dict(zero_stage=2, compile=True, overlap_param_gather=True), r"overlap_param_gather=True with compile=True"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, message):

@@ -25,12 +25,14 @@ from tests.user_code import (
     DictLM,
     DropoutLM,
     DropoutMasks,
+    GainLM,
     HandClippingLM,
     LoraUserLM,
     ManualLM,
     MiscountedLM,
     SequenceLM,
     SumLM,
+    SumWeights,
     TiedLM,
     TiedTrunkLM,
     UndeclaredSumLM,
@@ -120,6 +122,11 @@ PARITY = {
                                              {"gradient_clip_val": 0.5}),
     "tied head in a submodule, dp2 ZeRO-3": (dict(dp=2, zero_stage=3), TiedTrunkLM, pairs_loader,
                                              {"gradient_clip_val": 0.5}),
+    # Parameters read outside their layers' forwards while ZeRO 1-2's gathers of the step may be in flight: a gain in
+    # training_step, a callback that adds them up after the step (tests/zero has the reads before the data arrives).
+    **{f"parameters read outside the layers, dp2 ZeRO-{stage}": (dict(dp=2, zero_stage=stage), GainLM, pairs_loader,
+                                                                 {"callbacks": [SumWeights()]})
+       for stage in (1, 2)},
     # Chunked attention (Llama 4's first layer): the CP attention keeps the chunks.
     "chunked attention, cp2": (dict(dp=1, cp=2), _llama4, pairs_loader, {}),
     # Dropout where a TP rank holds what one device holds (after the row-split projection): one device's masks.
@@ -147,8 +154,22 @@ def _masks(kwargs: dict, module) -> dict[str, torch.Tensor]:
     return masks.masks
 
 
+def _gathers(overlap: "bool | None") -> dict:
+    """ZeRO-1's parameter gathers under the next forward (``None``: the default) or in the step: the final state,
+    how many buckets were waited for by a read and at the end of a forward, the torch function modes left on."""
+    trainer = _fit(HybridStrategy(dp=2, zero_stage=1, bucket_cap_mb=0.01, overlap_param_gather=overlap), UserLM(),
+                   lambda t: pairs_loader(), steps=3)
+    gathers = trainer.strategy._sync.gathers
+    return {"state": _state(trainer), "on_use": gathers.waited_on_use, "at_release": gathers.waited_at_release,
+            "modes": torch._C._len_torch_function_stack()}
+
+
 def _on_2_ranks() -> dict[str, str]:
     return {
+        "gathers overlapped": _gathers(None),
+        "gathers in the step": _gathers(False),
+        "gathers required under manual optimization": _outcome(lambda: _fit(
+            HybridStrategy(dp=2, zero_stage=1, overlap_param_gather=True), ManualLM(), lambda t: pairs_loader())),
         # A stream split by torch.distributed's rank under tp2: the two TP ranks would train on other rows.
         "rank-split stream, tp2": _outcome(lambda: _fit(HybridStrategy(tp=2), UserLM(), lambda t: stream_loader(None))),
         "rank-split stream, pp2": _outcome(lambda: _fit(HybridStrategy(pp=2, micro_batches=2), UserLM(),
@@ -233,6 +254,18 @@ def test_declared_losses_match_one_device(two_ranks, name):
         got = rank_states[f"parity: {name}"]
         apart = max((got[k] - v).abs().max().item() for k, v in reference.items())
         assert apart < PARAM_ATOL, (name, apart, moved)
+
+
+def test_zero_parameter_gathers_under_the_next_forward_are_bit_for_bit_those_of_the_step(two_ranks):
+    for out in two_ranks:
+        overlapped, in_step = out["gathers overlapped"], out["gathers in the step"]
+        assert overlapped["on_use"] > 0, overlapped  # the forward found buckets in flight and waited for them
+        assert in_step["on_use"] == in_step["at_release"] == 0, in_step
+        assert overlapped["modes"] == in_step["modes"] == 0  # the guard is off after the run
+        for name, value in in_step["state"].items():
+            assert torch.equal(overlapped["state"][name], value), name
+        message = out["gathers required under manual optimization"]
+        assert message.startswith("ValueError: overlap_param_gather=True: the module uses manual optimization"), message
 
 
 def test_lora_dropout_under_tp_is_refused_on_every_rank(two_ranks):

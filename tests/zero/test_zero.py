@@ -345,3 +345,68 @@ def test_stages_1_and_2_take_element_wise_optimizers_only():
         check_elementwise(AdamWithClipping(params), 1)
     AdamWithClipping.elementwise_update = True
     check_elementwise(AdamWithClipping(params), 1)
+
+
+def _in_flight(gathers, params: list[nn.Parameter], values: list[torch.Tensor]) -> None:
+    """Buckets whose data arrive only when waited for (a collective that has not finished yet): ``params[i]`` takes
+    ``values[i]`` at its wait."""
+
+    def start(p: nn.Parameter, value: torch.Tensor):
+        def arrive() -> None:
+            with torch.no_grad():
+                p.copy_(value)
+        return lambda: arrive
+
+    gathers.launch([start(p, v) for p, v in zip(params, values)], [[p] for p in params])
+
+
+def test_a_read_of_a_parameter_in_flight_waits_for_its_bucket():
+    """Between the step and the end of the next forward (`ParameterGathers.guard`), any torch function taking a
+    parameter whose gather has not arrived waits for it: a layer's forward, a callback's ``p.detach()``, a sum over
+    them, ``_foreach`` ops over a list, a ``state_dict``. Without the guard the same reads see the old values."""
+    from lightning_hybrid.parallel.zero import ParameterGathers
+
+    torch.manual_seed(0)
+    layer, gain = nn.Linear(4, 3), nn.Parameter(torch.ones(()))
+    params = [layer.weight, layer.bias, gain]
+    new = [torch.randn_like(p) for p in params]
+    x = torch.randn(2, 4)
+    reads = {
+        "forward": lambda: layer(x) * gain,
+        "detach": lambda: torch.cat([p.detach().reshape(-1) for p in params]),
+        "sum": lambda: sum(p.sum() for p in params),
+        "foreach": lambda: torch.cat([t.reshape(-1) for t in torch._foreach_mul(params, 2.0)]),
+        "state_dict": lambda: torch.cat([t.reshape(-1) for t in layer.state_dict().values()]),
+    }
+    old = [p.detach().clone() for p in params]
+    for name, read in reads.items():
+        for guarded in (True, False):
+            with torch.no_grad():
+                for p, value in zip(params, old):
+                    p.copy_(value)
+            gathers = ParameterGathers()
+            _in_flight(gathers, params, new)
+            before = read().detach().clone()
+            with torch.no_grad():  # what the same read gives once every bucket has arrived
+                for p, value in zip(params, new):
+                    p.copy_(value)
+            expected = read().detach().clone()
+            with torch.no_grad():
+                for p, value in zip(params, old):
+                    p.copy_(value)
+            gathers = ParameterGathers()
+            _in_flight(gathers, params, new)
+            if guarded:
+                gathers.guard()
+            got = read().detach().clone()
+            gathers.release()
+            assert torch._C._len_torch_function_stack() == 0, name
+            if guarded:
+                assert torch.equal(got, expected) and gathers.waited_on_use >= 1, name
+            else:  # the reads the guard exists for: the old parameters
+                assert torch.equal(got, before) and not torch.equal(got, expected), name
+    gathers = ParameterGathers()  # a run stopping on an error: the guard off without waiting
+    _in_flight(gathers, params, new)
+    gathers.guard()
+    gathers.drop()
+    assert torch._C._len_torch_function_stack() == 0 and not gathers.pending

@@ -12,9 +12,11 @@
   - stage 2: as stage 1, but a bucket's full buffer exists only from its first gradient to its reduce-scatter
     (gradients: Psi/dp plus the bucket backward is filling and at most ``MAX_IN_FLIGHT`` being reduced; a
     bucket is freed as soon as its reduce-scatter is done).
-  Stages 1 and 2 then all-gather the updated slices into the flat parameter buffers the model's parameters are
-  views of (the same communication as DDP's all-reduce in total). On gloo, whose reduce-scatter and all-gather
-  copy the whole buffer inside the call, both run as in-place collectives instead (`_COPYING_COLLECTIVES`).
+  Stages 1 and 2 then all-gather the updated slices into the flat parameter buffers the model's parameters are views
+  of (the same communication as DDP's all-reduce in total), bucket by bucket under the next forward where the
+  strategy defers them (`ParameterGathers`: a read of a parameter in flight waits for its bucket). On gloo, whose
+  reduce-scatter and all-gather copy the whole buffer inside the call, both run as in-place collectives instead
+  (`_COPYING_COLLECTIVES`).
 * stage 3 (`apply_fsdp`): FSDP2 (`fully_shard`) over the DP sub-mesh (or HSDP's 2-D mesh); parameters, gradients
   and optimizer state are all 1/dp, parameters are gathered per layer for forward and backward (expert-parallel
   experts over their own DP group first: `apply_fsdp_experts`). On gloo FSDP2's all-gather and reduce-scatter are
@@ -31,7 +33,8 @@ A parameter without a gradient on any DP rank is skipped by one device's optimiz
 itself, so stages 1-2 refuse such a step with an error naming the parameters (stage 0 skips it as one device does).
 
 Modules: `buckets` (the bucket layout, `_Bucket`, `GradientBuckets`, `ShardedGradient`, the constants such as
-``DEFAULT_BUCKET_CAP_MB``, ``MAX_IN_FLIGHT`` and `_COPYING_COLLECTIVES`), `optimizer` (`ZeroOptimizer`,
+``DEFAULT_BUCKET_CAP_MB``, ``MAX_IN_FLIGHT`` and `_COPYING_COLLECTIVES`), `gather` (`ParameterGathers`: the
+updated slices' all-gathers in flight until the next forward reads them), `optimizer` (`ZeroOptimizer`,
 `SlicePlace`, `check_elementwise`) and `fsdp` (stage 3: `apply_fsdp`, `apply_fsdp_units`, `apply_fsdp_experts`,
 the in-place collectives on gloo); each imports only from those before it, and this package re-exports their
 names.
@@ -52,6 +55,7 @@ from lightning_hybrid.parallel.zero.fsdp import (
 )
 from lightning_hybrid.parallel.zero.fsdp import _InPlaceAllGather as _InPlaceAllGather  # tests/zero use both
 from lightning_hybrid.parallel.zero.fsdp import _InPlaceReduceScatter as _InPlaceReduceScatter
+from lightning_hybrid.parallel.zero.gather import ParameterGathers
 from lightning_hybrid.parallel.zero.optimizer import (
     ELEMENTWISE_OPTIMIZERS,
     SlicePlace,
@@ -66,6 +70,7 @@ __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
     "MAX_IN_FLIGHT",
     "GradientBuckets",
+    "ParameterGathers",
     "ShardedGradient",
     "SlicePlace",
     "ZeroOptimizer",

@@ -12,7 +12,7 @@ gradient).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -155,14 +155,27 @@ class _Bucket:
     @torch.no_grad()
     def gather_parameters(self) -> None:
         """Every rank's updated slice into ``flat`` (stages 1-2, after the step), over the DP group."""
+        self.start_gather()()
+
+    @torch.no_grad()
+    def start_gather(self) -> Callable[[], None]:
+        """Start `gather_parameters` asynchronously; returns what waits for it (``flat`` must not be read before).
+        """
+        sources: list[Tensor] = []  # kept alive until the wait: the gather reads them
         if dist.get_backend(self.group) in _COPYING_COLLECTIVES:  # rank r's slice, from rank r, in place
             size = self.hi - self.lo
             works = [dist.broadcast(self.flat[r * size : (r + 1) * size], group_src=r, group=self.group,
                                     async_op=True) for r in range(dist.get_world_size(self.group))]
+        else:
+            sources.append(self.shard.detach().clone())
+            works = [dist.all_gather_single(self.flat, sources[0], group=self.group, async_op=True)]
+
+        def wait() -> None:
             for work in works:
                 work.wait()
-            return
-        dist.all_gather_single(self.flat, self.shard.detach().clone(), group=self.group)
+            sources.clear()
+
+        return wait
 
 
 class _FlatBuffers:

@@ -1,9 +1,10 @@
 """`ZeroOptimizer`: the user's optimizer over ZeRO 0-2's gradient buckets (`lightning_hybrid.parallel.zero.buckets`).
 
 Stage 0 steps the model's parameters; stages 1-2 re-point the optimizer at this rank's slice of each bucket and
-all-gather the updated slices after the step. `SlicePlace` says where a parameter's sliced optimizer state lives
-(what checkpoints save and load); `check_elementwise` keeps stages 1-2 to optimizers that update element by element
-(`ELEMENTWISE_OPTIMIZERS`).
+all-gather the updated slices after the step (or start the gathers for the next forward to wait on:
+`lightning_hybrid.parallel.zero.gather.ParameterGathers`). `SlicePlace` says where a parameter's sliced optimizer
+state lives (what checkpoints save and load); `check_elementwise` keeps stages 1-2 to optimizers that update element
+by element (`ELEMENTWISE_OPTIMIZERS`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_hybrid.parallel.zero.buckets import DEFAULT_BUCKET_CAP_MB, GradientBuckets, _Bucket, _layout
+from lightning_hybrid.parallel.zero.gather import ParameterGathers
 
 #: torch's optimizers whose update of an element reads only that element's parameter, gradient and state (and
 #: scalars such as the learning rate and the step count): they step flat slices exactly as whole tensors.
@@ -66,12 +68,14 @@ class ZeroOptimizer(Optimizer):
     errors. Stages 1-2 take element-wise optimizers only (`check_elementwise`). ``experts``: the ids of expert
     parameters (`lightning_hybrid.parallel.expert_parallel`) and their own data-parallel group: they are bucketed
     apart and reduced (stages 1-2: sharded) over that group, their sum divided by the size of ``group`` all the same.
+    ``gathers``: where stages 1-2 start the all-gathers of the updated slices when it is ``deferring``
+    (`lightning_hybrid.parallel.zero.gather`; else they are waited for in the step).
     """
 
     def __init__(
         self, optimizer: Optimizer, group: dist.ProcessGroup, stage: int, tp_sharded: set[int],
         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, names: dict[int, str] | None = None,
-        experts: tuple[set[int], dist.ProcessGroup] | None = None,
+        experts: tuple[set[int], dist.ProcessGroup] | None = None, gathers: ParameterGathers | None = None,
     ):
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeroOptimizer implements zero_stage 0, 1 and 2, got {stage}.")
@@ -82,6 +86,7 @@ class ZeroOptimizer(Optimizer):
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} is invalid: it must be a positive number of MiB.")
         self.optimizer, self.stage, self.group = optimizer, stage, group
+        self.gathers = gathers if gathers is not None else ParameterGathers()
         cap = int(bucket_cap_mb * 2**20)
         self.buckets: list[_Bucket] = []
         for param_group in optimizer.param_groups:
@@ -123,10 +128,16 @@ class ZeroOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.stage:  # the last step's gathers read the slices this step writes
+            self.gathers.wait_all()
         self.optimizer.step()
         if self.stage:
-            for bucket in self.buckets:
-                bucket.gather_parameters()
+            if self.gathers.deferring:  # under the next forward, the bucket it needs first (the last) first
+                order = self.buckets[::-1]
+                self.gathers.launch([b.start_gather for b in order], [b.params for b in order])
+            else:
+                for bucket in self.buckets:
+                    bucket.gather_parameters()
             self.gradients.clear()  # the placeholders (`ShardedGradient`) go
         return loss
 
