@@ -193,16 +193,25 @@ class ParallelOptions:
             fp8_all_gather=fp8_all_gather, cp_attention=cp_attention, overlap_param_gather=overlap_param_gather,
         )
 
-    def defers_param_gather(self, automatic_optimization: bool) -> bool:
-        """Whether ZeRO 1-2's gathers run under the next forward (`lightning_hybrid.parallel.zero.gather`): stages
-        1-2, not compiled, under automatic optimization (a manual ``training_step`` steps inside itself and reads
-        on). ``ValueError`` where ``overlap_param_gather=True`` asked for it under manual optimization."""
-        if self.overlap_param_gather and not automatic_optimization:
+    def defers_param_gather(self, module: torch.nn.Module) -> bool:
+        """Whether ZeRO 1-2's gathers run under the next forward (`lightning_hybrid.parallel.zero.gather`) for
+        ``module`` (the LightningModule): stages 1-2, nothing compiled -- neither by ``compile`` nor by the module
+        itself (``torch.compile`` of a submodule or ``module.compile()``: a wait inside a compiled graph would break
+        it) -- and automatic optimization (a manual ``training_step`` steps inside itself and reads on).
+        ``ValueError`` where ``overlap_param_gather=True`` asked for it and cannot have it."""
+        automatic = module.automatic_optimization
+        compiled = [name or type(module).__name__ for name, m in module.named_modules()
+                    if type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None]
+        if self.overlap_param_gather and not automatic:
             raise ValueError("overlap_param_gather=True: the module uses manual optimization, whose training_step"
                              " steps the optimizers itself and may read the parameters right after; use automatic"
                              " optimization, or leave overlap_param_gather=None (gathered in the step).")
+        if self.overlap_param_gather and compiled:
+            raise ValueError(f"overlap_param_gather=True: {compiled[:3]} of the module are compiled, and a read that"
+                             " waits for a parameter's gather would break their graphs; leave overlap_param_gather=None"
+                             " (gathered in the step when anything is compiled), or do not compile them.")
         return (self.overlap_param_gather is not False and self.zero_stage in (1, 2) and self.compile is None
-                and automatic_optimization)
+                and automatic and not compiled)
 
     def example_multiple(self, dims: ParallelDims) -> int:
         """Example inputs of the TP verification have a sequence length divisible by this (the SP split)."""

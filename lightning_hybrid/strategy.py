@@ -180,7 +180,7 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
         super().setup_optimizers(trainer)
         assert self._sync is not None
         self.optimizers = self._sync.wrap_optimizers(
-            self.optimizers, self.options.defers_param_gather(self.lightning_module.automatic_optimization))
+            self.optimizers, self.options.defers_param_gather(self.lightning_module))
 
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:

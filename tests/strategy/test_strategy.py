@@ -12,6 +12,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
 
 from lightning_hybrid import HybridStrategy, ParallelDims
 from lightning_hybrid.core.hooks import StepHooks
@@ -360,3 +361,23 @@ def test_layer_by_layer_options_find_the_layers_or_refuse():
     with pytest.raises(ValueError,
                        match=r"Sequential holds its layers neither in an nn.ModuleList nor in pipeline_layers"):
         checkpoint_targets(nn.Sequential(nn.Linear(4, 4)), True)
+
+
+def test_parameter_gathers_run_under_the_next_forward_only_where_nothing_compiled_or_manual_reads_around_them():
+    from lightning_hybrid.options import ParallelOptions
+    from tests.user_code import ManualLM, UserLM
+
+    zero1 = ParallelOptions.create(zero_stage=1)
+    assert zero1.defers_param_gather(UserLM()) and ParallelOptions.create(zero_stage=2).defers_param_gather(UserLM())
+    for options in (ParallelOptions.create(zero_stage=0), ParallelOptions.create(zero_stage=3),
+                    ParallelOptions.create(zero_stage=1, overlap_param_gather=False),
+                    ParallelOptions.create(zero_stage=2, compile=True)):
+        assert not options.defers_param_gather(UserLM()), options
+    compiled = UserLM()
+    compiled.head = torch.compile(compiled.head)  # compiled by the user: nothing is traced until it runs
+    assert not zero1.defers_param_gather(compiled) and not zero1.defers_param_gather(ManualLM())
+    required = ParallelOptions.create(zero_stage=1, overlap_param_gather=True)
+    with pytest.raises(ValueError, match=r"overlap_param_gather=True: \['head'\] of the module are compiled"):
+        required.defers_param_gather(compiled)
+    with pytest.raises(ValueError, match="overlap_param_gather=True: the module uses manual optimization"):
+        required.defers_param_gather(ManualLM())
