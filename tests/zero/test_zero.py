@@ -1,7 +1,8 @@
 """Per-rank memory follows the ZeRO partitioning at the peak of a training step, not only after it: the peak
 of live tensor bytes (`lightning_hybrid.runs.memory.PeakMemoryMonitor`) split into parameters, gradients and
 optimizer state, for every stage, under dp2 x tp2 (on top of the 1/tp that TP gives) and pp2 x dp2 (per
-stage). And unit checks of the gradient buckets on a gloo group, without Lightning."""
+stage). And unit checks of the gradient buckets on a gloo group, without Lightning, and of the guard that makes a read
+of a parameter wait for ZeRO 1-2's gather in flight."""
 
 from __future__ import annotations
 
@@ -379,21 +380,19 @@ def test_a_read_of_a_parameter_in_flight_waits_for_its_bucket():
         "state_dict": lambda: torch.cat([t.reshape(-1) for t in layer.state_dict().values()]),
     }
     old = [p.detach().clone() for p in params]
+
+    def set_to(values: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for p, value in zip(params, values):
+                p.copy_(value)
+
     for name, read in reads.items():
+        set_to(new)
+        expected = read().detach().clone()  # the read once every bucket has arrived
+        set_to(old)
+        before = read().detach().clone()  # ... and before any has
         for guarded in (True, False):
-            with torch.no_grad():
-                for p, value in zip(params, old):
-                    p.copy_(value)
-            gathers = ParameterGathers()
-            _in_flight(gathers, params, new)
-            before = read().detach().clone()
-            with torch.no_grad():  # what the same read gives once every bucket has arrived
-                for p, value in zip(params, new):
-                    p.copy_(value)
-            expected = read().detach().clone()
-            with torch.no_grad():
-                for p, value in zip(params, old):
-                    p.copy_(value)
+            set_to(old)
             gathers = ParameterGathers()
             _in_flight(gathers, params, new)
             if guarded:
