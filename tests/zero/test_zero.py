@@ -358,7 +358,7 @@ def _in_flight(gathers, params: list[nn.Parameter], values: list[torch.Tensor]) 
                 p.copy_(value)
         return lambda: arrive
 
-    gathers.launch([start(p, v) for p, v in zip(params, values)], [[p] for p in params])
+    gathers.queue([start(p, v) for p, v in zip(params, values)], [[p] for p in params])
 
 
 def test_a_read_of_a_parameter_in_flight_waits_for_its_bucket():

@@ -49,21 +49,21 @@ class _WaitOnUse(TorchFunctionMode):
 class ParameterGathers:
     """The all-gathers of ZeRO 1-2's buckets in flight between an optimizer step and the next forward.
 
-    ``deferring``: whether the optimizers' steps start their gathers here (`launch`) instead of waiting for them
-    (set by the strategy: ZeRO 1-2, automatic optimization, not compiled). ``waited_on_use`` counts the buckets
-    a read waited for (the forward found them still in flight or just arrived), ``waited_at_release`` those
-    waited for at `release`: the run's evidence that the gathers were overlapped at all.
+    ``deferring``: whether the optimizers' steps queue their gathers here (`queue`) instead of waiting for them (set
+    by the strategy: ZeRO 1-2, nothing compiled, automatic optimization). ``waited_on_use`` counts the buckets a read
+    waited for (the forward found them still in flight or just arrived), ``waited_at_release`` those waited for at
+    `release`: the run's evidence that the gathers were overlapped at all.
     """
 
     def __init__(self) -> None:
         self.deferring = False
         self.pending: dict[int, _InFlight] = {}  # id(parameter) -> its bucket's gather
-        self._queue: list[_InFlight] = []  # launched, not yet started (in the order every rank starts them)
+        self._queue: list[_InFlight] = []  # queued, not yet started (in the order every rank starts them)
         self._mode: _WaitOnUse | None = None
         self.waited_on_use = 0
         self.waited_at_release = 0
 
-    def launch(self, starts: list[Callable[[], Callable[[], None]]], params: list[list[Tensor]]) -> None:
+    def queue(self, starts: list[Callable[[], Callable[[], None]]], params: list[list[Tensor]]) -> None:
         """Queue a gather per bucket -- ``starts[i]()`` starts it and returns its wait -- bringing ``params[i]``; they
         start, in this order on every rank, at `start` (or where a read needs one: it and those queued before it)."""
         for start, ps in zip(starts, params):

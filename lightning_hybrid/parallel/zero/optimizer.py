@@ -134,7 +134,7 @@ class ZeroOptimizer(Optimizer):
         if self.stage:
             if self.gathers.deferring:  # under the next forward, the bucket it needs first (the last) first
                 order = self.buckets[::-1]
-                self.gathers.launch([b.start_gather for b in order], [b.params for b in order])
+                self.gathers.queue([b.start_gather for b in order], [b.params for b in order])
             else:
                 for bucket in self.buckets:
                     bucket.gather_parameters()
