@@ -199,9 +199,11 @@ class ParallelOptions:
         itself (``torch.compile`` of a submodule or ``module.compile()``: a wait inside a compiled graph would break
         it) -- and automatic optimization (a manual ``training_step`` steps inside itself and reads on).
         ``ValueError`` where ``overlap_param_gather=True`` asked for it and cannot have it."""
+        from torch._dynamo import OptimizedModule
+
         automatic = module.automatic_optimization
         compiled = [name or type(module).__name__ for name, m in module.named_modules()
-                    if type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None]
+                    if isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None]
         if self.overlap_param_gather and not automatic:
             raise ValueError("overlap_param_gather=True: the module uses manual optimization, whose training_step"
                              " steps the optimizers itself and may read the parameters right after; use automatic"

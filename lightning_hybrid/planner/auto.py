@@ -117,11 +117,11 @@ def _cluster(cfg: DictConfig) -> Cluster:
     keeps them in the step."""
     name = cfg.planner.cluster if cfg.get("planner") is not None else None
     cluster = load_cluster(name) if name else this_machine(str(cfg.trainer.accelerator))
-    if cfg.get("parallel") is not None and cfg.parallel.get("fp8_all_gather"):
-        cluster = replace(cluster, fp8_all_gather=True)
-    if cfg.get("parallel") is not None and cfg.parallel.get("async_tp"):  # torch's async TP: the forward's
-        cluster = replace(cluster, tp_comm_overlap=True, tp_overlap_backward=False)
     parallel = cfg.get("parallel")
+    if parallel is not None and parallel.get("fp8_all_gather"):
+        cluster = replace(cluster, fp8_all_gather=True)
+    if parallel is not None and parallel.get("async_tp"):  # torch's async TP: the forward's
+        cluster = replace(cluster, tp_comm_overlap=True, tp_overlap_backward=False)
     if parallel is not None and (parallel.get("compile") or parallel.get("overlap_param_gather") is False):
         cluster = replace(cluster, param_gather_overlap=False)  # ZeRO 1-2 gather in the optimizer step
     return cluster

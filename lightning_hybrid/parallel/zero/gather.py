@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 
 class _WaitOnUse(TorchFunctionMode):
@@ -34,15 +35,10 @@ class _WaitOnUse(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        gathers = self.gathers
-        if gathers.pending:
-            for value in (*args, *kwargs.values()):
+        if self.gathers.pending:  # every tensor among the arguments, however nested (lists, dicts)
+            for value in tree_leaves((args, kwargs)):
                 if isinstance(value, Tensor):
-                    gathers.wait_for(value)
-                elif isinstance(value, (list, tuple)):
-                    for item in value:
-                        if isinstance(item, Tensor):
-                            gathers.wait_for(item)
+                    self.gathers.wait_for(value)
         return func(*args, **kwargs)
 
 
