@@ -27,3 +27,9 @@ ones that start process groups (``tp_results`` in `tests/tensor_parallel/test_te
 distributed job runs once. A fixture that tests in more than one file need belongs here (or in its folder's
 ``conftest.py``), with a session or package scope where it starts ranks.
 """
+
+from lightning_hybrid.testing import preload
+
+# Every rank imports the module of the function it runs, and with it these helpers: imported once, in the fork
+# server (`lightning_hybrid.testing.preload`), instead of once a rank.
+preload("tests.helpers", "tests.parity", "tests.families", "tests.user_code", "tests.user_model", "tests.user_modules")

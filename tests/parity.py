@@ -23,7 +23,7 @@ from lightning_hybrid.data.corpus import ByteCorpusDataModule
 from lightning_hybrid.models import GPTConfig, GPTLightningModule
 from tests.helpers import QUIET_TRAINER, Recorder, run_distributed, storage_bytes
 
-STEPS = 6
+STEPS = 4
 GLOBAL_BATCH = 8
 CLIP = 0.5
 BLOCK = 32

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["WORKER_TIMEOUT_S", "run_distributed"]
+__all__ = ["WORKER_TIMEOUT_S", "preload", "run_distributed"]
 
 WORKER_TIMEOUT_S = 600
 
@@ -33,15 +33,28 @@ def _free_port() -> int:
 
 
 #: What the fork server imports once, so that every rank it forks starts with them imported (importing
-#: Lightning costs several seconds a process; eight ranks on two cores, half a minute a launch).
-PRELOAD = ["torch", "torch.distributed", "lightning", "lightning_hybrid"]
+#: Lightning costs several seconds a process; eight ranks on two cores, half a minute a launch). transformers'
+#: model machinery (0.6 s a rank) where it is installed: the fork server passes over a module it cannot import.
+PRELOAD = ("torch", "torch.distributed", "lightning", "lightning_hybrid", "transformers.modeling_utils")
+
+
+def preload(*modules: str) -> None:
+    """Add ``modules`` to what the fork server imports (a test suite's own helpers, which every rank imports when
+    it unpickles its function). Takes effect only before the session's first `run_distributed`, which starts the
+    server; a module that fails to import there is passed over (and imported by the rank that needs it). Importing
+    them must run no torch op: a forked rank must not inherit a thread pool."""
+    _extra_preload.extend(m for m in modules if m not in _extra_preload)
+
+
+_extra_preload: list[str] = []
 
 
 def _context():
-    """Ranks are forked from one server process per session that imported `PRELOAD` and never ran an op (so no
-    thread pool is forked); each rank is a fresh process as with spawn, without paying the imports again."""
+    """Ranks are forked from one server process per session that imported `PRELOAD` (and `preload`'s modules)
+    and never ran an op (so no thread pool is forked); each rank is a fresh process as with spawn, without paying
+    the imports again."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx.set_forkserver_preload([*PRELOAD, *_extra_preload])
     return ctx
 
 

@@ -1,5 +1,6 @@
 """Every DP x TP x ZeRO layout reproduces the one-device run: losses, gradient norms, validation metrics
-(a torchmetrics metric included) and final weights, over 10 AdamW steps in fp32 with clipping active.
+(a torchmetrics metric included) and final weights, over `tests.parity.STEPS` AdamW steps in fp32 with clipping
+active.
 
 The one-device reference runs in the test process; each world size is one group of spawned ranks that
 runs several layouts one after another on the same process group.
