@@ -481,29 +481,36 @@ def async_tp_rows() -> list[str]:
 #: vocabulary 151,936, untied embeddings, SwiGLU, no biases.
 QWEN3_235B = ModelSpec("qwen3-235b-a22b", 94, 4096, 64, 4, 12288, 151936, 4096, gated_mlp=True, bias=False,
                        learned_positions=False, experts=128, top_k=8, expert_ffn=1536, head_size=128, extra_norms=256)
+#: The Qwen3 runs' TP collectives: not overlapped (no --tp-comm-overlap in their 2025 commands; `MOE_PUBLISHED`).
+QWEN3_2025 = {"tp_comm_overlap": False}
 MODELZOO = ("yanring/Megatron-MoE-ModelZoo (linked from Megatron-LM's megatron/core/transformer/moe/README.md),"
             " commit e8650517d60d71ab73fc6b3b0388cac4ba435181")
 #: Megatron-Core MoE runs on H100 in BF16, per-GPU TFLOP/s as Megatron-LM counts them (`megatron_flops_per_token`):
 #: (citation, what, model, GPUs, global batch, layout, cluster settings, published TFLOP/s). Each layout as published
 #: (TP, PP, VPP, EP, EDP, ETP 1: expert parallelism folded over TP; micro-batch 1 unless stated); the runtime is
-#: megatron-core2024's (TP communication overlapped, distributed optimizer with its overlaps, sequence parallelism)
-#: with its dispatcher (DeepEP or all-to-all) and, where the row says so, the combined-1F1B all-to-all overlap.
+#: megatron-core2024's (distributed optimizer with its overlaps, sequence parallelism) with its dispatcher (DeepEP or
+#: all-to-all) and, where the row says so, the combined-1F1B all-to-all overlap. TP's collectives are overlapped
+#: only where the run's scripts asked for it: the ModelZoo's sbatch_benchmarking.sh passes --tp-comm-overlap for
+#: bf16 since b09773a (2025-12-16, the commit of the Mixtral row's 465); the Qwen3 table dates from 8017e11
+#: (2025-05-27), its commands (examples/qwen3/run_235b.sh, 31c5686..8c19702) without it.
 MOE_PUBLISHED = [
     (f"{MODELZOO}, best_practice/qwen3/readme.md, 'Cross-node EP strategy' (256 H100, BF16, seq 4096, GBS 2048;"
      " recompute layernorm + moe_act, written as none: cheap element-wise ops)", "DeepEP", QWEN3_235B, 256, 2048,
      Layout(16, 2, 8, 1, 1, 128, "interleaved_1f1b", 4, False, True, ep=32, ep_folding=True),
-     {"ep_dispatcher": "deepep"}, 245),
+     {"ep_dispatcher": "deepep", **QWEN3_2025}, 245),
     ("same table", "DeepEP + 1F1B overlap", QWEN3_235B, 256, 2048,
      Layout(16, 2, 8, 1, 1, 128, "interleaved_1f1b", 4, False, True, ep=32, ep_folding=True),
-     {"ep_dispatcher": "deepep", "ep_comm_overlap": True}, 276),
-    ("same table, 'Intra-node EP strategy' (Megatron-FSDP as ZeRO-3, micro-batch 4, full recompute)", "DeepEP",
+     {"ep_dispatcher": "deepep", "ep_comm_overlap": True, **QWEN3_2025}, 276),
+    ("same table, 'Intra-node EP strategy' (Megatron-FSDP as ZeRO-3, micro-batch 4, full recompute; the table's TP 2"
+     " and DP 128 -- its recorded command says TP=1)", "DeepEP",
      QWEN3_235B, 256, 2048, Layout(128, 2, 1, 3, 4, 4, "1f1b", 1, True, True, ep=8, ep_folding=True),
-     {"ep_dispatcher": "deepep"}, 276),
-    ("same table", "all-to-all", QWEN3_235B, 256, 2048,
-     Layout(4, 2, 32, 1, 1, 512, "interleaved_1f1b", 3, False, True, ep=8, ep_folding=True), {}, 200),
-    ("same table (no recompute)", "DeepEP", QWEN3_235B, 256, 2048,
+     {"ep_dispatcher": "deepep", **QWEN3_2025}, 276),
+    ("same table, 'Intra-node EP strategy' (all-to-all as the table says; the model yaml of the time set the flex"
+     " dispatcher with DeepEP, and the row's command overrides neither)", "all-to-all", QWEN3_235B, 256, 2048,
+     Layout(4, 2, 32, 1, 1, 512, "interleaved_1f1b", 3, False, True, ep=8, ep_folding=True), QWEN3_2025, 200),
+    ("same table, 'Intra-node EP strategy' (no recompute)", "DeepEP", QWEN3_235B, 256, 2048,
      Layout(8, 4, 8, 1, 1, 256, "interleaved_1f1b", 4, False, True, ep=8, ep_folding=True),
-     {"ep_dispatcher": "deepep"}, 167),
+     {"ep_dispatcher": "deepep", **QWEN3_2025}, 167),
     (f"{MODELZOO}, best_practice/mixtral/run_mixtral_8x22B.sh ('Dropless training with forced balancing,"
      " performance should be around 465 TFLOPS for H100'; runtime.conf: TP2 PP8 EP8 VPP7 MBS1 GBS256, 16 nodes)",
      "all-to-all", dataclasses.replace(model_spec("mixtral-8x22b"), vocab=32000, params=0), 128, 256,
@@ -616,9 +623,13 @@ def moe_rows() -> tuple[list[str], list[float]]:
         lines.append(f"| {model.name} | {gpus} | {batch} | {layout.label()} | {what} | {published:g} |"
                      f" {predicted:.0f} | {predicted / published:.2f} | {t.ep_comm / t.total:.0%} |")
     lines += _sources_and_errors(MOE_PUBLISHED, errors, "Nothing is fitted on these rows. Routing is uniform in the"
-                                 " planner; the published rows are natural routing unless stated (forced balance is"
-                                 " 5-20% faster, the same table's long-context rows); the all-to-all and no-recompute"
-                                 " rows ran Megatron-LM main (1e057005), the others moe_dev (f3e6c5).")
+                                 " planner, as the runs forced it (every command of the Qwen3 table and the Mixtral"
+                                 " row pass --moe-router-force-load-balancing); the FSDP, all-to-all and no-recompute"
+                                 " rows ran Megatron-LM main (1e057005), the others moe_dev (f3e6c5). Not explained:"
+                                 " the TP4 row gives each expert's GEMM about 512 tokens (4,096 in the EP32 rows),"
+                                 " and the planner's GEMM efficiency depends on the reduction depth alone; the"
+                                 " all-to-all row runs one layer per virtual stage (its last rank two layers and the"
+                                 " LM head, which the planner times as it weighs).")
     return lines, errors
 
 
