@@ -8,8 +8,9 @@ rank's two key chunks where the sequence's mask lets them -- causal by place, wi
 attention chunk), within a sliding window -- and the partial results are merged by their log-sum-exp, as
 FlashAttention merges key blocks. A chunk pair that the causal order masks whole is skipped. Backward runs the same
 ring again: each block's gradients are recomputed from the saved output and log-sum-exp (FlashAttention's
-backward), the query gradient stays, and the key and value gradients travel with their keys and values, home after
-the last step. What a rank keeps for backward is its own queries, keys, values, output and log-sum-exp (only its
+backward), the query gradient stays, and the key and value gradients travel one step behind their keys and values,
+home after the last step -- every transfer but that last one under a step's compute, in both passes. What a rank
+keeps for backward is its own queries, keys, values, output and log-sum-exp (only its
 queries, keys and values where `ContextParallel` checkpoints it, as it does the all-gather); what it
 holds beyond that at any time is two ranks' keys and values (and their gradients in backward) and the scores of
 `ROWS` query rows against one chunk -- where the all-gather holds the whole sequence's keys and values of the layer
@@ -175,11 +176,18 @@ class _RingAttention(torch.autograd.Function):
         q_chunks, g_chunks = q.split(c, dim=-2), g.split(c, dim=-2)
         lse_chunks, delta_chunks = log_sum_exp.split(c, dim=-2), delta.split(c, dim=-2)
         dq = [torch.zeros_like(part) for part in q_chunks]
-        # The visiting keys and values with their gradients so far: (k, v, dk, dv), passed on together.
-        state = torch.stack([key.float(), value.float(), torch.zeros_like(key, dtype=torch.float32),
-                             torch.zeros_like(value, dtype=torch.float32)]).contiguous()
+        # The keys and values travel ahead (each step's transfer under that step's compute) and their gradients one
+        # step behind: the visiting keys' gradients so far, from the ranks they visited before, arrive under this
+        # step's compute; this rank adds its part and sends them on under the next step's (home after the last).
+        kv = torch.stack([key.float(), value.float()]).contiguous()
+        dkv_works: list = []
+        arriving: Optional[Tensor] = None  # the visiting keys' and values' gradients so far, in flight to this rank
         for step in range(ring.size):
-            for qa, kb, k, v, allowed in _pairs(ring, step, state, c, repeats, labels, window):
+            kv_works: list = []
+            if step < ring.size - 1:
+                incoming_kv, kv_works = ring.start(kv)
+            parts = []  # (key slot, dk, dv) of this rank's chunk pairs, added to the travelling gradients in order
+            for qa, kb, k, v, allowed in _pairs(ring, step, kv, c, repeats, labels, window):
                 dk, dv = torch.zeros_like(k), torch.zeros_like(v)
                 for rows in _row_blocks(c):
                     q_rows, g_rows = q_chunks[qa][..., rows, :], g_chunks[qa][..., rows, :]
@@ -189,12 +197,17 @@ class _RingAttention(torch.autograd.Function):
                     ds = p * (torch.matmul(g_rows, v.transpose(-1, -2)) - delta_chunks[qa][..., rows, :])
                     dq[qa][..., rows, :] += torch.matmul(ds, k) * scale
                     dk += torch.matmul(ds.transpose(-1, -2), q_rows) * scale
-                state[2].narrow(-2, kb * c, c).add_(_fold(dk, repeats))
-                state[3].narrow(-2, kb * c, c).add_(_fold(dv, repeats))
-            # Pass everything on (the key and value gradients go home with the last pass: cp passes in all).
-            travelling = state if step < ring.size - 1 else state[2:].contiguous()
-            incoming, works = ring.start(travelling)
-            _wait(works)
-            state = incoming
+                parts.append((kb, _fold(dk, repeats), _fold(dv, repeats)))
+            _wait(dkv_works)
+            dkv = torch.zeros_like(kv) if arriving is None else arriving  # step 0: this rank's own keys, first here
+            for kb, dk, dv in parts:
+                dkv[0].narrow(-2, kb * c, c).add_(dk)
+                dkv[1].narrow(-2, kb * c, c).add_(dv)
+            arriving, dkv_works = ring.start(dkv)
+            if kv_works:
+                _wait(kv_works)
+                kv = incoming_kv
+        _wait(dkv_works)
+        dkv = arriving  # this rank's keys' and values' gradients, home from the last rank they visited
         grad_query = torch.cat(dq, dim=-2).to(query.dtype)
-        return grad_query, state[0].to(key.dtype), state[1].to(value.dtype), None, None, None, None
+        return grad_query, dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None, None
