@@ -272,7 +272,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--cluster", default="cpu", help="a100, h100, cpu, or a cluster JSON (default: cpu)")
     p.add_argument("--precision", default=None, choices=sorted(PRECISIONS), help="what the runtime keeps in which"
                    " dtype (default: the cluster's; bf16-mixed on the GPU presets, this codebase's; fsdp-bf16:"
-                   " FSDP2 with bf16 parameters and no autocast, torchtitan's; megatron-flash: Megatron-Core's)")
+                   " FSDP2 with bf16 parameters and no autocast, torchtitan's; megatron-flash: Megatron's states as"
+                   " the ZeRO paper counts them, flash attention; megatron-core: with fp32 main gradients, as"
+                   " Megatron-Core keeps them in bf16 runs)")
     p.add_argument("--attention-speed", type=float, default=None, metavar="X",
                    help="the attention kernel's speed relative to the GEMMs' (default: the cluster's, 1;"
                         f" FlashAttention-2 on H100: {FA2_ON_HOPPER:.2f})")

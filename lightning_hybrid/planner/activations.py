@@ -34,10 +34,14 @@ __all__ = ["CODEBASE_GATED_TENSORS", "KORTHIKANTI", "MEGATRON_GATED_TENSORS", "M
 #: (torchtitan's, NeMo AutoModel's): fp32 parameter shards gathered in bf16 (2; the shard's other 2 bytes counted
 #: with the optimizer's 8: 10), gradients computed in bf16 and reduced and kept sharded in fp32 (4), bf16 activations
 #: and residual stream, this codebase's eager block otherwise (`codebase_coefficients`).
+#: ``megatron-core``: Megatron-Core's bf16 training as its own CI measures memory (``--bf16``, the distributed
+#: optimizer): bf16 weights, fp32 main gradients (its DDP's gradient buffer: fp32 for bf16 runs), fp32 master
+#: weights and moments (12); the block counted as ``megatron-flash``'s.
 PRECISIONS = {"32-true": (4, 4, 8, 4), "bf16-mixed": (4, 4, 8, 2), "megatron": (2, 2, 12, 2),
-              "megatron-flash": (2, 2, 12, 2), "fsdp-bf16": (2, 4, 10, 2)}
-#: Precisions whose block is Korthikanti's count (`korthikanti_coefficients`; ``megatron-flash``: no scores or dropout).
-MEGATRON_PRECISIONS = ("megatron", "megatron-flash")
+              "megatron-flash": (2, 2, 12, 2), "megatron-core": (2, 4, 12, 2), "fsdp-bf16": (2, 4, 10, 2)}
+#: Precisions whose block is Korthikanti's count (`korthikanti_coefficients`; ``megatron-flash``, ``megatron-core``:
+#: no scores or dropout).
+MEGATRON_PRECISIONS = ("megatron", "megatron-flash", "megatron-core")
 
 
 @dataclass(frozen=True)
@@ -82,12 +86,12 @@ def korthikanti_coefficients(model: ModelSpec, scores: bool = True, dropout: boo
 
 def block_coefficients(model: ModelSpec, precision: str) -> ActivationCoefficients:
     """The block's coefficients at ``precision``: ``megatron`` Korthikanti's (`korthikanti_coefficients`: unfused
-    attention, dropout masks -- the 2021/2022 Megatron runs), ``megatron-flash`` the same count with flash attention
-    and no dropout (the runs since 2023 it stands for, Llama 3 and MPT, train with dropout 0), else this codebase's
-    (`codebase_coefficients`)."""
+    attention, dropout masks -- the 2021/2022 Megatron runs), ``megatron-flash`` and ``megatron-core`` the same count
+    with flash attention and no dropout (the runs since 2023 it stands for, Llama 3 and MPT, train with dropout 0),
+    else this codebase's (`codebase_coefficients`)."""
     if precision == "megatron":
         return korthikanti_coefficients(model)
-    if precision == "megatron-flash":
+    if precision in ("megatron-flash", "megatron-core"):
         return korthikanti_coefficients(model, scores=False, dropout=False)
     return codebase_coefficients(model, PRECISIONS[precision][3], PRECISIONS[precision][0])
 

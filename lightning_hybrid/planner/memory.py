@@ -32,7 +32,8 @@ the second matmul's ``F`` input), ``scores`` 5 (the softmax's output, its dropou
 dropout). Megatron-LM's ``report_theoretical_memory`` (megatron/training/theoretical_memory_usage.py) has ``sbh (18 +
 4F/h)``, this count for GELU at any ``F``. ``megatron`` is the paper's (unfused attention, dropout: the 2021/2022
 runs); ``megatron-flash`` the runs since 2023 (Llama 3, MPT): flash attention (no scores term; the kernels keep
-``O(s)`` per head) and dropout 0 (no masks: PyTorch's dropout returns its input at ``p = 0``). This codebase's
+``O(s)`` per head) and dropout 0 (no masks: PyTorch's dropout returns its input at ``p = 0``); ``megatron-core``
+the same block with Megatron-Core's fp32 main gradients (its bf16 default). This codebase's
 block (``32-true``, ``bf16-mixed``: autocast, fp32 weights and residual stream; ``p`` the residual stream's bytes, 4
 in both, ``e`` the matmul outputs', 4 or 2; ``scaled_dot_product_attention`` keeping no ``s x s`` scores; no dropout by
 default; measured per mode, docs/planner.md's table), without recompute (`codebase_coefficients`: autograd's saved

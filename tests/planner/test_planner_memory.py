@@ -294,6 +294,17 @@ def test_codebase_model_states_per_zero_stage():
     assert mem[0].activations == mem[3].activations > 0
 
 
+def test_megatron_core_keeps_fp32_main_gradients_beside_megatron_flash_states():
+    """Megatron-Core's bf16 runs (`megatron-core`): bf16 weights, fp32 main gradients, 12 bytes of optimizer state
+    per parameter sharded by the distributed optimizer, the block counted as `megatron-flash`'s."""
+    model = ModelSpec("gpt-7b", 32, 4096, 32, 8, 16384, 131584, 8192)
+    layout = Layout(2, 4, 1, 1, 2, 2)
+    core, flash = estimate_memory(model, layout, "megatron-core"), estimate_memory(model, layout, "megatron-flash")
+    assert core.grads == 2 * flash.grads == 2 * core.params
+    assert (core.params, core.optimizer, core.activations) == (flash.params, flash.optimizer, flash.activations)
+    assert core.optimizer == 12 * core.params / 2 / 2  # 12 bytes a parameter over dp 2; params are 2 bytes each
+
+
 def test_hybrid_sharding_and_zero3_reduction_per_micro_batch():
     """HSDP (``dp_shard``): ZeRO-3's model states over the shard group, plus an all-reduce of the shards across the
     replicas; ZeRO-3 reduce-scattering every micro-batch (``grad_reduce``) keeps no unsharded gradients through the
