@@ -41,8 +41,9 @@ PRELOAD = ("torch", "torch.distributed", "lightning", "lightning_hybrid", "trans
 def preload(*modules: str) -> None:
     """Add ``modules`` to what the fork server imports (a test suite's own helpers, which every rank imports when
     it unpickles its function). Takes effect only before the session's first `run_distributed`, which starts the
-    server; a module that fails to import there is passed over (and imported by the rank that needs it). Importing
-    them must run no torch op: a forked rank must not inherit a thread pool."""
+    server; a module whose import raises ``ImportError`` there is passed over (and imported by the rank that needs
+    it), any other exception stops the server (and every run with it). Importing them must run no torch op: a
+    forked rank must not inherit a thread pool."""
     _extra_preload.extend(m for m in modules if m not in _extra_preload)
 
 
