@@ -12,7 +12,8 @@ backward), the query gradient stays, and the key and value gradients travel one 
 home after the last step -- every transfer but that last one under a step's compute, in both passes. What a rank
 keeps for backward is its own queries, keys, values, output and log-sum-exp (only its
 queries, keys and values where `ContextParallel` checkpoints it, as it does the all-gather); what it
-holds beyond that at any time is two ranks' keys and values (and their gradients in backward) and the scores of
+holds beyond that at any time is two ranks' keys and values (in backward also their gradients, and this step's
+part of them) and the scores of
 `ROWS` query rows against one chunk -- where the all-gather holds the whole sequence's keys and values of the layer
 it computes.
 
