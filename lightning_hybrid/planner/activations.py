@@ -86,9 +86,10 @@ def korthikanti_coefficients(model: ModelSpec, scores: bool = True, dropout: boo
 
 def block_coefficients(model: ModelSpec, precision: str) -> ActivationCoefficients:
     """The block's coefficients at ``precision``: ``megatron`` Korthikanti's (`korthikanti_coefficients`: unfused
-    attention, dropout masks -- the 2021/2022 Megatron runs), ``megatron-flash`` and ``megatron-core`` the same count
-    with flash attention and no dropout (the runs since 2023 it stands for, Llama 3 and MPT, train with dropout 0),
-    else this codebase's (`codebase_coefficients`)."""
+    attention, dropout masks -- the 2021/2022 Megatron runs), ``megatron-flash`` the same count with flash attention
+    and no dropout (the runs since 2023 it stands for, Llama 3 and MPT, train with dropout 0), ``megatron-core`` that
+    block too (the dropout masks of a run keeping Megatron's default 0.1 left out), else this codebase's
+    (`codebase_coefficients`)."""
     if precision == "megatron":
         return korthikanti_coefficients(model)
     if precision in ("megatron-flash", "megatron-core"):
