@@ -118,11 +118,13 @@ def _cluster(cfg: DictConfig) -> Cluster:
     name = cfg.planner.cluster if cfg.get("planner") is not None else None
     cluster = load_cluster(name) if name else this_machine(str(cfg.trainer.accelerator))
     parallel = cfg.get("parallel")
-    if parallel is not None and parallel.get("fp8_all_gather"):
+    if parallel is None:
+        return cluster
+    if parallel.get("fp8_all_gather"):
         cluster = replace(cluster, fp8_all_gather=True)
-    if parallel is not None and parallel.get("async_tp"):  # torch's async TP: the forward's
+    if parallel.get("async_tp"):  # torch's async TP: the forward's
         cluster = replace(cluster, tp_comm_overlap=True, tp_overlap_backward=False)
-    if parallel is not None and (parallel.get("compile") or parallel.get("overlap_param_gather") is False):
+    if parallel.get("compile") or parallel.get("overlap_param_gather") is False:
         cluster = replace(cluster, param_gather_overlap=False)  # ZeRO 1-2 gather in the optimizer step
     return cluster
 
