@@ -92,7 +92,7 @@ def block_coefficients(model: ModelSpec, precision: str) -> ActivationCoefficien
     (`codebase_coefficients`)."""
     if precision == "megatron":
         return korthikanti_coefficients(model)
-    if precision in ("megatron-flash", "megatron-core"):
+    if precision in MEGATRON_PRECISIONS:  # megatron-flash, megatron-core
         return korthikanti_coefficients(model, scores=False, dropout=False)
     return codebase_coefficients(model, PRECISIONS[precision][3], PRECISIONS[precision][0])
 
