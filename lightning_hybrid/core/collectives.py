@@ -74,6 +74,19 @@ def all_reduce(x: Tensor, group: dist.ProcessGroup, op: str = "sum") -> Tensor:
     return x
 
 
+def start_all_reduce(x: Tensor, group: dist.ProcessGroup) -> Callable[[], Tensor]:
+    """A sum of ``x`` (contiguous) over ``group`` started now, in place (never functional: for the eager backward of
+    `lightning_hybrid.parallel.tensor_parallel.layers`' column layers); the function returned waits for it and gives
+    ``x``, reduced."""
+    work = dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+    def finish() -> Tensor:
+        work.wait()
+        return x
+
+    return finish
+
+
 def start_all_gather(x: Tensor, group: dist.ProcessGroup) -> Callable[[], Tensor]:
     """An all-gather of ``x`` (contiguous) started now; the function returned waits for it and gives the ranks'
     tensors concatenated along dim 0 in rank order, ``[world * x.size(0), ...]``."""

@@ -236,6 +236,54 @@ class _CollectiveCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _OpOrder(TorchDispatchMode):
+    """The backward's products and collectives, in order: ``mm`` and ``allreduce`` (and the wait's end: ``waited``,
+    noted by the test where the layer returns)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name in ("mm", "allreduce_"):
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _column_overlap_checks(res, group):
+    """A column layer without sequence parallelism (`ColumnParallelLinear.overlap_backward`, the default): its
+    backward starts the input gradient's all-reduce before it computes the weight's gradient (Megatron's
+    asynchronous all-reduce), and gives bit for bit what the op-by-op form gives (`copy_to_tp`, then F.linear; an
+    all-reduce after the layer's backward): outputs, input, weight and bias gradients, for nn.Linear and Conv1D, 2-D,
+    3-D and non-contiguous inputs, fp32 and under bf16 autocast (whose input gradient is reduced in fp32, as the
+    op-by-op form's)."""
+    ok = res["ok"]
+    for kind, make in (("linear", lambda: nn.Linear(16, 24)), ("nobias", lambda: nn.Linear(16, 24, bias=False)),
+                       ("conv1d", lambda: Conv1D(24, 16))):
+        torch.manual_seed(0)
+        unsplit = make()
+        for shape, amp in (((3, 5, 16), False), ((7, 16), False), ("transposed", False), ((3, 5, 16), True)):
+            got, orders = {}, {}
+            for overlap in (False, True):
+                layer = ColumnParallelLinear(unsplit, group, gather_output=False, part_sizes=())
+                layer.overlap_backward = overlap
+                torch.manual_seed(1)
+                x = torch.randn(5, 3, 16).transpose(0, 1) if shape == "transposed" else torch.randn(*shape)
+                x.requires_grad_(True)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                    y = layer(x)
+                weights = torch.arange(y.numel()).view(y.shape).float().sin()
+                with _OpOrder() as order:
+                    (y.float() * weights).sum().backward()
+                got[overlap] = [y.detach(), x.grad, *(p.grad for p in layer.parameters())]
+                orders[overlap] = order.ops
+            key = f"col_overlap/{kind}/{shape}/{'bf16' if amp else 'fp32'}"
+            ok[f"{key}/bit_identical"] = all(torch.equal(a, b) for a, b in zip(got[False], got[True]))
+            ok[f"{key}/reduce_under_weight_gradient"] = (orders[True] == ["mm", "allreduce_", "mm"]
+                                                         and orders[False] == ["mm", "mm", "allreduce_"])
+
+
 def _selective_recompute_checks(res, group, hf_ids):
     """Selective recompute of split layers (eager attention, dropout 0.1, with and without SP) gives exactly
     the gradients of the same split model without recompute, and its backward communicates no more than without
@@ -306,6 +354,7 @@ def _tp_worker() -> dict:
     group = dist.group.WORLD
     res: dict = {"err": {}, "ok": {}, "results": {}}
     _layer_checks(res, group)
+    _column_overlap_checks(res, group)
     ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(7))
     _check_model(res, "tiny_lm", group, _tiny_lm, _lm_loss, 64, lambda m: m(ids))
     tied, _ = _check_model(res, "tiny_lm_tied", group, lambda: _tiny_lm(tie=True), _lm_loss, 64, lambda m: m(ids))
@@ -337,13 +386,14 @@ def _assert_close(results, prefix: str):
         errs = {k: v for k, v in res["err"].items() if k.startswith(prefix)}
         bad = {k: v for k, v in errs.items() if not v < ATOL}
         assert not bad, f"rank {rank}: errors >= {ATOL}: {bad}"
-        failed = [k for k, v in res["ok"].items() if k.startswith(prefix) and not v]
+        oks = {k: v for k, v in res["ok"].items() if k.startswith(prefix)}
+        failed = [k for k, v in oks.items() if not v]
         assert not failed, f"rank {rank}: failed checks {failed}"
-        checked += len(errs)
+        checked += len(errs) + len(oks)
     assert checked, f"no checks recorded under {prefix!r}"
 
 
-@pytest.mark.parametrize("prefix", ["col/", "conv1d_col/", "row/", "conv1d_row/", "emb/"])
+@pytest.mark.parametrize("prefix", ["col/", "conv1d_col/", "row/", "conv1d_row/", "emb/", "col_overlap/"])
 def test_tp_layers_match_unsplit(tp_results, prefix):
     _assert_close(tp_results, prefix)
 

@@ -36,6 +36,7 @@ from lightning_hybrid.core.collectives import (
     seq_all_gather,
     seq_reduce_scatter,
     split_shard,
+    start_all_reduce,
 )
 from lightning_hybrid.core.devices import local_tensor
 from lightning_hybrid.core.linears import linear_shape, lora_base
@@ -61,6 +62,10 @@ class ColumnParallelLinear(nn.Module):
     sequence_parallel = False
     float8 = None  # a `lightning_hybrid.parallel.float8.Float8Matmul`: the GEMMs in float8 (``fp8``)
     float8_split = "out"  # which features TP splits: what `lightning_hybrid.parallel.float8` reads
+    #: Without sequence parallelism, the input gradient's all-reduce runs under the weight gradient's GEMM
+    #: (`_ColumnLinear`; ``False``: after the layer's backward, as before -- `benchmarks/bench_overlap.py --cpu`
+    #: compares the two in one run).
+    overlap_backward = True
 
     def __init__(
         self,
@@ -88,12 +93,20 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: Tensor) -> Tensor:
-        x = x if self.sequence_parallel else copy_to_tp(x, self.group)
-        if self.float8 is not None:
+        weight = self.weight.t() if self.transposed else self.weight
+        if self.float8 is None and not self.sequence_parallel and self.overlap_backward and (
+                torch.is_grad_enabled() and not functional_collectives_active()):
+            # Eager, without sequence parallelism: one op whose backward all-reduces the input's gradient while it
+            # computes the weight's (under compile and a selective checkpoint the op-by-op form below).
+            weight, *bias = autocast_inputs(weight, *([] if self.bias is None else [self.bias]))
+            y = _ColumnLinear.apply(x, weight, bias[0] if bias else None, self.group)
+        elif self.float8 is not None:
+            x = x if self.sequence_parallel else copy_to_tp(x, self.group)
             y = self.float8(x, self.weight if self.transposed else self.weight.t())
             y = y if self.bias is None else y + self.bias.to(y.dtype)
         else:
-            y = F.linear(x, self.weight.t() if self.transposed else self.weight, self.bias)
+            x = x if self.sequence_parallel else copy_to_tp(x, self.group)
+            y = F.linear(x, weight, self.bias)
         if self.split_logits:
             return SplitLogits.wrap(y, self.group, self.output_spec)
         if self.gather_output:
@@ -161,6 +174,47 @@ class RowParallelLinear(nn.Module):
             f"in_features={self.in_features} (local {local}), out_features={self.out_features},"
             f" input_is_parallel={self.input_is_parallel}{', Conv1D layout' if self.transposed else ''}"
         )
+
+
+# ------------------------------------------------- a column layer's backward: its all-reduce under the weight's GEMM
+class _ColumnLinear(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` of a column layer whose input is replicated over TP (no sequence parallelism).
+    Backward: the input's gradient first, its all-reduce over ``group`` started, then the weight's and the bias's
+    gradients computed while it runs (Megatron's asynchronous all-reduce; the op-by-op form -- `copy_to_tp`, then
+    ``F.linear`` -- reduces after the layer's whole backward). Each gradient is computed by the same products, in the
+    same operand layouts, as ``F.linear``'s own backward (torch's ``mm_mat1_backward`` / ``mm_mat2_backward``), and
+    under autocast the input's gradient is reduced in the input's dtype, as autocast's cast hands it to `copy_to_tp`:
+    bit for bit the op-by-op form's. ``weight`` and ``bias`` come cast as autocast casts them, ``x`` as it is."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], group: dist.ProcessGroup) -> Tensor:
+        ctx.x_dtype = x.dtype
+        x = autocast_inputs(x)[0]
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        grad2d = grad.reshape(-1, grad.size(-1))
+        grad_x = finish = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad2d.mm(weight).view(x.shape).to(ctx.x_dtype)
+            finish = start_all_reduce(grad_x, ctx.group)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            x2d = x.reshape(-1, x.size(-1))
+            # ``F.linear`` multiplies by ``weight.t()``; its gradient comes in that operand's layout (column-major
+            # when ``weight`` is row-major, an nn.Linear's; row-major for a Conv1D's transposed view).
+            if weight.stride(-1) == 1 and weight.stride(0) == weight.size(-1):
+                grad_weight = grad2d.t().mm(x2d)
+            else:
+                grad_weight = x2d.t().mm(grad2d).t()
+        grad_bias = grad2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if finish is not None:
+            grad_x = finish()
+        return grad_x, grad_weight, grad_bias, None
 
 
 # ------------------------------------------------------------ a row layer as one op (selective checkpoint, compile)
