@@ -338,8 +338,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             cluster = dataclasses.replace(cluster, window_kernels=True)
         if args.async_tp:
             cluster = dataclasses.replace(cluster, tp_comm_overlap=True, tp_overlap_backward=False)
-        if args.compile or args.async_tp:  # compiled: ZeRO 1-2 gather in the step (the strategy's overlap_param_gather)
-            cluster = dataclasses.replace(cluster, param_gather_overlap=False)
+        if args.compile or args.async_tp:
+            # Compiled: ZeRO 1-2 gather in the step (the strategy's overlap_param_gather), TP's collectives are
+            # functional (no all-reduce under the weight gradient's GEMM).
+            cluster = dataclasses.replace(cluster, param_gather_overlap=False, tp_grad_reduce_overlap=False)
         layout = parse_layout(args.layout, model, args.devices, args.global_batch) if args.layout else None
         result = plan(model, cluster, args.devices, args.global_batch,
                       sequence_parallel=not args.no_sequence_parallel,

@@ -112,7 +112,8 @@ def _fp8(cfg: DictConfig, cluster: Cluster, model: ModelSpec) -> Optional[str]:
 
 def _cluster(cfg: DictConfig) -> Cluster:
     """``planner.cluster`` or this machine, gathering float8 weights under ZeRO-3 where the recipe's
-    ``parallel.fp8_all_gather`` says so, overlapping TP's forward collectives where its ``parallel.async_tp`` does,
+    ``parallel.fp8_all_gather`` says so, overlapping TP's forward collectives where its ``parallel.async_tp`` does
+    (and no backward all-reduce under the weight gradient's GEMM, compiled: also under ``parallel.compile``),
     ZeRO 1-2's parameter gathers with the next forward unless ``parallel.compile`` or ``overlap_param_gather=False``
     keeps them in the step."""
     name = cfg.planner.cluster if cfg.get("planner") is not None else None
@@ -124,6 +125,8 @@ def _cluster(cfg: DictConfig) -> Cluster:
         cluster = replace(cluster, fp8_all_gather=True)
     if parallel.get("async_tp"):  # torch's async TP: the forward's
         cluster = replace(cluster, tp_comm_overlap=True, tp_overlap_backward=False)
+    if parallel.get("compile") or parallel.get("async_tp"):  # TP's collectives functional in compiled blocks
+        cluster = replace(cluster, tp_grad_reduce_overlap=False)
     if parallel.get("compile") or parallel.get("overlap_param_gather") is False:
         cluster = replace(cluster, param_gather_overlap=False)  # ZeRO 1-2 gather in the optimizer step
     return cluster

@@ -191,6 +191,12 @@ class ModelSpec:
         """The experts of one block (what expert parallelism splits): ``E`` experts, or 0 for a dense block."""
         return self.experts * self.expert_params() if moe and self.experts else 0
 
+    def block_column_weights(self) -> int:
+        """A dense block's column layers' weights (TP splits their outputs): q, k, v and the MLP's up (and gate)
+        -- all of `block_matmul_weights` but the two row layers' (o, the MLP's down)."""
+        return self.attention_weights() - self.hidden * self.heads * self.head_dim + (
+            self.mlp_weights(self.ffn) - self.hidden * self.ffn)
+
     def block_matmul_weights(self, moe: bool = False) -> int:
         """Weights of one block's matrices: q, o (``h x a*d``), k, v (``h x a_kv*d``) and the MLP (2 or 3 ``h x F``);
         a MoE block (``moe``): every expert (``E`` MLPs of ``F_e``), the shared experts (``F_s``) and the router."""

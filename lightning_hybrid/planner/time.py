@@ -28,10 +28,12 @@ Per micro-batch of ``b`` sequences (``T = b s`` tokens) and per block on one dev
   core and the element-wise ops have no TP collective, the reductions are kept, and sequence parallelism's
   all-gathers, which the recomputation runs again, are what SP's backward gathers again without recompute too --
   `lightning_hybrid.parallel.activation_checkpointing`); not
-  overlapped with compute in this codebase's TP layers (unless ``async_tp``); for a runtime that overlaps them with
-  the GEMMs (`Cluster.tp_comm_overlap`, Megatron-Core) only the latency and what exceeds the block's GEMM time show;
-  torch's async TP (this codebase's ``async_tp``, torchtitan's; `Cluster.tp_overlap_backward` False) overlaps the
-  forward's collectives alone, with the forward's GEMMs, under sequence parallelism;
+  overlapped with compute in this codebase's TP layers (unless ``async_tp``) but for the backward's all-reduces
+  without sequence parallelism, which run under the column layers' weight-gradient GEMMs in eager blocks
+  (`Cluster.tp_grad_reduce_overlap`: what exceeds those GEMMs and the latency show); for a runtime that overlaps
+  them with the GEMMs (`Cluster.tp_comm_overlap`, Megatron-Core) only the latency and what exceeds the block's GEMM
+  time show; torch's async TP (this codebase's ``async_tp``, torchtitan's; `Cluster.tp_overlap_backward` False)
+  overlaps the forward's collectives alone, with the forward's GEMMs, under sequence parallelism;
 * PP (`pipeline_p2p_time`; the runtime: ``torch.distributed.pipelining``,
   `lightning_hybrid.parallel.pipeline.executor`): per micro-batch each stage boundary between two ranks carries one
   tensor forward, the hidden states, and its
@@ -302,6 +304,15 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
         one = block_tp / tp_count
         latency = overlapped * 2 * (t - 1) * tp_link.latency
         block_tp = (tp_count - overlapped) * one + latency + max(0.0, overlapped * one - latency - under)
+    elif cluster.tp_grad_reduce_overlap and t > 1 and not cluster.compute_units and not lay.sequence_parallel and (
+            mode in ("none", "full")):
+        # Without sequence parallelism the backward's two all-reduces (a unit's input gradient) run under the units'
+        # column layers' weight-gradient GEMMs (`Cluster.tp_grad_reduce_overlap`): what exceeds those and the
+        # latency show. Selective recompute runs the layers' collectives functional: nothing overlapped there.
+        one = block_tp / tp_count
+        latency = 2 * 2 * (t - 1) * tp_link.latency
+        under = model.block_column_weights() * tokens * 2 / t * shape / flops
+        block_tp = (tp_count - 2) * one + latency + max(0.0, 2 * one - latency - under)
     block_cp = kv_exchange_time(model, lay, cluster)  # per block, dense or MoE
     mask_cp = mask_gather_time(model, lay, cluster)  # per micro-batch: the positions, for its mask
     head_passes = 2 if model.lora_rank else 3  # (never recomputed; frozen under LoRA)

@@ -227,3 +227,28 @@ def test_async_tp_hides_the_forwards_tp_collectives_alone_and_matches_torchtitan
     args = ["--model", "llama2-7b", "--cluster", "h100", "--devices", "8", "--global-batch", "8", "--top", "1",
             "--layout", "dp2xtp4 zero1 mb4x1 sp"]
     assert planner_main([*args, "--async-tp"]) == 0 and "predicted step" in capsys.readouterr().out
+
+
+def test_the_backward_all_reduces_without_sp_run_under_the_column_layers_weight_gradients():
+    """This codebase's column layers without sequence parallelism (`Cluster.tp_grad_reduce_overlap`): the backward's
+    two all-reduces a block run under the column layers' weight-gradient GEMMs -- less TP time than reducing after the
+    layer's backward, never less than the forward's two; nothing changes under sequence parallelism, under selective
+    recompute (functional collectives), on CPU (the ranks share the cores) or for a runtime without it."""
+    m, h100 = model_spec("llama3-70b"), load_cluster("h100")
+    late = dataclasses.replace(h100, tp_grad_reduce_overlap=False)
+    plain = Layout(32, 8, 1, 3, 2, 1)
+    under, after = (estimate_time(m, plain, c).tp_comm for c in (h100, late))
+    assert after / 2 <= under < after  # the forward's half shows whole
+    for lay in (dataclasses.replace(plain, sequence_parallel=True), dataclasses.replace(plain, recompute="attention")):
+        assert estimate_time(m, lay, h100).tp_comm == estimate_time(m, lay, late).tp_comm
+    full = dataclasses.replace(plain, activation_checkpointing=True)
+    assert estimate_time(m, full, h100).tp_comm < estimate_time(m, full, late).tp_comm
+    cpu = dataclasses.replace(h100, compute_units=2)
+    assert estimate_time(m, plain, cpu).tp_comm == estimate_time(m, plain, dataclasses.replace(
+        cpu, tp_grad_reduce_overlap=False)).tp_comm
+    # The weight-gradient GEMMs hide at most their own time: a slow link leaves the rest showing.
+    slow = dataclasses.replace(h100, intra=Link(h100.intra.bandwidth / 100, h100.intra.latency))
+    slow_late = dataclasses.replace(slow, tp_grad_reduce_overlap=False)
+    gained = estimate_time(m, plain, slow_late).tp_comm - estimate_time(m, plain, slow).tp_comm
+    column_wgrad = m.block_column_weights() * m.seq_len * 2 / 8 * m.n_layer  # FLOPs, the whole step's blocks
+    assert 0 < gained <= 3 * column_wgrad / slow.achievable_flops(slow.precision)
