@@ -1,7 +1,7 @@
 """How much of Megatron-Core's communication overlap this codebase gives up, as the planner sees it.
 
     python benchmarks/bench_overlap.py [--out benchmarks/OVERLAP.md]
-    python benchmarks/bench_overlap.py --cpu [--steps 8]    # also the CPU measurements (~5 min)
+    python benchmarks/bench_overlap.py --cpu [--steps 8] [--rounds 4]    # also the CPU measurements (~8 min)
 
 For each workload (Llama 3 8B on 8 and 64 H100, 70B on 64 and 512, 405B on 2,048; the global batches below), the
 planner searches every layout twice on the same H100 preset: once as this codebase runs (`Cluster`'s defaults:
@@ -13,11 +13,14 @@ These are the planner's predictions (`benchmarks/PLANNER.md` says how close they
 
 ``--cpu`` also measures on this machine (gloo, one thread per rank, the reference GPT, AdamW), each layout in a
 fresh process group, every pair in the same run: ZeRO-1 against ZeRO-0 at dp2 (goal: <= 1.05x ZeRO-0's step), ZeRO-1
-with its parameter gathers under the next forward against the same run gathering in the step, and
+with its parameter gathers under the next forward against the same run gathering in the step,
 dp2 x pp2 (ZeRO-1, 1F1B) with each stage's buckets reduced during its last backward against the same run reducing
-them after the schedule (`GradientSync.reduce_during_last_backward`; goal: faster). Step time: the slower rank's
-``on_train_batch_start -> end``, the median over the timed steps after two warm-up steps; every run twice, the
-second pass in reverse order, the faster of the two counted (the machine is shared).
+them after the schedule (`GradientSync.reduce_during_last_backward`; goal: faster), and tp2 (no sequence
+parallelism) with each column layer's input gradient all-reduced under its weight gradient's GEMM against the same run
+reducing it after the layer's backward (`ColumnParallelLinear.overlap_backward`). Step time: the slower rank's
+``on_train_batch_start -> end``, the median over the timed steps after two warm-up steps; ``--rounds`` rounds, each
+running every layout once (every other round in reverse order), a pair's ratio taken within each round and its median
+over the rounds reported (the machine is shared: its load drifts between rounds more than within one).
 """
 
 from __future__ import annotations
@@ -67,34 +70,52 @@ RUNTIMES = {
     "Megatron-Core overlaps": {"tp_comm_overlap": True, "grad_reduce_overlap_pp": True, "param_gather_overlap": True},
     "codebase before (ZeRO 1-2 gathered in the step)": {"param_gather_overlap": False},
     # async_tp=True (CUDA, compiled, sequence parallel): torch's async TP, the forward's collectives overlapped;
-    # compiled, ZeRO 1-2 gather in the step.
+    # compiled, ZeRO 1-2 gather in the step and TP's collectives are functional (none under a weight gradient).
     "this codebase with async_tp": {"tp_comm_overlap": True, "tp_overlap_backward": False,
-                                    "param_gather_overlap": False},
+                                    "param_gather_overlap": False, "tp_grad_reduce_overlap": False},
 }
 
 
-#: The CPU runs: name -> (world, HybridStrategy arguments, buckets reduced during the last backward).
+#: The CPU runs: name -> (world, HybridStrategy arguments, buckets reduced during the last backward, TP's input
+#: gradients all-reduced under the weight gradients' GEMMs).
 CPU_RUNS = {
-    "dp2 zero0": (2, dict(dp=2, zero_stage=0), True),
-    "dp2 zero1": (2, dict(dp=2, zero_stage=1), True),
-    "dp2 zero1, gathered in the step": (2, dict(dp=2, zero_stage=1, overlap_param_gather=False), True),
-    "dp2xpp2 zero1, reduced after the schedule": (4, dict(dp=2, pp=2, zero_stage=1, micro_batches=4), False),
-    "dp2xpp2 zero1, reduced during the last backward": (4, dict(dp=2, pp=2, zero_stage=1, micro_batches=4), True),
+    "dp2 zero0": (2, dict(dp=2, zero_stage=0), True, True),
+    "dp2 zero1": (2, dict(dp=2, zero_stage=1), True, True),
+    "dp2 zero1, gathered in the step": (2, dict(dp=2, zero_stage=1, overlap_param_gather=False), True, True),
+    "dp2xpp2 zero1, reduced after the schedule": (4, dict(dp=2, pp=2, zero_stage=1, micro_batches=4), False, True),
+    "dp2xpp2 zero1, reduced during the last backward": (4, dict(dp=2, pp=2, zero_stage=1, micro_batches=4), True,
+                                                        True),
+    "tp2, input gradients reduced after each layer's backward": (2, dict(tp=2), True, False),
+    "tp2, input gradients reduced under the weight gradients' GEMMs": (2, dict(tp=2), True, True),
 }
+#: (run, the run it is compared with, what the goal is, goal met when the ratio is below: None for no goal).
+CPU_PAIRS = [
+    ("dp2 zero1", "dp2 zero0", "ZeRO-1 dp2 step / ZeRO-0 dp2 step", 1.05),
+    ("dp2 zero1", "dp2 zero1, gathered in the step",
+     "ZeRO-1 dp2 step, gathered under the next forward / in the step", None),
+    ("dp2xpp2 zero1, reduced during the last backward", "dp2xpp2 zero1, reduced after the schedule",
+     "dp2xpp2 ZeRO-1 step, reduced during the last backward / after the schedule", 1.0),
+    ("tp2, input gradients reduced under the weight gradients' GEMMs",
+     "tp2, input gradients reduced after each layer's backward",
+     "tp2 step, input gradients reduced under the weight gradients' GEMMs / after each layer's backward", None),
+]
 CPU_MODEL = dict(n_layer=8, n_embd=256, n_head=8, block_size=128, mlp="swiglu")
 
 
-def _cpu_worker(kwargs: dict, during: bool, steps: int) -> list[float]:
+def _cpu_worker(kwargs: dict, during: bool, tp_overlap: bool, steps: int) -> list[float]:
     import logging
     import warnings
 
     import torch
+
+    from lightning_hybrid.parallel.tensor_parallel import ColumnParallelLinear
 
     warnings.filterwarnings("ignore")
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_hybrid"):
         logging.getLogger(name).setLevel(logging.ERROR)
     torch.set_num_threads(1)
     GradientSync.reduce_during_last_backward = during  # this process's runs only
+    ColumnParallelLinear.overlap_backward = tp_overlap
     L.seed_everything(0, verbose=False)
     module = GPTLightningModule(config=GPTConfig(**CPU_MODEL), lr=1e-3)
     data = ByteCorpusDataModule(max_bytes=400_000, block_size=CPU_MODEL["block_size"], batch_size=8)
@@ -110,28 +131,27 @@ def len_world(kwargs: dict) -> int:
     return kwargs.get("dp", 1) * kwargs.get("pp", 1) * kwargs.get("tp", 1)
 
 
-def cpu_rows(steps: int) -> tuple[list[str], list[str]]:
-    """Median step time per run (the slower rank per step), then the goals."""
+def cpu_rows(steps: int, rounds: int) -> tuple[list[str], list[str]]:
+    """Per run the median step time over the rounds (each round's: the median over its timed steps of the slower
+    rank's), then per pair the median over the rounds of the ratio within a round and whether it meets its goal."""
     import statistics
 
-    medians: dict[str, float] = {}
-    for name in [*CPU_RUNS, *reversed(CPU_RUNS)]:  # twice, the second pass in reverse order: the faster counts
-        world, kwargs, during = CPU_RUNS[name]
-        ranks = run_distributed(_cpu_worker, world, kwargs, during, steps)
-        median = statistics.median(max(step) for step in zip(*ranks))
-        medians[name] = min(median, medians.get(name, median))
-        print(f"{name}: {median:.3f} s", flush=True)
-    names = list(CPU_RUNS)
-    rows = [f"| {name} | {medians[name]:.3f} |" for name in names]
-    zero1 = medians[names[1]] / medians[names[0]]
-    gathers = medians[names[1]] / medians[names[2]]
-    pipeline = medians[names[4]] / medians[names[3]]
-    goals = [f"- ZeRO-1 dp2 step / ZeRO-0 dp2 step = {zero1:.3f} (goal <= 1.05):"
-             f" {'met' if zero1 <= 1.05 else 'NOT MET'}",
-             f"- ZeRO-1 dp2 step, gathered under the next forward / in the step = {gathers:.3f} (no goal: on gloo the"
-             " gathers of this model take milliseconds)",
-             f"- dp2xpp2 ZeRO-1 step, reduced during the last backward / after the schedule = {pipeline:.3f}"
-             f" (goal < 1): {'met' if pipeline < 1 else 'NOT MET'}"]
+    times: dict[str, list[float]] = {name: [] for name in CPU_RUNS}
+    for round_ in range(rounds):  # every run once a round, every other round in reverse order
+        for name in CPU_RUNS if round_ % 2 == 0 else reversed(CPU_RUNS):
+            world, kwargs, during, tp_overlap = CPU_RUNS[name]
+            ranks = run_distributed(_cpu_worker, world, kwargs, during, tp_overlap, steps)
+            times[name].append(statistics.median(max(step) for step in zip(*ranks)))
+            print(f"round {round_ + 1}, {name}: {times[name][-1]:.3f} s", flush=True)
+    rows = [f"| {name} | {statistics.median(t):.3f} | {' '.join(f'{x:.3f}' for x in t)} |"
+            for name, t in times.items()]
+    goals = []
+    for run, base, what, goal in CPU_PAIRS:
+        ratios = [a / b for a, b in zip(times[run], times[base])]
+        ratio = statistics.median(ratios)
+        verdict = "no goal" if goal is None else f"goal < {goal:g}: {'met' if ratio < goal else 'NOT MET'}"
+        goals.append(f"- {what} = {ratio:.3f}, the median of the rounds' {' '.join(f'{r:.3f}' for r in ratios)}"
+                     f" ({verdict})")
     return rows, goals
 
 
@@ -140,6 +160,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "OVERLAP.md"))
     p.add_argument("--cpu", action="store_true", help="also measure the CPU runs (CPU_RUNS)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per CPU run (after 2 warm-up steps)")
+    p.add_argument("--rounds", type=int, default=4, help="CPU rounds: every run once a round")
     args = p.parse_args(argv)
     rows, met, met_async = [], True, True
     for model, devices, batch in WORKLOADS:
@@ -189,16 +210,18 @@ def main(argv=None) -> int:
 
         import torch
 
-        measured, goals = cpu_rows(args.steps)
+        measured, goals = cpu_rows(args.steps, args.rounds)
         lines += [
             "## Measured on this machine (`--cpu`)",
             "",
             f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, gloo, one thread per rank;"
             f" GPT {CPU_MODEL}, AdamW, batch 8 per data-parallel rank, {args.steps} timed steps after"
-            " 2 warm-up; the machine is shared (a run can be twice as slow as the last one).",
+            f" 2 warm-up, each run in a process group of its own; {args.rounds} rounds, every run once a round (every"
+            " other round in reverse order), each compared with its pair within a round; the machine is shared (a run"
+            " can be twice as slow as the last one).",
             "",
-            "| run | step s (median, slower rank; the faster of two passes) |",
-            "|---|---:|",
+            "| run | step s (median over the rounds; a round's: the median step of the slower rank) | each round |",
+            "|---|---:|---|",
             *measured,
             "",
             *goals,
