@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from lightning_hybrid.core.batch import document_ids
+from lightning_hybrid.hf.document_attention import VERIFIED_PREFIX
 from lightning_hybrid.hf.structure import PipelineDecompositionError, _embedding_dim, _Structure
 
 __all__ = ["PipelineDecompositionError", "check_decomposition", "check_document_masks"]
@@ -337,7 +338,9 @@ _CHECK_POSITIONS = (0, 1, 2, 0, 1, 0, 1, 2)  # three packed documents
 def check_document_masks(structure: _Structure, device: torch.device) -> None:
     """``ValueError`` unless, for packed ``position_ids`` (several documents in a row, as padded and packed batches
     give them, `lightning_hybrid.core.batch`), the attention mask the model's own code hands every decoder layer lets
-    no token see another document's, nor a later token: the trunk's forward run on stand-ins, its masks read."""
+    no token see another document's, nor a later token: the trunk's forward run on stand-ins, its masks read. An
+    implementation that takes no dense mask is checked by running it instead
+    (`lightning_hybrid.hf.document_attention.VerifiedAttention`, on the first packed batch)."""
     model = structure.model
     name = type(model).__name__
     hidden_size = next(iter(structure.embeddings.values()))
@@ -357,6 +360,8 @@ def check_document_masks(structure: _Structure, device: torch.device) -> None:
     for i, (args, kwargs) in enumerate(calls):
         masks = [t for t in tree_leaves((args, kwargs))
                  if isinstance(t, Tensor) and t.dim() == 4 and tuple(t.shape[-2:]) == (n, n)]
+        if not masks and attn is not None and attn.startswith(VERIFIED_PREFIX):
+            continue  # an implementation that takes no dense mask: verified on the first packed batch it runs
         if not masks:
             raise ValueError(
                 f"{name} (attn_implementation={attn!r}) hands decoder layer {i} no attention mask built from"

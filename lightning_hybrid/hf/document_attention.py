@@ -18,7 +18,14 @@ Anything that does not verify -- a layer that does not pass its attention the po
 documents and a window (chunks, bidirectional parts), attention dropout, a different result -- keeps the model's own
 masks for the rest of the run (`DocumentAttention.failed` says why). Either way each forward computes what the
 model's masked SDPA computes, within fp32 noise. Not under context parallelism, which runs its own attention over the
-whole sequence, nor for a model that does not run ``sdpa``.
+whole sequence.
+
+A model that runs another implementation, one that takes no ``(T x T)`` mask -- ``flex_attention`` (transformers
+builds its document ``BlockMask`` from the positions), ``flash_attention_2`` (its varlen path reads them), a kernel
+registered with ``AttentionInterface`` -- keeps it: `VerifiedAttention` compares each attention module's first call
+on a packed batch with one device's per-document causal attention on the same queries, keys and values (what the
+masked reference computes), and raises, naming the layer and the difference, where they differ. `attention_for` picks
+which.
 """
 
 from __future__ import annotations
@@ -29,13 +36,33 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from lightning_hybrid.core.document_attention import document_attention
+from lightning_hybrid.core.document_attention import document_attention, document_spans
 
-__all__ = ["DocumentAttention", "TOLERANCE"]
+__all__ = ["DocumentAttention", "TOLERANCE", "VERIFIED_PREFIX", "VerifiedAttention", "attention_for"]
+
+#: The start of a `VerifiedAttention`'s implementation name: its masks are checked by running it, not by reading them.
+VERIFIED_PREFIX = "lightning_hybrid_verified_"
 
 #: Largest difference from the masked SDPA, over the largest output, that verifies a layer: fp32, 16-bit outputs.
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
 TOLERANCE_16 = 2e-2
+
+
+def _usable(module: nn.Module, query: Tensor, key: Tensor, is_causal: Optional[bool], kwargs: dict) -> Optional[str]:
+    """Why the per-document attention cannot stand in for this call (``None``: it can)."""
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        return "the layer does not pass its attention the position_ids"
+    if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
+        return "the attention is not causal"
+    if query.size(-2) != key.size(-2):
+        return "queries and keys of different lengths (a cache)"
+    if tuple(positions.shape) != (query.size(0), query.size(-2)):
+        return f"position_ids of shape {tuple(positions.shape)} for {query.size(0)} rows of {query.size(-2)}"
+    for name in ("position_bias", "softcap", "s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            return f"the attention takes {name}"
+    return None
 
 
 class DocumentAttention:
@@ -74,7 +101,7 @@ class DocumentAttention:
                   is_causal: Optional[bool] = None, **kwargs: Any) -> tuple[Tensor, None]:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        usable = self._usable(module, query, key, is_causal, kwargs)
+        usable = _usable(module, query, key, is_causal, kwargs)
         if attention_mask is None and self.fast and usable is None:
             out = document_attention(query, key, value, kwargs["position_ids"], dropout_p=dropout, scale=scaling,
                                      window=kwargs.get("sliding_window"))
@@ -86,23 +113,6 @@ class DocumentAttention:
         return reference
 
     # ------------------------------------------------------------------ verification
-    def _usable(self, module: nn.Module, query: Tensor, key: Tensor, is_causal: Optional[bool],
-                kwargs: dict) -> Optional[str]:
-        """Why the per-document attention cannot stand in for this call (``None``: it can)."""
-        positions = kwargs.get("position_ids")
-        if positions is None:
-            return "the layer does not pass its attention the position_ids"
-        if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
-            return "the attention is not causal"
-        if query.size(-2) != key.size(-2):
-            return "queries and keys of different lengths (a cache)"
-        if tuple(positions.shape) != (query.size(0), query.size(-2)):
-            return f"position_ids of shape {tuple(positions.shape)} for {query.size(0)} rows of {query.size(-2)}"
-        for name in ("position_bias", "softcap", "s_aux", "sinks"):
-            if kwargs.get(name) is not None:
-                return f"the attention takes {name}"
-        return None
-
     def _verify(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, reference: Tensor,
                 dropout: float, scaling: Optional[float], usable: Optional[str], kwargs: dict) -> None:
         where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
@@ -125,3 +135,73 @@ class DocumentAttention:
         else:
             self.failed = (f"{where}: the per-document attention differs from the model's masked SDPA by {error:.2e}"
                            " of the output's scale (its mask says more than documents and a sliding window)")
+
+
+class VerifiedAttention:
+    """A model's own attention implementation that takes no ``(T x T)`` mask, verified on packed batches (module
+    docstring): registered with its mask function under a name of its own that ends with the implementation's (what
+    transformers' checks for FlashAttention read), made the model's implementation. ``verified``: ids of the attention
+    modules verified."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        self.implementation = model.config._attn_implementation
+        self.forward = ALL_ATTENTION_FUNCTIONS[self.implementation]
+        self.name = f"{VERIFIED_PREFIX}{id(self):x}_{self.implementation}"
+        self.verified: set[int] = set()
+        AttentionInterface.register(self.name, self.attention)
+        if self.implementation in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+            AttentionMaskInterface.register(self.name, ALL_MASK_ATTENTION_FUNCTIONS[self.implementation])
+        model.set_attn_implementation(self.name)
+        if model.config._attn_implementation != self.name:
+            raise ValueError(f"{type(model).__name__} does not take a registered attention implementation")
+
+    def attention(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                  attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
+        out = self.forward(module, query, key, value, attention_mask, *args, **kwargs)
+        positions = kwargs.get("position_ids")
+        if id(module) not in self.verified and positions is not None and any(
+                len(row) > 1 for row in document_spans(positions)):
+            self._verify(module, query, key, value, attention_mask, out[0], args, kwargs)
+        return out
+
+    def _verify(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
+                output: Tensor, args: tuple, kwargs: dict) -> None:
+        where = (f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) under"
+                 f" attn_implementation={self.implementation!r}")
+        is_causal = kwargs.get("is_causal")
+        usable = _usable(module, query, key, is_causal, kwargs)
+        if usable is not None:
+            raise ValueError(f"{where}: packed documents cannot be verified ({usable}): train it on unpacked batches"
+                             " padded on the right only, or with attn_implementation='sdpa'.")
+        with torch.no_grad(), _disable_current_modes():
+            if module.training and (kwargs.get("dropout") or getattr(module, "attention_dropout", 0.0)):
+                # Its output drew dropout masks: the comparison is of a call without them (no random draws).
+                output = self.forward(module, query, key, value, attention_mask, *args, **{**kwargs, "dropout": 0.0})[0]
+            ours = document_attention(query, key, value, kwargs["position_ids"], scale=kwargs.get("scaling"),
+                                      window=kwargs.get("sliding_window")).transpose(1, 2)
+            scale = output.detach().abs().max().clamp_min(torch.finfo(output.dtype).tiny)
+            error = float(((ours - output.detach()).abs().max() / scale).item())
+        if not error <= TOLERANCE.get(query.dtype, TOLERANCE_16):
+            raise ValueError(f"{where}: on a packed batch its attention differs from one device's attention of each"
+                             f" document alone by {error:.2e} of the output's scale, so packed documents would see"
+                             " each other: train it on unpacked batches padded on the right only, or with"
+                             " attn_implementation='sdpa'.")
+        self.verified.add(id(module))
+
+
+def attention_for(model: nn.Module) -> "DocumentAttention | VerifiedAttention | None":
+    """The attention of packed batches for ``model`` (not under context parallelism): `DocumentAttention` where it
+    runs ``sdpa`` (its own masks where the model cannot switch), `VerifiedAttention` for an implementation that takes no
+    dense mask; ``None`` for ``eager``, whose masks `lightning_hybrid.hf.decomposition.check_document_masks` reads."""
+    implementation = model.config._attn_implementation
+    if implementation == "sdpa":
+        try:
+            return DocumentAttention(model)
+        except ValueError:  # a model that cannot switch its attention: its own masks, as before
+            model.config._attn_implementation = "sdpa"
+            return None
+    return None if implementation in (None, "eager") else VerifiedAttention(model)

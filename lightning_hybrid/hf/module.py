@@ -15,7 +15,7 @@ from lightning_hybrid.core.devices import module_device
 from lightning_hybrid.core.dims import layout_size
 from lightning_hybrid.hf.config import _resolve_config
 from lightning_hybrid.hf.decomposition import _PipelineCalls, check_decomposition, check_document_masks
-from lightning_hybrid.hf.document_attention import DocumentAttention
+from lightning_hybrid.hf.document_attention import DocumentAttention, VerifiedAttention, attention_for
 from lightning_hybrid.hf.lora import (
     adapter_modules,
     adapter_tensors,
@@ -106,8 +106,8 @@ class CausalLM(LanguageModel):
         self.hf_config = hf_config
         self.folder: Optional[Path] = Path(spec) if isinstance(spec, str) and Path(spec).is_dir() else None
         self._structure: Optional[_Structure] = None
-        #: The attention of packed batches (`lightning_hybrid.hf.document_attention`), where the model runs SDPA.
-        self.document_attention: Optional[DocumentAttention] = None
+        #: The attention of packed batches (`lightning_hybrid.hf.document_attention`): SDPA's, or another verified.
+        self.document_attention: Optional[DocumentAttention | VerifiedAttention] = None
         self._calls: Optional[_PipelineCalls] = None
         self._weights: Optional[Safetensors] = None
         self._n_params = 0
@@ -139,12 +139,9 @@ class CausalLM(LanguageModel):
             )
         model.config.use_cache = False
         self._check_context_parallel_attention(model)
-        # Packed batches without T x T masks where verified (`DocumentAttention`); CP runs its own attention.
-        if self._context_parallel_size() == 1 and model.config._attn_implementation == "sdpa":
-            try:
-                self.document_attention = DocumentAttention(model)
-            except ValueError:  # a model that cannot switch its attention: its own masks, as before
-                model.config._attn_implementation = "sdpa"
+        # Packed batches without T x T masks where verified (`attention_for`); CP runs its own attention.
+        if self._context_parallel_size() == 1:
+            self.document_attention = attention_for(model)
         self._aux = RouterAuxLoss.of(model)
         if self._aux is not None and self._pipeline_size() > 1:
             self._check_pipelined_aux_loss(model)

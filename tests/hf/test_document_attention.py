@@ -1,6 +1,7 @@
 """Packed documents without (T x T) masks: `document_attention` against the masked SDPA (values, gradients, grouped
 heads, sliding windows), and a transformers model's `DocumentAttention` -- verified on its first packed forward,
-then used; kept on the model's own masks wherever it does not verify."""
+then used; kept on the model's own masks wherever it does not verify -- and `VerifiedAttention`: another
+implementation (flex attention, a user's kernel) verified on its first packed batch, refused where it differs."""
 
 from __future__ import annotations
 
@@ -54,10 +55,11 @@ def test_document_attention_is_the_masked_sdpa(kv_heads, window):
         q, k, v, is_causal=True, enable_gqa=kv_heads != 4), rtol=0, atol=0)
 
 
-def _model(family: str, **config) -> CausalLM:
+def _model(family: str, attn_implementation: str = "sdpa", **config) -> CausalLM:
     torch.manual_seed(0)
     module = CausalLM(family, config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=128, **config))
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=128, **config),
+                      attn_implementation=attn_implementation)
     module.configure_model()
     return module
 
@@ -110,3 +112,39 @@ def test_only_sdpa_models_without_context_parallelism_get_it():
                       attn_implementation="eager")
     module.configure_model()
     assert module.document_attention is None and module.model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("implementation", ["user_per_document", "flex_attention"])
+def test_another_implementation_is_verified_on_its_first_packed_batch_and_kept(implementation):
+    """An implementation that takes no (T x T) mask -- one registered by the user that reads the documents from the
+    positions, transformers' flex_attention (its document BlockMask; forward only: torch 2.13 has no flex backward on
+    CPU) -- stays the model's, checked on each layer's first packed call against one device's attention of each
+    document alone: verified, and then the SDPA model's packed logits."""
+    import tests.hf.attention_implementations  # noqa: F401  (registers the user's implementations)
+    from lightning_hybrid.hf.document_attention import VerifiedAttention
+
+    module = _model("llama", attn_implementation=implementation)
+    attention = module.document_attention
+    assert isinstance(attention, VerifiedAttention) and module.model.config._attn_implementation == attention.name
+    ids = torch.randint(0, 128, (3, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        module(ids, position_ids=POSITIONS[1:2].expand(3, -1))  # one document a row: nothing to verify
+        assert not attention.verified
+        got = module(ids, position_ids=POSITIONS)
+    assert len(attention.verified) == 2
+    torch.testing.assert_close(got, _model("llama")(ids, position_ids=POSITIONS), rtol=0, atol=1e-5)
+    if implementation == "user_per_document":
+        module(ids, position_ids=POSITIONS).sum().backward()  # trains
+
+
+def test_an_implementation_that_lets_documents_see_each_other_is_refused_naming_the_layer():
+    import tests.hf.attention_implementations  # noqa: F401
+
+    module = _model("llama", attn_implementation="user_leaky")
+    ids = torch.randint(0, 128, (3, 24), generator=torch.Generator().manual_seed(1))
+    module(ids)  # unpacked: nothing to verify, and nothing wrong
+    with pytest.raises(ValueError, match=r"LlamaAttention \(layer 0\) under attn_implementation='user_leaky': on a"
+                                         r" packed batch its attention differs from one device's attention of each"
+                                         r" document alone by .* train it on unpacked batches padded on the right"
+                                         r" only, or with attn_implementation='sdpa'"):
+        module(ids, position_ids=POSITIONS)

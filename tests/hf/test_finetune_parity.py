@@ -22,6 +22,7 @@ pytest.importorskip("transformers")
 
 from lightning_hybrid.hf import CausalLM  # noqa: E402
 from tests.families import tiny_config  # noqa: E402
+from tests.hf.attention_implementations import user_attention_lm  # noqa: E402
 
 HF_STEPS = 4
 HF_TOLERANCES = (RTOL, 1e-5)  # as tests/hf/test_hf.py: transformers families at lr 2e-4
@@ -205,6 +206,11 @@ def runs_on_4_ranks() -> dict:
                                     {"data": "packed", **GPT_CHECK}, HF_TOLERANCES),
         "dp2xpp2-zero3-packed-gpt_neox": (dict(dp=2, pp=2, zero_stage=3, micro_batches=2),
                                           partial(_lm, "gpt_neox"), {"data": "packed", **GPT_CHECK}, HF_TOLERANCES),
+        # An attention implementation of the user's that takes no mask (as flash_attention_2), verified on the first
+        # packed batch on every rank (`VerifiedAttention`), then trained as it is.
+        "tp2xpp2-sp-packed-user-attention-qwen2": (dict(tp=2, pp=2, micro_batches=2, sequence_parallel=True),
+                                                   partial(user_attention_lm, "qwen2"),
+                                                   {"data": "packed", **GPT_CHECK}, HF_TOLERANCES),
         # LoRA: fused projections' adapters split by their parts (Phi-3's qkv_proj, gate_up_proj) across stages.
         "tp2xpp2-sp-packed-lora-phi3": (dict(tp=2, pp=2, micro_batches=2, sequence_parallel=True),
                                         partial(_lora_lm, "phi3"), {"data": "packed", "max_steps": HF_STEPS},
