@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -78,7 +79,9 @@ LIMITS = {
 }
 RESERVE = {"gpu": {"multirank": 60, "throughput": 150}, "cpu": {"multirank": 50, "throughput": 60}}
 # --cpu-smoke checks the script's plumbing: what the suite's parity tests cover already runs once, not per variant.
-SMOKE_SKIPS = {"hand-compiled", "auto-compiled", "auto-eager", "hybrid-eager", "hybrid-compiled"}
+# (flex attention has no backward on CPU, FlashAttention is CUDA-only)
+SMOKE_SKIPS = {"hand-compiled", "auto-compiled", "auto-eager", "hybrid-eager", "hybrid-compiled", "hybrid-packed-flex",
+               "hybrid-packed-flash"}
 SMOKE_LAYOUTS = ("tp2", "dp2 zero3")
 MULTIRANK_LAYOUTS = {  # (c): name -> HybridStrategy arguments (world 2)
     "tp2": dict(tp=2),
@@ -351,6 +354,11 @@ THROUGHPUT_ROWS = [  # (key, label, module kind, compiled); the first is the bas
      True),
     ("hybrid-packed", "CausalLM, HybridStrategy(), eager, packed documents (position_ids: attention per document)",
      "hybrid-packed", False),
+    # transformers' own kernels under packing, each verified on its first packed batch (`VerifiedAttention`).
+    ("hybrid-packed-flex", "CausalLM(attn_implementation='flex_attention'), HybridStrategy(), eager, packed documents"
+     " (flex attention's document BlockMask)", "hybrid-packed-flex", False),
+    ("hybrid-packed-flash", "CausalLM(attn_implementation='flash_attention_2'), HybridStrategy(), eager, packed"
+     " documents (FlashAttention's varlen path)", "hybrid-packed-flash", False),
     ("hand-compiled", "hand-written LlamaForCausalLM, plain Lightning, layer.compile() per decoder layer",
      "handwritten", True),
     ("auto-compiled", "CausalLM, plain Lightning, layer.compile() per decoder layer", "lightning", True),
@@ -389,11 +397,14 @@ def section_throughput(check: Check) -> None:
         if "error" in result:
             check.row("b", label, "ERROR", result["error"])
             continue
+        if "skipped" in result:
+            check.row("b", label, "skipped", result["skipped"])
+            continue
         if key == "hand-eager":
             baseline = result["tokens_per_s"]
         tokens[key] = result["tokens_per_s"]
         text = _throughput_text(result, baseline, check.prediction, seconds)
-        if key == "hybrid-packed" and "hybrid-eager" in tokens:
+        if key.startswith("hybrid-packed") and "hybrid-eager" in tokens:
             ratio = tokens[key] / tokens["hybrid-eager"]
             text += f"\npacked / unpacked, both eager, the same tokens per step: {ratio:.3f}x tokens/s (goal >= 0.95)"
         if key == "hybrid-compiled-fp8" and "hybrid-compiled" in tokens:
@@ -601,8 +612,9 @@ def _hand_written_module(llama: dict, compiled: bool, lr: float):
     return HandWrittenLlama()
 
 
-def _causal_lm(llama: dict, compiled_layers: bool, lr: float):
-    """`CausalLM` (its own init and optimizer), with ``layer.compile()`` of each decoder layer if asked."""
+def _causal_lm(llama: dict, compiled_layers: bool, lr: float, attention: str = "sdpa"):
+    """`CausalLM` (its own init and optimizer) running ``attention``, with ``layer.compile()`` of each decoder layer
+    if asked."""
     from lightning_hybrid.hf import CausalLM
 
     class LayerCompiledCausalLM(CausalLM):
@@ -614,7 +626,7 @@ def _causal_lm(llama: dict, compiled_layers: bool, lr: float):
                     layer.compile()
 
     cls = LayerCompiledCausalLM if compiled_layers else CausalLM
-    return cls("llama", config=llama, lr=lr, attn_implementation="sdpa")
+    return cls("llama", config=llama, lr=lr, attn_implementation=attention)
 
 
 def _peak_flops(device) -> tuple[Optional[float], str]:
@@ -681,10 +693,14 @@ def job_throughput(a: dict) -> dict:
     elif kind == "lightning":
         module, strategy = _causal_lm(a["llama"], compiled, lr), "auto"
     else:
-        module = _causal_lm(a["llama"], False, lr)
+        kernels = {"hybrid-packed-flex": "flex_attention", "hybrid-packed-flash": "flash_attention_2"}
+        attention = kernels.get(kind, "sdpa")
+        if attention == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+            return {"skipped": "the flash-attn package is not installed here"}
+        module = _causal_lm(a["llama"], False, lr, attention)
         fp8 = {"fp8": "tensorwise"} if kind == "hybrid-fp8" else {}
         strategy = HybridStrategy(compile=True, **fp8) if compiled else HybridStrategy(**fp8)
-    rows = (PackedTokens if kind == "hybrid-packed" else RandomTokens)(total * a["batch"], a["seq"],
+    rows = (PackedTokens if kind.startswith("hybrid-packed") else RandomTokens)(total * a["batch"], a["seq"],
                                                                       a["llama"]["vocab_size"])
     data = DataLoader(rows, batch_size=a["batch"], shuffle=False, drop_last=True, pin_memory=cuda)
     clock = Clock()
