@@ -149,7 +149,7 @@ class VerifiedAttention:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         self.implementation = model.config._attn_implementation
-        self.forward = ALL_ATTENTION_FUNCTIONS[self.implementation]
+        self.kernel = ALL_ATTENTION_FUNCTIONS[self.implementation]
         self.name = f"{VERIFIED_PREFIX}{id(self):x}_{self.implementation}"
         self.verified: set[int] = set()
         AttentionInterface.register(self.name, self.attention)
@@ -161,7 +161,7 @@ class VerifiedAttention:
 
     def attention(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                   attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
-        out = self.forward(module, query, key, value, attention_mask, *args, **kwargs)
+        out = self.kernel(module, query, key, value, attention_mask, *args, **kwargs)
         positions = kwargs.get("position_ids")
         if id(module) not in self.verified and positions is not None and any(
                 len(row) > 1 for row in document_spans(positions)):
@@ -180,7 +180,7 @@ class VerifiedAttention:
         with torch.no_grad(), _disable_current_modes():
             if module.training and (kwargs.get("dropout") or getattr(module, "attention_dropout", 0.0)):
                 # Its output drew dropout masks: the comparison is of a call without them (no random draws).
-                output = self.forward(module, query, key, value, attention_mask, *args, **{**kwargs, "dropout": 0.0})[0]
+                output = self.kernel(module, query, key, value, attention_mask, *args, **{**kwargs, "dropout": 0.0})[0]
             ours = document_attention(query, key, value, kwargs["position_ids"], scale=kwargs.get("scaling"),
                                       window=kwargs.get("sliding_window")).transpose(1, 2)
             scale = output.detach().abs().max().clamp_min(torch.finfo(output.dtype).tiny)

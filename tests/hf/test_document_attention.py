@@ -135,6 +135,10 @@ def test_another_implementation_is_verified_on_its_first_packed_batch_and_kept(i
     torch.testing.assert_close(got, _model("llama")(ids, position_ids=POSITIONS), rtol=0, atol=1e-5)
     if implementation == "user_per_document":
         module(ids, position_ids=POSITIONS).sum().backward()  # trains
+        # Under attention dropout the comparison is of a call without it (the training call's draws stay its own).
+        module = _model("llama", attn_implementation=implementation, attention_dropout=0.5).train()
+        module(ids, position_ids=POSITIONS).sum().backward()
+        assert len(module.document_attention.verified) == 2
 
 
 def test_an_implementation_that_lets_documents_see_each_other_is_refused_naming_the_layer():
