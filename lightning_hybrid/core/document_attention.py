@@ -26,7 +26,7 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.overrides import handle_torch_function, has_torch_function
 from torch.utils._python_dispatch import _disable_current_modes
 
-from lightning_hybrid.core.batch import document_causal_mask, document_ids
+from lightning_hybrid.core.batch import document_ids
 
 __all__ = ["block_mask", "causal_band", "causal_sdpa_arguments", "document_attention", "document_block_attention",
            "document_spans", "label_spans"]
@@ -86,12 +86,13 @@ def document_attention(query: Tensor, key: Tensor, value: Tensor, position_ids: 
     gqa = key.size(-3) != query.size(-3)
     n = query.size(-2)
     if torch.compiler.is_compiling():  # a traceable mask: a call per document would recompile for every batch
-        if window is not None and n > window:
+        # Made whenever there are positions, without asking whether they are packed (a host sync: a graph break).
+        windowed = window is not None and n > window
+        mask = None  # plain causal
+        if position_ids is not None or windowed:
             docs = (torch.zeros(query.size(0), n, dtype=torch.long, device=query.device) if position_ids is None
                     else document_ids(position_ids))
-            mask = block_mask(docs, 0, n, window)
-        else:
-            mask = document_causal_mask(position_ids)  # None: plain causal
+            mask = block_mask(docs, 0, n, window if windowed else None)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p,
                                               is_causal=mask is None, scale=scale, enable_gqa=gqa)
     spans = [[(0, n)]] * query.size(0) if position_ids is None else document_spans(position_ids)

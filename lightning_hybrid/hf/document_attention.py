@@ -30,7 +30,8 @@ which.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, ContextManager, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -38,7 +39,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from lightning_hybrid.core.document_attention import document_attention, document_spans
 
-__all__ = ["DocumentAttention", "TOLERANCE", "VERIFIED_PREFIX", "VerifiedAttention", "attention_for"]
+__all__ = ["DocumentAttention", "TOLERANCE", "VERIFIED_PREFIX", "VerifiedAttention", "attention_for",
+           "first_packed_stance"]
 
 #: The start of a `VerifiedAttention`'s implementation name: its masks are checked by running it, not by reading them.
 VERIFIED_PREFIX = "lightning_hybrid_verified_"
@@ -163,7 +165,8 @@ class VerifiedAttention:
                   attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
         out = self.kernel(module, query, key, value, attention_mask, *args, **kwargs)
         positions = kwargs.get("position_ids")
-        if id(module) not in self.verified and positions is not None and any(
+        # Verified: a flag on the module (a compiled layer guards on it and compiles again without the check, once).
+        if not getattr(module, self.name, False) and positions is not None and any(
                 len(row) > 1 for row in document_spans(positions)):
             self._verify(module, query, key, value, attention_mask, out[0], args, kwargs)
         return out
@@ -191,6 +194,7 @@ class VerifiedAttention:
                              " each other: train it on unpacked batches padded on the right only, or with"
                              " attn_implementation='sdpa'.")
         self.verified.add(id(module))
+        setattr(module, self.name, True)
 
 
 def attention_for(model: nn.Module) -> "DocumentAttention | VerifiedAttention | None":
@@ -205,3 +209,21 @@ def attention_for(model: nn.Module) -> "DocumentAttention | VerifiedAttention | 
             model.config._attn_implementation = "sdpa"
             return None
     return None if implementation in (None, "eager") else VerifiedAttention(model)
+
+
+def first_packed_stance(attention: "DocumentAttention | VerifiedAttention | None",
+                        position_ids: Optional[Tensor]) -> ContextManager:
+    """Around a model's forward: until ``attention`` has verified a packed batch (or found it cannot), packed forwards
+    run eagerly (``torch.compiler.set_stance("force_eager")``), so that the verification -- host syncs, comparisons --
+    stays out of compiled layers, which compile once it is settled, in whole graphs. Otherwise nothing."""
+    if attention is None or position_ids is None:
+        return contextlib.nullcontext()
+    settled = bool(attention.verified) or getattr(attention, "failed", None) is not None
+    return contextlib.nullcontext() if settled else _eager()
+
+
+@contextlib.contextmanager
+def _eager() -> Iterator[None]:
+    # (``set_stance`` takes effect when called: entered here only, never left on by a context not entered)
+    with torch.compiler.set_stance("force_eager"):
+        yield

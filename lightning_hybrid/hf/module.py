@@ -15,7 +15,12 @@ from lightning_hybrid.core.devices import module_device
 from lightning_hybrid.core.dims import layout_size
 from lightning_hybrid.hf.config import _resolve_config
 from lightning_hybrid.hf.decomposition import _PipelineCalls, check_decomposition, check_document_masks
-from lightning_hybrid.hf.document_attention import DocumentAttention, VerifiedAttention, attention_for
+from lightning_hybrid.hf.document_attention import (
+    DocumentAttention,
+    VerifiedAttention,
+    attention_for,
+    first_packed_stance,
+)
 from lightning_hybrid.hf.lora import (
     adapter_modules,
     adapter_tensors,
@@ -360,7 +365,8 @@ class CausalLM(LanguageModel):
             check_document_masks(self._structure, idx.device)
             self._calls.documents_checked = True
         positions = {} if position_ids is None else {"position_ids": position_ids}
-        output = self.model(input_ids=idx, use_cache=False, **positions)
+        with first_packed_stance(self.document_attention, position_ids):  # verified eagerly, then compiled whole
+            output = self.model(input_ids=idx, use_cache=False, **positions)
         if self._aux is not None and self.training and torch.is_grad_enabled():
             self._router_logits = output.router_logits  # for `auxiliary_loss`, right after this forward
         return output.logits

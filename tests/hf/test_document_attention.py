@@ -152,3 +152,25 @@ def test_an_implementation_that_lets_documents_see_each_other_is_refused_naming_
                                          r" document alone by .* train it on unpacked batches padded on the right"
                                          r" only, or with attn_implementation='sdpa'"):
         module(ids, position_ids=POSITIONS)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "user_per_document"])
+def test_once_verified_a_packed_layer_traces_into_one_graph(implementation):
+    """Under compile the verification stays out of the layers: the first packed forward runs eagerly
+    (`first_packed_stance`), and a decoder layer traced after it is one graph, its document mask built on the device
+    (no host sync asking whether the batch is packed)."""
+    import tests.hf.attention_implementations  # noqa: F401
+    from lightning_hybrid.hf.document_attention import first_packed_stance
+
+    module = _model("llama", attn_implementation=implementation)
+    layer, calls = module.model.model.layers[0], []
+    hook = layer.register_forward_pre_hook(lambda m, args, kwargs: calls.append((args, kwargs)), with_kwargs=True)
+    ids = torch.randint(0, 128, (3, 24), generator=torch.Generator().manual_seed(1))
+    assert type(first_packed_stance(module.document_attention, POSITIONS)).__name__ != "nullcontext"
+    module(ids, position_ids=POSITIONS).sum().backward()
+    module(ids, position_ids=POSITIONS)
+    hook.remove()
+    assert type(first_packed_stance(module.document_attention, POSITIONS)).__name__ == "nullcontext"
+    args, kwargs = calls[-1]
+    explained = torch._dynamo.explain(layer)(*args, **kwargs)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
