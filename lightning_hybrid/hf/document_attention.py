@@ -179,7 +179,7 @@ class VerifiedAttention:
         usable = _usable(module, query, key, is_causal, kwargs)
         if usable is not None:
             raise ValueError(f"{where}: packed documents cannot be verified ({usable}): train it on unpacked batches"
-                             " padded on the right only, or with attn_implementation='sdpa'.")
+                             " padded on the right only, or with attn_implementation='sdpa' (or 'eager').")
         with torch.no_grad(), _disable_current_modes():
             if module.training and (kwargs.get("dropout") or getattr(module, "attention_dropout", 0.0)):
                 # Its output drew dropout masks: the comparison is of a call without them (no random draws).
@@ -192,7 +192,7 @@ class VerifiedAttention:
             raise ValueError(f"{where}: on a packed batch its attention differs from one device's attention of each"
                              f" document alone by {error:.2e} of the output's scale, so packed documents would see"
                              " each other: train it on unpacked batches padded on the right only, or with"
-                             " attn_implementation='sdpa'.")
+                             " attn_implementation='sdpa' (or 'eager').")
         self.verified.add(id(module))
         setattr(module, self.name, True)
 
