@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes
 
+from lightning_hybrid.core.batch import is_packed
 from lightning_hybrid.core.document_attention import document_attention, document_spans
 
 __all__ = ["DocumentAttention", "TOLERANCE", "VERIFIED_PREFIX", "VerifiedAttention", "attention_for",
@@ -154,6 +155,9 @@ class VerifiedAttention:
         self.kernel = ALL_ATTENTION_FUNCTIONS[self.implementation]
         self.name = f"{VERIFIED_PREFIX}{id(self):x}_{self.implementation}"
         self.verified: set[int] = set()
+        #: Whether the forward under way is packed, where the caller found out (`first_packed_stance`); None: unknown
+        #: (the attention then looks at the positions itself, a host sync).
+        self.packed: Optional[bool] = None
         AttentionInterface.register(self.name, self.attention)
         if self.implementation in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
             AttentionMaskInterface.register(self.name, ALL_MASK_ATTENTION_FUNCTIONS[self.implementation])
@@ -166,7 +170,7 @@ class VerifiedAttention:
         out = self.kernel(module, query, key, value, attention_mask, *args, **kwargs)
         positions = kwargs.get("position_ids")
         # Verified: a flag on the module (a compiled layer guards on it and compiles again without the check, once).
-        if not getattr(module, self.name, False) and positions is not None and any(
+        if not getattr(module, self.name, False) and positions is not None and self.packed is not False and any(
                 len(row) > 1 for row in document_spans(positions)):
             self._verify(module, query, key, value, attention_mask, out[0], args, kwargs)
         return out
@@ -215,15 +219,24 @@ def first_packed_stance(attention: "DocumentAttention | VerifiedAttention | None
                         position_ids: Optional[Tensor]) -> ContextManager:
     """Around a model's forward: until ``attention`` has verified a packed batch (or found it cannot), packed forwards
     run eagerly (``torch.compiler.set_stance("force_eager")``), so that the verification -- host syncs, comparisons --
-    stays out of compiled layers, which compile once it is settled, in whole graphs. Otherwise nothing."""
+    stays out of compiled layers, which compile once it is settled, in whole graphs; a forward whose rows are one
+    document each runs as it is (and tells `VerifiedAttention` so: nothing to verify in it). Otherwise nothing."""
     if attention is None or position_ids is None:
         return contextlib.nullcontext()
-    settled = bool(attention.verified) or getattr(attention, "failed", None) is not None
-    return contextlib.nullcontext() if settled else _eager()
+    if bool(attention.verified) or getattr(attention, "failed", None) is not None:
+        return contextlib.nullcontext()
+    packed = is_packed(position_ids)  # a host sync, outside compiled code, until the first packed batch settles it
+    return _unsettled(attention, packed)
 
 
 @contextlib.contextmanager
-def _eager() -> Iterator[None]:
+def _unsettled(attention: "DocumentAttention | VerifiedAttention", packed: bool) -> Iterator[None]:
     # (``set_stance`` takes effect when called: entered here only, never left on by a context not entered)
-    with torch.compiler.set_stance("force_eager"):
-        yield
+    if isinstance(attention, VerifiedAttention):
+        attention.packed = packed
+    try:
+        with torch.compiler.set_stance("force_eager") if packed else contextlib.nullcontext():
+            yield
+    finally:
+        if isinstance(attention, VerifiedAttention):
+            attention.packed = None  # this forward's alone
