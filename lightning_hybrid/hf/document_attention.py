@@ -68,6 +68,19 @@ def _usable(module: nn.Module, query: Tensor, key: Tensor, is_causal: Optional[b
     return None
 
 
+def _error_against_documents(query: Tensor, key: Tensor, value: Tensor, output: Tensor, scaling: Optional[float],
+                             kwargs: dict) -> float:
+    """How far ``output`` (``(B, T, heads, D)``, an attention call's) is from one device's causal attention of each
+    document alone on the same queries, keys and values (`document_attention`, the call's sliding window), over the
+    output's largest value. Outside autograd and the dispatch modes: a selective recomputation replays a layer's ops
+    in order, and the recomputed call, verified by then, does not run these."""
+    with torch.no_grad(), _disable_current_modes():
+        ours = document_attention(query, key, value, kwargs["position_ids"], scale=scaling,
+                                  window=kwargs.get("sliding_window")).transpose(1, 2)
+        scale = output.detach().abs().max().clamp_min(torch.finfo(output.dtype).tiny)
+        return float(((ours - output.detach()).abs().max() / scale).item())
+
+
 class DocumentAttention:
     """A model's attention for packed batches (module docstring), installed by the constructor: registers its
     attention and mask functions and makes them the model's implementation (``model.config._attn_implementation`` is
@@ -125,15 +138,8 @@ class DocumentAttention:
         if dropout:
             self.failed = f"{where}: attention dropout {dropout} (its random draws differ per call)"
             return
-        # Outside autograd and the dispatch modes: a selective recomputation replays a layer's ops in order, and the
-        # recomputed call, verified by then, does not run these.
-        with torch.no_grad(), _disable_current_modes():
-            ours = document_attention(query, key, value, kwargs["position_ids"], scale=scaling,
-                                      window=kwargs.get("sliding_window")).transpose(1, 2)
-            tolerance = TOLERANCE.get(query.dtype, TOLERANCE_16)
-            scale = reference.detach().abs().max().clamp_min(torch.finfo(reference.dtype).tiny)
-            error = float(((ours - reference.detach()).abs().max() / scale).item())
-        if error <= tolerance:
+        error = _error_against_documents(query, key, value, reference, scaling, kwargs)
+        if error <= TOLERANCE.get(query.dtype, TOLERANCE_16):
             self.verified.add(id(module))
         else:
             self.failed = (f"{where}: the per-document attention differs from the model's masked SDPA by {error:.2e}"
@@ -184,14 +190,11 @@ class VerifiedAttention:
         if usable is not None:
             raise ValueError(f"{where}: packed documents cannot be verified ({usable}): train it on unpacked batches"
                              " padded on the right only, or with attn_implementation='sdpa' (or 'eager').")
-        with torch.no_grad(), _disable_current_modes():
-            if module.training and (kwargs.get("dropout") or getattr(module, "attention_dropout", 0.0)):
-                # Its output drew dropout masks: the comparison is of a call without them (no random draws).
+        if module.training and (kwargs.get("dropout") or getattr(module, "attention_dropout", 0.0)):
+            # Its output drew dropout masks: the comparison is of a call without them (no random draws).
+            with torch.no_grad(), _disable_current_modes():
                 output = self.kernel(module, query, key, value, attention_mask, *args, **{**kwargs, "dropout": 0.0})[0]
-            ours = document_attention(query, key, value, kwargs["position_ids"], scale=kwargs.get("scaling"),
-                                      window=kwargs.get("sliding_window")).transpose(1, 2)
-            scale = output.detach().abs().max().clamp_min(torch.finfo(output.dtype).tiny)
-            error = float(((ours - output.detach()).abs().max() / scale).item())
+        error = _error_against_documents(query, key, value, output, kwargs.get("scaling"), kwargs)
         if not error <= TOLERANCE.get(query.dtype, TOLERANCE_16):
             raise ValueError(f"{where}: on a packed batch its attention differs from one device's attention of each"
                              f" document alone by {error:.2e} of the output's scale, so packed documents would see"

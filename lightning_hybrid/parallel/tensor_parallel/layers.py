@@ -100,13 +100,13 @@ class ColumnParallelLinear(nn.Module):
             # computes the weight's (under compile and a selective checkpoint the op-by-op form below).
             weight, *bias = autocast_inputs(weight, *([] if self.bias is None else [self.bias]))
             y = _ColumnLinear.apply(x, weight, bias[0] if bias else None, self.group)
-        elif self.float8 is not None:
-            x = x if self.sequence_parallel else copy_to_tp(x, self.group)
-            y = self.float8(x, self.weight if self.transposed else self.weight.t())
-            y = y if self.bias is None else y + self.bias.to(y.dtype)
         else:
             x = x if self.sequence_parallel else copy_to_tp(x, self.group)
-            y = F.linear(x, weight, self.bias)
+            if self.float8 is not None:
+                y = self.float8(x, self.weight if self.transposed else self.weight.t())
+                y = y if self.bias is None else y + self.bias.to(y.dtype)
+            else:
+                y = F.linear(x, weight, self.bias)
         if self.split_logits:
             return SplitLogits.wrap(y, self.group, self.output_spec)
         if self.gather_output:
