@@ -539,6 +539,55 @@ CP_TITLE = "## Context parallelism: activation memory per rank against sequence 
 RING_TITLE = "## Context parallelism: ring attention against the all-gather"
 
 
+RING_TIMES = ((2048, "plain"), (2048, "packed"), (4096, "plain"))  # (T, batches) of the ring's timing
+RING_ROUNDS = 5
+
+
+def _ring_time_worker(cfg: dict) -> dict:
+    """One rank of the ring's timing: ``ring_attention`` forward and backward on this rank's zigzag chunks of a
+    (1, heads, T, 64) fp32 attention, each chunk pair on SDPA's fused CPU kernel and on the explicit fp32 scores,
+    alternately, a round at a time; seconds per call, the slowest rank's (a barrier after each)."""
+    from lightning_hybrid.parallel.context_parallel import ring
+
+    dist.init_process_group("gloo")
+    fused = ring._kernel
+    out = {}
+    for seq, kind in cfg["cases"]:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, cfg["heads"], seq // dist.get_world_size(), 64, generator=g).requires_grad_()
+                   for _ in range(3))
+        labels = (torch.arange(seq) * 4 // seq)[None] if kind == "packed" else None  # four documents
+        times: dict = {"fused": [], "explicit": []}
+        for _ in range(cfg["rounds"] + 1):  # the first round warms up
+            for name in times:
+                ring._kernel = fused if name == "fused" else (lambda t: "explicit")
+                dist.barrier()
+                start = time.perf_counter()
+                ring.ring_attention(q, k, v, labels, dist.group.WORLD).sum().backward()
+                dist.barrier()
+                times[name].append(time.perf_counter() - start)
+        ring._kernel = fused
+        out[(seq, kind)] = {name: t[1:] for name, t in times.items()}
+    dist.destroy_process_group()
+    return out
+
+
+def run_ring_time(args) -> list[str]:
+    """The ring's attention alone at cp 2: SDPA's fused kernel per chunk pair against the explicit fp32 scores."""
+    result = run_distributed(_ring_time_worker, 2, {"cases": RING_TIMES, "heads": 8, "rounds": RING_ROUNDS})[0]
+    rows = ["| T | batches | fused kernel, ms | explicit scores, ms | fused / explicit (median of rounds) |",
+            "|---:|---|---:|---:|---:|"]
+    for (seq, kind), t in result.items():
+        ratio = statistics.median(f / e for f, e in zip(t["fused"], t["explicit"]))
+        rows.append(f"| {seq} | {kind} | {statistics.median(t['fused']) * 1e3:.0f} |"
+                    f" {statistics.median(t['explicit']) * 1e3:.0f} | {ratio:.2f} |")
+    return ["The ring's attention alone (`ring_attention`, forward and backward, 2 gloo ranks, one thread each; one"
+            " sequence of T tokens, 8 heads of 64, fp32; packed: four documents): each chunk pair on SDPA's fused"
+            " CPU kernel (`_scaled_dot_product_flash_attention_for_cpu` with the pair's mask, its log-sum-exp and"
+            " backward) against the explicit fp32 scores (what runs on devices without such a kernel), alternately"
+            f" in {RING_ROUNDS} rounds after one warm-up.", "", *rows, ""]
+
+
 def run_ring(args) -> str:
     """The ring part: at the longest T, each rank's activation peak with the keys and values all-gathered and passed
     around a ring (``cp_attention="ring"``), per model, batches and cp; the section of the report."""
@@ -563,12 +612,13 @@ def run_ring(args) -> str:
         "The same fits as the section above (reference GPT, fp32, activation peak of a training step beyond the"
         " rank's state, highest rank, steps 2..), at the longest T, with"
         " `HybridStrategy(dp=1, cp=cp, cp_attention=\"ring\")` against the default all-gather; × cp = the peak"
-        " against cp=1's at the same T, times cp. The ring holds two ranks' keys and values and one chunk pair's"
-        " fp32 scores at a time, where the all-gather holds the whole sequence's keys and values of the layer it"
-        " computes.",
+        " against cp=1's at the same T, times cp. The ring holds two ranks' keys and values and what one chunk"
+        " pair's kernel holds (its mask as a bias, its output) at a time, where the all-gather holds the whole"
+        " sequence's keys and values of the layer it computes.",
         "",
         *rows,
         "",
+        *run_ring_time(args),
     ]
     text = "\n".join(lines)
     print(text, flush=True)

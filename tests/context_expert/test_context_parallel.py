@@ -187,14 +187,13 @@ def test_checkpoints_resume_exactly_under_another_cp_on_4_ranks(tmp_path):
 # ---------------------------------------------------------------------------------------------- ring attention
 # `ring_attention` against one device's masked SDPA, operator by operator (run in the refusals' 2-rank world below):
 # outputs and the gradients of queries, keys and values of every rank's zigzag chunks, for plain causal rows,
-# documents, a sliding window (both), and grouped-query heads, with query rows taken a few at a time (`ring.ROWS`).
+# documents, a sliding window (both), and grouped-query heads, on the CPU's fused kernel and on the explicit scores.
 RING_T = 48
 
 
 def _ring_case(heads: int = 4, kv_heads: int = 2, labels=None, window=None) -> float:
     from lightning_hybrid.parallel.context_parallel import ring
 
-    ring.ROWS = 5  # several row blocks per chunk (12 tokens at cp2)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, heads, RING_T, 8, generator=g, requires_grad=True)
     k = torch.randn(2, kv_heads, RING_T, 8, generator=g, requires_grad=True)
@@ -222,7 +221,21 @@ def _ring_cases() -> dict[str, float]:
     docs = torch.tensor([[0] * 10 + [1] * 20 + [2] * 18, [0] * 30 + [1] * 18])
     return {"plain": _ring_case(), "documents": _ring_case(labels=docs), "window": _ring_case(window=7),
             "documents and window": _ring_case(labels=docs, window=5),
-            "one key head per query head": _ring_case(kv_heads=4)}
+            "one key head per query head": _ring_case(kv_heads=4),
+            "documents and window, explicit scores": _explicit(lambda: _ring_case(labels=docs, window=5))}
+
+
+def _explicit(case):
+    """``case`` with every chunk pair on the explicit fp32 scores (devices without a fused kernel that takes a mask
+    and returns the log-sum-exp), several row blocks a chunk."""
+    from lightning_hybrid.parallel.context_parallel import ring
+
+    kernel, rows = ring._kernel, ring.ROWS
+    ring._kernel, ring.ROWS = (lambda q: "explicit"), 5  # 12 tokens a chunk at cp2: three row blocks
+    try:
+        return case()
+    finally:
+        ring._kernel, ring.ROWS = kernel, rows
 
 
 # ---------------------------------------------------------------------------------------------- refusals

@@ -11,6 +11,8 @@
 - a pretrained folder loaded, trained, exported with `export_pretrained` and reloaded by
   ``AutoModelForCausalLM.from_pretrained``: the same logits;
 - ``HybridStrategy(compile=True)`` (``torch.compile`` of each decoder block) trains as eager does;
+- ring attention's kernel for one chunk pair (SDPA's memory-efficient kernel with a mask, its log-sum-exp and
+  backward) against explicit fp32 scores;
 - the initial weights of a module built under ``Trainer(accelerator="cuda")`` (where Lightning makes the CUDA
   device the ambient one) are those it has when built on the CPU: a CPU ``torch.Generator`` drawing into a tensor
   created on the ambient CUDA device is the bug class this catches.
@@ -272,3 +274,14 @@ def test_initial_weights_built_under_a_cuda_trainer_are_the_cpu_ones(model, stra
     assert initial.state.keys() == want.keys()
     for key, value in want.items():
         torch.testing.assert_close(initial.state[key], value, rtol=0, atol=0, msg=key)
+
+
+# ---------------------------------------------------------------------------------------------- ring attention
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ring_attentions_cuda_kernel_is_the_explicit_attention_of_a_chunk_pair(dtype):
+    """`cp_attention="ring"` attends each chunk pair with SDPA's memory-efficient kernel on CUDA (a mask, the
+    log-sum-exp): against the explicit fp32 scores on the same inputs (`tests/context_expert/ring_kernels.py`)."""
+    from tests.context_expert.ring_kernels import pair_kernel_errors
+
+    errors = pair_kernel_errors("cuda", dtype)
+    assert max(errors.values()) < (1e-4 if dtype == torch.float32 else 2e-2), errors

@@ -13,13 +13,12 @@ home after the last step -- every transfer but that last one under a step's comp
 keeps for backward is its own queries, keys, values, output and log-sum-exp (only its
 queries, keys and values where `ContextParallel` checkpoints it, as it does the all-gather); what it
 holds beyond that at any time is two ranks' keys and values (in backward also their gradients, and this step's
-part of them) and the scores of
-`ROWS` query rows against one chunk -- where the all-gather holds the whole sequence's keys and values of the layer
-it computes.
+part of them) and one chunk pair's kernel's working set (its mask as an additive bias, its output).
 
-Computed in fp32 with explicit scores (``ROWS x T / 2 cp`` per head at a time, transient), so it is the same
-attention as one device's up to the order of fp32 sums (its kernels are not SDPA's fused ones: the all-gather,
-which keeps SDPA, is the faster choice where the whole sequence's keys and values fit). Attention dropout is refused.
+Each chunk pair runs on SDPA's own fused kernels where torch has one that takes a mask and returns the log-sum-exp
+(`_pair_forward`, `_pair_backward`): the CPU's flash kernel, CUDA's memory-efficient kernel (head sizes a multiple
+of 8); in the inputs' dtype, the merge in fp32 -- the same attention as one device's up to the order of its sums.
+Elsewhere explicit fp32 scores, ``ROWS`` query rows at a time. Attention dropout is refused.
 """
 
 from __future__ import annotations
@@ -42,8 +41,15 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, labels: Optional[T
     ``c`` tokens) over the whole sequence's keys and values, each rank's ``key`` / ``value`` ``(B, Hkv, 2c, D)``
     (``Hkv`` dividing ``H``: grouped-query heads repeated per block) passed around ``group``. ``labels`` ``(B, T)``:
     a query sees only keys of its own label (documents, attention chunks), ``None`` for plain causal rows;
-    ``window``: only keys less than that many places before it."""
-    return _RingAttention.apply(query, key, value, labels, group, scale, window)
+    ``window``: only keys less than that many places before it. In SDPA's dtype: autocast's where it is on (as
+    autocast casts SDPA's inputs), else the inputs' common one."""
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    else:
+        dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+    with torch.autocast(device, enabled=False):  # the merge and the explicit scores in fp32, as written
+        return _RingAttention.apply(query.to(dtype), key.to(dtype), value.to(dtype), labels, group, scale, window)
 
 
 def _chunk_indices(rank: int, size: int) -> tuple[int, int]:
@@ -51,16 +57,19 @@ def _chunk_indices(rank: int, size: int) -> tuple[int, int]:
 
 
 def _allowed(labels: Optional[Tensor], window: Optional[int], a: int, b: int, c: int,
-             device: torch.device) -> Optional[Tensor]:
-    """Which keys of chunk ``b`` the queries of chunk ``a`` (``c`` tokens each) see: ``(B or 1, 1, c, c)`` bools, or
-    ``None`` for all of them (`causal_band`, and the same label)."""
+             device: torch.device) -> tuple[Optional[Tensor], bool]:
+    """Which keys of chunk ``b`` the queries of chunk ``a`` (``c`` tokens each) see: ``(mask, causal)``, the mask
+    ``(B or 1, 1, c, c)`` bools (`causal_band`, and the same label), ``None`` with ``causal`` for a chunk's own keys
+    in plain causal order (the kernels' own causal mask), ``None`` alone for all of them."""
+    if labels is None and window is None:
+        return None, a == b
     mask = None
     if a == b or window is not None:
         mask = causal_band(a * c, (a + 1) * c, window, device, keys=(b * c, (b + 1) * c))[None, None]
     if labels is not None:
         same = (labels[:, a * c:(a + 1) * c, None] == labels[:, None, b * c:(b + 1) * c])[:, None]
         mask = same if mask is None else mask & same
-    return mask
+    return mask, False
 
 
 def _masked_whole(a: int, b: int, c: int, window: Optional[int]) -> bool:
@@ -69,21 +78,13 @@ def _masked_whole(a: int, b: int, c: int, window: Optional[int]) -> bool:
     return b > a or (window is not None and (a - b - 1) * c + 1 >= window)
 
 
-#: Query rows whose scores against a chunk are computed at once: the transient scores are ``ROWS x c`` per head.
+#: Query rows whose scores against a chunk are computed at once where no fused kernel runs (`_explicit_forward`):
+#: the transient scores are ``ROWS x c`` per head.
 ROWS = 128
 
 
 def _row_blocks(c: int) -> list[slice]:
     return [slice(start, min(start + ROWS, c)) for start in range(0, c, ROWS)]
-
-
-def _rows(allowed: Optional[Tensor], rows: slice) -> Optional[Tensor]:
-    return None if allowed is None else allowed[..., rows, :]
-
-
-def _scores(q: Tensor, k: Tensor, allowed: Optional[Tensor], scale: float) -> Tensor:
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    return s if allowed is None else s.masked_fill(~allowed, float("-inf"))
 
 
 def _repeat(t: Tensor, repeats: int) -> Tensor:
@@ -99,7 +100,7 @@ def _pairs(ring: "_Ring", step: int, visiting: Tensor, c: int, repeats: int, lab
            window: Optional[int]):
     """At ``step`` of the ring, each (query chunk, key chunk) pair of this rank's queries and the ``visiting`` keys
     and values (``visiting[0]``, ``visiting[1]``: the rank ``step`` places before's) that the mask does not cut
-    whole: ``(query slot, key slot, keys, values, allowed)``, the key/value heads repeated per query head."""
+    whole: ``(query slot, key slot, keys, values, (mask, causal))``, the key/value heads repeated per query head."""
     source = (ring.rank - step) % ring.size
     for qa, a in enumerate(_chunk_indices(ring.rank, ring.size)):
         for kb, b in enumerate(_chunk_indices(source, ring.size)):
@@ -107,6 +108,111 @@ def _pairs(ring: "_Ring", step: int, visiting: Tensor, c: int, repeats: int, lab
                 yield (qa, kb, _repeat(visiting[0].narrow(-2, kb * c, c), repeats),
                        _repeat(visiting[1].narrow(-2, kb * c, c), repeats),
                        _allowed(labels, window, a, b, c, visiting.device))
+
+
+# ---------------------------------------------------------------------------------------------- one chunk pair
+# A chunk pair's attention and its gradients, by the queries' device: SDPA's own fused kernels where torch has one
+# that takes a mask and returns the log-sum-exp (the CPU's flash kernel; CUDA's memory-efficient kernel), explicit
+# fp32 scores elsewhere. Each returns the pair's output and log-sum-exp in fp32 (the merge's precision); rows that
+# see none of the pair's keys get the log-sum-exp -inf (and an output of 0), whatever the kernel leaves there.
+
+def _kernel(q: Tensor) -> str:
+    """``"cpu"``, ``"cuda"`` (head dimensions its kernel takes: multiples of 8) or ``"explicit"``."""
+    if q.device.type == "cpu" or (q.device.type == "cuda" and q.size(-1) % 8 == 0):
+        return q.device.type
+    return "explicit"
+
+
+def _bias(mask: Optional[Tensor], q: Tensor, k: Tensor, kernel: str) -> Optional[Tensor]:
+    """``mask`` as the additive bias the fused kernels take: 0 where a key is seen, -inf where not, in the queries'
+    dtype; for CUDA's kernel over every head and its rows 16-element aligned (as SDPA pads it)."""
+    if mask is None:
+        return None
+    if kernel != "cuda":
+        return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    b, h, rows, keys = q.size(0), q.size(1), q.size(-2), k.size(-2)
+    bias = torch.zeros(*mask.shape[:-1], -(-keys // 16) * 16, dtype=q.dtype, device=q.device)[..., :keys]
+    return bias.masked_fill_(~mask, float("-inf")).expand(b, h, rows, keys)
+
+
+def _explicit_mask(mask: Optional[Tensor], causal: bool, c: int, device: torch.device) -> Optional[Tensor]:
+    return torch.ones(c, c, dtype=torch.bool, device=device).tril()[None, None] if causal else mask
+
+
+def _scores(q: Tensor, k: Tensor, allowed: Optional[Tensor], scale: float) -> Tensor:
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    return s if allowed is None else s.masked_fill(~allowed, float("-inf"))
+
+
+def _explicit_forward(q: Tensor, k: Tensor, v: Tensor, allowed: Optional[Tensor],
+                      scale: float) -> tuple[Tensor, Tensor]:
+    q, k, v = q.float(), k.float(), v.float()
+    outs, lses = [], []
+    for rows in _row_blocks(q.size(-2)):  # each query row's softmax is its own: scores a block of rows at a time
+        s = _scores(q[..., rows, :], k, None if allowed is None else allowed[..., rows, :], scale)
+        lse = torch.logsumexp(s, dim=-1, keepdim=True)
+        outs.append(torch.matmul(torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)), v))
+        lses.append(lse)
+    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-2)
+
+
+def _pair_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool,
+                  scale: float) -> tuple[Tensor, Tensor, tuple]:
+    """The pair's ``(output, log-sum-exp (..., rows, 1), what the CUDA kernel's backward takes back)``."""
+    kernel = _kernel(q)
+    philox: tuple = ()
+    if kernel == "explicit":
+        return (*_explicit_forward(q, k, v, _explicit_mask(mask, causal, q.size(-2), q.device), scale), philox)
+    if kernel == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=_bias(mask, q, k, kernel), scale=scale)
+    else:
+        out, lse, *philox = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, _bias(mask, q, k, kernel), True, 0.0, causal, scale=scale)
+        lse = lse[..., :q.size(-2)]  # its rows padded to 32
+    out, lse = out.float(), lse.unsqueeze(-1).float()
+    if mask is not None:
+        seen = mask.any(-1, keepdim=True)
+        out, lse = out.masked_fill(~seen, 0.0), lse.masked_fill(~seen, float("-inf"))
+    return out, lse, tuple(philox)
+
+
+def _pair_backward(g: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Optional[Tensor],
+                   causal: bool, scale: float, philox: tuple) -> tuple[Tensor, Tensor, Tensor]:
+    """The pair's ``(dq, dk, dv)`` in fp32 from the whole attention's ``out`` and ``lse`` (FlashAttention's
+    backward of one key block: its weights ``exp(s - lse)``, ``D = rowsum(g * out)``); rows that see nothing
+    anywhere (``lse`` -inf) contribute nothing."""
+    kernel = _kernel(q)
+    lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    if kernel == "explicit":
+        return _explicit_backward(g.float(), q.float(), k.float(), v.float(), out.float(), lse,
+                                  _explicit_mask(mask, causal, q.size(-2), q.device), scale)
+    if kernel == "cpu":
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            g, q, k, v, out, lse.squeeze(-1), 0.0, causal, attn_mask=_bias(mask, q, k, kernel), scale=scale)
+    else:
+        rows = q.size(-2)
+        padded = torch.zeros(*lse.shape[:-2], -(-rows // 32) * 32, dtype=torch.float32, device=q.device)
+        padded[..., :rows] = lse.squeeze(-1)  # the layout its forward returned
+        grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            g, q, k, v, _bias(mask, q, k, kernel), out, padded, *philox, 0.0, [True, True, True, False], causal,
+            scale=scale)[:3]
+    return tuple(t.float() for t in grads)
+
+
+def _explicit_backward(g: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                       allowed: Optional[Tensor], scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    delta = (g * out).sum(-1, keepdim=True)  # FlashAttention's D = rowsum(dO * O)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for rows in _row_blocks(q.size(-2)):
+        q_rows, g_rows = q[..., rows, :], g[..., rows, :]
+        s = _scores(q_rows, k, None if allowed is None else allowed[..., rows, :], scale)
+        p = torch.exp(s - lse[..., rows, :])  # the block's attention weights (masked: 0)
+        dv += torch.matmul(p.transpose(-1, -2), g_rows)
+        ds = p * (torch.matmul(g_rows, v.transpose(-1, -2)) - delta[..., rows, :])
+        dq[..., rows, :] = torch.matmul(ds, k) * scale
+        dk += torch.matmul(ds.transpose(-1, -2), q_rows) * scale
+    return dq, dk, dv
 
 
 class _Ring:
@@ -138,49 +244,42 @@ class _RingAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
         repeats = query.size(-3) // key.size(-3)
         c = query.size(-2) // 2
-        q = query.float()
-        q_chunks = q.split(c, dim=-2)
-        out = [torch.zeros_like(part) for part in q_chunks]
-        lse = [torch.full((*part.shape[:-1], 1), float("-inf"), device=q.device) for part in q_chunks]
-        kv = torch.stack([key.float(), value.float()]).contiguous()
+        q_chunks = query.split(c, dim=-2)
+        out = [torch.zeros(part.shape, dtype=torch.float32, device=part.device) for part in q_chunks]
+        lse = [torch.full((*part.shape[:-1], 1), float("-inf"), device=part.device) for part in q_chunks]
+        kv = torch.stack([key, value]).contiguous()
+        philox: tuple = ()
         for step in range(ring.size):
             works: list = []
             if step < ring.size - 1:
                 incoming, works = ring.start(kv)
-            for qa, _, k, v, allowed in _pairs(ring, step, kv, c, repeats, labels, window):
-                for rows in _row_blocks(c):  # each query row's softmax is its own: scores a block of rows at a time
-                    s = _scores(q_chunks[qa][..., rows, :], k, _rows(allowed, rows), scale)
-                    block_lse = torch.logsumexp(s, dim=-1, keepdim=True)
-                    finite = torch.where(torch.isinf(block_lse), torch.zeros_like(block_lse), block_lse)
-                    block_out = torch.matmul(torch.exp(s - finite), v)
-                    before = lse[qa][..., rows, :]
-                    merged = torch.logaddexp(before, block_lse)
-                    safe = torch.where(torch.isinf(merged), torch.zeros_like(merged), merged)
-                    out[qa][..., rows, :] = (out[qa][..., rows, :] * torch.exp(before - safe)
-                                             + block_out * torch.exp(block_lse - safe))
-                    lse[qa][..., rows, :] = merged
+            for qa, _, k, v, (mask, causal) in _pairs(ring, step, kv, c, repeats, labels, window):
+                block_out, block_lse, philox = _pair_forward(q_chunks[qa], k, v, mask, causal, scale)
+                merged = torch.logaddexp(lse[qa], block_lse)  # FlashAttention's merge of two key blocks
+                safe = torch.where(torch.isinf(merged), torch.zeros_like(merged), merged)
+                out[qa] = out[qa] * torch.exp(lse[qa] - safe) + block_out * torch.exp(block_lse - safe)
+                lse[qa] = merged
             if works:
                 _wait(works)
                 kv = incoming
-        output, log_sum_exp = torch.cat(out, dim=-2), torch.cat(lse, dim=-2)
-        ctx.save_for_backward(query, key, value, output, log_sum_exp, labels)
-        ctx.ring, ctx.scale, ctx.window, ctx.repeats = ring, scale, window, repeats
-        return output.to(query.dtype)
+        output = torch.cat(out, dim=-2).to(query.dtype)
+        ctx.save_for_backward(query, key, value, output, torch.cat(lse, dim=-2), labels)
+        ctx.ring, ctx.scale, ctx.window, ctx.repeats, ctx.philox = ring, scale, window, repeats, philox
+        return output
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor):
         query, key, value, output, log_sum_exp, labels = ctx.saved_tensors
         ring, scale, window, repeats = ctx.ring, ctx.scale, ctx.window, ctx.repeats
         c = query.size(-2) // 2
-        q, g = query.float(), grad.float()
-        delta = (g * output).sum(-1, keepdim=True)  # FlashAttention's D = rowsum(dO * O)
-        q_chunks, g_chunks = q.split(c, dim=-2), g.split(c, dim=-2)
-        lse_chunks, delta_chunks = log_sum_exp.split(c, dim=-2), delta.split(c, dim=-2)
-        dq = [torch.zeros_like(part) for part in q_chunks]
+        grad = grad.to(query.dtype)
+        q_chunks, g_chunks, out_chunks = query.split(c, dim=-2), grad.split(c, dim=-2), output.split(c, dim=-2)
+        lse_chunks = log_sum_exp.split(c, dim=-2)
+        dq = [torch.zeros(part.shape, dtype=torch.float32, device=part.device) for part in q_chunks]
         # The keys and values travel ahead (each step's transfer under that step's compute) and their gradients one
         # step behind: the visiting keys' gradients so far, from the ranks they visited before, arrive under this
         # step's compute; this rank adds its part and sends them on under the next step's (home after the last).
-        kv = torch.stack([key.float(), value.float()]).contiguous()
+        kv = torch.stack([key, value]).contiguous()
         dkv_works: list = []
         arriving: Optional[Tensor] = None  # the visiting keys' and values' gradients so far, in flight to this rank
         for step in range(ring.size):
@@ -188,19 +287,15 @@ class _RingAttention(torch.autograd.Function):
             if step < ring.size - 1:
                 incoming_kv, kv_works = ring.start(kv)
             parts = []  # (key slot, dk, dv) of this rank's chunk pairs, added to the travelling gradients in order
-            for qa, kb, k, v, allowed in _pairs(ring, step, kv, c, repeats, labels, window):
-                dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-                for rows in _row_blocks(c):
-                    q_rows, g_rows = q_chunks[qa][..., rows, :], g_chunks[qa][..., rows, :]
-                    s = _scores(q_rows, k, _rows(allowed, rows), scale)
-                    p = torch.exp(s - lse_chunks[qa][..., rows, :])  # the block's attention weights (masked: 0)
-                    dv += torch.matmul(p.transpose(-1, -2), g_rows)
-                    ds = p * (torch.matmul(g_rows, v.transpose(-1, -2)) - delta_chunks[qa][..., rows, :])
-                    dq[qa][..., rows, :] += torch.matmul(ds, k) * scale
-                    dk += torch.matmul(ds.transpose(-1, -2), q_rows) * scale
+            for qa, kb, k, v, (mask, causal) in _pairs(ring, step, kv, c, repeats, labels, window):
+                dq_pair, dk, dv = _pair_backward(g_chunks[qa], q_chunks[qa], k, v, out_chunks[qa], lse_chunks[qa],
+                                                 mask, causal, scale, ctx.philox)
+                dq[qa] += dq_pair
                 parts.append((kb, _fold(dk, repeats), _fold(dv, repeats)))
             _wait(dkv_works)
-            dkv = torch.zeros_like(kv) if arriving is None else arriving  # step 0: this rank's own keys, first here
+            if arriving is None:  # step 0: this rank's own keys, first here
+                arriving = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            dkv = arriving
             for kb, dk, dv in parts:
                 dkv[0].narrow(-2, kb * c, c).add_(dk)
                 dkv[1].narrow(-2, kb * c, c).add_(dv)
