@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_hybrid.core.devices import module_device
 from lightning_hybrid.core.dims import Meshes, ParallelDims
 from lightning_hybrid.core.hooks import StepHooks
-from lightning_hybrid.core.protocol import LayerwiseInit, PipelineAuxLoss, builds_per_rank
+from lightning_hybrid.core.protocol import LayerwiseInit, PipelineAuxLoss, PipelineLayerContext, builds_per_rank
 from lightning_hybrid.options import ParallelOptions
 from lightning_hybrid.parallel.activation_checkpointing import apply_activation_checkpointing, checkpoint_targets
 from lightning_hybrid.parallel.compile import apply_compile, enable_async_tp
@@ -340,9 +340,11 @@ def materialise(module: nn.Module, unsplit: dict[int, nn.Module], device: torch.
 
 
 def local_stages(module: nn.Module, layout: StageLayout) -> dict[int, nn.Module]:
-    """This rank's pipeline stages: stage index -> the stage's layers as one module."""
+    """This rank's pipeline stages: stage index -> the stage's layers as one module (each forward inside the
+    module's `PipelineLayerContext`, where it has one)."""
     layers = module.pipeline_layers()
-    return {s: stage_module([layers[i] for i in layout.ranges[s]]) for s in layout.local_stages}
+    context = module.pipeline_layer_context if isinstance(module, PipelineLayerContext) else None
+    return {s: stage_module([layers[i] for i in layout.ranges[s]], context) for s in layout.local_stages}
 
 
 def shard_zero3(

@@ -10,7 +10,8 @@ in `PipelineModule`'s docstring.
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import ContextManager, Optional, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
@@ -18,7 +19,7 @@ from lightning_hybrid.core.devices import is_meta
 
 __all__ = [
     "PROTOCOL_HELP", "DeferredLayers", "LayerwiseInit", "PipelineAuxLoss", "PipelineLayers", "PipelineModule",
-    "RebuiltInCheckpoints", "SliceLoading",
+    "PipelineLayerContext", "RebuiltInCheckpoints", "SliceLoading",
     "builds_per_rank", "check_protocol", "checkpoint_excludes",
 ]
 
@@ -105,6 +106,18 @@ class PipelineAuxLoss(Protocol):
     def pipeline_aux_sources(self, layer: nn.Module) -> list[tuple[nn.Module, Optional[int]]]: ...
 
     def pipeline_aux_loss(self, outputs: list[Tensor]) -> Tensor: ...
+
+
+@runtime_checkable
+class PipelineLayerContext(Protocol):
+    """Optional: ``pipeline_layer_context(layer, hidden, side)`` returns a context manager that the strategy enters
+    around each call of pipeline layer ``layer`` on one micro-batch under ``pp > 1`` (``hidden``: the layer's input,
+    ``side``: the micro-batch's keyword tensors), outside the layer -- so outside what ``compile=True`` compiles of
+    it. For what a module does around its layers in its own forward, eagerly (`lightning_hybrid.hf.CausalLM`: a
+    decoder layer's other arguments computed, and its first packed forward run eagerly)."""
+
+    def pipeline_layer_context(self, layer: nn.Module, hidden: Tensor,
+                               side: Mapping[str, Tensor]) -> ContextManager[None]: ...
 
 
 @runtime_checkable

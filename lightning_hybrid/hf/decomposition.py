@@ -5,17 +5,18 @@ stand-ins (`_trunk_kwargs`); the hooks that hand them to a layer the pipeline ca
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Any, ContextManager, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from lightning_hybrid.core.batch import document_ids
-from lightning_hybrid.hf.document_attention import VERIFIED_PREFIX
+from lightning_hybrid.hf.document_attention import VERIFIED_PREFIX, first_packed_stance
 from lightning_hybrid.hf.structure import PipelineDecompositionError, _embedding_dim, _Structure
 
 __all__ = ["PipelineDecompositionError", "check_decomposition", "check_document_masks"]
@@ -111,24 +112,68 @@ class _PipelineCalls:
         self._hooked: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
         self._handles: list = []  # of the hooks installed, to remove them from a model its layers cannot reproduce
         self._filled: set[int] = set()
+        self._decoder_index: dict[int, int] = {}  # id of a hooked decoder layer -> its index in the trunk
+        self._ready: Optional[tuple[tuple, dict]] = None  # the next decoder layer call's arguments (`around`)
+        self._used: Optional[tuple[tuple, dict]] = None  # those the hook computed last
+        self._plain: dict[tuple, tuple[tuple, dict]] = {}  # (layer, input's shape, dtype, device) -> its arguments
 
     def kwargs_for(self, index: int, hidden: Tensor, position_ids: Optional[Tensor] = None) -> tuple[tuple, dict]:
         """Decoder layer ``index``'s arguments for ``hidden`` (at ``position_ids``: those of a padded or packed
         micro-batch, kept while that very tensor is in use: the layers of a stage share it)."""
         shape = (hidden.size(0), hidden.size(1) * self.sequence_split, *hidden.shape[2:])
-        key = (shape[:-1], hidden.dtype, hidden.device, None if position_ids is None else id(position_ids))
+        return self._arguments(index, shape, hidden.dtype, hidden.device, position_ids)
+
+    def _arguments(self, index: int, shape: tuple, dtype: torch.dtype, device: torch.device,
+                   position_ids: Optional[Tensor]) -> tuple[tuple, dict]:
+        """`kwargs_for` of the whole sequence's hidden states' ``shape``, ``dtype`` and ``device``."""
+        key = (shape[:-1], dtype, device, None if position_ids is None else id(position_ids))
         cached = self._cache.get(key)
         if cached is None or cached[0] is not position_ids:
             if position_ids is not None and not self.documents_checked:
-                check_document_masks(self.structure, hidden.device)
+                check_document_masks(self.structure, device)
                 self.documents_checked = True
             with torch.no_grad():
-                cached = (position_ids, _trunk_kwargs(self.structure, hidden.new_zeros(shape), position_ids))
+                cached = (position_ids, _trunk_kwargs(self.structure, torch.zeros(shape, dtype=dtype, device=device),
+                                                      position_ids))
             self._cache[key] = cached
             while len(self._cache) > self.CACHED_SHAPES:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)
         return cached[1][index]
+
+    def around(self, layer: nn.Module, hidden: Tensor, position_ids: Optional[Tensor],
+               attention: Any) -> ContextManager:
+        """Around a pipeline's call of ``layer`` on ``hidden``, out of the layer -- so out of its compiled code, where
+        running the trunk on stand-ins would break the layer's graph: a decoder layer's other arguments, for its hook
+        to read. With ``position_ids`` (a new tensor each micro-batch) computed here, for the whole sequence, the
+        positions' shape (``hidden`` may be whole or split by sequence parallelism), and the layer's first packed call
+        run eagerly (`first_packed_stance`: ``attention`` verifies it), as `CausalLM.forward` does for the whole
+        model; without, those of the layer's first call at ``hidden``'s shape, which runs eagerly."""
+        index = self._decoder_index.get(id(layer))
+        if index is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        if position_ids is not None:
+            ready = self._arguments(index, (*position_ids.shape, hidden.size(-1)), hidden.dtype, hidden.device,
+                                    position_ids)
+            stack.enter_context(first_packed_stance(attention, position_ids, layer))
+        else:
+            key = (id(layer), tuple(hidden.shape), hidden.dtype, hidden.device)
+            ready = self._plain.get(key)
+            if ready is None:  # the hook computes them, eagerly, and they are kept (`_keep`)
+                stack.enter_context(torch.compiler.set_stance("force_eager"))
+                stack.callback(self._keep, key)
+        self._ready = ready
+        stack.callback(setattr, self, "_ready", None)
+        return stack
+
+    def _keep(self, key: tuple) -> None:
+        """Keep the arguments the hook just computed for ``key`` (layer, input shape, dtype, device)."""
+        if self._used is not None:
+            self._plain[key] = self._used
+            while len(self._plain) > self.CACHED_SHAPES * max(len(self._decoder_index), 1):
+                self._plain.pop(next(iter(self._plain)))
+        self._used = None
 
     def install(self, layers: list[nn.Module]) -> None:
         s = self.structure
@@ -139,6 +184,7 @@ class _PipelineCalls:
                 continue
             if n_pro <= i < n_pro + n_layers:
                 self._hook_decoder_layer(layer, i - n_pro)
+                self._decoder_index[id(layer)] = i - n_pro
             elif 0 < i < n_pro and s.prologue[i] in s.embeddings:
                 self._hook_position_embedding(layer)
             else:
@@ -151,12 +197,16 @@ class _PipelineCalls:
             handle.remove()
         self._handles = []
         self._hooked = weakref.WeakSet()
+        self._decoder_index, self._plain = {}, {}
 
     def _hook_decoder_layer(self, layer: nn.Module, index: int) -> None:
         def pre(module, args, kwargs):
             if len(args) != 1 or set(kwargs) - {"position_ids"}:
                 return None  # the model's own forward: it passes the arguments itself
-            rest, extra = self.kwargs_for(index, args[0], kwargs.get("position_ids"))
+            ready = self._ready
+            if ready is None:
+                ready = self._used = self.kwargs_for(index, args[0], kwargs.get("position_ids"))
+            rest, extra = ready
             self._filled.add(id(module))
             return (args[0], *rest), dict(extra)
 

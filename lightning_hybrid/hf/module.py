@@ -274,6 +274,10 @@ class CausalLM(LanguageModel):
                 raise
         return layers
 
+    def pipeline_layer_context(self, layer: nn.Module, hidden: Tensor, side: Mapping[str, Tensor]):
+        """Around a pipeline's call of ``layer`` (`PipelineLayerContext`): `_PipelineCalls.around`."""
+        return self._calls.around(layer, hidden, side.get("position_ids"), self.document_attention)
+
     def init_pipeline_layer(self, index: int, layer: nn.Module, pretrained: bool = True) -> None:
         """Materialised layer ``index``: the folder's tensors for it, or (no folder, or ``pretrained=False``) the
         model's init under its own seed."""

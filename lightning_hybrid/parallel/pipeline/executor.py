@@ -11,6 +11,7 @@ runs unchanged on every rank.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import ContextManager, Optional
@@ -139,11 +140,15 @@ class _Stage(PipelineStage):
 
 class _StageSequence(nn.Sequential):
     """The layers of one stage (shared with the LightningModule, which keeps owning them); keyword inputs (the
-    micro-batch's side inputs) reach every layer."""
+    micro-batch's side inputs) reach every layer; ``context(layer, hidden, side)``: entered around each layer's
+    call, or None."""
+
+    context: Optional[Callable[[nn.Module, Tensor, dict], ContextManager[None]]] = None
 
     def forward(self, x, **side):
         for layer in self:
-            x = layer(x, **side)
+            with self.context(layer, x, side) if self.context is not None else contextlib.nullcontext():
+                x = layer(x, **side)
         return x
 
 
@@ -347,8 +352,13 @@ def recv_tensor(src: int, group: dist.ProcessGroup, device: torch.device) -> Ten
     return t
 
 
-def stage_module(layers: list[nn.Module]) -> nn.Module:
-    return _StageSequence(*layers)
+def stage_module(layers: list[nn.Module],
+                 context: Optional[Callable[[nn.Module, Tensor, dict], ContextManager[None]]] = None) -> nn.Module:
+    """One stage's ``layers`` as one module; ``context(layer, hidden, side)``: entered around each layer's call on a
+    micro-batch (its input, the micro-batch's keyword tensors), or None."""
+    stage = _StageSequence(*layers)
+    stage.context = context
+    return stage
 
 
 def _check_side_inputs(side: Mapping[str, object], batch: int) -> None:
