@@ -25,8 +25,9 @@ hang there is a row of the table, not the end of the script), one after another,
     and dp2 with ZeRO 0, 1 and 3: the fp32 losses and global gradient norms of a small GPT against one device
     with plain Lightning (relative 1e-5), or the exception that stopped the layout; then tiny transformers models
     under bf16-mixed on the paths autocast changes (`MULTIRANK_BF16`: cp2 on packed documents -- each chunk attending
-    per document -- and plain, tp2 with SP and selective recompute, ep2 with pointwise recompute on Mixtral): that
-    they train (finite losses), or the exception.
+    per document -- plain, and with ring attention on packed documents (CUDA's memory-efficient kernel per chunk
+    pair), tp2 with SP and selective recompute, ep2 with pointwise recompute on Mixtral): that they train (finite
+    losses), or the exception.
 (d) the planner's predicted peak memory (and step time) of the runs in (b), beside the measured peaks: dp=tp=pp=1,
     ZeRO 0, bf16-mixed, on the closest cluster preset (``h100`` for an H100 or H200: the same bf16 peak).
 
@@ -98,6 +99,8 @@ MULTIRANK_RTOL = 1e-5
 MULTIRANK_BF16 = {  # ("packed": the batches are packed documents -- not a strategy argument)
     "bf16 llama cp2 packed documents": ("llama", dict(dp=1, cp=2, packed=True)),
     "bf16 llama cp2": ("llama", dict(dp=1, cp=2)),
+    # ring attention: each chunk pair on SDPA's memory-efficient kernel with the pair's mask, in bf16, merged in fp32
+    "bf16 llama cp2 ring packed documents": ("llama", dict(dp=1, cp=2, cp_attention="ring", packed=True)),
     "bf16 llama tp2 sp recompute=attention": ("llama", dict(tp=2, sequence_parallel=True, recompute="attention")),
     "bf16 mixtral dp2 ep2 recompute=pointwise": ("mixtral", dict(dp=2, ep=2, recompute="pointwise")),
 }

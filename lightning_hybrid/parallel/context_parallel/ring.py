@@ -272,7 +272,7 @@ class _RingAttention(torch.autograd.Function):
         query, key, value, output, log_sum_exp, labels = ctx.saved_tensors
         ring, scale, window, repeats = ctx.ring, ctx.scale, ctx.window, ctx.repeats
         c = query.size(-2) // 2
-        grad = grad.to(query.dtype)
+        grad = grad.to(query.dtype).contiguous()  # (an expanded gradient: the kernels read its rows)
         q_chunks, g_chunks, out_chunks = query.split(c, dim=-2), grad.split(c, dim=-2), output.split(c, dim=-2)
         lse_chunks = log_sum_exp.split(c, dim=-2)
         dq = [torch.zeros(part.shape, dtype=torch.float32, device=part.device) for part in q_chunks]
