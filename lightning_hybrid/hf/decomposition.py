@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from lightning_hybrid.core.batch import document_ids
+from lightning_hybrid.core.batch import document_ids, is_packed
 from lightning_hybrid.hf.document_attention import VERIFIED_PREFIX, first_packed_stance
 from lightning_hybrid.hf.structure import PipelineDecompositionError, _embedding_dim, _Structure
 
@@ -116,6 +116,7 @@ class _PipelineCalls:
         self._ready: Optional[tuple[tuple, dict]] = None  # the next decoder layer call's arguments (`around`)
         self._used: Optional[tuple[tuple, dict]] = None  # those the hook computed last
         self._plain: dict[tuple, tuple[tuple, dict]] = {}  # (layer, input's shape, dtype, device) -> its arguments
+        self._packed: Optional[tuple[Tensor, bool]] = None  # the last micro-batch's positions, and whether packed
 
     def kwargs_for(self, index: int, hidden: Tensor, position_ids: Optional[Tensor] = None) -> tuple[tuple, dict]:
         """Decoder layer ``index``'s arguments for ``hidden`` (at ``position_ids``: those of a padded or packed
@@ -156,7 +157,7 @@ class _PipelineCalls:
         if position_ids is not None:
             ready = self._arguments(index, (*position_ids.shape, hidden.size(-1)), hidden.dtype, hidden.device,
                                     position_ids)
-            stack.enter_context(first_packed_stance(attention, position_ids, layer))
+            stack.enter_context(first_packed_stance(attention, position_ids, layer, self._is_packed))
         else:
             key = (id(layer), tuple(hidden.shape), hidden.dtype, hidden.device)
             ready = self._plain.get(key)
@@ -166,6 +167,12 @@ class _PipelineCalls:
         self._ready = ready
         stack.callback(setattr, self, "_ready", None)
         return stack
+
+    def _is_packed(self, position_ids: Tensor) -> bool:
+        """`is_packed` once a micro-batch (its layers share its ``position_ids``): one host sync, not one a layer."""
+        if self._packed is None or self._packed[0] is not position_ids:
+            self._packed = (position_ids, is_packed(position_ids))
+        return self._packed[1]
 
     def _keep(self, key: tuple) -> None:
         """Keep the arguments the hook just computed for ``key`` (layer, input shape, dtype, device)."""

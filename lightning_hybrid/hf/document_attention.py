@@ -31,7 +31,7 @@ which.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -93,7 +93,7 @@ class DocumentAttention:
 
         self.name = f"lightning_hybrid_documents_{id(self):x}"
         self.verified: set[int] = set()
-        self.packed_layers: set[int] = set()  # decoder layers a pipeline ran packed (`first_packed_stance`)
+        self.packed_layers: set[int] = set()  # decoder layers settled under a pipeline (`first_packed_stance`)
         self.failed: Optional[str] = None
         self.fast = False
         AttentionInterface.register(self.name, self.attention)
@@ -162,7 +162,7 @@ class VerifiedAttention:
         self.kernel = ALL_ATTENTION_FUNCTIONS[self.implementation]
         self.name = f"{VERIFIED_PREFIX}{id(self):x}_{self.implementation}"
         self.verified: set[int] = set()
-        self.packed_layers: set[int] = set()  # decoder layers a pipeline ran packed (`first_packed_stance`)
+        self.packed_layers: set[int] = set()  # decoder layers settled under a pipeline (`first_packed_stance`)
         #: Whether the forward under way is packed, where the caller found out (`first_packed_stance`); None: unknown
         #: (the attention then looks at the positions itself, a host sync).
         self.packed: Optional[bool] = None
@@ -221,32 +221,35 @@ def attention_for(model: nn.Module) -> "DocumentAttention | VerifiedAttention | 
 
 
 def first_packed_stance(attention: "DocumentAttention | VerifiedAttention | None", position_ids: Optional[Tensor],
-                        layer: Optional[nn.Module] = None) -> ContextManager:
-    """Around a model's forward: until ``attention`` has verified a packed batch (or found it cannot), packed forwards
-    run eagerly (``torch.compiler.set_stance("force_eager")``), so that the verification -- host syncs, comparisons --
-    stays out of compiled layers, which compile once it is settled, in whole graphs; a forward whose rows are one
-    document each runs as it is (and tells `VerifiedAttention` so: nothing to verify in it). Otherwise nothing.
-    ``layer``: under ``pp > 1``, the decoder layer a pipeline calls (each settles on its first packed call, which
-    verifies its attention)."""
+                        layer: Optional[nn.Module] = None,
+                        packed: Optional[Callable[[Tensor], bool]] = None) -> ContextManager:
+    """Around a model's forward: until ``attention`` has verified a batch (or found it cannot), the forwards it
+    verifies on -- packed ones; under `DocumentAttention`, whose masked SDPA verifies any batch with positions, those
+    too -- run eagerly (``torch.compiler.set_stance("force_eager")``), so that the verification (host syncs,
+    comparisons) stays out of compiled layers, which compile once it is settled, in whole graphs; a forward whose rows
+    are one document each tells `VerifiedAttention` so (nothing to verify in it). Otherwise nothing. ``layer``: under
+    ``pp > 1``, the decoder layer a pipeline calls (each settles on its own first such call); ``packed``: what says
+    whether the positions are packed (`is_packed`, a host sync; the pipeline asks once a micro-batch)."""
     if attention is None or position_ids is None:
         return contextlib.nullcontext()
     settled = bool(attention.verified) if layer is None else id(layer) in attention.packed_layers
     if settled or getattr(attention, "failed", None) is not None:
         return contextlib.nullcontext()
-    packed = is_packed(position_ids)  # a host sync, outside compiled code, until the first packed batch settles it
-    return _unsettled(attention, packed, layer)
+    # (a host sync, outside compiled code, until the first batch it verifies on settles it)
+    return _unsettled(attention, (packed or is_packed)(position_ids), layer)
 
 
 @contextlib.contextmanager
 def _unsettled(attention: "DocumentAttention | VerifiedAttention", packed: bool,
                layer: Optional[nn.Module]) -> Iterator[None]:
     # (``set_stance`` takes effect when called: entered here only, never left on by a context not entered)
+    verifies = packed or isinstance(attention, DocumentAttention)
     if isinstance(attention, VerifiedAttention):
         attention.packed = packed
     try:
-        with torch.compiler.set_stance("force_eager") if packed else contextlib.nullcontext():
+        with torch.compiler.set_stance("force_eager") if verifies else contextlib.nullcontext():
             yield
-        if packed and layer is not None:
+        if verifies and layer is not None:
             attention.packed_layers.add(id(layer))
     finally:
         if isinstance(attention, VerifiedAttention):

@@ -174,3 +174,43 @@ def test_once_verified_a_packed_layer_traces_into_one_graph(implementation):
     args, kwargs = calls[-1]
     explained = torch._dynamo.explain(layer)(*args, **kwargs)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "user_per_document"])
+def test_a_pipelines_decoder_layer_gets_its_arguments_out_of_its_graph(implementation, monkeypatch):
+    """Under ``pp > 1`` the stages call the decoder layers, each inside `CausalLM.pipeline_layer_context`: a layer's
+    first call its attention verifies on (packed; under SDPA any with positions) eager, whether the positions are
+    packed asked once a micro-batch until then, and the layer's other arguments computed there (for each
+    micro-batch's positions; without positions once a shape, in an eager first call) -- so that the layer traces
+    into one graph, its hook reading them."""
+    import tests.hf.attention_implementations  # noqa: F401
+    from lightning_hybrid.hf import decomposition
+
+    module = _model("llama", attn_implementation=implementation)
+    layers = module.pipeline_layers()
+    embed, decoder = layers[0], layers[1:3]
+    asked, is_packed = [], decomposition.is_packed
+    monkeypatch.setattr(decomposition, "is_packed", lambda p: asked.append(p) or is_packed(p))
+    ids = torch.randint(0, 128, (3, 24), generator=torch.Generator().manual_seed(1))
+    one_each = torch.arange(24).expand(3, 24)  # rows of one document each: SDPA verifies on them, a kernel not
+    stances = []
+    for positions in (one_each, POSITIONS, POSITIONS.clone(), None, None):
+        side = {} if positions is None else {"position_ids": positions}
+        hidden = embed(ids)
+        for layer in decoder:
+            with module.pipeline_layer_context(layer, hidden, side):
+                stances.append(torch._dynamo.eval_frame._stance.stance)
+                hidden = layer(hidden, **side)
+    eager = "force_eager"
+    if implementation == "sdpa":  # settled on the first micro-batch with positions
+        assert stances == [eager, eager, "default", "default", "default", "default", eager, eager, "default", "default"]
+        assert [p is one_each for p in asked] == [True]
+    else:  # on the first packed one; the micro-batch before asked once for its two layers
+        assert stances == ["default", "default", eager, eager, "default", "default", eager, eager, "default", "default"]
+        assert [p is one_each for p in asked] == [True, False]
+    assert module.document_attention.packed_layers == {id(layer) for layer in decoder}
+    for side in ({"position_ids": POSITIONS.clone()}, {}):
+        hidden = embed(ids).detach()
+        with module.pipeline_layer_context(decoder[0], hidden, side):
+            explained = torch._dynamo.explain(decoder[0])(hidden, **side)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), (side, explained.break_reasons)
