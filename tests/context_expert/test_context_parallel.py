@@ -272,7 +272,33 @@ def _refusals() -> dict:
         except SystemExit as e:  # a batch error: rank 0 says it, the others leave quietly
             out[name] = f"SystemExit: {e.code}"
     out["ring attention"] = _ring_cases()  # in the process group the fits made
+    out["ring kernel"] = {kind: _with_a_wrong_kernel(kind) for kind in ("forward", "backward")}
     return out
+
+
+def _with_a_wrong_kernel(kind: str) -> str:
+    """The ring with its fused kernel's ``kind`` pass 1% off (a kernel called with arguments a torch version
+    reads otherwise): the error at its first chunk pair, or "ran"."""
+    from lightning_hybrid.parallel.context_parallel import ring
+
+    name = f"_pair_{kind}"
+    kernel, checked = getattr(ring, name), set(ring._CHECKED)
+
+    def off(*args):
+        first, *rest = kernel(*args)
+        return (first * 1.01, *rest)
+
+    ring._CHECKED.clear()
+    setattr(ring, name, off)
+    try:
+        _ring_case()
+        return "ran"
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        setattr(ring, name, kernel)
+        ring._CHECKED.clear()
+        ring._CHECKED.update(checked)
 
 
 @pytest.fixture(scope="module")
@@ -283,6 +309,11 @@ def two_ranks() -> list[dict]:
 def test_ring_attention_is_one_devices_masked_attention(two_ranks):
     for out in two_ranks:
         assert max(out["ring attention"].values()) < 5e-6, out["ring attention"]
+        # each fused kernel checked against the explicit scores on its first chunk pair in the process
+        for kind, error in out["ring kernel"].items():
+            assert error.startswith("cp_attention='ring': SDPA's fused cpu attention kernel (torch.float32) differs"
+                                    " from the explicit attention of a chunk pair by"), (kind, error)
+            assert f"in its {kind} pass" in error and "use cp_attention='all_gather'" in error, (kind, error)
 
 
 def test_what_context_parallelism_cannot_split_is_refused_with_the_reason_on_2_ranks(two_ranks):

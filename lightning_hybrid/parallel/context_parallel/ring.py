@@ -18,7 +18,9 @@ part of them) and one chunk pair's kernel's working set (its mask as an additive
 Each chunk pair runs on SDPA's own fused kernels where torch has one that takes a mask and returns the log-sum-exp
 (`_pair_forward`, `_pair_backward`): the CPU's flash kernel, CUDA's memory-efficient kernel (head sizes a multiple
 of 8); in the inputs' dtype, the merge in fp32 -- the same attention as one device's up to the order of its sums.
-Elsewhere explicit fp32 scores, ``ROWS`` query rows at a time. Attention dropout is refused.
+These are torch's private ops: each is checked once a process (by device and dtype) against the explicit scores on
+the first chunk pair of its first forward and backward, before any transfer, and a difference is an error
+(`_check`). Elsewhere explicit fp32 scores, ``ROWS`` query rows at a time. Attention dropout is refused.
 """
 
 from __future__ import annotations
@@ -200,6 +202,39 @@ def _pair_backward(g: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
     return tuple(t.float() for t in grads)
 
 
+#: The fused kernels checked in this process against the explicit scores on their first chunk pair, by (device
+#: type, dtype, "forward" or "backward"): calls of torch's private SDPA ops whose arguments or layouts a torch version
+#: changed are an error at the first ring attention, not a silently different attention or gradient.
+_CHECKED: set[tuple[str, torch.dtype, str]] = set()
+#: How far a fused pair may be from the explicit scores (relative to the largest value, absolute below 1).
+CHECK_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-6}
+CHECK_TOLERANCE_16 = 3e-2
+
+
+def _unchecked(q: Tensor, kind: str) -> bool:
+    return _kernel(q) != "explicit" and (q.device.type, q.dtype, kind) not in _CHECKED
+
+
+def _check(kind: str, q: Tensor, got: tuple, want: tuple) -> None:
+    """``RuntimeError`` unless a pair's fused results ``got`` are its explicit ones ``want`` (``-inf`` in the same
+    places) within `CHECK_TOLERANCE`; else the kernel counts as checked for the queries' device and dtype."""
+    error = 0.0
+    for a, b in zip(got, want):
+        a = a.float()
+        if not torch.equal(torch.isinf(a), torch.isinf(b)):
+            error = float("inf")
+            break
+        finite = ~torch.isinf(b)
+        if finite.any():
+            error = max(error, ((a[finite] - b[finite]).abs().max() / b[finite].abs().max().clamp_min(1)).item())
+    if not error <= CHECK_TOLERANCE.get(q.dtype, CHECK_TOLERANCE_16):
+        raise RuntimeError(f"cp_attention='ring': SDPA's fused {_kernel(q)} attention kernel ({q.dtype}) differs from"
+                           f" the explicit attention of a chunk pair by {error:.2e} in its {kind} pass (torch"
+                           f" {torch.__version__}), so the ring would not compute one device's attention: use"
+                           " cp_attention='all_gather'.")
+    _CHECKED.add((q.device.type, q.dtype, kind))
+
+
 def _explicit_backward(g: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        allowed: Optional[Tensor], scale: float) -> tuple[Tensor, Tensor, Tensor]:
     delta = (g * out).sum(-1, keepdim=True)  # FlashAttention's D = rowsum(dO * O)
@@ -248,6 +283,11 @@ class _RingAttention(torch.autograd.Function):
         out = [torch.zeros(part.shape, dtype=torch.float32, device=part.device) for part in q_chunks]
         lse = [torch.full((*part.shape[:-1], 1), float("-inf"), device=part.device) for part in q_chunks]
         kv = torch.stack([key, value]).contiguous()
+        if _unchecked(query, "forward"):  # before any transfer starts: an error leaves none in flight
+            qa, _, k, v, (mask, causal) = next(_pairs(ring, 0, kv, c, repeats, labels, window))
+            allowed = _explicit_mask(mask, causal, c, query.device)
+            _check("forward", query, _pair_forward(q_chunks[qa], k, v, mask, causal, scale)[:2],
+                   _explicit_forward(q_chunks[qa], k, v, allowed, scale))
         philox: tuple = ()
         for step in range(ring.size):
             works: list = []
@@ -280,6 +320,13 @@ class _RingAttention(torch.autograd.Function):
         # step behind: the visiting keys' gradients so far, from the ranks they visited before, arrive under this
         # step's compute; this rank adds its part and sends them on under the next step's (home after the last).
         kv = torch.stack([key, value]).contiguous()
+        if _unchecked(query, "backward"):  # before any transfer starts: an error leaves none in flight
+            qa, _, k, v, (mask, causal) = next(_pairs(ring, 0, kv, c, repeats, labels, window))
+            pair = (g_chunks[qa], q_chunks[qa], k, v, out_chunks[qa])
+            allowed = _explicit_mask(mask, causal, c, kv.device)
+            seen = torch.where(torch.isinf(lse_chunks[qa]), torch.zeros_like(lse_chunks[qa]), lse_chunks[qa])
+            _check("backward", query, _pair_backward(*pair, lse_chunks[qa], mask, causal, scale, ctx.philox),
+                   _explicit_backward(*(t.float() for t in pair), seen, allowed, scale))
         dkv_works: list = []
         arriving: Optional[Tensor] = None  # the visiting keys' and values' gradients so far, in flight to this rank
         for step in range(ring.size):
