@@ -340,7 +340,7 @@ def materialise(module: nn.Module, unsplit: dict[int, nn.Module], device: torch.
 
 
 def local_stages(module: nn.Module, layout: StageLayout) -> dict[int, nn.Module]:
-    """This rank's pipeline stages: stage index -> the stage's layers as one module (each forward inside the
+    """This rank's pipeline stages: stage index -> the stage's layers as one module (each layer's call inside the
     module's `PipelineLayerContext`, where it has one)."""
     layers = module.pipeline_layers()
     context = module.pipeline_layer_context if isinstance(module, PipelineLayerContext) else None

@@ -34,16 +34,12 @@ def pair_kernel_errors(device: torch.device | str, dtype: torch.dtype) -> dict[s
     errors = {}
     for name, (mask, causal) in pair_cases(device).items():
         out, lse, philox = ring._pair_forward(q, k, v, mask, causal, scale)
-        allowed = ring._explicit_mask(mask, causal, C, q.device)
-        want_out, want_lse = ring._explicit_forward(q, k, v, allowed, scale)
-        if not torch.equal(torch.isinf(lse), torch.isinf(want_lse)):
-            errors[name] = float("inf")
+        want_out, want_lse, _ = ring._pair_forward(q, k, v, mask, causal, scale, kernel="explicit")
+        forward = ring._difference((out, lse), (want_out, want_lse))
+        if forward == float("inf"):
+            errors[name] = forward
             continue
         grads = ring._pair_backward(grad, q, k, v, out.to(dtype), lse, mask, causal, scale, philox)
-        safe = torch.where(torch.isinf(want_lse), torch.zeros_like(want_lse), want_lse)
-        want = ring._explicit_backward(grad.float(), q.float(), k.float(), v.float(), want_out, safe, allowed, scale)
-        finite = ~torch.isinf(lse)
-        pairs = [(out, want_out), (lse[finite], want_lse[finite])] + list(zip(grads, want))
-        errors[name] = max(((got.float() - expected).abs().max() / expected.abs().max().clamp_min(1)).item()
-                           for got, expected in pairs)
+        want = ring._pair_backward(grad, q, k, v, want_out, want_lse, mask, causal, scale, (), kernel="explicit")
+        errors[name] = max(forward, ring._difference(grads, want))
     return errors

@@ -158,10 +158,26 @@ def _explicit_forward(q: Tensor, k: Tensor, v: Tensor, allowed: Optional[Tensor]
     return torch.cat(outs, dim=-2), torch.cat(lses, dim=-2)
 
 
-def _pair_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool,
-                  scale: float) -> tuple[Tensor, Tensor, tuple]:
-    """The pair's ``(output, log-sum-exp (..., rows, 1), what the CUDA kernel's backward takes back)``."""
-    kernel = _kernel(q)
+def _explicit_backward(g: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                       allowed: Optional[Tensor], scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    delta = (g * out).sum(-1, keepdim=True)  # FlashAttention's D = rowsum(dO * O)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for rows in _row_blocks(q.size(-2)):
+        q_rows, g_rows = q[..., rows, :], g[..., rows, :]
+        s = _scores(q_rows, k, None if allowed is None else allowed[..., rows, :], scale)
+        p = torch.exp(s - lse[..., rows, :])  # the block's attention weights (masked: 0)
+        dv += torch.matmul(p.transpose(-1, -2), g_rows)
+        ds = p * (torch.matmul(g_rows, v.transpose(-1, -2)) - delta[..., rows, :])
+        dq[..., rows, :] = torch.matmul(ds, k) * scale
+        dk += torch.matmul(ds.transpose(-1, -2), q_rows) * scale
+    return dq, dk, dv
+
+
+def _pair_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool, scale: float,
+                  kernel: Optional[str] = None) -> tuple[Tensor, Tensor, tuple]:
+    """The pair's ``(output, log-sum-exp (..., rows, 1), what the CUDA kernel's backward takes back)`` on ``kernel``
+    (default: the queries' device's, `_kernel`)."""
+    kernel = kernel or _kernel(q)
     philox: tuple = ()
     if kernel == "explicit":
         return (*_explicit_forward(q, k, v, _explicit_mask(mask, causal, q.size(-2), q.device), scale), philox)
@@ -180,11 +196,12 @@ def _pair_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causa
 
 
 def _pair_backward(g: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask: Optional[Tensor],
-                   causal: bool, scale: float, philox: tuple) -> tuple[Tensor, Tensor, Tensor]:
+                   causal: bool, scale: float, philox: tuple,
+                   kernel: Optional[str] = None) -> tuple[Tensor, Tensor, Tensor]:
     """The pair's ``(dq, dk, dv)`` in fp32 from the whole attention's ``out`` and ``lse`` (FlashAttention's
-    backward of one key block: its weights ``exp(s - lse)``, ``D = rowsum(g * out)``); rows that see nothing
-    anywhere (``lse`` -inf) contribute nothing."""
-    kernel = _kernel(q)
+    backward of one key block: its weights ``exp(s - lse)``, ``D = rowsum(g * out)``) on ``kernel`` (as
+    `_pair_forward`); rows that see nothing anywhere (``lse`` -inf) contribute nothing."""
+    kernel = kernel or _kernel(q)
     lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     if kernel == "explicit":
         return _explicit_backward(g.float(), q.float(), k.float(), v.float(), out.float(), lse,
@@ -215,39 +232,30 @@ def _unchecked(q: Tensor, kind: str) -> bool:
     return _kernel(q) != "explicit" and (q.device.type, q.dtype, kind) not in _CHECKED
 
 
-def _check(kind: str, q: Tensor, got: tuple, want: tuple) -> None:
-    """``RuntimeError`` unless a pair's fused results ``got`` are its explicit ones ``want`` (``-inf`` in the same
-    places) within `CHECK_TOLERANCE`; else the kernel counts as checked for the queries' device and dtype."""
+def _difference(got: tuple, want: tuple) -> float:
+    """The largest difference of tensors ``got`` from ``want`` over their finite elements, relative to ``want``'s
+    largest (absolute below 1); ``inf`` where they are not ``-inf`` in the same places."""
     error = 0.0
     for a, b in zip(got, want):
-        a = a.float()
+        a, b = a.float(), b.float()
         if not torch.equal(torch.isinf(a), torch.isinf(b)):
-            error = float("inf")
-            break
+            return float("inf")
         finite = ~torch.isinf(b)
         if finite.any():
             error = max(error, ((a[finite] - b[finite]).abs().max() / b[finite].abs().max().clamp_min(1)).item())
+    return error
+
+
+def _check(kind: str, q: Tensor, got: tuple, want: tuple) -> None:
+    """``RuntimeError`` unless a pair's fused results ``got`` are its explicit ones ``want`` within
+    `CHECK_TOLERANCE` (`_difference`); else the kernel counts as checked for the queries' device and dtype."""
+    error = _difference(got, want)
     if not error <= CHECK_TOLERANCE.get(q.dtype, CHECK_TOLERANCE_16):
         raise RuntimeError(f"cp_attention='ring': SDPA's fused {_kernel(q)} attention kernel ({q.dtype}) differs from"
                            f" the explicit attention of a chunk pair by {error:.2e} in its {kind} pass (torch"
                            f" {torch.__version__}), so the ring would not compute one device's attention: use"
                            " cp_attention='all_gather'.")
     _CHECKED.add((q.device.type, q.dtype, kind))
-
-
-def _explicit_backward(g: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                       allowed: Optional[Tensor], scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    delta = (g * out).sum(-1, keepdim=True)  # FlashAttention's D = rowsum(dO * O)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for rows in _row_blocks(q.size(-2)):
-        q_rows, g_rows = q[..., rows, :], g[..., rows, :]
-        s = _scores(q_rows, k, None if allowed is None else allowed[..., rows, :], scale)
-        p = torch.exp(s - lse[..., rows, :])  # the block's attention weights (masked: 0)
-        dv += torch.matmul(p.transpose(-1, -2), g_rows)
-        ds = p * (torch.matmul(g_rows, v.transpose(-1, -2)) - delta[..., rows, :])
-        dq[..., rows, :] = torch.matmul(ds, k) * scale
-        dk += torch.matmul(ds.transpose(-1, -2), q_rows) * scale
-    return dq, dk, dv
 
 
 class _Ring:
@@ -285,9 +293,8 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack([key, value]).contiguous()
         if _unchecked(query, "forward"):  # before any transfer starts: an error leaves none in flight
             qa, _, k, v, (mask, causal) = next(_pairs(ring, 0, kv, c, repeats, labels, window))
-            allowed = _explicit_mask(mask, causal, c, query.device)
-            _check("forward", query, _pair_forward(q_chunks[qa], k, v, mask, causal, scale)[:2],
-                   _explicit_forward(q_chunks[qa], k, v, allowed, scale))
+            pair = (q_chunks[qa], k, v, mask, causal, scale)
+            _check("forward", query, _pair_forward(*pair)[:2], _pair_forward(*pair, kernel="explicit")[:2])
         philox: tuple = ()
         for step in range(ring.size):
             works: list = []
@@ -322,11 +329,8 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack([key, value]).contiguous()
         if _unchecked(query, "backward"):  # before any transfer starts: an error leaves none in flight
             qa, _, k, v, (mask, causal) = next(_pairs(ring, 0, kv, c, repeats, labels, window))
-            pair = (g_chunks[qa], q_chunks[qa], k, v, out_chunks[qa])
-            allowed = _explicit_mask(mask, causal, c, kv.device)
-            seen = torch.where(torch.isinf(lse_chunks[qa]), torch.zeros_like(lse_chunks[qa]), lse_chunks[qa])
-            _check("backward", query, _pair_backward(*pair, lse_chunks[qa], mask, causal, scale, ctx.philox),
-                   _explicit_backward(*(t.float() for t in pair), seen, allowed, scale))
+            pair = (g_chunks[qa], q_chunks[qa], k, v, out_chunks[qa], lse_chunks[qa], mask, causal, scale, ctx.philox)
+            _check("backward", query, _pair_backward(*pair), _pair_backward(*pair, kernel="explicit"))
         dkv_works: list = []
         arriving: Optional[Tensor] = None  # the visiting keys' and values' gradients so far, in flight to this rank
         for step in range(ring.size):
