@@ -754,23 +754,15 @@ def multirank_fit(
     layout: Optional[dict], accelerator: str, backend: Optional[str], steps: int, timeout_s: float,
 ) -> dict:
     """Train the small GPT ``steps`` steps: under ``HybridStrategy(**layout)`` on this rank's process group, or
-    (``layout`` None) on one device with plain Lightning, reading the samples in the distributed runs' order.
+    (``layout`` None) on one device with plain Lightning (the ranks read its samples in its order).
     Returns the synced losses and the global gradient norms before clipping (the same on every rank)."""
     from datetime import timedelta
 
     import lightning as L
     import torch
-    from torch.utils.data import DataLoader, DistributedSampler
 
     from lightning_hybrid import HybridStrategy
     from lightning_hybrid.data.corpus import ByteCorpusDataModule
-
-    class OneDeviceInDistributedOrder(ByteCorpusDataModule):
-        """Lightning shuffles a distributed run's data with ``DistributedSampler(seed=0)``; the same order here."""
-
-        def train_dataloader(self) -> DataLoader:
-            sampler = DistributedSampler(self.train_dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
-            return DataLoader(self.train_dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True)
 
     class Recorder(L.Callback):
         def __init__(self) -> None:
@@ -793,7 +785,7 @@ def multirank_fit(
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if layout is None:
         strategy, devices, num_nodes, dp = "auto", 1, 1, 1
-        data = OneDeviceInDistributedOrder(max_bytes=80_000, block_size=MR_BLOCK, batch_size=MR_GLOBAL_BATCH)
+        data = ByteCorpusDataModule(max_bytes=80_000, block_size=MR_BLOCK, batch_size=MR_GLOBAL_BATCH)
     else:
         strategy = HybridStrategy(**layout, process_group_backend=backend, timeout=timedelta(seconds=timeout_s))
         devices, num_nodes = _devices_and_nodes()

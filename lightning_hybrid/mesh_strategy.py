@@ -4,8 +4,10 @@ Lightning's own collectives mean on them. It knows nothing of the model; `Hybrid
 * ``setup_environment``: `ParallelDims.for_world` validates the sizes against the world size (before any process
   group exists, so every rank raises the same error), then the process group (backend from Lightning's
   accelerator: gloo on CPU, nccl on CUDA) and every named mesh view, once (`ParallelDims.build_meshes`);
-* only DP ranks see different samples (the sampler's arguments), and Lightning's collectives -- ``self.log(...,
-  sync_dist=True)``, torchmetrics, ``all_gather`` -- run over the DP group: TP and PP ranks hold copies;
+* only DP ranks see different samples, in the training loader's own order while fitting (one device's global
+  batches: `lightning_hybrid.runtime.sample_order`, which takes Lightning's sampler injection over), and Lightning's
+  collectives -- ``self.log(..., sync_dist=True)``, torchmetrics, ``all_gather`` -- run over the DP group: TP and
+  PP ranks hold copies;
 * a failing rank 0 stops the ranks it started (Lightning leaves them waiting until the timeout);
 * a collective that fails -- it timed out, or a peer's connection closed because that rank died -- is reported in
   one ``error:`` line naming the collective, where it was called, and the ranks that never came or that died
@@ -41,8 +43,10 @@ from lightning_hybrid.runtime.clean_exit import register_clean_exit
 from lightning_hybrid.runtime.forensics import CheckedLauncher, Forensics, without_traceback
 from lightning_hybrid.runtime.ports import free_main_port
 from lightning_hybrid.runtime.rank_zero import library_warnings_from_rank_zero
+from lightning_hybrid.runtime.sample_order import SampleOrder
 
 if TYPE_CHECKING:
+    import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
 
 
@@ -66,6 +70,7 @@ class MeshStrategy(ParallelStrategy):
         # What lasts from `setup_environment` to `teardown`: library warnings from rank 0 only, and whatever a
         # subclass binds for the run.
         self._run_scope = ExitStack()
+        self._sample_order: Optional[SampleOrder] = None
 
     # ------------------------------------------------------------------ layout
     @property
@@ -129,6 +134,18 @@ class MeshStrategy(ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Only DP ranks see different samples; a TP group, a pipeline and a CP group share them.
         return {"num_replicas": self.dp_size, "rank": self.dp_rank}
+
+    def keep_sample_order(self, trainer: "pl.Trainer") -> None:
+        """For this run, the samplers are this strategy's: each DP rank reads its share of the loader's own order
+        (`lightning_hybrid.runtime.sample_order`); Lightning's injection, which would shuffle it, is off until
+        teardown."""
+        self._sample_order = SampleOrder(trainer)
+        self._run_scope.callback(self._sample_order.close)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        if self._sample_order is None:
+            return dataloader
+        return self._sample_order.process(dataloader, self.dp_size, self.dp_rank)
 
     @property
     def process_group_backend(self) -> Optional[str]:

@@ -147,6 +147,7 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.lightning_module is not None and self.model is not None
         self.accelerator.setup(trainer)
+        self.keep_sample_order(trainer)
         module = self.lightning_module
         if self._parallelized is None or self._parallelized.module is not module:  # a second fit reuses it
             self._parallelized = parallelize(module, self.meshes, self.options, self.root_device)

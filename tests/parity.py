@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 from lightning_hybrid import HybridStrategy
 from lightning_hybrid.data.corpus import ByteCorpusDataModule
@@ -28,13 +28,16 @@ GLOBAL_BATCH = 8
 CLIP = 0.5
 BLOCK = 32
 # Set from the measured noise of every layout against one device (fp32; `PARITY_DEVIATIONS=deviations.jsonl pytest
-# tests/strategy/test_strategy_parity.py tests/hf/test_hf.py tests/tensor_parallel/test_tensor_parallel_models.py`
-# writes it): losses, global norms and validation loss at most 2.6e-7 relative, a tensor's gradient norm 4.9e-7,
-# final parameters 1.2e-6 absolute for the reference GPT (3.1e-6 for transformers families, 7.6e-6 for the user
-# module at lr 3e-3, where Adam turns eps-scale gradient noise into updates of order lr).
+# tests/strategy/test_strategy_parity.py tests/hf/test_hf.py tests/tensor_parallel/test_tensor_parallel_models.py
+# tests/hf/test_finetune_parity.py tests/context_expert` writes it): losses, global norms and validation loss at most
+# 2.2e-7 relative; a tensor's gradient norm 2.8e-6 and the final parameters 4.1e-6 absolute (pp2 x tp2 + SP,
+# compiled; tp4: 2.1e-6, 3.0e-6), where Adam turns eps-scale gradient noise into updates of order lr. Those two are
+# held to the promise, 1e-5 (a doubled gradient of one small tensor is 0.3 off in its norm, 3e-3 in the parameters).
+# (In Lightning's shuffled order, before the strategy kept the loaders' own, the same runs measured 4.9e-7 and
+# 1.2e-6: the noise depends on the data the steps see.)
 RTOL = 1e-6
-TENSOR_RTOL = 2e-6
-PARAM_ATOL = 5e-6
+TENSOR_RTOL = 1e-5
+PARAM_ATOL = 1e-5
 # FP8 runs (tests/strategy/test_float8.py; ``max_steps=FP8_STEPS`` in their trainer kwargs): two steps -- the first
 # from the same weights, the second from weights an ulp apart; later, fp32 noise at a float8 rounding boundary moves a
 # value by a whole float8 step, and every step compounds it -- at the fp32 tolerances but a tensor's gradient norm's
@@ -47,28 +50,15 @@ FP8_TOLERANCES = (RTOL, PARAM_ATOL, 1e-3, 1e-4)
 # 2e-4 off after one step, 1.0e-3 after two, the global norm 1.6e-5, on the AVX-512 machine; within 1e-5 elsewhere):
 # a whole float8 step, still ten times below a broken split's.
 FP8_COMPILED_TOLERANCES = (5e-5, PARAM_ATOL, 1e-3, 5e-3)
+# ... and where fp32 noise in the split sums (TP, ZeRO-3's order) puts an activation across a float8 rounding boundary
+# in the first step already (the 3D run in the loaders' own order: a tensor's gradient norm 1.3e-3 off, the
+# validation loss 2.5e-5, one of its 512 predictions flipped, the parameters 8.5e-4 of their movement): a whole float8
+# step, a tenth of a broken split's.
+FP8_BOUNDARY_TOLERANCES = (5e-5, PARAM_ATOL, 5e-3, 5e-3, 2.5e-3)
 # LoRA rows (tests/hf/test_finetune_parity.py): random adapters at scale 4 make the attention near one-hot in places,
 # where an fp32 sum split across ranks moves a global or a tensor's gradient norm by 1.6e-6-3.2e-6 (AVX-512 machine;
 # within RTOL and TENSOR_RTOL on earlier ones): held to the suite's promise, 1e-5 (a wrong split is 1e-2 off).
 LORA_TOLERANCES = (1e-5, 1e-5, 1e-3, 1e-5)
-
-
-def one_device_loader(dataset: Dataset, batch_size: int) -> DataLoader:
-    """The one-device reference's training loader: the samples in the order of Lightning's ``DistributedSampler(
-    seed=0)`` on every distributed run, and a generator of its own, as the distributed runs' loader
-    (`resumable_loader`) has: making its iterator draws its base seed from it, not from the global random state,
-    which a module's dropout then draws from alike."""
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
-                      generator=torch.Generator(device="cpu").manual_seed(0))
-
-
-class OneDeviceInDistributedOrder(ByteCorpusDataModule):
-    """Lightning shuffles the training data of every distributed run with ``DistributedSampler(seed=0)``
-    (whatever the DataLoader says). The one-device reference reads the samples in that same order."""
-
-    def train_dataloader(self) -> DataLoader:
-        return one_device_loader(self.train_dataset, self.batch_size)
 
 
 class DocumentSamples(Dataset):
@@ -118,19 +108,14 @@ class DocumentData(ByteCorpusDataModule):
     """`ByteCorpusDataModule`'s blocks as `DocumentSamples`; ``val_batch_size`` apart from the training batch
     (the one-device reference of an accumulating run reads a window's batches as one)."""
 
-    def __init__(self, kind: str, val_batch_size: int, one_device: bool, **kwargs) -> None:
+    def __init__(self, kind: str, val_batch_size: int, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.kind, self.val_batch_size, self.one_device = kind, val_batch_size, one_device
+        self.kind, self.val_batch_size = kind, val_batch_size
 
     def setup(self, stage=None) -> None:
         super().setup(stage)
         self.train_dataset = DocumentSamples(self.train_dataset, self.kind)
         self.val_dataset = DocumentSamples(self.val_dataset, self.kind)
-
-    def train_dataloader(self) -> DataLoader:
-        if not self.one_device:
-            return super().train_dataloader()
-        return one_device_loader(self.train_dataset, self.batch_size)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_dataset, batch_size=self.val_batch_size, shuffle=False, drop_last=True)
@@ -147,14 +132,13 @@ def fit_and_record(strategy, devices: int, make_module, dp: int = 1, steps: int 
     kind = trainer_kwargs.pop("data", "pairs")
     accumulating = kind != "pairs" and trainer_kwargs.get("accumulate_grad_batches", 1) > 1
     if kind == "pairs":
-        data_class = OneDeviceInDistributedOrder if strategy == "auto" else ByteCorpusDataModule
-        data = data_class(max_bytes=80_000, block_size=BLOCK, batch_size=GLOBAL_BATCH // dp)
+        data = ByteCorpusDataModule(max_bytes=80_000, block_size=BLOCK, batch_size=GLOBAL_BATCH // dp)
     else:
         window = trainer_kwargs.get("accumulate_grad_batches", 1)
         one_device = strategy == "auto"
         if one_device and window > 1:
             trainer_kwargs["accumulate_grad_batches"] = 1
-        data = DocumentData(kind, GLOBAL_BATCH // dp, one_device, max_bytes=80_000, block_size=BLOCK,
+        data = DocumentData(kind, GLOBAL_BATCH // dp, max_bytes=80_000, block_size=BLOCK,
                             batch_size=GLOBAL_BATCH * (window if one_device else 1) // dp)
     recorder = Recorder()
     initial = InitialState()
@@ -165,7 +149,7 @@ def fit_and_record(strategy, devices: int, make_module, dp: int = 1, steps: int 
         devices=devices,
         strategy=strategy,
         max_steps=steps,
-        gradient_clip_val=CLIP,
+        gradient_clip_val=trainer_kwargs.pop("gradient_clip_val", CLIP),
         limit_val_batches=2,
         num_sanity_val_steps=0,
         **QUIET_TRAINER,
@@ -330,11 +314,12 @@ def deviations(got: dict, ref: dict) -> dict[str, float]:
 
 
 def mismatches(got: dict, ref: dict, rtol: float = RTOL, param_atol: float = PARAM_ATOL, movement: float = 1e-3,
-               tensor_rtol: float = TENSOR_RTOL) -> dict[str, float]:
+               tensor_rtol: float = TENSOR_RTOL, val_acc: float = 1e-6) -> dict[str, float]:
     """The deviations (`deviations`) beyond the tolerances: ``rtol`` for the relative ones but ``tensor_rtol`` for
     each tensor's gradient norm, ``param_atol`` for each parameter, ``movement`` for the model's distance from the
-    one-device parameters against their movement. Empty when the run matches."""
-    limits = {"param": param_atol, "val_acc": 1e-6, "tensor_grad_norm": tensor_rtol, "param_vs_movement": movement}
+    one-device parameters against their movement, ``val_acc`` for the validation accuracy. Empty when the run
+    matches."""
+    limits = {"param": param_atol, "val_acc": val_acc, "tensor_grad_norm": tensor_rtol, "param_vs_movement": movement}
     return {k: v for k, v in deviations(got, ref).items() if not v <= limits.get(k, rtol)}
 
 
@@ -360,7 +345,7 @@ def run_world(
     world: int, runs: dict[str, tuple], steps: int = STEPS, references: dict | None = None,
 ) -> tuple[list[dict], dict]:
     """Train ``runs`` (name -> (strategy kwargs, module factory, trainer kwargs[, tolerances]); ``max_steps`` among the
-    trainer kwargs overrides ``steps`` for that run) on ``world`` ranks
+    trainer kwargs overrides ``steps`` for that run, ``gradient_clip_val`` `CLIP`) on ``world`` ranks
     and on one device (``references``: one-device results by run name, computed here for the runs it lacks --
     fp32, with the trainer kwargs but their ``callbacks`` and ``precision`` -- and added to it). Returns (results by
     rank, references)."""
@@ -371,7 +356,8 @@ def run_world(
             one_device = {k: v for k, v in trainer_kwargs.items() if k not in ("callbacks", "precision", "max_steps")}
             references[name] = fit_and_record("auto", 1, make_module, steps=steps_of(trainer_kwargs, steps),
                                               **one_device)
-        assert min(references[name]["grad_norms"]) > CLIP, "clipping must be active for the norm check to mean anything"
+        clip = trainer_kwargs.get("gradient_clip_val", CLIP)
+        assert min(references[name]["grad_norms"]) > clip, "clipping must be active for the norm check to mean anything"
     results = run_distributed(_fit_runs, world, runs, steps)
     _report(world, results, references)
     return results, references
@@ -456,10 +442,10 @@ class Float8GPT(SGDGPT):
     device it converts them itself with torchao (``convert_to_float8_training``, emulated, the strategy's filter)
     and runs its forward on the rows the distributed run scales together: with gradients, a pipeline micro-batch
     of every data-parallel rank (``micro_batches`` parts of each rank's rows); without (validation), one rank's
-    micro-batch alone. Rank ``r`` of ``dp`` reads rows ``r, r + dp, ...`` of the one-device batch (Lightning's
-    ``DistributedSampler``). Plain SGD (`SGDGPT`): a float8 value that fp32 noise moved one step changes an update by
-    the learning rate times its effect on the gradient, where Adam would make an update of order the learning rate
-    of a gradient element that is noise."""
+    micro-batch alone. Rank ``r`` of ``dp`` reads rows ``r, r + dp, ...`` of the one-device batch (the strategy's
+    sampler: `lightning_hybrid.runtime.sample_order`). Plain SGD (`SGDGPT`): a float8 value that fp32 noise moved
+    one step changes an update by the learning rate times its effect on the gradient, where Adam would make an
+    update of order the learning rate of a gradient element that is noise."""
 
     def __init__(self, *args, recipe: str = "tensorwise", dp: int = 1, micro_batches: int = 1, **kwargs):
         super().__init__(*args, **kwargs)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 VOCAB, DIM, HEADS, BLOCK = 64, 16, 2, 16
 
@@ -163,19 +163,37 @@ class MiscountedLM(UserLM):
         return torch.tensor(y.numel(), device=y.device)
 
 
-def _loader(dataset: Dataset, batch_size: int, one_device: bool) -> DataLoader:
-    """Lightning shuffles the training data of every distributed run (``DistributedSampler(shuffle=True, seed=0)``
-    over the DP ranks, whatever the loader says); ``one_device``: the one-device reference in that same order."""
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0) if one_device else None
+def _loader(dataset: Dataset, batch_size: int, sampler: "Sampler | None" = None) -> DataLoader:
+    """A loader as users write it (``shuffle=False``): the strategy keeps its order, one device's (each data-parallel
+    rank reads every ``dp``-th sample of it); ``sampler``: an order of the user's own."""
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
 
 
-def pairs_loader(batch_size: int = 4, one_device: bool = False) -> DataLoader:
-    return _loader(Pairs(token_rows()), batch_size, one_device)
+def pairs_loader(batch_size: int = 4) -> DataLoader:
+    return _loader(Pairs(token_rows()), batch_size)
 
 
-def padded_loader(batch_size: int = 4, one_device: bool = False, left: bool = False) -> DataLoader:
-    return _loader(PaddedDicts(token_rows(), left), batch_size, one_device)
+def padded_loader(batch_size: int = 4, left: bool = False) -> DataLoader:
+    return _loader(PaddedDicts(token_rows(), left), batch_size)
+
+
+class ByLastToken(Sampler):
+    """A sampler of the user's own: the rows in the order of their last token (a curriculum, an order by length)."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.order = torch.argsort(rows[:, -1], stable=True).tolist()
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __iter__(self):
+        return iter(self.order)
+
+
+def ordered_loader(batch_size: int = 4, rows: int = 64, drop_last: bool = True) -> DataLoader:
+    """``rows`` rows of `token_rows` in `ByLastToken`'s order."""
+    data = token_rows(rows)
+    return DataLoader(Pairs(data), batch_size=batch_size, sampler=ByLastToken(data), drop_last=drop_last)
 
 
 class HandClippingLM(UserLM):

@@ -231,7 +231,8 @@ class SFTDataModule(DataPosition, L.LightningDataModule):
     ``train_on_prompt``) or no trained target left (e.g. a prompt cut to ``block_size``) is dropped: it would take no
     loss; it is counted and warned of. After setup, :meth:`statistics` says what became of every record, and
     ``rows``, ``documents``, ``tokens``, ``loss_tokens`` and ``packing_efficiency`` describe the training split
-    (`batch_statistics`). No ``DistributedSampler`` is created here: Lightning injects it when needed.
+    (`batch_statistics`). No ``DistributedSampler`` is created here: the strategy injects it
+    (`lightning_hybrid.runtime.sample_order`).
     """
 
     def __init__(

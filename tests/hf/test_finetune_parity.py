@@ -35,6 +35,8 @@ def _lm(family: str) -> CausalLM:
 #: LoRA (peft) on every linear of the blocks, both matrices drawn at random (peft's B = 0 would leave the first
 #: step's gradients of A at 0 and every norm below CLIP), alpha 8r.
 LORA = {"r": 8, "lora_alpha": 32, "init_lora_weights": False, "target_modules": "all-linear"}
+#: Their gradient norms: 0.4-1.3 on one device (below the GPT's `CLIP` in places; clipping must act on every step).
+LORA_CLIP = {"gradient_clip_val": 0.3}
 
 
 class _SGDLoraLM(CausalLM):
@@ -176,20 +178,21 @@ def test_padded_and_packed_batches_match_one_device_on_2_ranks():
     # LoRA: the adapters alone reduced, sharded and stepped; TP splits them with their base layers (SP: the whole
     # A of a column layer, B of a row layer, summed over TP); pipeline stages and EP build their layers with them
     # (tests/hf/test_lora.py: what is refused, the exports).
-    runs["dp2-zero3-packed-lora-llama"] = (dict(dp=2, zero_stage=3), partial(_lora_lm, "llama"), {"data": "packed"},
-                                           LORA_TOLERANCES)
+    runs["dp2-zero3-packed-lora-llama"] = (dict(dp=2, zero_stage=3), partial(_lora_lm, "llama"),
+                                           {"data": "packed", **LORA_CLIP}, LORA_TOLERANCES)
     # (Not Llama or Qwen2 on padded rows: with these adapters (scale 4, B random) that run's fourth step has layer 0's
     # attention near one-hot, and the query/key adapters' gradients 1e-5 off under any split of the sums -- pp2 and
     # cp2 alike -- where steps 1-3 are within 4e-7.)
-    runs["cp2-padded-lora-phi3"] = (dict(dp=1, cp=2), partial(_lora_lm, "phi3"), {"data": "padded"}, LORA_TOLERANCES)
+    runs["cp2-padded-lora-phi3"] = (dict(dp=1, cp=2), partial(_lora_lm, "phi3"), {"data": "padded", **LORA_CLIP},
+                                    LORA_TOLERANCES)
     runs["tp2-sp-packed-lora-llama"] = (dict(tp=2, sequence_parallel=True), partial(_lora_lm, "llama"),
-                                        {"data": "packed"}, LORA_TOLERANCES)
-    runs["pp2-padded-lora-gpt_neox"] = (dict(pp=2, micro_batches=2), partial(_lora_lm, "gpt_neox"), {"data": "padded"},
-                                        LORA_TOLERANCES)
+                                        {"data": "packed", **LORA_CLIP}, LORA_TOLERANCES)
+    runs["pp2-padded-lora-gpt_neox"] = (dict(pp=2, micro_batches=2), partial(_lora_lm, "gpt_neox"),
+                                        {"data": "padded", **LORA_CLIP}, LORA_TOLERANCES)
     # (an MoE's all-linear: peft's ParamWrapper on the router's weight and on the experts' packed parameters, whose
     # adapters EP splits by expert with them)
-    runs["dp2-ep2-packed-lora-olmoe"] = (dict(dp=2, ep=2), partial(_lora_lm, "olmoe"), {"data": "packed"},
-                                         LORA_TOLERANCES)
+    runs["dp2-ep2-packed-lora-olmoe"] = (dict(dp=2, ep=2), partial(_lora_lm, "olmoe"),
+                                         {"data": "packed", **LORA_CLIP}, LORA_TOLERANCES)
     results = check_world(2, runs, steps=HF_STEPS, tolerances=HF_TOLERANCES)
     _assert_adapters_split(results, "tp2-sp-packed-lora-llama", partial(_lora_lm, "llama"))
 
@@ -216,11 +219,12 @@ def runs_on_4_ranks() -> dict:
                                                    {"data": "packed", **GPT_CHECK}, HF_TOLERANCES),
         # LoRA: fused projections' adapters split by their parts (Phi-3's qkv_proj, gate_up_proj) across stages.
         "tp2xpp2-sp-packed-lora-phi3": (dict(tp=2, pp=2, micro_batches=2, sequence_parallel=True),
-                                        partial(_lora_lm, "phi3"), {"data": "packed", "max_steps": HF_STEPS},
-                                        LORA_TOLERANCES),
+                                        partial(_lora_lm, "phi3"),
+                                        {"data": "packed", **LORA_CLIP, "max_steps": HF_STEPS}, LORA_TOLERANCES),
         "dp2xtp2-ep2-zero3-padded-lora-mixtral": (dict(dp=2, tp=2, ep=2, zero_stage=3),
                                                   partial(_lora_lm, "mixtral"),
-                                                  {"data": "padded", "max_steps": HF_STEPS}, LORA_TOLERANCES),
+                                                  {"data": "padded", **LORA_CLIP, "max_steps": HF_STEPS},
+                                                  LORA_TOLERANCES),
     }
 
 
@@ -233,6 +237,6 @@ def runs_on_8_ranks() -> dict:
                                partial(_lm, "qwen2"), {"data": "padded", **GPT_CHECK}, HF_TOLERANCES),
         # LoRA on dp2 x tp2 x pp2: adapters split with their layers, across stages, reduced over DP (ZeRO-1 buckets).
         "3d-sp-zero1-packed-lora-qwen2": (dict(dp=2, tp=2, pp=2, micro_batches=2, sequence_parallel=True, zero_stage=1),
-                                          partial(_lora_lm, "qwen2"), {"data": "packed", "max_steps": HF_STEPS},
-                                          LORA_TOLERANCES),
+                                          partial(_lora_lm, "qwen2"),
+                                          {"data": "packed", **LORA_CLIP, "max_steps": HF_STEPS}, LORA_TOLERANCES),
     }

@@ -21,7 +21,7 @@ from lightning_hybrid.checkpoint import CheckpointError, consolidate, read_meta
 from lightning_hybrid.data.corpus import ByteCorpusDataModule
 from lightning_hybrid.models import GPTLightningModule
 from tests.helpers import QUIET_TRAINER, Recorder, run_distributed
-from tests.parity import BLOCK, GLOBAL_BATCH, OneDeviceInDistributedOrder
+from tests.parity import BLOCK, GLOBAL_BATCH
 from tests.strategy.test_strategy_parity import gpt
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,7 +151,7 @@ def test_resume_is_exact_and_reshards_to_other_layouts(tmp_path):
     module.configure_model()
     module.load_state_dict(torch.load(out, weights_only=True))
     trainer = L.Trainer(accelerator="cpu", devices=1, limit_val_batches=2, **QUIET_TRAINER)
-    data = OneDeviceInDistributedOrder(max_bytes=80_000, block_size=BLOCK, batch_size=GLOBAL_BATCH)
+    data = ByteCorpusDataModule(max_bytes=80_000, block_size=BLOCK, batch_size=GLOBAL_BATCH)
     metrics = trainer.validate(module, data, verbose=False)
     assert metrics[0]["val_loss"] == pytest.approx(saved["val_loss"], rel=1e-5)
 
