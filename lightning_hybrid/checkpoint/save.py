@@ -23,7 +23,7 @@ from lightning_hybrid.checkpoint.tensors import (
     _unsplit_tensors,
     owner_of,
 )
-from lightning_hybrid.core.dims import Meshes, barrier
+from lightning_hybrid.core.dims import Meshes, after_rank_zero, barrier
 from lightning_hybrid.parallel.tensor_parallel import gather_full_state_dict
 from lightning_hybrid.parallel.tensor_parallel.layers import tp_shard_specs
 
@@ -58,10 +58,8 @@ def save_sharded(
     dist.all_gather_object(everyone, {key: (part_of[key], shape, dtype) for key, shape, dtype in plan})
     tensors = {k: v for per_rank in everyone for k, v in per_rank.items()}
 
-    if first:
-        for part in range(int(parts)):
-            _part_dir(partial, part).mkdir(parents=True)
-    barrier(device)
+    after_rank_zero(device, f"making the folders of checkpoint {path}",
+                    lambda: [_part_dir(partial, part).mkdir(parents=True) for part in range(int(parts))])
     current, state = 0, {}
     for (key, _, _), tensor in zip(plan, _unsplit_tensors(module, optimizers, specs)):
         while part_of[key] > current:
@@ -75,7 +73,8 @@ def save_sharded(
         state = {}
     barrier(device)  # every shard written: their sizes and checksums
     files = _digests(partial, _shard_files(partial))
-    if first:
+
+    def write_meta() -> None:
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         meta["lightning_hybrid"] = {
             "model_shapes": {k[len("model/"):]: v[1] for k, v in tensors.items() if k.startswith("model/")},
@@ -86,10 +85,9 @@ def save_sharded(
             "files": files,  # relative path -> (bytes, CRC-32)
         }
         torch.save(meta, partial / META_FILE)
-    barrier(device)
-    if first:
-        commit(partial, path, token)
-    barrier(device)
+
+    after_rank_zero(device, f"writing checkpoint {path}", write_meta)
+    after_rank_zero(device, f"committing checkpoint {path}", lambda: commit(partial, path, token))
 
 
 def _broadcast(obj: Any) -> Any:

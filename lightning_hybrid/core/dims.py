@@ -22,7 +22,7 @@ TorchTitan's ``ParallelDims.build_mesh`` uses) is called here and nowhere else.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -229,6 +229,29 @@ def barrier(device: torch.device) -> None:
         dist.barrier(device_ids=[device.index])
     else:
         dist.barrier()
+
+
+def after_rank_zero(device: torch.device, what: str, work: Callable[[], object]) -> None:
+    """``work()`` on global rank 0 (a file it alone writes), then every rank meets: where a barrier would leave the
+    others waiting for a rank 0 whose work raised, they learn of it (`rank_zero_verdict`)."""
+    error: Optional[Exception] = None
+    if dist.get_rank() == 0:
+        try:
+            work()
+        except Exception as e:  # told to every rank below, then raised here
+            error = e
+    rank_zero_verdict(device, what, error)
+
+
+def rank_zero_verdict(device: torch.device, what: str, error: Optional[Exception]) -> None:
+    """Every rank meets (one broadcast from global rank 0 of its ``error``'s text, ``None`` when its part of
+    ``what`` went well): rank 0 raises its ``error``, the others a ``RuntimeError`` naming it."""
+    verdict = [None if error is None else f"{type(error).__name__}: {error}"]
+    dist.broadcast_object_list(verdict, 0, device=device if dist.get_backend() == "nccl" else None)
+    if error is not None:
+        raise error
+    if verdict[0] is not None:
+        raise RuntimeError(f"rank 0 failed in {what}: {verdict[0]}")
 
 
 def _positive(value: object) -> bool:

@@ -13,9 +13,11 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 import lightning.pytorch as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
+from lightning_hybrid.core.dims import rank_zero_verdict
 from lightning_hybrid.hf.lora import adapter_merges, adapter_state, base_name, inject_lora, merged_weight
 from lightning_hybrid.hf.module import CausalLM
 from lightning_hybrid.hf.weights import tied_keys
@@ -99,7 +101,8 @@ def _staged(trainer: "L.Trainer", folder: Path, name: str) -> Iterator[Optional[
     """The trained weights through a sharded checkpoint in ``folder/.export-checkpoint`` (the weights only; each
     tensor unsplit once, by one rank): on rank 0 a function giving its model parts one at a time (each call reads
     them again; ``select``: only the tensors whose key it accepts), ``None`` on the others; then the checkpoint
-    removed and every rank met (barrier ``name``)."""
+    removed and every rank met: where rank 0's writing raised, every rank raises (`rank_zero_verdict`), none waits
+    for it."""
     from lightning_hybrid.checkpoint import model_parts
 
     staging = folder / ".export-checkpoint"
@@ -109,13 +112,21 @@ def _staged(trainer: "L.Trainer", folder: Path, name: str) -> Iterator[Optional[
         trainer.save_checkpoint(staging, weights_only=True)  # no optimizer state
     finally:
         module.checkpoint_frozen = whole
+    error: Optional[Exception] = None
     if trainer.is_global_zero:
-        yield lambda select=None: (model_parts(staging, select) if staging.is_dir()
-                                   else [torch.load(staging, map_location="cpu")["state_dict"]])
-        shutil.rmtree(staging, ignore_errors=True) if staging.is_dir() else staging.unlink(missing_ok=True)
+        try:
+            yield lambda select=None: (model_parts(staging, select) if staging.is_dir()
+                                       else [torch.load(staging, map_location="cpu")["state_dict"]])
+        except Exception as e:  # told to every rank, then raised here
+            error = e
+        finally:
+            shutil.rmtree(staging, ignore_errors=True) if staging.is_dir() else staging.unlink(missing_ok=True)
     else:
         yield None
-    trainer.strategy.barrier(name)
+    if dist.is_initialized():
+        rank_zero_verdict(trainer.strategy.root_device, name, error)
+    elif error is not None:
+        raise error
 
 
 def _merges(module: CausalLM) -> dict:

@@ -166,7 +166,12 @@ def _train_load_export(folder: str, out: str, ids: torch.Tensor) -> dict:
     trainer.fit(module, ByteCorpusDataModule(max_bytes=20_000, block_size=16, batch_size=2))
     param_bytes = storage_bytes(module.parameters())
     export_pretrained(trainer, out, max_shard_bytes=50_000)  # a few shards and their index
-    return {"logits": final.logits, "param_bytes": param_bytes}
+    try:  # rank 0 cannot write its first shard there: every rank raises, none waits for it
+        export_pretrained(trainer, f"{out}-blocked")
+        blocked = "no error"
+    except Exception as e:
+        blocked = f"{type(e).__name__}: {e}"
+    return {"logits": final.logits, "param_bytes": param_bytes, "blocked": blocked}
 
 
 def test_pretrained_folder_in_and_out_under_3d(tmp_path):
@@ -180,7 +185,12 @@ def test_pretrained_folder_in_and_out_under_3d(tmp_path):
     for name, value in source.state_dict().items():
         torch.testing.assert_close(loaded.model.state_dict()[name], value, rtol=0, atol=0, msg=name)
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    (tmp_path / "out-blocked" / ".shard-0.safetensors").mkdir(parents=True)  # a folder where rank 0 writes a file
     results = run_distributed(_train_load_export, 8, str(tmp_path / "in"), str(tmp_path / "out"), ids)
+    error = "SafetensorError: Error while serializing: I/O error: Is a directory"
+    assert results[0]["blocked"].startswith(error), results[0]["blocked"]
+    assert all(r["blocked"].startswith(f"RuntimeError: rank 0 failed in export_pretrained: {error}")
+               for r in results[1:]), [r["blocked"] for r in results]
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").float().eval()
     with torch.no_grad():
         want = reloaded(input_ids=ids).logits

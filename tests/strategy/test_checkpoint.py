@@ -217,6 +217,12 @@ def _errors(root: str) -> dict:
             errors[name] = str(err)
         except SystemExit:  # rank 1: rank 0 says it (lightning_hybrid.runtime.rank_zero.raise_from_rank_zero)
             errors[name] = "left to rank 0"
+    # A save rank 0 cannot write (its folders would be made under a file): every rank raises, none waits for it.
+    try:
+        _fit(2, dict(dp=2), 1, ckpt_out=f"{root}/a-file/x.ckpt")
+        errors["unwritable"] = "no error"
+    except Exception as err:
+        errors["unwritable"] = f"{type(err).__name__}: {err}"
     return errors
 
 
@@ -253,8 +259,12 @@ def test_killed_save_keeps_previous_checkpoint_and_errors_are_clear(tmp_path):
         f.write(bytes([byte[0] ^ 0xFF]))
     with open(tmp_path / "no-meta.ckpt" / "meta.pt", "r+b") as f:
         f.truncate(100)
+    (tmp_path / "a-file").write_text("a file, not a folder")
     results = run_distributed(_errors, 2, str(tmp_path))
     errors = results[0]
+    assert errors["unwritable"].startswith(("NotADirectoryError", "FileExistsError")), errors["unwritable"]
+    assert results[1]["unwritable"].startswith(
+        f"RuntimeError: rank 0 failed in making the folders of checkpoint {tmp_path}/a-file/x.ckpt: "), results[1]
     assert results[1]["truncated shard"] == results[1]["corrupted shard"] == "left to rank 0"
     assert f"truncated.ckpt/{shard} holds" in errors["truncated shard"] and "truncated" in errors["truncated shard"]
     assert re.search(rf"corrupted.ckpt/{re.escape(str(shard))} does not hold what its save wrote \(CRC-32",
