@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_hybrid.core.collectives import all_reduce
-from lightning_hybrid.core.linears import linear_shape
+from lightning_hybrid.core.linears import linear_shape, lora_wrapper
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 INSTALL_HINT = "pip install 'lightning-hybrid[fp8]' (torchao)"
@@ -399,6 +399,24 @@ class Float8Groups:
         return Float8Matmul(config, layout, layout.rows_here(self.together, self.cp))
 
 
+def _refuse_partial_operands(module: nn.Module, keep) -> None:
+    """``ValueError`` for a linear whose GEMM operand would be a per-rank part of a sum: the ``A`` adapters of a
+    LoRA-adapted column-split layer under sequence parallelism. Their output gradient is each TP rank's part (its
+    share of ``B``'s output features), summed only after their weight gradients; a float8 cast of a part is not the
+    cast of the whole (a sum of rounded parts is not the rounded sum)."""
+    found = [f"{name}.lora_A.{key}" for name, child in module.named_modules()
+             if lora_wrapper(child) and _split_features(child.base_layer) == "out"
+             and getattr(child.base_layer, "sequence_parallel", False)
+             for key, a in child.lora_A.items() if keep(a, f"{name}.lora_A.{key}")]
+    if found:
+        raise ValueError(
+            f"fp8 with sequence parallelism: the LoRA A adapters of column-split layers ({found[:3]}"
+            f"{f' and {len(found) - 3} more' if len(found) > 3 else ''}) get their output gradient as each TP rank's"
+            " part of it, and a float8 cast of a part is not the cast of the whole gradient one device makes. Keep"
+            " them in the training precision, fp8_exclude=['*.lora_A.*'] (exact against one device's FP8 run with"
+            " the same exclusion), or train with sequence_parallel=False.")
+
+
 def convert_to_float8(module: nn.Module, fp8: Float8 = "tensorwise", device: Optional[torch.device] = None,
                       exclude: Sequence[str] = ()) -> Float8Report:
     """The one-device FP8 model of ``HybridStrategy(fp8=fp8, fp8_exclude=exclude)``: ``module``'s linears converted
@@ -418,6 +436,7 @@ def apply_float8(module: nn.Module, config, groups: Float8Groups, exclude: Seque
     With float8 GEMMs (not emulated) a TP layer's local piece must be a multiple of 16 too: ``ValueError``."""
     keep = float8_filter(exclude)
     report = Float8Report([], [], set())
+    _refuse_partial_operands(module, keep)
     for name, child in list(module.named_modules()):
         split = _split_features(child)  # "in" / "out" for a TP layer
         shape = None if split or isinstance(child, Float8Linear) else linear_shape(child)

@@ -233,6 +233,10 @@ def _on_2_ranks() -> dict[str, str]:
                                                                      lambda t: pairs_loader())),
         "user LoRA dropout, tp2": _outcome(lambda: _fit(HybridStrategy(tp=2), LoraUserLM(dropout=0.1),
                                                         lambda t: pairs_loader())),
+        # LoRA with FP8 under SP: a column layer's A adapters would cast each rank's part of their output gradient.
+        "lora fp8 sp, tp2": _outcome(lambda: _fit(HybridStrategy(tp=2, sequence_parallel=True, fp8="tensorwise"),
+                                                  CausalLM(tiny_config("llama"), lora={"r": 16, "target_modules": [
+                                                      "q_proj", "o_proj"]}), lambda t: pairs_loader())),
         # LoRA's adapter dropout where TP splits the adapted layers (tests/hf/test_lora.py has the rest of it).
         "lora dropout, tp2": _outcome(lambda: _fit(HybridStrategy(tp=2), CausalLM(tiny_config("llama"), lora={
             "r": 4, "target_modules": ["q_proj"], "lora_dropout": 0.1}), lambda t: pairs_loader())),
@@ -283,6 +287,14 @@ def test_lora_dropout_under_tp_is_refused_on_every_rank(two_ranks):
     for out in two_ranks:
         assert "lora_dropout=0.1 with tp=2: a TP-split layer's adapter" in out["lora dropout, tp2"], out
         assert "has LoRA dropout and tp=2 would split it: a split adapter" in out["user LoRA dropout, tp2"], out
+
+
+def test_lora_under_fp8_and_sp_is_refused_where_a_cast_would_take_a_part_of_a_gradient(two_ranks):
+    for out in two_ranks:
+        message = out["lora fp8 sp, tp2"]
+        assert "fp8 with sequence parallelism: the LoRA A adapters of column-split layers" in message, message
+        assert "q_proj.lora_A.default" in message and "o_proj" not in message, message  # o_proj is row-split
+        assert "fp8_exclude=['*.lora_A.*']" in message, message
 
 
 def test_an_undeclared_loss_is_refused_where_a_split_would_change_it(two_ranks):
