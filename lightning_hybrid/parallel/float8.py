@@ -413,8 +413,8 @@ def _refuse_partial_operands(module: nn.Module, keep) -> None:
             f"fp8 with sequence parallelism: the LoRA A adapters of column-split layers ({found[:3]}"
             f"{f' and {len(found) - 3} more' if len(found) > 3 else ''}) get their output gradient as each TP rank's"
             " part of it, and a float8 cast of a part is not the cast of the whole gradient one device makes. Keep"
-            " them in the training precision, fp8_exclude=['*.lora_A.*'] (exact against one device's FP8 run with"
-            " the same exclusion), or train with sequence_parallel=False.")
+            " them in the training precision, fp8_exclude=['*.lora_A.*'] (one device's FP8 run with the same"
+            " exclusion, as without sequence parallelism), or train with sequence_parallel=False.")
 
 
 def convert_to_float8(module: nn.Module, fp8: Float8 = "tensorwise", device: Optional[torch.device] = None,
