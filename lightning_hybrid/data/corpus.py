@@ -223,7 +223,7 @@ class ByteCorpusDataModule(DataPosition, L.LightningDataModule):
     Batches are ``(x, y)`` pairs of ``LongTensor (B, T)`` with ``y`` = ``x`` shifted by one. After setup,
     `statistics` says what was read and what the splits hold. No ``DistributedSampler`` is created here: the
     strategy injects one over the data-parallel ranks, in the loader's order (`lightning_hybrid.runtime.sample_order`;
-    under ``shuffle`` Lightning's seeded shuffle instead of the generator's).
+    under ``shuffle`` a ``DistributedSampler`` shuffle seeded by ``seed``).
     """
 
     vocab_size = 256

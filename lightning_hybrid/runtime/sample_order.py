@@ -14,9 +14,10 @@ the end), and `SampleOrder.process` gives each data-parallel rank its share of t
   batch of an epoch is one device's too when the loader drops it (``drop_last``: the sampler drops the indices
   that do not fill a share) or when the sampler's length is a multiple of ``replicas``; otherwise the ranks could
   not share it as one device reads it (Lightning would repeat samples into it), and training is refused;
-* a ``RandomSampler`` (``shuffle=True``): as Lightning does, ``DistributedSampler(shuffle=True)`` seeded by
-  ``PL_GLOBAL_SEED`` and Lightning's epoch -- a random order like one device's, not one device's (that one is drawn
-  from the process's global random state);
+* a ``RandomSampler`` (``shuffle=True``): as Lightning does, ``DistributedSampler(shuffle=True)`` reshuffled by
+  Lightning's epoch -- a random order like one device's, not one device's -- seeded by the loader's own generator's
+  seed where it has one (``DataLoader(generator=...)``: another seed, another order, as on one device; Lightning
+  would ignore it), else by ``PL_GLOBAL_SEED``;
 * anything else -- a loader that already has a ``DistributedSampler``, an iterable dataset, not a ``DataLoader`` --
   is left as it is, as Lightning leaves it.
 
@@ -76,8 +77,9 @@ def in_loader_order(dataloader: object, replicas: int, rank: int, training: bool
     shared: dict[str, Any] = {"num_replicas": replicas, "rank": rank}
     sampler: Sampler
     if isinstance(original, RandomSampler):
-        sampler = DistributedSampler(dataloader.dataset, shuffle=True, seed=int(os.getenv("PL_GLOBAL_SEED", 0)),
-                                     **shared)
+        generator = original.generator
+        seed = generator.initial_seed() % 2**62 if generator is not None else int(os.getenv("PL_GLOBAL_SEED", 0))
+        sampler = DistributedSampler(dataloader.dataset, shuffle=True, seed=seed, **shared)
     else:
         drop_last = bool(dataloader.drop_last) if training else False
         if training:

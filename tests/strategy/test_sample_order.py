@@ -52,13 +52,18 @@ def test_a_last_batch_the_ranks_cannot_share_is_refused_in_training_only():
     assert list(evaluation.sampler) == list(range(1, 63, 2)) + [0]
 
 
-def test_a_shuffled_loader_gets_lightnings_seeded_sampler(monkeypatch):
+def test_a_shuffled_loader_gets_lightnings_seeded_sampler_seeded_by_its_generator(monkeypatch):
     monkeypatch.setenv("PL_GLOBAL_SEED", "7")
     loader = DataLoader(Pairs(token_rows(20)), batch_size=2, shuffle=True)
     assert isinstance(loader.sampler, RandomSampler)
     sampler = in_loader_order(loader, 2, 1, training=True).sampler
     assert type(sampler) is DistributedSampler and sampler.shuffle and sampler.seed == 7
     assert sampler.num_replicas == 2 and sampler.rank == 1
+    # A generator of the loader's own: its seed, so that another seed is another order (as on one device).
+    orders = [list(in_loader_order(DataLoader(Pairs(token_rows(20)), batch_size=2, shuffle=True,
+                                              generator=torch.Generator().manual_seed(seed)), 2, 0, True).sampler)
+              for seed in (3, 4, 3)]
+    assert orders[0] == orders[2] != orders[1]
 
 
 def test_what_lightning_leaves_is_left():
