@@ -32,13 +32,15 @@ class Pairs(Dataset):
 
 class RankSplitStream(IterableDataset):
     """A stream split the way ``split_dataset_by_node`` and litdata split one: by torch.distributed's rank and
-    world size (or, with ``by_dp``, by the strategy's data-parallel rank and size)."""
+    world size (or, with ``by_dp``, by the strategy's data-parallel rank and size; ``whole``: not split at all)."""
 
-    def __init__(self, rows: torch.Tensor, by_dp: "L.Trainer | None" = None) -> None:
-        self.rows, self.trainer = rows, by_dp
+    def __init__(self, rows: torch.Tensor, by_dp: "L.Trainer | None" = None, whole: bool = False) -> None:
+        self.rows, self.trainer, self.whole = rows, by_dp, whole
 
     def __iter__(self):
-        if self.trainer is not None:
+        if self.whole:
+            rank, size = 0, 1
+        elif self.trainer is not None:
             rank, size = self.trainer.strategy.dp_rank, self.trainer.strategy.dp_size
         else:
             rank, size = dist.get_rank(), dist.get_world_size()
@@ -46,8 +48,8 @@ class RankSplitStream(IterableDataset):
             yield self.rows[i, :-1], self.rows[i, 1:]
 
 
-def stream_loader(trainer: "L.Trainer | None", batch_size: int = 4) -> DataLoader:
-    return DataLoader(RankSplitStream(token_rows(), by_dp=trainer), batch_size=batch_size)
+def stream_loader(trainer: "L.Trainer | None", batch_size: int = 4, whole: bool = False) -> DataLoader:
+    return DataLoader(RankSplitStream(token_rows(), by_dp=trainer, whole=whole), batch_size=batch_size)
 
 
 class Block(nn.Module):

@@ -13,6 +13,12 @@ the ranks that share its data-parallel rank. A difference is one ``BatchError`` 
 trained on, naming the ranks and how they are peers. Checked: the first `FIRST` batches of every run, then every
 ``interval``-th (one all-gather of ``4 x world`` int64 numbers and one host sync per checked batch; the fingerprint
 itself reads the batch once on its device).
+
+The mirror mistake, a loader that does not split its data at all (an ``IterableDataset`` that reads the whole
+stream on every rank), gives every data-parallel rank the same samples: each would be trained on ``dp`` times
+where one device reads ``dp x batch_size`` others. The first training batch of every run is also compared across
+the data-parallel ranks (under ``dp > 1`` alone, only it is checked; validation sets smaller than ``dp`` repeat
+samples): two of them holding the same batch is a ``BatchError`` too.
 """
 
 from __future__ import annotations
@@ -64,16 +70,24 @@ class BatchCheck:
     def __init__(self, dp_rank: int, coordinates: list[tuple[int, int, int, int]], device: torch.device,
                  interval: int) -> None:
         self.dp_rank, self.coordinates, self.device, self.interval = dp_rank, coordinates, device, interval
+        self.peers = any(c[0] or c[2] or c[3] for c in coordinates)  # ranks that share a batch (pp, cp, tp)
         self.seen = 0
+        self.repeats_checked = False  # the first training batch compared across the data-parallel ranks
 
-    def due(self) -> bool:
-        """Whether the next batch is one that is checked."""
-        return self.seen < FIRST or (self.seen - FIRST + 1) % self.interval == 0
+    def due(self, training: bool = True) -> bool:
+        """Whether the next batch is one that is checked (without peers, only the first training batch)."""
+        first_training = training and not self.repeats_checked
+        if not self.peers:
+            return first_training
+        return first_training or self.seen < FIRST or (self.seen - FIRST + 1) % self.interval == 0
 
-    def check(self, batch: Any, what: str) -> None:
+    def check(self, batch: Any, what: str, training: bool = True) -> None:
         """Compare this batch (``what``: e.g. "training batch 3", for the message) with the peers' when it is
-        due; `lightning_hybrid.runtime.rank_zero.BatchError` on every rank where any two peers differ."""
-        due = self.due()
+        due (and, the first training batch, across the data-parallel ranks); `lightning_hybrid.runtime.rank_zero.
+        BatchError` on every rank where any two peers differ or two data-parallel ranks hold the same batch."""
+        due = self.due(training)
+        repeats = training and not self.repeats_checked
+        self.repeats_checked = self.repeats_checked or training
         self.seen += 1
         if not due:
             return
@@ -82,7 +96,7 @@ class BatchCheck:
         gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, mine)
         rows = [tuple(int(v) for v in row.tolist()) for row in gathered]
-        message = self._differences(rows, what)
+        message = self._differences(rows, what) or (self._repeated(rows, what) if repeats else None)
         if message is not None:
             from lightning_hybrid.runtime.rank_zero import BatchError, raise_from_rank_zero
 
@@ -104,6 +118,24 @@ class BatchCheck:
                     " split by torch.distributed's rank and world size (split_dataset_by_node, litdata, a"
                     " DistributedSampler left at its defaults) gives each of those ranks other samples. Split by"
                     " trainer.strategy.dp_rank and trainer.strategy.dp_size instead (docs/data.md)."
+                )
+        return None
+
+    def _repeated(self, rows: list[tuple[int, ...]], what: str) -> str | None:
+        """Two data-parallel ranks holding the same batch (their peers agree: `_differences` first)."""
+        holder: dict[tuple[int, ...], int] = {}
+        for rank, row in enumerate(rows):
+            first = holder.setdefault(row[1:], rank)
+            if rows[first][0] != row[0]:
+                size = len({r[0] for r in rows})
+                return (
+                    f"The data-parallel ranks got the same batch ({what}): rank {first} (data-parallel rank"
+                    f" {rows[first][0]}) and rank {rank} (data-parallel rank {row[0]}) hold identical batches. With"
+                    f" dp={size} one device's batch is the {size} ranks' batches together: the same samples on each"
+                    f" would be trained on {size} times where one device reads {size} x batch_size others. A loader"
+                    " that does not split its data (an IterableDataset that reads the whole stream on every rank, a"
+                    " sampler of its own that ignores the rank) gives every rank the same samples. Split it by"
+                    " trainer.strategy.dp_rank and trainer.strategy.dp_size (docs/data.md)."
                 )
         return None
 

@@ -53,7 +53,7 @@ class UserCodeChecks:
         self.coordinates = dims.coordinates(rank)  # (pp, dp, cp, tp)
         self.context = parallelized.context
         self.batches: Optional[BatchCheck] = None
-        if dims.tp * dims.pp * dims.cp > 1:  # ranks that share a batch: checked from the first one of this run
+        if dims.world_size > 1:  # ranks that share a batch, ranks that must not: checked from the first one of a run
             coordinates = [dims.coordinates(r) for r in range(world_size)]
             self.batches = BatchCheck(dp_rank, coordinates, device, options.batch_check_interval)
         self.spans: Optional[SplitSpans] = None
@@ -78,7 +78,7 @@ class UserCodeChecks:
     def check_batch(self, batch: Any, stage: str) -> None:
         """A batch as it reaches the device: compared with the peers' where due (`BatchCheck`)."""
         if self.batches is not None:
-            self.batches.check(batch, f"{stage} batch {self.batches.seen}")
+            self.batches.check(batch, f"{stage} batch {self.batches.seen}", training=stage == "train")
 
     def split(self, read: Any, share: TokenBatch, training: bool) -> None:
         """A training batch as read and this rank's share of it (a dimension's hook split it, as CP does): the

@@ -183,6 +183,10 @@ def _on_2_ranks() -> dict[str, str]:
                                                         lambda t: stream_loader(None))),
         # The same stream split by the strategy's data-parallel rank and size: every TP rank reads it whole.
         "dp-split stream, tp2": _outcome(lambda: _fit(HybridStrategy(tp=2), UserLM(), stream_loader)),
+        # A stream not split at all under dp2: both data-parallel ranks would train on the same rows.
+        "unsplit stream, dp2": _outcome(lambda: _fit(HybridStrategy(dp=2), UserLM(),
+                                                     lambda t: stream_loader(t, whole=True))),
+        "dp-split stream, dp2": _outcome(lambda: _fit(HybridStrategy(dp=2), UserLM(), stream_loader)),
         # A mean over padded rows, not declared: under a split it would be a mean of the parts' means.
         **{f"undeclared mean on padding, {name}": _outcome(lambda k=kwargs: _fit(HybridStrategy(**k), DictLM(),
                                                                                  lambda t: padded_loader()))
@@ -330,6 +334,11 @@ def test_peers_that_get_different_batches_are_an_error_naming_them(two_ranks):
         assert f"they differ as {how} peers" in message and "trainer.strategy.dp_rank" in message, message
         assert other[f"rank-split stream, {layout}"] == "SystemExit: 1"
     assert first["dp-split stream, tp2"] == other["dp-split stream, tp2"] == "ran"
+    message = first["unsplit stream, dp2"]
+    assert message.startswith("BatchError: The data-parallel ranks got the same batch (train batch 0): rank 0"
+                              " (data-parallel rank 0) and rank 1 (data-parallel rank 1) hold identical"), message
+    assert "trainer.strategy.dp_rank" in message and other["unsplit stream, dp2"] == "SystemExit: 1", message
+    assert first["dp-split stream, dp2"] == other["dp-split stream, dp2"] == "ran"
 
 
 def test_a_batch_fingerprint_sees_every_byte_and_the_structure():
