@@ -165,10 +165,10 @@ class MiscountedLM(UserLM):
         return torch.tensor(y.numel(), device=y.device)
 
 
-def _loader(dataset: Dataset, batch_size: int, sampler: "Sampler | None" = None) -> DataLoader:
+def _loader(dataset: Dataset, batch_size: int) -> DataLoader:
     """A loader as users write it (``shuffle=False``): the strategy keeps its order, one device's (each data-parallel
-    rank reads every ``dp``-th sample of it); ``sampler``: an order of the user's own."""
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+    rank reads every ``dp``-th sample of it; `ordered_loader`: an order of the user's own)."""
+    return DataLoader(dataset, batch_size=batch_size, drop_last=True)
 
 
 def pairs_loader(batch_size: int = 4) -> DataLoader:
