@@ -74,19 +74,16 @@ class BatchCheck:
         self.seen = 0
         self.repeats_checked = False  # the first training batch compared across the data-parallel ranks
 
-    def due(self, training: bool = True) -> bool:
-        """Whether the next batch is one that is checked (without peers, only the first training batch)."""
-        first_training = training and not self.repeats_checked
-        if not self.peers:
-            return first_training
-        return first_training or self.seen < FIRST or (self.seen - FIRST + 1) % self.interval == 0
+    def _periodic(self) -> bool:
+        """Whether the next batch is one compared with its peers (none without peers)."""
+        return self.peers and (self.seen < FIRST or (self.seen - FIRST + 1) % self.interval == 0)
 
     def check(self, batch: Any, what: str, training: bool = True) -> None:
         """Compare this batch (``what``: e.g. "training batch 3", for the message) with the peers' when it is
         due (and, the first training batch, across the data-parallel ranks); `lightning_hybrid.runtime.rank_zero.
         BatchError` on every rank where any two peers differ or two data-parallel ranks hold the same batch."""
-        due = self.due(training)
-        repeats = training and not self.repeats_checked
+        repeats = training and not self.repeats_checked  # the first training batch: across the DP ranks too
+        due = repeats or self._periodic()
         self.repeats_checked = self.repeats_checked or training
         self.seen += 1
         if not due:

@@ -42,15 +42,14 @@ class SampleOrder:
     `close` gives Lightning its flag back."""
 
     def __init__(self, trainer: "pl.Trainer") -> None:
-        self._connector = trainer._accelerator_connector
         self._trainer = trainer
-        self.taken = trainer.state.fn == "fit" and bool(self._connector.use_distributed_sampler)
+        self.taken = trainer.state.fn == "fit" and bool(trainer._accelerator_connector.use_distributed_sampler)
         if self.taken:
-            self._connector.use_distributed_sampler = False
+            trainer._accelerator_connector.use_distributed_sampler = False
 
     def close(self) -> None:
         if self.taken:
-            self._connector.use_distributed_sampler = True
+            self._trainer._accelerator_connector.use_distributed_sampler = True
             self.taken = False
 
     def process(self, dataloader: object, replicas: int, rank: int) -> object:
