@@ -34,7 +34,14 @@ from lightning_hybrid.parallel.tensor_parallel import (
 )
 from lightning_hybrid.parallel.tensor_parallel.layers import shard_embedding, tp_shard_specs
 from tests.helpers import run_distributed
-from tests.tensor_parallel.tp_models import AlibiModel, ScaledEmbedding, TinyLM, tiny_gpt2, tiny_llama
+from tests.tensor_parallel.tp_models import (
+    AlibiModel,
+    ScaledEmbedding,
+    TinyLM,
+    TorchEncoderLM,
+    tiny_gpt2,
+    tiny_llama,
+)
 
 WORLD = 2
 ATOL = 1e-5
@@ -167,6 +174,10 @@ def _check_model(res, key, group, make_model, loss_fn, vocab, run_example, tp_pl
     err[f"{key}/roundtrip_state_dict"] = max(_err(v, new_sd[k]) for k, v in gather_full_state_dict(tpm).items())
     with torch.no_grad():
         err[f"{key}/roundtrip_logits"] = _err(loss_fn(tpm, ids)[0], loss_fn(ref, ids)[0])
+        # As validation and prediction run it: eval mode, no autograd (torch's inference fast paths).
+        ref.eval(), tpm.eval()
+        err[f"{key}/eval_logits"] = _err(loss_fn(tpm, ids)[0], loss_fn(ref, ids)[0])
+        ref.train(), tpm.train()
     return tpm, result
 
 
@@ -178,6 +189,11 @@ def _tiny_lm(tie=False):
 def _alibi_model():
     torch.manual_seed(0)
     return AlibiModel()
+
+
+def _torch_encoder():
+    torch.manual_seed(0)
+    return TorchEncoderLM()
 
 
 class ShuffledBetweenBlocks(TinyLM):
@@ -360,6 +376,7 @@ def _tp_worker() -> dict:
     tied, _ = _check_model(res, "tiny_lm_tied", group, lambda: _tiny_lm(tie=True), _lm_loss, 64, lambda m: m(ids))
     res["ok"]["tiny_lm_tied/still_tied"] = tied.lm_head.weight is tied.wte.weight and tied.wte.weight.shape[0] == 32
     _check_model(res, "alibi", group, _alibi_model, _lm_loss, 64, lambda m: m(ids))
+    _check_model(res, "torch_encoder", group, _torch_encoder, _lm_loss, 64, lambda m: m(ids))
     hf_ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(8))
     _check_model(res, "llama", group, tiny_llama, _hf_loss, 128, lambda m: m(input_ids=hf_ids))
     _check_model(res, "gpt2", group, tiny_gpt2, _hf_loss, 128, lambda m: m(input_ids=hf_ids))
@@ -398,8 +415,8 @@ def test_tp_layers_match_unsplit(tp_results, prefix):
     _assert_close(tp_results, prefix)
 
 
-@pytest.mark.parametrize("model", ["tiny_lm", "tiny_lm_tied", "alibi", "llama", "gpt2", "sp_tiny_lm", "sp_llama",
-                                   "sp_gpt2", "selective_attention_sp", "selective_pointwise"])
+@pytest.mark.parametrize("model", ["tiny_lm", "tiny_lm_tied", "alibi", "torch_encoder", "llama", "gpt2", "sp_tiny_lm",
+                                   "sp_llama", "sp_gpt2", "selective_attention_sp", "selective_pointwise"])
 def test_verified_split_models_match_unsplit(tp_results, model):
     assert tp_results[0]["results"][model][3] == []
     _assert_close(tp_results, f"{model}/")

@@ -254,3 +254,23 @@ def tiny_gpt2():
     config = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=128, n_positions=64, attn_pdrop=0.0, resid_pdrop=0.0,
                         embd_pdrop=0.0)
     return GPT2LMHeadModel(config).float()
+
+
+class TorchEncoderLM(nn.Module):
+    """Token embedding, ``nn.TransformerEncoderLayer`` blocks under a causal mask, LM head: torch's own layers, whose
+    eval forward without autograd takes a fused fast path that reads their weights directly
+    (``torch._transformer_encoder_layer_fwd``), not through their linears' forwards."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, depth: int = 2):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=True,
+                                                               norm_first=True) for _ in range(depth))
+        self.lm_head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.wte(ids)
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.size(1), device=ids.device)
+        for block in self.blocks:
+            x = block(x, src_mask=mask, is_causal=True)
+        return self.lm_head(x)

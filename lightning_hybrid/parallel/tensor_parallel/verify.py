@@ -7,8 +7,11 @@ rotary embeddings, alibi ...). `check_block` then runs, in fp32 with the TP coll
 - the unsplit block with its weights perturbed by seeded noise (so zero-initialised weights hide nothing),
 - a copy with the candidate variants applied,
 on the same inputs and the same random output gradient, and compares outputs, input gradients and every
-parameter gradient (TP shards gathered). A replicated parameter whose gradient on each rank is only this
-rank's part (a per-head norm between a column and a row layer) is reported, so training sums it over TP.
+parameter gradient (TP shards gathered), then the outputs of both called without autograd, as validation and
+prediction call them (torch's own layers take inference fast paths there that read their weights directly:
+``nn.TransformerEncoderLayer``'s would compute one rank's part of a split MLP). A replicated parameter whose
+gradient on each rank is only this rank's part (a per-head norm between a column and a row layer) is reported, so
+training sums it over TP.
 Every check is collective over the TP group and all its ranks reach the same verdict.
 """
 
@@ -220,14 +223,15 @@ def check_block(
                 cot[0] = _seq_part(cot[0], seq_part)
             _backward(ref_out, ref_cot)
             _backward(out, cot)
-            if len(out) == len(ref_out):
-                ref_out = [_head_slice(o, r.detach(), heads, group) for o, r in zip(out, ref_out)]
-                if seq_part is not None and ref_out:
-                    ref_out[0] = _seq_part(ref_out[0], seq_part)
-            out = [o.detach() for o in out]
+            ref_out, out = _expected(out, ref_out, heads, group, seq_part), [o.detach() for o in out]
             dx, ref_dx = [t.grad for t in inputs], [t.grad for t in ref_in]
             if main_index is not None:
                 ref_dx[main_index] = _seq_part(ref_dx[main_index], seq_part)
+            # As validation and prediction call it: without autograd, where torch's own layers take fused inference
+            # paths that read their weights directly (nn.TransformerEncoderLayer's), not through the split layers.
+            with torch.no_grad():
+                inference = _forward(candidate, call, device, seq_part)[0]
+                ref_inference = _expected(inference, _forward(reference, call, device)[0], heads, group, seq_part)
             ran, detail = True, ""
         except Exception as err:  # a shape error in a wrong split: the same on every rank of the group
             ran, detail = False, f"{type(err).__name__}: {err}"
@@ -237,10 +241,25 @@ def check_block(
         ok, detail = _compare("output", out, ref_out)
         if ok:
             ok, detail = _compare("input gradient", dx, ref_dx)
+        if ok:
+            ok, detail = _compare("output without autograd", inference, ref_inference)
         params_ok, params_detail, partial = _compare_params(candidate, reference, group)
         ok, detail = (ok and params_ok), detail or params_detail
         ok = _all(ok, group, device)
         return Verdict(ok, detail if not ok else "", tuple(partial), {k: tuple(v) for k, v in found.items() if v})
+
+
+def _expected(got: list[Tensor], want: list[Tensor], heads: set[int], group: dist.ProcessGroup,
+              seq_part: tuple[int, int] | None) -> list[Tensor]:
+    """The unsplit block's outputs ``want`` as the split block's ``got`` should be: per-head outputs sliced to this
+    rank's heads, the main output to this rank's part of the sequence (``seq_part``); as they are when the two give
+    different numbers of outputs (`_compare` names that)."""
+    if len(got) != len(want):
+        return want
+    want = [_head_slice(o, r.detach(), heads, group) for o, r in zip(got, want)]
+    if seq_part is not None and want:
+        want[0] = _seq_part(want[0], seq_part)
+    return want
 
 
 def _head_slice(got: Tensor, want: Tensor, heads: set[int], group: dist.ProcessGroup) -> Tensor:
