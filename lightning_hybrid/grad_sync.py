@@ -37,7 +37,12 @@ from lightning_hybrid.core.collectives import sum_grads_over_tp_
 from lightning_hybrid.core.devices import device_memory_bytes, local_tensor
 from lightning_hybrid.grad_norm import clip_grads_, global_grad_norm, parameter_grad_norms
 from lightning_hybrid.parallel.tied import sum_tied_grads
-from lightning_hybrid.parallel.zero import AUTO_WINDOW_FRACTION, ParameterGathers, ZeroOptimizer
+from lightning_hybrid.parallel.zero import (
+    AUTO_WINDOW_FRACTION,
+    ParameterGathers,
+    ShardedGradient,
+    ZeroOptimizer,
+)
 from lightning_hybrid.parallelize import Parallelized
 
 T = TypeVar("T")
@@ -148,6 +153,36 @@ class GradientSync:
                 root.set_requires_gradient_sync(True)
             for opt in self._zero():
                 opt.gradients.sync = True
+
+    def holds_local_parts(self) -> bool:
+        """Whether each rank's ``.grad`` are its own batches' part of the gradients, reduced later: ZeRO 0-2 under
+        ``dp * cp > 1`` inside an accumulation window, or between manual backward passes and their step."""
+        return self.dp > 1 and not self.parallelized.fsdp_roots and (self.blocked or self._pending)
+
+    @contextmanager
+    def placeholders(self) -> Iterator[None]:
+        """While Lightning's ``on_after_backward`` runs: under ZeRO-3 inside a window reduced once after its last
+        batch, FSDP2 holds each rank's unsharded part of the gradients and ``p.grad`` is ``None`` -- a hook scaling
+        or clipping every ``p.grad`` that is not ``None`` would silently skip them all. Each gradient is a
+        `ShardedGradient` there that refuses any use, naming ``grad_reduce="micro_batch"`` (every batch's gradient
+        reduce-scattered into ``p.grad``, where a hook's change is one device's)."""
+        if not (self.blocked and self.parallelized.fsdp_roots and not self.reduce_every_batch):
+            yield
+            return
+        why = ("under zero_stage=3 the gradients of an accumulation window are reduce-scattered after its last batch"
+               " (grad_reduce='window'), so until then no rank holds p.grad (FSDP2 keeps each rank's unsharded part)."
+               " To read or change gradients in on_after_backward at every batch, use"
+               " HybridStrategy(grad_reduce='micro_batch'): each batch's gradient is then reduce-scattered into"
+               " p.grad, and the hook changes one device's gradient (its shard).")
+        held = [p for p in self.module.parameters() if p.requires_grad and p.grad is None]
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        for p in held:
+            p.grad = ShardedGradient(p, names.get(id(p), f"a parameter of shape {tuple(p.shape)}"), 3, why)
+        try:
+            yield
+        finally:
+            for p in held:
+                p.grad = None
 
     def pipeline_step(self, run: Callable[[], T], first_in_window: bool) -> T:
         """Run ``run()`` -- a training step whose pipeline schedule runs forward and backward -- so that its

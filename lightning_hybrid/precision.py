@@ -27,13 +27,16 @@ class GlobalNormClipping:
 
     ``clip_by_global_norm(optimizer, max_norm)`` computes the norm over every rank's gradients (collective over
     the TP, DP and PP groups) and scales the local gradients by ``min(1, max_norm / norm)``. ``prepare_gradients()``
-    runs before any clipping (manual optimization's deferred reduction); ``watch_gradients()`` is the context in
-    which the hooks between the backward and the optimizer step run
-    (`lightning_hybrid.checks.gradient_guard.LocalGradientNorms`).
+    runs before any clipping (manual optimization's deferred reduction); ``settle_gradients()`` is the context of
+    Lightning's ``on_after_backward``, entered after each backward (the window's reduction first: the hook sees the
+    gradients one device's hook would, or placeholders that refuse use, never a reduction still in flight);
+    ``watch_gradients()`` is the context in which the hooks between the backward and the optimizer step run
+    (`lightning_hybrid.checks.gradient_guard.LocalGradients`), ``on_after_backward`` included.
     """
 
     clip_by_global_norm: Callable[[Optimizer, float], None]
     prepare_gradients: Callable[[], None]
+    settle_gradients: Callable[[], ContextManager[Any]]
     watch_gradients: Callable[[], ContextManager[Any]]
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
@@ -42,6 +45,10 @@ class GlobalNormClipping:
     def clip_gradients(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> None:
         self.prepare_gradients()
         super().clip_gradients(optimizer, *args, **kwargs)  # type: ignore[misc]
+
+    def post_backward(self, tensor: Any, module: Any) -> Any:
+        with self.settle_gradients(), self.watch_gradients():
+            return super().post_backward(tensor, module)  # type: ignore[misc]
 
     def _after_closure(self, model: Any, optimizer: Any) -> None:
         with self.watch_gradients():
@@ -59,6 +66,7 @@ def with_global_norm_clipping(
     plugin: Precision, clip_by_global_norm: Callable[[Optimizer, float], None],
     prepare_gradients: Callable[[], None] = lambda: None,
     watch_gradients: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+    settle_gradients: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
 ) -> Precision:
     """``plugin`` (its state, its class's behaviour) with ``clip_grad_by_norm`` delegating to
     ``clip_by_global_norm`` (`GlobalNormClipping`). A new object: the Trainer's plugin itself is left as it is."""
@@ -67,4 +75,5 @@ def with_global_norm_clipping(
     adapted.__dict__.update(vars(plugin))
     adapted.clip_by_global_norm = clip_by_global_norm
     adapted.prepare_gradients, adapted.watch_gradients = prepare_gradients, watch_gradients
+    adapted.settle_gradients = settle_gradients
     return adapted

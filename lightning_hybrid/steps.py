@@ -95,13 +95,15 @@ class TrainingSteps:
         self.sync.parameters_whole()  # ZeRO 1-2: what the forward did not read of the last step's gathers
         return output
 
-    def backward(self, closure_loss: Tensor, run_backward: Callable[[Tensor], Any]) -> Tensor:
+    def backward(self, closure_loss: Tensor, run_backward: Callable[[Tensor], Any],
+                 post_backward: Callable[[Tensor], Any]) -> Tensor:
         """Lightning's backward of ``closure_loss`` (``run_backward(loss)``: the strategy's), scaled as the step's
-        kind needs, then the reduction after it (`after_backward`)."""
+        kind needs; its precision plugin's ``post_backward`` (``post_backward(loss)``) runs the reduction
+        (`after_backward`), then Lightning's ``on_after_backward``. Under PP the schedule ran the backward inside
+        ``training_step``: the stashed gradients given back, then ``post_backward`` alone."""
         if self.parallelized.pipeline is not None:
-            self.sync.unstash()  # the schedule already ran the backward inside training_step
-            self.after_backward()
-            return closure_loss
+            self.sync.unstash()
+            return post_backward(closure_loss)
         items, self._batch_items = self._batch_items, None
         k = self.accumulate
         if items is not None:  # the gradient of the batch's loss sum (Lightning divided the mean by k)

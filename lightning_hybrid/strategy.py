@@ -107,7 +107,7 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
         # Lightning hands the plugin it chose for `Trainer(precision=...)` to this setter. Its stock
         # `clip_grad_by_norm` would clip by this rank's local norm; ours clips by the global one.
         self._precision_plugin = None if plugin is None else with_global_norm_clipping(
-            plugin, self.clip_grad_by_norm, self._prepare_gradients, self._watch_gradients)
+            plugin, self.clip_grad_by_norm, self._prepare_gradients, self._watch_gradients, self._settle_gradients)
 
     @ParallelStrategy.checkpoint_io.setter
     def checkpoint_io(self, io: Optional[Any]) -> None:
@@ -214,12 +214,9 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
 
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         assert self._steps is not None
-        return self._steps.backward(closure_loss, lambda loss: super(HybridStrategy, self).backward(
-            loss, optimizer, *args, **kwargs))
-
-    def post_backward(self, closure_loss: Tensor) -> None:
-        assert self._steps is not None
-        self._steps.after_backward()
+        return self._steps.backward(
+            closure_loss, lambda loss: super(HybridStrategy, self).backward(loss, optimizer, *args, **kwargs),
+            lambda loss: self.precision_plugin.post_backward(loss, self.lightning_module))
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -251,9 +248,19 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
         if self._sync is not None:
             self._sync.flush()
 
+    @contextmanager
+    def _settle_gradients(self) -> Generator[None, None, None]:
+        """Lightning's ``on_after_backward`` (the precision plugin's ``post_backward``) runs in this context."""
+        assert self._steps is not None and self._sync is not None
+        self._steps.after_backward()
+        with self._sync.placeholders():
+            yield
+
     def _watch_gradients(self) -> ContextManager[Any]:
         """The hooks between a backward and its optimizer step (`UserCodeChecks.watch_gradients`)."""
-        return self._checks.watch_gradients() if self._checks is not None else contextlib.nullcontext()
+        if self._checks is None:
+            return contextlib.nullcontext()
+        return self._checks.watch_gradients(self._sync is not None and self._sync.holds_local_parts())
 
     @contextmanager
     def _own_norms(self) -> Generator[GradientSync, None, None]:

@@ -205,6 +205,33 @@ class HandClippingLM(UserLM):
         torch.nn.utils.clip_grad_norm_(self.parameters(), 0.5)
 
 
+class ScaledGradsLM(UserLM):
+    """Halves every gradient after each backward (loss scaling by hand): element-wise, so one device's wherever the
+    hook sees the gradients one device's hook sees (reduced, or each rank's part inside a window)."""
+
+    def on_after_backward(self) -> None:
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(0.5)
+
+
+class HandNormLM(UserLM):
+    """Divides the gradients by their global norm, written out by hand (no norm function), before the step."""
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        norm = sum((p.grad.detach() ** 2).sum() for p in self.parameters() if p.grad is not None) ** 0.5
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.div_(norm + 1e-6)
+
+
+class ClipAfterBackwardLM(UserLM):
+    """Clips by hand after each backward, as some scripts do."""
+
+    def on_after_backward(self) -> None:
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 0.05)
+
+
 class ManualLM(UserLM):
     """Manual optimization: each batch's two halves backward separately (half the loss each), then one step,
     clipped by the norm."""

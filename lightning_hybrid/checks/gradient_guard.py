@@ -1,49 +1,68 @@
-"""Gradients users touch: a norm of the parameters' gradients that a rank computes alone is refused where a rank
-holds pieces of them.
+"""Gradients users touch: what a rank computes alone from gradients it holds pieces of is refused.
 
 Under TP a rank's gradient of a split weight is its shard, under PP a rank holds its stages' parameters, under EP
-its experts: ``torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)`` in ``on_before_optimizer_step`` (or in
-``configure_gradient_clipping``) would clip by this rank's norm -- every rank by another factor, none by one
-device's -- with exit code 0. `LocalGradientNorms` watches the code Lightning runs between the backward and the
-optimizer step (the ``on_before_optimizer_step`` hooks and gradient clipping) during the first `WATCHED_STEPS`
-optimizer steps and raises where a norm (``torch._foreach_norm``, ``torch.linalg.vector_norm``, ``Tensor.norm``,
-...) takes a parameter's gradient, naming what is exact instead: ``Trainer(gradient_clip_val=...)`` or
-``self.clip_gradients(...)`` (the strategy clips by the global norm) and ``trainer.strategy.parameter_grad_norms()``.
-The strategy's own norms run with the watch suspended. Under ZeRO 1-2 the parameters' ``.grad`` are placeholders
-that refuse any use (`lightning_hybrid.parallel.zero.ShardedGradient`); where the gradients a rank holds are whole (DP,
-CP, ZeRO-3 alone, whose DTensor gradients torch's clipping reduces itself) nothing is watched.
+its experts, and inside an accumulation window under DP (ZeRO 0-2) each rank's gradients are its own batches' part,
+reduced after the window's last backward. ``torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)`` in
+``on_before_optimizer_step`` or ``on_after_backward`` (or in ``configure_gradient_clipping``) -- or a norm written
+out by hand, ``sum((p.grad ** 2).sum() for p in self.parameters())`` -- would be this rank's norm: every rank
+clips by another factor, none by one device's, with exit code 0. `LocalGradients` watches the code Lightning runs
+between the backward and the optimizer step (``on_after_backward``, the ``on_before_optimizer_step`` hooks and
+gradient clipping) during the first `WATCHED_STEPS` optimizer steps and raises where an op reduces a watched
+gradient -- or a tensor computed element by element from one -- to fewer elements (a norm, a sum, a maximum,
+``isfinite(g).all()``), and on a TP shard where it takes or writes part of it (an index, a slice: the shard's
+positions are not the whole's). Element-wise changes (scaling, adding a weight-decay term, clamping by value) are
+one device's and pass. The message names what is exact instead: ``Trainer(gradient_clip_val=...)`` or
+``self.clip_gradients(...)`` (the strategy clips by the global norm) and
+``trainer.strategy.parameter_grad_norms()``. The strategy's own norms run with the watch suspended. Under ZeRO 1-2
+the parameters' ``.grad`` are placeholders that refuse any use (`lightning_hybrid.parallel.zero.ShardedGradient`);
+where the gradients a rank holds are whole (DP and CP after the reduction, ZeRO-3, whose DTensor gradients
+torch's ops reduce themselves) nothing is watched.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Callable, Mapping, Optional
 
-import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["WATCHED_STEPS", "LocalGradientNorms"]
+__all__ = ["WATCHED_STEPS", "LocalGradients"]
 
 #: Optimizer steps whose hooks are watched (the code of a step is the same at every step).
 WATCHED_STEPS = 3
-_NORMS = frozenset({
-    torch._foreach_norm, torch.linalg.vector_norm, torch.linalg.norm, torch.linalg.matrix_norm, torch.norm,
-    torch.Tensor.norm, torch.nn.functional.normalize,
-})
+#: Ops that write some positions of a tensor: on a TP shard, positions of the whole tensor land elsewhere.
+_POSITIONAL_WRITES = frozenset({"__setitem__", "index_put_", "index_fill_", "index_copy_", "index_add_", "scatter_",
+                                "scatter_add_", "scatter_reduce_", "masked_scatter_", "put_"})
 
 
-class LocalGradientNorms(TorchFunctionMode):
-    """While active, a norm over any of ``parameters``' current gradients is a ``RuntimeError`` explaining that
-    under ``layout`` (e.g. "tp=2") a rank holds pieces of them; `suspended` lets the strategy's own norms through."""
+class LocalGradients(TorchFunctionMode):
+    """While active, an op on ``parameters``' current gradients (and on tensors computed element by element from
+    them) that reduces one to fewer elements is a ``RuntimeError`` explaining that under ``layout`` (e.g. "tp=2")
+    a rank holds pieces of them; on those of ``shards`` (TP-split parameters) so is taking or writing a part of
+    one. `suspended` lets the strategy's own norms through."""
 
-    def __init__(self, parameters: Iterable[nn.Parameter], layout: str) -> None:
+    def __init__(self, parameters: Iterable[nn.Parameter], layout: str, shards: Iterable[nn.Parameter] = ()) -> None:
         super().__init__()
-        self.grads = {id(p.grad) for p in parameters if p.grad is not None}
+        shard_ids = {id(p) for p in shards}
+        # id -> (the tensor, whether it is a TP shard's); weak, so that an id freed and reused is not mistaken
+        self._watched: "weakref.WeakValueDictionary[int, Tensor]" = weakref.WeakValueDictionary()
+        self._shards: set[int] = set()
+        for p in parameters:
+            if p.grad is not None:
+                self._watch(p.grad, id(p) in shard_ids)
         self.layout = layout
         self._suspended = 0
+
+    def _watch(self, t: Tensor, shard: bool) -> None:
+        if id(t) not in self._watched:
+            self._shards.discard(id(t))  # an id reused since its tensor was freed
+        self._watched[id(t)] = t
+        if shard:
+            self._shards.add(id(t))
 
     @contextmanager
     def suspended(self) -> Iterator[None]:
@@ -55,15 +74,48 @@ class LocalGradientNorms(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[Mapping] = None):
         kwargs = kwargs or {}
-        if (not self._suspended and func in _NORMS
-                and any(id(t) in self.grads for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor))):
-            raise RuntimeError(
-                f"a norm of parameters' gradients computed on this rank alone ({func.__name__}, e.g."
-                f" torch.nn.utils.clip_grad_norm_ in on_before_optimizer_step): under {self.layout} a rank holds"
-                " pieces of the gradients (TP shards, its pipeline stages, its experts), so its norm is not the"
-                " model's and clipping by it trains another model than one device. Clip with"
-                " Trainer(gradient_clip_val=...) or self.clip_gradients(optimizer, gradient_clip_val=...,"
-                " gradient_clip_algorithm='norm'), which clip by the global norm, and read each parameter's"
-                " whole-gradient norm with trainer.strategy.parameter_grad_norms()."
-            )
-        return func(*args, **kwargs)
+        if self._suspended:
+            return func(*args, **kwargs)
+        sources = [t for t in tree_leaves((args, kwargs))
+                   if isinstance(t, Tensor) and self._watched.get(id(t)) is t]
+        if not sources:
+            return func(*args, **kwargs)
+        shard = any(id(t) in self._shards for t in sources)
+        name = getattr(func, "__name__", str(func))
+        if shard and name in _POSITIONAL_WRITES:
+            self._refuse(name, "writes some positions of a TP shard's gradient")
+        out = func(*args, **kwargs)
+        size = max(t.numel() for t in sources)
+        for t in tree_leaves(out):
+            if not isinstance(t, Tensor):
+                continue
+            if t.numel() >= size:
+                self._watch(t, shard)  # computed element by element from a gradient (or the gradient itself)
+            elif shard or not _is_view(t, sources):
+                self._refuse(name, "reduces a gradient" if not _is_view(t, sources) else "takes part of a TP"
+                             " shard's gradient")
+            else:
+                self._watch(t, shard)  # a part of a whole gradient: reducing it is what is refused
+        return out
+
+    def _refuse(self, name: str, what: str) -> None:
+        raise RuntimeError(
+            f"an op on parameters' gradients computed on this rank alone ({name}: it {what}; e.g."
+            f" torch.nn.utils.clip_grad_norm_ or a norm by hand in on_after_backward or on_before_optimizer_step):"
+            f" under {self.layout} a rank holds pieces of the gradients (TP shards, its pipeline stages, its experts,"
+            " its own batches' part inside an accumulation window), so what it computes from them alone is not the"
+            " model's, and clipping or scaling by it trains another model than one device. Clip with"
+            " Trainer(gradient_clip_val=...) or self.clip_gradients(optimizer, gradient_clip_val=...,"
+            " gradient_clip_algorithm='norm'), which clip by the global norm, and read each parameter's whole-gradient"
+            " norm with trainer.strategy.parameter_grad_norms() (element-wise changes of p.grad are exact as they"
+            " are)."
+        )
+
+
+def _is_view(t: Tensor, sources: list[Tensor]) -> bool:
+    """Whether ``t`` shares the storage of one of ``sources`` (a view or a part of it, no computation)."""
+    try:
+        ptr = t.untyped_storage().data_ptr()
+        return any(ptr == s.untyped_storage().data_ptr() for s in sources)
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (a subclass)
+        return False

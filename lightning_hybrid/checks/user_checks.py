@@ -4,8 +4,8 @@ gradient hooks -- every check of docs/correctness.md's "What the strategy verifi
 The strategy calls it at the points of Lightning's loop the method names say; each check is a module of its own:
 `lightning_hybrid.checks.batch_check` (peers get the same batch), `lightning_hybrid.checks.loss_semantics` (how the loss
 reduces), `lightning_hybrid.checks.probe` (what splitting the sequence or the rows changes),
-`lightning_hybrid.checks.randomness` (random ops), `lightning_hybrid.checks.gradient_guard` (norms of gradients a rank
-holds pieces of). Every check raises
+`lightning_hybrid.checks.randomness` (random ops), `lightning_hybrid.checks.gradient_guard` (what user code computes
+from gradients a rank holds pieces of). Every check raises
 alike
 on every rank, before the first optimizer step.
 """
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_hybrid.checks.batch_check import BatchCheck
-from lightning_hybrid.checks.gradient_guard import WATCHED_STEPS, LocalGradientNorms
+from lightning_hybrid.checks.gradient_guard import WATCHED_STEPS, LocalGradients
 from lightning_hybrid.checks.loss_semantics import (
     check_decomposition,
     declared_reduction,
@@ -34,6 +34,7 @@ from lightning_hybrid.checks.randomness import RandomOpsProbe, SplitSpans, rank_
 from lightning_hybrid.core.batch import TokenBatch
 from lightning_hybrid.core.dims import ParallelDims
 from lightning_hybrid.options import ParallelOptions
+from lightning_hybrid.parallel.tensor_parallel.layers import tp_sharded_parameter_names
 from lightning_hybrid.parallelize import Parallelized
 from lightning_hybrid.runtime.rank_zero import BatchError, raise_from_rank_zero
 
@@ -65,7 +66,7 @@ class UserCodeChecks:
         self.probe, self._probe_handle, self._probe_armed = self._prepare_probe(parallelized, accumulate)
         self._loss_verified = self._random_checked = False
         self._steps = 0  # optimizer steps: the first ones' hooks are watched
-        self._watch: Optional[LocalGradientNorms] = None
+        self._watch: Optional[LocalGradients] = None
 
     def close(self) -> None:
         if self.spans is not None:
@@ -233,16 +234,24 @@ class UserCodeChecks:
 
     # ------------------------------------------------------------------ gradients users touch
     @contextmanager
-    def watch_gradients(self) -> Iterator[None]:
-        """The hooks between a backward and its optimizer step (the precision plugin's ``_after_closure``) run under
-        `LocalGradientNorms` during the first optimizer steps, where a rank holds pieces of the gradients (TP
-        shards, pipeline stages, experts): a norm the user computes from them alone is refused."""
+    def watch_gradients(self, unreduced: bool = False) -> Iterator[None]:
+        """The hooks between a backward and its optimizer step (``on_after_backward``, the precision plugin's
+        ``_after_closure``) run under `LocalGradients` during the first optimizer steps, where a rank holds pieces of
+        the gradients (TP shards, pipeline stages, experts; ``unreduced``: each rank's own batches' part, inside an
+        accumulation window): what the user computes from them alone is refused."""
         dims = self.dims
         pieces = [f"{n}={v}" for n, v in (("tp", dims.tp), ("pp", dims.pp), ("ep", dims.ep)) if v > 1]
+        if unreduced:
+            pieces.append(f"dp*cp={dims.dp * dims.cp} inside an accumulation window (each rank's gradients are its own"
+                          " batches' part until the window's last backward)")
         if not pieces or self._steps >= WATCHED_STEPS:
             yield
             return
-        self._watch = LocalGradientNorms(self.module.parameters(), " x ".join(pieces))
+        split = tp_sharded_parameter_names(self.module) if dims.tp > 1 else set()
+        shards = [p for n, p in self.module.named_parameters() if n in split]
+        whole = dims.pp > 1 or dims.ep > 1 or unreduced  # a rank's set of gradients is part of the model's
+        watched = list(self.module.parameters()) if whole else shards
+        self._watch = LocalGradients(watched, " x ".join(pieces), shards)
         try:
             with self._watch:
                 yield

@@ -20,6 +20,7 @@ from tests.user_code import (
     BLOCK,
     VOCAB,
     BatchNormBlock,
+    ClipAfterBackwardLM,
     ConvBlock,
     DeclaredMeanDictLM,
     DictLM,
@@ -27,9 +28,11 @@ from tests.user_code import (
     DropoutMasks,
     GainLM,
     HandClippingLM,
+    HandNormLM,
     LoraUserLM,
     ManualLM,
     MiscountedLM,
+    ScaledGradsLM,
     SequenceLM,
     SumLM,
     SumWeights,
@@ -139,6 +142,24 @@ PARITY = {
 }
 
 
+#: Gradients changed in Lightning's hooks, compared against one device at the same accumulation (the hook runs after
+#: each backward): name -> (strategy arguments, module factory, trainer arguments). The hook sees the reduced
+#: gradients (not a reduction in flight), each rank's own part inside a window, and under PP it runs at all.
+HOOKS = {
+    "scaled after backward, dp2": (dict(dp=2), ScaledGradsLM, {}),
+    "scaled after backward, dp2, accumulation": (dict(dp=2), ScaledGradsLM, {"accumulate_grad_batches": 2}),
+    "scaled after backward, pp2": (dict(pp=2, micro_batches=2), ScaledGradsLM, {}),
+    "scaled after backward, dp2 ZeRO-3 reduced every batch, accumulation": (
+        dict(dp=2, zero_stage=3, grad_reduce="micro_batch"), ScaledGradsLM, {"accumulate_grad_batches": 2}),
+}
+
+
+def _hooked(name: str) -> dict[str, torch.Tensor]:
+    kwargs, make, trainer_kwargs = HOOKS[name]
+    batch = GLOBAL_BATCH // kwargs.get("dp", 1)
+    return _state(_fit(HybridStrategy(**kwargs), make(), lambda t: pairs_loader(batch), **trainer_kwargs))
+
+
 def _parity_on_2_ranks() -> dict[str, dict[str, torch.Tensor]]:
     out = {}
     for name, (kwargs, make, loader, trainer_kwargs) in PARITY.items():
@@ -245,6 +266,17 @@ def _on_2_ranks() -> dict[str, str]:
         "lora dropout, tp2": _outcome(lambda: _fit(HybridStrategy(tp=2), CausalLM(tiny_config("llama"), lora={
             "r": 4, "target_modules": ["q_proj"], "lora_dropout": 0.1}), lambda t: pairs_loader())),
         **{f"parity: {name}": state for name, state in _parity_on_2_ranks().items()},
+        **{f"hooks: {name}": _hooked(name) for name in HOOKS},
+        # ... and where no rank holds what one device's hook would see: ZeRO-3 reducing once per window, a norm
+        # by hand of TP shards or of a stage's gradients, a clipping of each rank's part inside a window.
+        "scaled after backward, dp2 ZeRO-3, accumulation": _outcome(lambda: _fit(
+            HybridStrategy(dp=2, zero_stage=3, grad_reduce="window"), ScaledGradsLM(), lambda t: pairs_loader(),
+            accumulate_grad_batches=2)),
+        **{f"norm by hand, {name}": _outcome(lambda k=kwargs: _fit(HybridStrategy(**k), HandNormLM(),
+                                                                   lambda t: pairs_loader()))
+           for name, kwargs in (("tp2", dict(tp=2)), ("pp2", dict(pp=2, micro_batches=2)))},
+        "clipping after backward, dp2, accumulation": _outcome(lambda: _fit(
+            HybridStrategy(dp=2), ClipAfterBackwardLM(), lambda t: pairs_loader(), accumulate_grad_batches=2)),
     }
 
 
@@ -354,13 +386,25 @@ def test_a_batch_fingerprint_sees_every_byte_and_the_structure():
     assert not base.equal(fingerprint((batch[1], batch[0]), rows.device))
 
 
+@pytest.mark.parametrize("name", sorted(HOOKS))
+def test_gradients_changed_in_hooks_match_one_device(two_ranks, name):
+    _, make, trainer_kwargs = HOOKS[name]
+    reference = _state(_fit("auto", make(), lambda t: pairs_loader(GLOBAL_BATCH), devices=1, **trainer_kwargs))
+    for rank, out in enumerate(two_ranks):
+        for key, value in reference.items():
+            assert torch.allclose(out[f"hooks: {name}"][key], value, rtol=0, atol=PARAM_ATOL), (name, rank, key)
+
+
 def test_gradients_a_rank_holds_pieces_of_are_not_normed_by_hand(two_ranks):
     for out in two_ranks:
-        for layout in ("tp2", "pp2"):
-            message = out[f"hand clipping, {layout}"]
-            assert message.startswith("RuntimeError: a norm of parameters' gradients computed on this rank alone"), \
-                message
+        for case in ("hand clipping, tp2", "hand clipping, pp2", "norm by hand, tp2", "norm by hand, pp2",
+                     "clipping after backward, dp2, accumulation"):
+            message = out[case]
+            assert message.startswith("RuntimeError: an op on parameters' gradients computed on this rank alone"), \
+                (case, message)
             assert "gradient_clip_val" in message and "parameter_grad_norms()" in message, message
+        message = out["scaled after backward, dp2 ZeRO-3, accumulation"]
+        assert "mul_" in message and "grad_reduce='micro_batch'" in message, message
         message = out["hand clipping, dp2 ZeRO-1"]
         assert "under zero_stage=1 the reduced gradient is split over the data-parallel ranks" in message, message
         assert out["hand clipping, dp2"] == "ran"  # whole gradients on every rank: its norm is one device's

@@ -225,18 +225,20 @@ class ShardedGradient(Tensor):
     which the optimizer steps), so no rank has ``p``'s gradient. Any use of it -- ``torch.nn.utils.clip_grad_norm_``,
     ``p.grad.norm()``, adding to it -- raises a ``RuntimeError`` that says what to use instead (where ``None`` would
     let a hand-called ``clip_grad_norm_`` silently clip nothing). ``is None`` checks see a gradient; the optimizer
-    step and ``zero_grad`` set it back to ``None``."""
+    step and ``zero_grad`` set it back to ``None``. With ``why``: the placeholder of another gradient no rank holds,
+    and the error's reason (`lightning_hybrid.grad_sync.GradientSync.placeholders`: ZeRO-3 inside a window)."""
 
     _name: str
     _stage: int
+    _why: str | None
 
     @staticmethod
-    def __new__(cls, param: Tensor, name: str, stage: int) -> "ShardedGradient":
+    def __new__(cls, param: Tensor, name: str, stage: int, why: str | None = None) -> "ShardedGradient":
         out = Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype, device=param.device)
-        out._name, out._stage = name, stage
+        out._name, out._stage, out._why = name, stage, why
         return out
 
-    def __init__(self, param: Tensor, name: str, stage: int) -> None:
+    def __init__(self, param: Tensor, name: str, stage: int, why: str | None = None) -> None:
         pass
 
     def __repr__(self) -> str:
@@ -247,6 +249,8 @@ class ShardedGradient(Tensor):
         from torch.utils._pytree import tree_leaves
 
         grad = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, ShardedGradient))
+        if grad._why is not None:
+            raise RuntimeError(f"{func.__name__} on the gradient of {grad._name}: {grad._why}")
         raise RuntimeError(
             f"{func.__name__} on the gradient of {grad._name}: under zero_stage={grad._stage} the reduced gradient is"
             " split over the data-parallel ranks' bucket slices (the optimizer steps this rank's slice), so no rank"
