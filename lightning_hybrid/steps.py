@@ -95,15 +95,14 @@ class TrainingSteps:
         self.sync.parameters_whole()  # ZeRO 1-2: what the forward did not read of the last step's gathers
         return output
 
-    def backward(self, closure_loss: Tensor, run_backward: Callable[[Tensor], Any],
-                 post_backward: Callable[[Tensor], Any]) -> Tensor:
+    def backward(self, closure_loss: Tensor, run_backward: Callable[[Tensor], Any]) -> Tensor:
         """Lightning's backward of ``closure_loss`` (``run_backward(loss)``: the strategy's), scaled as the step's
-        kind needs; its precision plugin's ``post_backward`` (``post_backward(loss)``) runs the reduction
-        (`after_backward`), then Lightning's ``on_after_backward``. Under PP the schedule ran the backward inside
-        ``training_step``: the stashed gradients given back, then ``post_backward`` alone."""
+        kind needs; its precision plugin's ``post_backward`` then runs the reduction and Lightning's
+        ``on_after_backward`` (`settled`). Under PP the schedule ran the backward inside ``training_step``: the
+        stashed gradients given back, then the plugin's ``post_backward`` alone."""
         if self.parallelized.pipeline is not None:
             self.sync.unstash()
-            return post_backward(closure_loss)
+            return self.module.trainer.strategy.precision_plugin.post_backward(closure_loss, self.module)
         items, self._batch_items = self._batch_items, None
         k = self.accumulate
         if items is not None:  # the gradient of the batch's loss sum (Lightning divided the mean by k)
@@ -114,6 +113,15 @@ class TrainingSteps:
             run_backward(closure_loss * k)
             return closure_loss
         return run_backward(closure_loss)
+
+    @contextmanager
+    def settled(self) -> Iterator[None]:
+        """Lightning's ``on_after_backward`` runs in this context, entered after each backward: the dimensions'
+        hooks and the window's reduction first (`after_backward`), so that the hook sees the gradients as they will
+        be stepped -- or placeholders that refuse use where no rank holds them (`GradientSync.placeholders`)."""
+        self.after_backward()
+        with self.sync.placeholders():
+            yield
 
     def after_backward(self) -> None:
         """The dimensions' hooks, then the gradient reduction (nothing inside an accumulation window)."""

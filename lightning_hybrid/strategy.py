@@ -71,8 +71,8 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
         batch_check_interval: int = 100, randomness: str = "exact", dp_shard: Optional[int] = None,
         grad_reduce: str = "auto", async_tp: bool = False, fp8: Any = None, fp8_exclude: Optional[list[str]] = None,
         fp8_all_gather: bool = False, cp_attention: str = "all_gather", overlap_param_gather: Optional[bool] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout, accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None, cluster_environment: Optional[Any] = None,
         checkpoint_io: Optional[Any] = None, precision_plugin: Optional[Any] = None,
     ) -> None:
@@ -122,8 +122,7 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
             self._check_data(arg)
 
     def _check_data(self, data: Any) -> None:
-        error = self.options.data_error(data)
-        if error is not None:
+        if (error := self.options.data_error(data)) is not None:
             raise_from_rank_zero(BatchError(error))
 
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
@@ -214,9 +213,8 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
 
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         assert self._steps is not None
-        return self._steps.backward(
-            closure_loss, lambda loss: super(HybridStrategy, self).backward(loss, optimizer, *args, **kwargs),
-            lambda loss: self.precision_plugin.post_backward(loss, self.lightning_module))
+        return self._steps.backward(closure_loss, lambda loss: super(HybridStrategy, self).backward(
+            loss, optimizer, *args, **kwargs))
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -248,19 +246,14 @@ class HybridStrategy(ShardedCheckpoints, MeshStrategy):
         if self._sync is not None:
             self._sync.flush()
 
-    @contextmanager
-    def _settle_gradients(self) -> Generator[None, None, None]:
-        """Lightning's ``on_after_backward`` (the precision plugin's ``post_backward``) runs in this context."""
-        assert self._steps is not None and self._sync is not None
-        self._steps.after_backward()
-        with self._sync.placeholders():
-            yield
+    def _settle_gradients(self) -> ContextManager[Any]:
+        assert self._steps is not None  # Lightning's on_after_backward runs in it (`TrainingSteps.settled`)
+        return self._steps.settled()
 
     def _watch_gradients(self) -> ContextManager[Any]:
         """The hooks between a backward and its optimizer step (`UserCodeChecks.watch_gradients`)."""
-        if self._checks is None:
-            return contextlib.nullcontext()
-        return self._checks.watch_gradients(self._sync is not None and self._sync.holds_local_parts())
+        unreduced = self._sync is not None and self._sync.holds_local_parts()
+        return self._checks.watch_gradients(unreduced) if self._checks is not None else contextlib.nullcontext()
 
     @contextmanager
     def _own_norms(self) -> Generator[GradientSync, None, None]:
