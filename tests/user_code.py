@@ -232,6 +232,27 @@ class ClipAfterBackwardLM(UserLM):
         torch.nn.utils.clip_grad_norm_(self.parameters(), 0.05)
 
 
+class UnfrozenLaterLM(UserLM):
+    """The embedding frozen for the first optimizer step and trained from the second (gradual unfreezing); with
+    ``join``: also out of the optimizer until then, as Lightning's ``BackboneFinetuning`` adds it
+    (``add_param_group``)."""
+
+    def __init__(self, join: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.join = join
+        self.embed.weight.requires_grad_(False)
+
+    def configure_optimizers(self):
+        params = [p for n, p in self.named_parameters() if not (self.join and n.startswith("embed."))]
+        return torch.optim.SGD(params, lr=self.lr)
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        if self.trainer.global_step == 1 and not self.embed.weight.requires_grad:
+            self.embed.weight.requires_grad_(True)
+            if self.join:
+                self.trainer.optimizers[0].add_param_group({"params": [self.embed.weight]})
+
+
 class ManualLM(UserLM):
     """Manual optimization: each batch's two halves backward separately (half the loss each), then one step,
     clipped by the norm."""

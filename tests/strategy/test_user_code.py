@@ -39,6 +39,7 @@ from tests.user_code import (
     TiedLM,
     TiedTrunkLM,
     UndeclaredSumLM,
+    UnfrozenLaterLM,
     UserLM,
     WindowBlock,
     ordered_loader,
@@ -151,13 +152,17 @@ HOOKS = {
     "scaled after backward, pp2": (dict(pp=2, micro_batches=2), ScaledGradsLM, {}),
     "scaled after backward, dp2 ZeRO-3 reduced every batch, accumulation": (
         dict(dp=2, zero_stage=3, grad_reduce="micro_batch"), ScaledGradsLM, {"accumulate_grad_batches": 2}),
+    # A parameter trainable from the second step on (in no gradient bucket): reduced all the same, and cleared by
+    # zero_grad as the optimizer's own would.
+    "unfrozen at the second step, dp2, accumulation": (dict(dp=2), UnfrozenLaterLM, {"accumulate_grad_batches": 2}),
+    "added to the optimizer at the second step, dp2": (dict(dp=2), lambda: UnfrozenLaterLM(join=True), {}),
 }
 
 
 def _hooked(name: str) -> dict[str, torch.Tensor]:
     kwargs, make, trainer_kwargs = HOOKS[name]
     batch = GLOBAL_BATCH // kwargs.get("dp", 1)
-    return _state(_fit(HybridStrategy(**kwargs), make(), lambda t: pairs_loader(batch), **trainer_kwargs))
+    return _state(_fit(HybridStrategy(**kwargs), make(), lambda t: pairs_loader(batch), steps=3, **trainer_kwargs))
 
 
 def _parity_on_2_ranks() -> dict[str, dict[str, torch.Tensor]]:
@@ -275,6 +280,8 @@ def _on_2_ranks() -> dict[str, str]:
         **{f"norm by hand, {name}": _outcome(lambda k=kwargs: _fit(HybridStrategy(**k), HandNormLM(),
                                                                    lambda t: pairs_loader()))
            for name, kwargs in (("tp2", dict(tp=2)), ("pp2", dict(pp=2, micro_batches=2)))},
+        "unfrozen at the second step, dp2 ZeRO-1": _outcome(lambda: _fit(
+            HybridStrategy(dp=2, zero_stage=1), UnfrozenLaterLM(), lambda t: pairs_loader(), steps=3)),
         "clipping after backward, dp2, accumulation": _outcome(lambda: _fit(
             HybridStrategy(dp=2), ClipAfterBackwardLM(), lambda t: pairs_loader(), accumulate_grad_batches=2)),
     }
@@ -389,7 +396,8 @@ def test_a_batch_fingerprint_sees_every_byte_and_the_structure():
 @pytest.mark.parametrize("name", sorted(HOOKS))
 def test_gradients_changed_in_hooks_match_one_device(two_ranks, name):
     _, make, trainer_kwargs = HOOKS[name]
-    reference = _state(_fit("auto", make(), lambda t: pairs_loader(GLOBAL_BATCH), devices=1, **trainer_kwargs))
+    reference = _state(_fit("auto", make(), lambda t: pairs_loader(GLOBAL_BATCH), steps=3, devices=1,
+                            **trainer_kwargs))
     for rank, out in enumerate(two_ranks):
         for key, value in reference.items():
             assert torch.allclose(out[f"hooks: {name}"][key], value, rtol=0, atol=PARAM_ATOL), (name, rank, key)
@@ -403,6 +411,9 @@ def test_gradients_a_rank_holds_pieces_of_are_not_normed_by_hand(two_ranks):
             assert message.startswith("RuntimeError: an op on parameters' gradients computed on this rank alone"), \
                 (case, message)
             assert "gradient_clip_val" in message and "parameter_grad_norms()" in message, message
+        message = out["unfrozen at the second step, dp2 ZeRO-1"]
+        assert "['embed.weight'] got a gradient but was not trainable in the optimizer when training" in message, \
+            message
         message = out["scaled after backward, dp2 ZeRO-3, accumulation"]
         assert "mul_" in message and "grad_reduce='micro_batch'" in message, message
         message = out["hand clipping, dp2 ZeRO-1"]

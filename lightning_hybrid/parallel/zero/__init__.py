@@ -32,7 +32,8 @@ optimizer that looks across a whole tensor (LAMB, Adafactor, Muon, LBFGS) does n
 A parameter without a gradient on any DP rank is skipped by one device's optimizer; a slice cannot skip part of
 itself, so stages 1-2 refuse such a step with an error naming the parameters (stage 0 skips it as one device does).
 
-Modules: `buckets` (the bucket layout, `_Bucket`, `GradientBuckets`, `ShardedGradient`, the constants such as
+Modules: `sharded_gradient` (`ShardedGradient`: the placeholder ``p.grad`` that refuses use where no rank holds the
+gradient), `buckets` (the bucket layout, `_Bucket`, `GradientBuckets`, the constants such as
 ``DEFAULT_BUCKET_CAP_MB``, ``MAX_IN_FLIGHT`` and `_COPYING_COLLECTIVES`), `gather` (`ParameterGathers`: the
 updated slices' all-gathers in flight until the next forward reads them), `optimizer` (`ZeroOptimizer`,
 `SlicePlace`, `check_elementwise`) and `fsdp` (stage 3: `apply_fsdp`, `apply_fsdp_units`, `apply_fsdp_experts`,
@@ -44,7 +45,6 @@ from lightning_hybrid.parallel.zero.buckets import (
     DEFAULT_BUCKET_CAP_MB,
     MAX_IN_FLIGHT,
     GradientBuckets,
-    ShardedGradient,
 )
 from lightning_hybrid.parallel.zero.fsdp import (
     AUTO_WINDOW_FRACTION,
@@ -62,6 +62,7 @@ from lightning_hybrid.parallel.zero.optimizer import (
     ZeroOptimizer,
     check_elementwise,
 )
+from lightning_hybrid.parallel.zero.sharded_gradient import ShardedGradient
 
 __all__ = [
     "AUTO_WINDOW_FRACTION",

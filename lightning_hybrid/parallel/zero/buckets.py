@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_hybrid.parallel.zero.sharded_gradient import ShardedGradient
+
 DEFAULT_BUCKET_CAP_MB = 25.0
 # Backends whose reduce-scatter may write into its own input at ``input[rank * n : (rank + 1) * n]`` (NCCL
 # documents it).
@@ -219,47 +221,6 @@ class _FlatBuffers:
         self.free, self.made = [], 0
 
 
-class ShardedGradient(Tensor):
-    """What ``p.grad`` of a parameter is under ZeRO 1-2 from the gradient reduction to the optimizer step: the
-    reduced gradient lives in bucket slices spread over the data-parallel ranks (this rank holds ``1/dp`` of it,
-    which the optimizer steps), so no rank has ``p``'s gradient. Any use of it -- ``torch.nn.utils.clip_grad_norm_``,
-    ``p.grad.norm()``, adding to it -- raises a ``RuntimeError`` that says what to use instead (where ``None`` would
-    let a hand-called ``clip_grad_norm_`` silently clip nothing). ``is None`` checks see a gradient; the optimizer
-    step and ``zero_grad`` set it back to ``None``. With ``why``: the placeholder of another gradient no rank holds,
-    and the error's reason (`lightning_hybrid.grad_sync.GradientSync.placeholders`: ZeRO-3 inside a window)."""
-
-    _name: str
-    _stage: int
-    _why: str | None
-
-    @staticmethod
-    def __new__(cls, param: Tensor, name: str, stage: int, why: str | None = None) -> "ShardedGradient":
-        out = Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype, device=param.device)
-        out._name, out._stage, out._why = name, stage, why
-        return out
-
-    def __init__(self, param: Tensor, name: str, stage: int, why: str | None = None) -> None:
-        pass
-
-    def __repr__(self) -> str:
-        return f"ShardedGradient({self._name!r}, zero_stage={self._stage})"
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from torch.utils._pytree import tree_leaves
-
-        grad = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, ShardedGradient))
-        if grad._why is not None:
-            raise RuntimeError(f"{func.__name__} on the gradient of {grad._name}: {grad._why}")
-        raise RuntimeError(
-            f"{func.__name__} on the gradient of {grad._name}: under zero_stage={grad._stage} the reduced gradient is"
-            " split over the data-parallel ranks' bucket slices (the optimizer steps this rank's slice), so no rank"
-            " holds p.grad. Clip with Trainer(gradient_clip_val=...) or self.clip_gradients(optimizer,"
-            " gradient_clip_val=..., gradient_clip_algorithm='norm') (by the global norm, as one device), read each"
-            " parameter's whole-gradient norm with trainer.strategy.parameter_grad_norms(), or use zero_stage 0 or 3."
-        )
-
-
 def _layout(params: list[nn.Parameter], cap_bytes: int, key, stage: int = 0) -> list[list[nn.Parameter]]:
     """Parameters grouped by ``key`` and cut into buckets of at most ``cap_bytes`` (a larger parameter gets a
     bucket of its own), in backward order: the reverse of registration, as DDP does. Under ``stage`` 2 the cap is
@@ -297,9 +258,11 @@ class GradientBuckets:
 
     def __init__(
         self, buckets: list[_Bucket], group: dist.ProcessGroup, stage: int, names: dict[int, str] | None = None,
+        stepped: Callable[[], list[Tensor]] | None = None,
     ) -> None:
         self.buckets, self.group, self.stage = buckets, group, stage
         self.names = names or {}  # id(parameter) -> its name, for errors
+        self.stepped = stepped or list  # what the optimizer steps now, each once: one in no bucket is checked
         self.sync = True
         self.partial = False  # with ``sync``: only the buckets this backward completes start (`eager`)
         self._where = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
@@ -443,11 +406,31 @@ class GradientBuckets:
         """A parameter without a gradient on every rank: under stage 0 it keeps ``grad=None`` (the optimizer skips
         it, as on one device; one with a gradient somewhere gets the average with zeros from the others); stages
         1-2 would step it with a zero gradient in its slice, so they raise ``RuntimeError`` naming it (on every
-        rank alike)."""
+        rank alike). A trainable parameter the optimizer steps that is in no bucket (frozen at setup and unfrozen
+        since, or added to the optimizer since: Lightning's ``BackboneFinetuning``) would be stepped with each rank's
+        own gradient: under stage 0 its gradient is averaged here, as a bucket's would be (`_reduce_unbucketed`);
+        stages 1-2, whose optimizer steps the slices laid out at setup, raise ``RuntimeError`` on every rank."""
         params = [p for b in self.buckets for p in b.params]
-        seen = torch.tensor([id(p) in self._seen for p in params], dtype=torch.int32, device=params[0].device)
+        # The same list on every rank (what requires a gradient, not what got one here)
+        unbucketed = [p for p in self._unbucketed() if p.requires_grad]
+        seen = torch.tensor([id(p) in self._seen for p in params] + [p.grad is not None for p in unbucketed],
+                            dtype=torch.int32, device=self.buckets[0].params[0].device)
         dist.all_reduce(seen, group=self.group)
-        counts = seen.tolist()
+        everywhere = seen.tolist()
+        counts, stray_counts = everywhere[:len(params)], everywhere[len(params):]
+        strays = [p for p, count in zip(unbucketed, stray_counts) if count]
+        if strays and self.stage:
+            names = [self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}") for p in strays]
+            raise RuntimeError(
+                f"zero_stage={self.stage}: {names} got a gradient but was not trainable in the optimizer when training"
+                " started (unfrozen since, or added to the optimizer since: BackboneFinetuning's add_param_group):"
+                " the gradient buckets that reduce each gradient over the data-parallel ranks, and the slices the"
+                " optimizer steps, are laid out then, so its gradient would stay each rank's own and every rank would"
+                " step another model. Make it trainable and give it to the optimizer before trainer.fit (with"
+                " zero_stage 0 or 3 unfreezing later is exact)."
+            )
+        if strays:
+            self._reduce_unbucketed(strays)
         if self.stage == 0:
             views = [v for b in self.buckets for v in b.views]
             for p, view, count in zip(params, views, counts):
@@ -463,6 +446,16 @@ class GradientBuckets:
                 " zero_stage 0 or 3."
             )
 
+    def _reduce_unbucketed(self, params: list[nn.Parameter]) -> None:
+        """Stage 0: the gradients of ``params`` (in no bucket; a rank without one contributes zeros) averaged over
+        the group in one all-reduce, as a bucket's."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        flat /= dist.get_world_size(self.group)
+        for p, piece in zip(params, flat.split([g.numel() for g in grads])):
+            p.grad = piece.view_as(p)
+
     def clear(self) -> None:
         """Gradients to ``None`` (``zero_grad``); the buffers keep their memory and are written fresh by the
         next window. Under a pipeline, Lightning's ``zero_grad`` comes after the schedule's backward passes:
@@ -470,6 +463,13 @@ class GradientBuckets:
         for bucket in self.buckets:
             for p in bucket.params:
                 p.grad = None
+        for p in self._unbucketed():  # as the optimizer's own zero_grad would
+            p.grad = None
+
+    def _unbucketed(self) -> list[Tensor]:
+        """What the optimizer steps that no bucket holds (stages 1-2: besides the slices)."""
+        tracked = {id(t) for b in self.buckets for t in [*b.params, getattr(b, "shard", None)] if t is not None}
+        return [p for p in self.stepped() if id(p) not in tracked]
 
     def remove(self) -> None:
         """Detach the hooks from the parameters (the optimizer is done with)."""

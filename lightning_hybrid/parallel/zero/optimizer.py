@@ -104,7 +104,8 @@ class ZeroOptimizer(Optimizer):
             self.buckets.extend(group_buckets)
             if stage:
                 param_group["params"] = [b.shard for b in group_buckets] + [p for p in params if not p.requires_grad]
-        self.gradients = GradientBuckets(self.buckets, group, stage, names)
+        self.gradients = GradientBuckets(self.buckets, group, stage, names,
+                                         lambda: _unique(p for g in optimizer.param_groups for p in g["params"]))
         self.param_groups = optimizer.param_groups
         self.defaults = optimizer.defaults
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
