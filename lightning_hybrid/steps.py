@@ -99,10 +99,13 @@ class TrainingSteps:
         """Lightning's backward of ``closure_loss`` (``run_backward(loss)``: the strategy's), scaled as the step's
         kind needs; its precision plugin's ``post_backward`` then runs the reduction and Lightning's
         ``on_after_backward`` (`settled`). Under PP the schedule ran the backward inside ``training_step``: the
-        stashed gradients given back, then the plugin's ``post_backward`` alone."""
+        plugin's ``pre_backward`` (``on_before_backward``, with the window's gradients still kept away), the stashed
+        gradients given back, then its ``post_backward``."""
         if self.parallelized.pipeline is not None:
+            plugin = self.module.trainer.strategy.precision_plugin
+            plugin.pre_backward(closure_loss, self.module)
             self.sync.unstash()
-            return self.module.trainer.strategy.precision_plugin.post_backward(closure_loss, self.module)
+            return plugin.post_backward(closure_loss, self.module)
         items, self._batch_items = self._batch_items, None
         k = self.accumulate
         if items is not None:  # the gradient of the batch's loss sum (Lightning divided the mean by k)

@@ -215,6 +215,20 @@ class ScaledGradsLM(UserLM):
                 p.grad.mul_(0.5)
 
 
+class HookCallsLM(UserLM):
+    """Counts Lightning's backward hooks (``calls``): one of each per backward, under every layout."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.calls = {"on_before_backward": 0, "on_after_backward": 0}
+
+    def on_before_backward(self, loss) -> None:
+        self.calls["on_before_backward"] += 1
+
+    def on_after_backward(self) -> None:
+        self.calls["on_after_backward"] += 1
+
+
 class HandNormLM(UserLM):
     """Divides the gradients by their global norm, written out by hand (no norm function), before the step."""
 

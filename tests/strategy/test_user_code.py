@@ -29,6 +29,7 @@ from tests.user_code import (
     GainLM,
     HandClippingLM,
     HandNormLM,
+    HookCallsLM,
     LoraUserLM,
     ManualLM,
     MiscountedLM,
@@ -280,6 +281,9 @@ def _on_2_ranks() -> dict[str, str]:
         **{f"norm by hand, {name}": _outcome(lambda k=kwargs: _fit(HybridStrategy(**k), HandNormLM(),
                                                                    lambda t: pairs_loader()))
            for name, kwargs in (("tp2", dict(tp=2)), ("pp2", dict(pp=2, micro_batches=2)))},
+        "backward hooks called, pp2, accumulation": _fit(HybridStrategy(pp=2, micro_batches=2), HookCallsLM(),
+                                                         lambda t: pairs_loader(), accumulate_grad_batches=2
+                                                         ).lightning_module.calls,
         "unfrozen at the second step, dp2 ZeRO-1": _outcome(lambda: _fit(
             HybridStrategy(dp=2, zero_stage=1), UnfrozenLaterLM(), lambda t: pairs_loader(), steps=3)),
         "clipping after backward, dp2, accumulation": _outcome(lambda: _fit(
@@ -411,6 +415,8 @@ def test_gradients_a_rank_holds_pieces_of_are_not_normed_by_hand(two_ranks):
             assert message.startswith("RuntimeError: an op on parameters' gradients computed on this rank alone"), \
                 (case, message)
             assert "gradient_clip_val" in message and "parameter_grad_norms()" in message, message
+        # Once per batch as on one device (the schedule runs the backward inside training_step).
+        assert out["backward hooks called, pp2, accumulation"] == {"on_before_backward": 4, "on_after_backward": 4}
         message = out["unfrozen at the second step, dp2 ZeRO-1"]
         assert "['embed.weight'] got a gradient but was not trainable in the optimizer when training" in message, \
             message
