@@ -180,6 +180,9 @@ class GradientSync:
             p.grad = ShardedGradient(p, names.get(id(p), f"a parameter of shape {tuple(p.shape)}"), 3, why)
         try:
             yield
+            assigned = [names.get(id(p)) for p in held if not isinstance(p.grad, ShardedGradient)]
+            if assigned:  # ``p.grad = ...`` in the hook: FSDP2 would never see it
+                raise RuntimeError(f"p.grad of {assigned} assigned in on_after_backward: {why}")
         finally:
             for p in held:
                 p.grad = None

@@ -229,6 +229,13 @@ class HookCallsLM(UserLM):
         self.calls["on_after_backward"] += 1
 
 
+class AssignedGradLM(UserLM):
+    """Replaces the head's gradient before the step (``p.grad = ...``): zero, so the head does not move."""
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self.head.weight.grad = torch.zeros_like(self.head.weight)
+
+
 class HandNormLM(UserLM):
     """Divides the gradients by their global norm, written out by hand (no norm function), before the step."""
 

@@ -179,6 +179,10 @@ def test_keep_local_layers_materialises_only_the_own_layers():
     assert sorted(n for n, _ in module.named_parameters()) == ["body.0.weight", "first.weight"]
     with pytest.raises(RuntimeError, match="pipeline layer 3 lives on another pipeline rank"):
         module.last(torch.zeros(1, 1))
+    # A hook reading a stand-in's weight is told where it is (hasattr still answers False).
+    with pytest.raises(AttributeError, match="'weight': pipeline layer 3 lives on another pipeline rank"):
+        getattr(module.last, "weight")  # noqa: B009
+    assert not hasattr(module.last, "bias") and module.last.index == 3
 
 
 def test_parameters_outside_the_layers_are_an_error():

@@ -19,6 +19,7 @@ from tests.helpers import QUIET_TRAINER, run_distributed
 from tests.user_code import (
     BLOCK,
     VOCAB,
+    AssignedGradLM,
     BatchNormBlock,
     ClipAfterBackwardLM,
     ConvBlock,
@@ -157,6 +158,7 @@ HOOKS = {
     # zero_grad as the optimizer's own would.
     "unfrozen at the second step, dp2, accumulation": (dict(dp=2), UnfrozenLaterLM, {"accumulate_grad_batches": 2}),
     "added to the optimizer at the second step, dp2": (dict(dp=2), lambda: UnfrozenLaterLM(join=True), {}),
+    "gradient assigned before the step, dp2": (dict(dp=2), AssignedGradLM, {}),
 }
 
 
@@ -284,6 +286,8 @@ def _on_2_ranks() -> dict[str, str]:
         "backward hooks called, pp2, accumulation": _fit(HybridStrategy(pp=2, micro_batches=2), HookCallsLM(),
                                                          lambda t: pairs_loader(), accumulate_grad_batches=2
                                                          ).lightning_module.calls,
+        "gradient assigned before the step, dp2 ZeRO-2": _outcome(lambda: _fit(
+            HybridStrategy(dp=2, zero_stage=2), AssignedGradLM(), lambda t: pairs_loader())),
         "unfrozen at the second step, dp2 ZeRO-1": _outcome(lambda: _fit(
             HybridStrategy(dp=2, zero_stage=1), UnfrozenLaterLM(), lambda t: pairs_loader(), steps=3)),
         "clipping after backward, dp2, accumulation": _outcome(lambda: _fit(
@@ -417,6 +421,8 @@ def test_gradients_a_rank_holds_pieces_of_are_not_normed_by_hand(two_ranks):
             assert "gradient_clip_val" in message and "parameter_grad_norms()" in message, message
         # Once per batch as on one device (the schedule runs the backward inside training_step).
         assert out["backward hooks called, pp2, accumulation"] == {"on_before_backward": 4, "on_after_backward": 4}
+        message = out["gradient assigned before the step, dp2 ZeRO-2"]
+        assert "p.grad of ['head.weight'] was assigned after the gradients were reduced" in message, message
         message = out["unfrozen at the second step, dp2 ZeRO-1"]
         assert "['embed.weight'] got a gradient but was not trainable in the optimizer when training" in message, \
             message

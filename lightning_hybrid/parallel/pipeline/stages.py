@@ -28,6 +28,17 @@ class RemoteLayer(nn.Module):
     def forward(self, *args, **kwargs):
         raise RuntimeError(f"pipeline layer {self.index} lives on another pipeline rank")
 
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:  # a hook reading the layer's weights: they are on the rank that holds it
+            raise AttributeError(
+                f"{name!r}: pipeline layer {self.index} lives on another pipeline rank, which holds its parameters"
+                " and buffers; this rank has a stand-in. Code run on every rank (hooks, callbacks) reaches the"
+                " layers this rank holds with self.pipeline_layers(), skipping stand-ins (`pipeline_standin`), and"
+                " whole-model values with trainer.strategy (parameter_grad_norms(), full_state_dict())."
+            ) from None
+
 
 @dataclass
 class StageLayout:

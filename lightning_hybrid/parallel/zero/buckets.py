@@ -466,6 +466,19 @@ class GradientBuckets:
         for p in self._unbucketed():  # as the optimizer's own zero_grad would
             p.grad = None
 
+    def refuse_assigned(self) -> None:
+        """Stages 1-2, before the step: a ``p.grad`` that is no longer the placeholder `wait` left (assigned in a
+        hook: ``p.grad = ...``) would be ignored by the step of the slices: ``RuntimeError`` naming it."""
+        assigned = [self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}") for b in self.buckets
+                    for p in b.params if p.grad is not None and not isinstance(p.grad, ShardedGradient)]
+        if assigned:
+            raise RuntimeError(
+                f"zero_stage={self.stage}: p.grad of {assigned} was assigned after the gradients were reduced; the"
+                " optimizer steps the reduced slices, so the assigned gradient would be ignored: another model than"
+                " one device. Change gradients element-wise in on_after_backward before the window's last backward"
+                " is reduced, or use zero_stage 0 or 3, where p.grad is what the optimizer steps."
+            )
+
     def _unbucketed(self) -> list[Tensor]:
         """What the optimizer steps that no bucket holds (stages 1-2: besides the slices)."""
         tracked = {id(t) for b in self.buckets for t in [*b.params, getattr(b, "shard", None)] if t is not None}

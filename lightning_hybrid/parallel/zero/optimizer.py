@@ -130,6 +130,7 @@ class ZeroOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self.stage:  # the last step's gathers read the slices this step writes
+            self.gradients.refuse_assigned()
             self.gathers.wait_all()
         self.optimizer.step()
         if self.stage:
