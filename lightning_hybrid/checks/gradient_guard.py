@@ -48,7 +48,7 @@ class LocalGradients(TorchFunctionMode):
     def __init__(self, parameters: Iterable[nn.Parameter], layout: str, shards: Iterable[nn.Parameter] = ()) -> None:
         super().__init__()
         shard_ids = {id(p) for p in shards}
-        # id -> (the tensor, whether it is a TP shard's); weak, so that an id freed and reused is not mistaken
+        # id -> the tensor, weakly (an id freed and reused is not mistaken for it); the ids of TP shards' among them
         self._watched: "weakref.WeakValueDictionary[int, Tensor]" = weakref.WeakValueDictionary()
         self._shards: set[int] = set()
         for p in parameters:
@@ -89,13 +89,13 @@ class LocalGradients(TorchFunctionMode):
         for t in tree_leaves(out):
             if not isinstance(t, Tensor):
                 continue
-            if t.numel() >= size:
-                self._watch(t, shard)  # computed element by element from a gradient (or the gradient itself)
-            elif shard or not _is_view(t, sources):
-                self._refuse(name, "reduces a gradient" if not _is_view(t, sources) else "takes part of a TP"
-                             " shard's gradient")
+            view = _is_view(t, sources)
+            # computed element by element from a gradient (or the gradient itself), or a part of a whole one (its
+            # reduction is what is refused): watched in turn
+            if t.numel() >= size or (view and not shard):
+                self._watch(t, shard)
             else:
-                self._watch(t, shard)  # a part of a whole gradient: reducing it is what is refused
+                self._refuse(name, "takes part of a TP shard's gradient" if view else "reduces a gradient")
         return out
 
     def _refuse(self, name: str, what: str) -> None:

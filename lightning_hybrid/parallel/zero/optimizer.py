@@ -129,9 +129,9 @@ class ZeroOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.stage:  # the last step's gathers read the slices this step writes
+        if self.stage:
             self.gradients.refuse_assigned()
-            self.gathers.wait_all()
+            self.gathers.wait_all()  # the last step's gathers read the slices this step writes
         self.optimizer.step()
         if self.stage:
             if self.gathers.deferring:  # under the next forward, the bucket it needs first (the last) first
