@@ -419,18 +419,22 @@ def test_gradients_a_rank_holds_pieces_of_are_not_normed_by_hand(two_ranks):
             assert message.startswith("RuntimeError: an op on parameters' gradients computed on this rank alone"), \
                 (case, message)
             assert "gradient_clip_val" in message and "parameter_grad_norms()" in message, message
+        message = out["hand clipping, dp2 ZeRO-1"]
+        assert "under zero_stage=1 the reduced gradient is split over the data-parallel ranks" in message, message
+        assert out["hand clipping, dp2"] == "ran"  # whole gradients on every rank: its norm is one device's
+
+
+def test_backward_hooks_run_per_batch_and_gradients_no_rank_holds_refuse_use(two_ranks):
+    for out in two_ranks:
         # Once per batch as on one device (the schedule runs the backward inside training_step).
         assert out["backward hooks called, pp2, accumulation"] == {"on_before_backward": 4, "on_after_backward": 4}
+        message = out["scaled after backward, dp2 ZeRO-3, accumulation"]
+        assert "mul_" in message and "grad_reduce='micro_batch'" in message, message
         message = out["gradient assigned before the step, dp2 ZeRO-2"]
         assert "p.grad of ['head.weight'] was assigned after the gradients were reduced" in message, message
         message = out["unfrozen at the second step, dp2 ZeRO-1"]
         assert "['embed.weight'] got a gradient but was not trainable in the optimizer when training" in message, \
             message
-        message = out["scaled after backward, dp2 ZeRO-3, accumulation"]
-        assert "mul_" in message and "grad_reduce='micro_batch'" in message, message
-        message = out["hand clipping, dp2 ZeRO-1"]
-        assert "under zero_stage=1 the reduced gradient is split over the data-parallel ranks" in message, message
-        assert out["hand clipping, dp2"] == "ran"  # whole gradients on every rank: its norm is one device's
 
 
 def test_a_tie_zero3_cannot_keep_in_one_unit_is_refused_by_name(two_ranks):
