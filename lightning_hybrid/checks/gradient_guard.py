@@ -48,21 +48,18 @@ class LocalGradients(TorchFunctionMode):
     def __init__(self, parameters: Iterable[nn.Parameter], layout: str, shards: Iterable[nn.Parameter] = ()) -> None:
         super().__init__()
         shard_ids = {id(p) for p in shards}
-        # id -> the tensor, weakly (an id freed and reused is not mistaken for it); the ids of TP shards' among them
-        self._watched: "weakref.WeakValueDictionary[int, Tensor]" = weakref.WeakValueDictionary()
-        self._shards: set[int] = set()
+        # id -> (the tensor, weakly: an id freed and reused is not mistaken for it; whether it is a TP shard's)
+        self._watched: dict[int, tuple[weakref.ref, bool]] = {}
         for p in parameters:
             if p.grad is not None:
-                self._watch(p.grad, id(p) in shard_ids)
+                self._watched[id(p.grad)] = (weakref.ref(p.grad), id(p) in shard_ids)
         self.layout = layout
         self._suspended = 0
 
-    def _watch(self, t: Tensor, shard: bool) -> None:
-        if id(t) not in self._watched:
-            self._shards.discard(id(t))  # an id reused since its tensor was freed
-        self._watched[id(t)] = t
-        if shard:
-            self._shards.add(id(t))
+    def _shard(self, t: object) -> Optional[bool]:
+        """Whether ``t`` is a watched TP shard's gradient (or computed from one); ``None``: not watched."""
+        ref, shard = self._watched.get(id(t), (None, False))
+        return shard if ref is not None and ref() is t else None
 
     @contextmanager
     def suspended(self) -> Iterator[None]:
@@ -76,11 +73,10 @@ class LocalGradients(TorchFunctionMode):
         kwargs = kwargs or {}
         if self._suspended:
             return func(*args, **kwargs)
-        sources = [t for t in tree_leaves((args, kwargs))
-                   if isinstance(t, Tensor) and self._watched.get(id(t)) is t]
-        if not sources:
+        found = [(t, kind) for t in tree_leaves((args, kwargs)) if (kind := self._shard(t)) is not None]
+        if not found:
             return func(*args, **kwargs)
-        shard = any(id(t) in self._shards for t in sources)
+        sources, shard = [t for t, _ in found], any(kind for _, kind in found)
         name = getattr(func, "__name__", str(func))
         if shard and name in _POSITIONAL_WRITES:
             self._refuse(name, "writes some positions of a TP shard's gradient")
@@ -93,7 +89,7 @@ class LocalGradients(TorchFunctionMode):
             # computed element by element from a gradient (or the gradient itself), or a part of a whole one (its
             # reduction is what is refused): watched in turn
             if t.numel() >= size or (view and not shard):
-                self._watch(t, shard)
+                self._watched[id(t)] = (weakref.ref(t), shard)
             else:
                 self._refuse(name, "takes part of a TP shard's gradient" if view else "reduces a gradient")
         return out

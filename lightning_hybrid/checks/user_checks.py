@@ -34,7 +34,6 @@ from lightning_hybrid.checks.randomness import RandomOpsProbe, SplitSpans, rank_
 from lightning_hybrid.core.batch import TokenBatch
 from lightning_hybrid.core.dims import ParallelDims
 from lightning_hybrid.options import ParallelOptions
-from lightning_hybrid.parallel.tensor_parallel.layers import tp_sharded_parameter_names
 from lightning_hybrid.parallelize import Parallelized
 from lightning_hybrid.runtime.rank_zero import BatchError, raise_from_rank_zero
 
@@ -63,6 +62,7 @@ class UserCodeChecks:
             self.spans = SplitSpans(self.coordinates[3], device, switch)
             if switch:
                 self.spans.attach(module)
+        self.tp_sharded = parallelized.tp_sharded  # the parameters that are TP shards, by name
         self.probe, self._probe_handle, self._probe_armed = self._prepare_probe(parallelized, accumulate)
         self._loss_verified = self._random_checked = False
         self._steps = 0  # optimizer steps: the first ones' hooks are watched
@@ -247,8 +247,7 @@ class UserCodeChecks:
         if not pieces or self._steps >= WATCHED_STEPS:
             yield
             return
-        split = tp_sharded_parameter_names(self.module) if dims.tp > 1 else set()
-        shards = [p for n, p in self.module.named_parameters() if n in split]
+        shards = [p for n, p in self.module.named_parameters() if n in self.tp_sharded]
         whole = dims.pp > 1 or dims.ep > 1 or unreduced  # a rank's set of gradients is part of the model's
         watched = list(self.module.parameters()) if whole else shards
         self._watch = LocalGradients(watched, " x ".join(pieces), shards)

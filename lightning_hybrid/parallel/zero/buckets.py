@@ -263,6 +263,8 @@ class GradientBuckets:
         self.buckets, self.group, self.stage = buckets, group, stage
         self.names = names or {}  # id(parameter) -> its name, for errors
         self.stepped = stepped or list  # what the optimizer steps now, each once: one in no bucket is checked
+        # What the buckets hold (their parameters and, stages 1-2, their slices: both made once, at setup)
+        self._bucketed = {id(t) for b in buckets for t in [*b.params, getattr(b, "shard", None)] if t is not None}
         self.sync = True
         self.partial = False  # with ``sync``: only the buckets this backward completes start (`eager`)
         self._where = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
@@ -371,8 +373,7 @@ class GradientBuckets:
         if self.stage:  # the reduced gradient is in the slices: p.grad says so until the step (`ShardedGradient`)
             for bucket in self.buckets:
                 for p in bucket.params:
-                    p.grad = ShardedGradient(p, self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}"),
-                                             self.stage)
+                    p.grad = ShardedGradient(p, self._name(p), self.stage)
 
     @torch.no_grad()
     def reduce(self) -> None:
@@ -420,7 +421,7 @@ class GradientBuckets:
         counts, stray_counts = everywhere[:len(params)], everywhere[len(params):]
         strays = [p for p, count in zip(unbucketed, stray_counts) if count]
         if strays and self.stage:
-            names = [self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}") for p in strays]
+            names = [self._name(p) for p in strays]
             raise RuntimeError(
                 f"zero_stage={self.stage}: {names} got a gradient but was not trainable in the optimizer when training"
                 " started (unfrozen since, or added to the optimizer since: BackboneFinetuning's add_param_group):"
@@ -436,8 +437,7 @@ class GradientBuckets:
             for p, view, count in zip(params, views, counts):
                 p.grad = view if count else None
             return
-        absent = [self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
-                  for p, count in zip(params, counts) if not count]
+        absent = [self._name(p) for p, count in zip(params, counts) if not count]
         if absent:
             raise RuntimeError(
                 f"zero_stage={self.stage}: {absent} got no gradient on any data-parallel rank in this step. One device"
@@ -469,8 +469,8 @@ class GradientBuckets:
     def refuse_assigned(self) -> None:
         """Stages 1-2, before the step: a ``p.grad`` that is no longer the placeholder `wait` left (assigned in a
         hook: ``p.grad = ...``) would be ignored by the step of the slices: ``RuntimeError`` naming it."""
-        assigned = [self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}") for b in self.buckets
-                    for p in b.params if p.grad is not None and not isinstance(p.grad, ShardedGradient)]
+        assigned = [self._name(p) for b in self.buckets for p in b.params
+                    if p.grad is not None and not isinstance(p.grad, ShardedGradient)]
         if assigned:
             raise RuntimeError(
                 f"zero_stage={self.stage}: p.grad of {assigned} was assigned after the gradients were reduced; the"
@@ -479,10 +479,13 @@ class GradientBuckets:
                 " is reduced, or use zero_stage 0 or 3, where p.grad is what the optimizer steps."
             )
 
+    def _name(self, p: Tensor) -> str:
+        """``p``'s name, for errors."""
+        return self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
+
     def _unbucketed(self) -> list[Tensor]:
         """What the optimizer steps that no bucket holds (stages 1-2: besides the slices)."""
-        tracked = {id(t) for b in self.buckets for t in [*b.params, getattr(b, "shard", None)] if t is not None}
-        return [p for p in self.stepped() if id(p) not in tracked]
+        return [p for p in self.stepped() if id(p) not in self._bucketed]
 
     def remove(self) -> None:
         """Detach the hooks from the parameters (the optimizer is done with)."""
