@@ -532,11 +532,16 @@ def _nemo_gpt(name: str, n_layer: int, hidden: int, heads: int) -> ModelSpec:
 
 def _nemo(dp: int, tp: int, pp: int, cp: int, v: int, mb: int, batch: int, zero: int = 1) -> Layout:
     """A NeMo row's layout: the replica's batch in micro-batches of ``mb``, interleaved where VP > 1, sequence
-    parallel with TP (NeMo's default), the distributed optimizer (ZeRO-1) or Megatron-FSDP (ZeRO-3)."""
+    parallel with TP (NeMo's default), the distributed optimizer (ZeRO-1) or Megatron-FSDP (ZeRO-3); context
+    parallelism as ring attention (Megatron-LM's ``--cp-comm-type`` default ``p2p``: 'Exchange KV chunks with P2P
+    communications in ring topology. P2P is async and can be overlapped with attention compute',
+    megatron/core/transformer/transformer_config.py)."""
     m = batch // (dp * mb)
+    attention = "ring" if cp > 1 else "all_gather"
     if pp == 1:
-        return Layout(dp, tp, 1, zero, mb, m, sequence_parallel=tp > 1, cp=cp)
-    return Layout(dp, tp, pp, zero, mb, m, "interleaved_1f1b" if v > 1 else "1f1b", v, False, tp > 1, cp=cp)
+        return Layout(dp, tp, 1, zero, mb, m, sequence_parallel=tp > 1, cp=cp, cp_attention=attention)
+    return Layout(dp, tp, pp, zero, mb, m, "interleaved_1f1b" if v > 1 else "1f1b", v, False, tp > 1, cp=cp,
+                  cp_attention=attention)
 
 
 _L3_8B = _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192)

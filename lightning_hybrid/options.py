@@ -20,16 +20,13 @@ from lightning_hybrid.checks.randomness import RANDOMNESS
 from lightning_hybrid.core.dims import ParallelDims, validate_zero_stage
 from lightning_hybrid.parallel.activation_checkpointing import Recompute, Selection, recompute_selection
 from lightning_hybrid.parallel.compile import Compile, compile_options
+from lightning_hybrid.parallel.context_parallel.ring import CP_ATTENTION
 from lightning_hybrid.parallel.float8 import Float8, validate_float8, validate_float8_all_gather
 from lightning_hybrid.parallel.pipeline import resolve_schedule
 from lightning_hybrid.parallel.pipeline.executor import ScheduleSpec
 from lightning_hybrid.parallel.zero import DEFAULT_BUCKET_CAP_MB, GRAD_REDUCE
 
 PIPELINE_ARGUMENTS = ("schedule", "micro_batches", "virtual_stages", "split_points")
-
-
-#: The values of ``cp_attention`` (`lightning_hybrid.parallel.context_parallel.ring`).
-CP_ATTENTION = ("all_gather", "ring")
 
 
 @dataclass(frozen=True)

@@ -110,13 +110,14 @@ def parse_layout(text: str, model: ModelSpec, devices: int, global_batch: int) -
     (spaces or commas between parts; ``sel``: selective recompute of the attention core, ``pw``: pointwise selective
     recompute, ``op``: torchtitan's per-op selective recompute; ``hsdpN``: ZeRO-3 hybrid-sharded over ``N`` of the dp
     ranks; ``rs-mb``: ZeRO-3 reduce-scattering every micro-batch; ``accN``: N runs of the pipeline's schedule per
-    step; ``fold``: expert parallelism folded over the TP ranks). What is left out: ``tp``, ``pp``, ``cp``, ``ep``
-    1, ``dp`` what they leave of ``devices``, ZeRO 0, micro-batches of 1 sequence (``mbB`` sets the size; ``mbBxM``
-    both: ``dp B M`` must be the global batch), schedule ``1f1b``. Raises ``ValueError`` for a layout the strategy
-    would refuse (sizes that do not multiply to ``devices``, ``tp`` not dividing the heads, ``ep`` the experts, ...)."""
+    step; ``fold``: expert parallelism folded over the TP ranks; ``ring``: ring attention under CP). What is left
+    out: ``tp``, ``pp``, ``cp``, ``ep`` 1, ``dp`` what they leave of ``devices``, ZeRO 0, micro-batches of 1 sequence
+    (``mbB`` sets the size; ``mbBxM`` both: ``dp B M`` must be the global batch), schedule ``1f1b``. Raises
+    ``ValueError`` for a layout the strategy would refuse (sizes that do not multiply to ``devices``, ``tp`` not
+    dividing the heads, ``ep`` the experts, ...)."""
     sizes: dict[str, int] = {}
     zero, b, m, schedule, v, ac, sp, sel, pw, op = 0, 1, 0, "1f1b", 0, False, False, False, False, False
-    dp_shard, grad_reduce, accumulate, fold = None, "auto", 1, False
+    dp_shard, grad_reduce, accumulate, fold, ring = None, "auto", 1, False, False
     for part in re.split(r"[\s,]+", text.strip()):
         pieces = part.split("x") if all(_DIMS.match(x) for x in part.split("x")) else [part]
         for piece in pieces:
@@ -134,6 +135,8 @@ def parse_layout(text: str, model: ModelSpec, devices: int, global_batch: int) -
                 accumulate = int(piece[3:])
             elif piece == "fold":
                 fold = True
+            elif piece == "ring":
+                ring = True
             elif piece == "rs-mb":
                 grad_reduce = "micro_batch"
             elif piece in ("ac", "sp", "sel", "pw", "op"):
@@ -144,7 +147,7 @@ def parse_layout(text: str, model: ModelSpec, devices: int, global_batch: int) -
             else:
                 raise ValueError(f"--layout {text!r}: {piece!r} is not a part of a layout (dpN, tpN, ppN, cpN, epN,"
                                  f" zero0-3, hsdpN, rs-mb, mbB or mbBxM, a schedule {sorted(SCHEDULES)} with /vN, accN,"
-                                 " ac, sel, pw, op, sp, fold).")
+                                 " ac, sel, pw, op, sp, fold, ring).")
     tp, pp, cp, ep = (sizes.get(k, 1) for k in ("tp", "pp", "cp", "ep"))
     if min(tp, pp, cp, ep, b) < 1:
         raise ValueError(f"--layout {text!r}: every size must be positive.")
@@ -167,6 +170,9 @@ def parse_layout(text: str, model: ModelSpec, devices: int, global_batch: int) -
                          f" ({model.shared_ffn}) of {model.name}.")
     if sp and tp == 1:
         raise ValueError(f"--layout {text!r}: sequence parallelism (sp) needs tp > 1.")
+    if ring and cp == 1:
+        raise ValueError(f"--layout {text!r}: ring attention (ring) passes keys and values around the CP ranks: it"
+                         " needs cp > 1.")
     v = v or (2 if schedule == "zero_bubble" else 1)
     if pp > 1:
         resolve_schedule(schedule, pp, m, v)
@@ -176,7 +182,8 @@ def parse_layout(text: str, model: ModelSpec, devices: int, global_batch: int) -
     # selective recompute of the attention core (sel), of it and the element-wise ops (pw), torchtitan's (op)
     selective = {"recompute": "attention" if sel else "pointwise" if pw else "op"} if sel or pw or op else {}
     layout = Layout(dp, tp, pp, zero, b, m, schedule, v, ac, sp, ep=ep, cp=cp, dp_shard=dp_shard,
-                    grad_reduce=grad_reduce, accumulate=accumulate, ep_folding=fold, **selective)
+                    grad_reduce=grad_reduce, accumulate=accumulate, ep_folding=fold,
+                    cp_attention="ring" if ring else "all_gather", **selective)
     layout.check_model(model)
     return layout
 

@@ -7,7 +7,8 @@ prediction for its own layout (``predicted_*`` in ``metrics.json``, shown by the
 global batch ``planner.global_batch`` (null: ``data.batch_size x trainer.accumulate_grad_batches``, the batch one
 device would step on, so the run stays comparable to ``parallel=single``), and writes the best layout into the
 config: the ``parallel`` arguments (``ep`` and ``cp`` among them when the layout has them, and the strategy takes
-them: the search tries context parallelism only for a strategy with a ``cp`` argument), ``data.batch_size`` (a
+them: the search tries context parallelism only for a strategy with a ``cp`` argument, and ring attention,
+``cp_attention="ring"``, only for a model known to attend without dropout), ``data.batch_size`` (a
 replica's batch: the ``cp`` ranks of a replica share its samples), and ``trainer.accumulate_grad_batches`` and
 ``trainer.devices`` (``dp tp pp cp`` over the nodes). ``parallel.fp8`` is planned as FP8 where the planner models
 it (`_fp8`: a cluster with float8 tensor cores), else as bf16. Every rank plans the same way from the same inputs,
@@ -89,6 +90,18 @@ def _hf_config(cfg: DictConfig) -> Any:
     node = cfg.model
     overrides = OmegaConf.to_container(node.config, resolve=True) if node.get("config") is not None else {}
     return hf_config(str(node.model), overrides)
+
+
+def _without_attention_dropout(cfg: DictConfig) -> bool:
+    """Whether the recipe's model is known to attend without dropout (a `GPTLightningModule` with ``dropout`` 0, a
+    `CausalLM` whose config's ``attention_dropout`` is 0): the search tries ring attention, which refuses dropout,
+    for those only."""
+    target = str(cfg.model.get("_target_", ""))
+    if target.endswith("GPTLightningModule"):
+        return not float(cfg.model.get("dropout", 0.0) or 0.0)
+    if target.endswith("CausalLM"):
+        return not float(getattr(_hf_config(cfg), "attention_dropout", 0.0) or 0.0)
+    return False
 
 
 def _documents(cfg: DictConfig) -> bool:
@@ -178,6 +191,7 @@ def choose_layout(cfg: DictConfig) -> tuple[DictConfig, str]:
     model, cluster = _model(cfg), _cluster(cfg)
     result = plan(model, cluster, _devices(cfg), global_batch,
                   sequence_parallel="sequence_parallel" in accepted, context_parallel="cp" in accepted,
+                  ring_attention="cp_attention" in accepted and _without_attention_dropout(cfg),
                   whole_batch_loss=_adds_router_loss(cfg), documents=_documents(cfg), fp8=_fp8(cfg, cluster, model))
     best = result.best.layout
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
@@ -186,6 +200,8 @@ def choose_layout(cfg: DictConfig) -> tuple[DictConfig, str]:
         out.parallel.update(best.strategy_kwargs(HybridStrategy))
         if "cp" in out.parallel:  # the layout's cp, 1 included (strategy_kwargs names it only when > 1)
             out.parallel.cp = best.cp
+        if "cp_attention" in out.parallel:  # the layout's, all-gather included
+            out.parallel.cp_attention = best.cp_attention
         out.data.batch_size = best.micro_batch * (best.micro_batches if best.pp > 1 else 1)
         out.trainer.accumulate_grad_batches = best.accumulation
         out.trainer.devices = best.devices // int(cfg.trainer.num_nodes)
@@ -209,7 +225,8 @@ def _recipe_layout(cfg: DictConfig, world: dict[str, int], batch_size: Optional[
     layout = Layout(dp, world["tp"], world["pp"], int(par.zero_stage), max(1, b), m,
                     str(par.schedule or "1f1b"), int(par.virtual_stages or 1) if par.schedule != "zero_bubble" else 2,
                     checkpointing, bool(par.get("sequence_parallel", False)), bool(par.get("loss_parallel", False)),
-                    ep=int(par.get("ep", 1) or 1), cp=cp, accumulate=accumulate if world["pp"] > 1 else 1)
+                    ep=int(par.get("ep", 1) or 1), cp=cp, accumulate=accumulate if world["pp"] > 1 else 1,
+                    cp_attention=str(par.get("cp_attention") or "all_gather") if cp > 1 else "all_gather")
     return layout, dp * batch * accumulate
 
 

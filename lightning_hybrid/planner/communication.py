@@ -1,6 +1,7 @@
 """Time and volume of the step's collectives and transfers: ring all-reduce, reduce-scatter and all-gather
 (`ring_volume`, `ring_time`) and all-to-all (`all_to_all_time`); context parallelism's key/value exchanges and the
-positions' gather (`kv_exchanges`, `kv_exchange_bytes`, `kv_exchange_time`, `mask_gather_time`); expert
+positions' gather (`kv_exchanges`, `kv_exchange_bytes`, `kv_exchange_time`, `mask_gather_time`; ring attention's
+transfers `ring_kv_bytes`); expert
 parallelism's all-to-all volume (`all_to_all_bytes`); the pipeline's point-to-point transfers
 (`pipeline_boundaries`, `pipeline_p2p_time`). The model: `lightning_hybrid.planner.time`'s docstring.
 """
@@ -18,7 +19,7 @@ from .placement import moe_block_count, pipeline_stages, rank_layers
 
 __all__ = ["all_to_all_bytes", "all_to_all_time", "deepep_node_copies", "ep_all_to_all_time", "kv_exchange_bytes",
            "kv_exchange_time", "kv_exchanges", "mask_gather_time", "pipeline_boundaries", "pipeline_p2p_time",
-           "ring_time", "ring_volume"]
+           "ring_kv_bytes", "ring_time", "ring_volume"]
 
 def ring_volume(n: int, nbytes: float, op: str = "all_reduce") -> float:
     """Bytes each rank sends in a ring ``op`` over ``n`` ranks: ``2 (n-1)/n B`` for all-reduce, ``(n-1)/n B``
@@ -132,28 +133,62 @@ def kv_exchange_bytes(model: ModelSpec, layout: Layout, *, precision: str = "bf1
     ``bytes_per_element``, else the activation size of ``precision``) of which a rank sends ``(cp - 1)/cp`` in a
     ring. 0 for ``cp = 1``. Not counted: the tokens' positions gathered for the mask (``8 b s (cp -
     1)/cp`` bytes per micro-batch), and on gloo the backward's all-reduce in place of the reduce-scatter (twice the
-    volume; `estimate_time` counts both)."""
+    volume; `estimate_time` counts both). Ring attention (`Layout.cp_attention` ``"ring"``): per block and
+    micro-batch ``cp - 1`` transfers of the rank's own K and V in each of the three passes (the forward, its
+    recomputation, the backward) and ``cp`` of their fp32 gradients in backward (`ring_kv_bytes`)."""
     layout.check_model(model)
     if layout.cp == 1:
         return 0.0
     element = bytes_per_element if bytes_per_element is not None else PRECISIONS[precision][3]
     blocks = [sum(1 for i in layers if 0 < i <= model.n_layer) for layers in _pipeline_ranks(model, layout)]
     count = max(blocks) if pipeline_rank is None else blocks[pipeline_rank]
+    if layout.cp_attention == "ring":
+        kv, grads = ring_kv_bytes(model, layout, element, gathers_kv_heads)
+        return count * layout.micro_batches * (layout.cp - 1) * (3 * kv + grads / (layout.cp - 1) * layout.cp)
     kv = gathered_kv_bytes(model, layout.micro_batch, element, layout.tp, layout.cp)
     volume = ring_volume(layout.cp, kv * (model.kv_heads / model.heads if gathers_kv_heads else 1.0), "all_gather")
     return kv_exchanges(layout) * count * layout.micro_batches * volume
 
 
-def kv_exchange_time(model: ModelSpec, layout: Layout, cluster: Cluster) -> float:
+def ring_kv_bytes(model: ModelSpec, layout: Layout, element: float, kv_heads: bool = True) -> tuple[float, float]:
+    """What one step of ring attention sends (`lightning_hybrid.parallel.context_parallel.ring`): the rank's own
+    keys and values, ``2 b (s/cp) (a_kv/tp) d e`` bytes (``a/tp`` heads where not ``kv_heads``), and their gradients
+    in fp32 (the same with ``e = 4``)."""
+    kv = gathered_kv_bytes(model, layout.micro_batch, element, layout.tp, layout.cp) / layout.cp
+    kv *= model.kv_heads / model.heads if kv_heads else 1.0
+    return kv, kv * 4 / element
+
+
+def kv_exchange_time(model: ModelSpec, layout: Layout, cluster: Cluster, attention: float = 0.0) -> float:
     """Seconds of one block's context-parallel key/value exchanges for one micro-batch, all on the critical path:
     the all-gathers of K and of V in forward, again in backward (the checkpointed attention's recomputation, or with
     activation checkpointing the layer's), and the reduce-scatter of their gradients (two; on a CPU cluster gloo's
     all-reduce in its place) (`kv_exchanges`); each a ring over the ``cp`` ranks
     (``tp`` apart: `Cluster.link`). 0 for ``cp = 1``. Not overlapped with computation (attention waits for the
-    keys). The positions' gather, once per micro-batch, is `mask_gather_time`."""
+    keys). The positions' gather, once per micro-batch, is `mask_gather_time`.
+
+    Ring attention (`Layout.cp_attention` ``"ring"``; ``attention``: seconds of the block's attention core in one
+    forward pass): each of its ``cp`` steps sends the keys and values to the next rank (`ring_kv_bytes`) while it
+    attends to the ones it holds -- a point-to-point transfer each way over the same link, under ``1/cp`` of the
+    pass's attention (the zigzag split balances the steps), of which what exceeds that compute shows. Two forward
+    rings (the forward and its recomputation: the implementation checkpoints the ring as it does the all-gather,
+    and a checkpointed layer recomputes it), ``cp - 1`` transfers each; in backward (twice the compute a step) the
+    ``cp - 1`` transfers of the keys carry the gradients gathered so far one step behind them, and the last
+    gradients' transfer home shows whole."""
     cp = layout.cp
     if cp == 1:
         return 0.0
+    if layout.cp_attention == "ring":
+        link = cluster.link(cp, layout.tp)
+        kv, grads = ring_kv_bytes(model, layout, PRECISIONS[cluster.precision][3], cluster.cp_gathers_kv_heads)
+
+        def shows(sent: float, under: float) -> float:
+            return max(0.0, link.latency + sent / link.bandwidth - under)
+
+        step = attention / cp
+        forward = (cp - 1) * shows(kv, step)
+        backward = shows(kv, 2 * step) + (cp - 2) * shows(kv + grads, 2 * step) + shows(grads, 2 * step)
+        return 2 * forward + backward + link.latency + grads / link.bandwidth
     kv = gathered_kv_bytes(model, layout.micro_batch, PRECISIONS[cluster.precision][3], layout.tp, cp)
     if cluster.cp_gathers_kv_heads:  # grouped-query attention's own K/V heads gathered, repeated after
         kv *= model.kv_heads / model.heads

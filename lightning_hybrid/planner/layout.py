@@ -6,6 +6,7 @@ import inspect
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+from lightning_hybrid.parallel.context_parallel.ring import CP_ATTENTION
 from lightning_hybrid.parallel.zero import GRAD_REDUCE
 
 __all__ = ["Layout", "RECOMPUTE_MODES"]
@@ -67,8 +68,12 @@ class Layout:
     grad_reduce: str = "auto"
     accumulate: int = 1
     ep_folding: bool = False
+    cp_attention: str = "all_gather"
 
     def __post_init__(self) -> None:
+        if self.cp_attention not in CP_ATTENTION or (self.cp_attention == "ring" and self.cp == 1):
+            raise ValueError(f"cp_attention={self.cp_attention!r} is invalid for cp={self.cp}: use 'all_gather', or"
+                             " 'ring' with cp > 1 (the keys and values passed around the CP group).")
         if self.dp_shard is not None:
             if not isinstance(self.dp_shard, int) or self.dp_shard < 1 or self.dp % self.dp_shard:
                 raise ValueError(f"dp_shard={self.dp_shard!r} is invalid for dp={self.dp}: it must be a positive"
@@ -169,11 +174,13 @@ class Layout:
         return self.dp * self.micro_batch * self.micro_batches * self.accumulate
 
     def label(self) -> str:
-        """``dp4xtp2xpp2 cp2 ep2 zero1 mb2x4 1f1b acc2 ac sp`` (only what differs from the defaults; ``sel``:
+        """``dp4xtp2xpp2 cp2 ring ep2 zero1 mb2x4 1f1b acc2 ac sp`` (only what differs from the defaults; ``ring``:
+        ring attention under CP; ``sel``:
         selective recompute of the attention core, ``pw``: pointwise selective recompute; ``accN``: N runs of the
         pipeline schedule per optimizer step)."""
         parts = [f"dp{self.dp}xtp{self.tp}" + (f"xpp{self.pp}" if self.pp > 1 else "")]
         parts += [f"cp{self.cp}"] if self.cp > 1 else []
+        parts += ["ring"] if self.cp_attention == "ring" else []
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
         parts += ["fold"] if self.ep_folding else []
         parts += [f"zero{self.zero_stage}"] if self.zero_stage else []
@@ -208,6 +215,11 @@ class Layout:
             if "cp" not in accepted:
                 raise ValueError(f"cp={self.cp}: {strategy_cls.__name__} takes no cp (context parallelism).")
             kwargs["cp"] = self.cp
+            if self.cp_attention != "all_gather":
+                if "cp_attention" not in accepted:
+                    raise ValueError(f"cp_attention={self.cp_attention!r}: {strategy_cls.__name__} takes no"
+                                     " cp_attention.")
+                kwargs["cp_attention"] = self.cp_attention
         if self.ep_folding:
             raise ValueError(f"ep_folding: {strategy_cls.__name__} keeps a rank's experts on every rank of its TP"
                              " group (ep within dp*cp); folding expert parallelism over TP is described for other"

@@ -138,6 +138,9 @@ selective) it does not: the layer's own recomputation regathers and recomputes. 
   bytes). SDPA's fused kernels (CUDA's flash and memory-efficient kernels; with a mask on CPU its flash kernel, on
   CUDA the memory-efficient and cuDNN ones) keep no ``(s/c) x s`` scores. This transient is counted in the
   larger-of with the head's (`estimate_memory`): the head's loss and a block's backward are not alive at once.
+  Ring attention (`Layout.cp_attention` ``"ring"``) holds no whole-sequence K/V: its transient is two ranks' K/V and
+  their fp32 gradients and a few fp32 tensors of the rank's queries' size (`ring_transient_bytes`, measured), and
+  what a block keeps is the same (its own q, k, v under the checkpoint, as the all-gather's).
 
 The head, a checkpointed block's input and the pipeline's boundary tensors are ``1/c`` too. Model states: the
 ``cp`` ranks of a replica hold the same parameters and reduce their gradients together with the ``dp`` ranks, so
@@ -331,7 +334,8 @@ def estimate_memory(model: ModelSpec, layout: Layout, precision: str, activation
     chunks = rank_chunk_blocks(model, lay.pp, per_rank, spec.style)
     s, b, h, t, ep, cp = model.seq_len, lay.micro_batch, model.hidden, lay.tp, lay.ep, lay.cp
     dense_act, moe_act = block_activations(model, lay, precision)
-    transient = context_transient_bytes(model, b, precision, t, cp, documents)  # the layer being computed's attention
+    # the layer being computed's attention (ring attention: what the ring holds)
+    transient = context_transient_bytes(model, b, precision, t, cp, documents, lay.cp_attention == "ring")
     masks = context_masks(lay, documents) * context_documents_bytes(model, b)  # each micro-batch's documents
     # Per block without CP: eagerly (one SDPA call per document) the documents' outputs joined, beside SDPA's own;
     # under compile (the traceable mask) SDPA's float copy of the mask

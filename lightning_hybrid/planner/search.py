@@ -10,7 +10,8 @@ without PP, gradient accumulation), the schedule and its virtual stages (checked
 `resolve_schedule`), recomputation (none, full, or selective -- the attention core, or it and the element-wise ops
 -- `RECOMPUTE_CHOICES`; not ``"pointwise"`` at the ``megatron`` precisions, which stand for Megatron-LM runs and
 whose memory model refuses it), sequence parallelism
-(``tp > 1``), and for a mixture-of-experts
+(``tp > 1``), under context parallelism how attention meets the other ranks' keys and values (all-gathered or
+around a ring: `Layout.cp_attention`), and for a mixture-of-experts
 model expert parallelism ``ep`` (`ep_choices`: the divisors of ``dp cp`` that divide the number of experts, 1
 included; with every ZeRO stage, `EP_ZERO_STAGES`; for a runtime that folds it over TP, `Cluster.ep_folding`, the
 divisors of ``dp cp tp`` too, folded). Each candidate gets `estimate_memory`; those that fit the
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
 from lightning_hybrid.core.dims import ParallelDims, divisors
+from lightning_hybrid.parallel.context_parallel.ring import CP_ATTENTION
 from lightning_hybrid.parallel.pipeline.executor import SCHEDULES, resolve_schedule
 
 from .cluster import USABLE_MEMORY, Cluster
@@ -140,10 +142,13 @@ def enumerate_layouts(model: ModelSpec, cluster: Cluster, devices: int, global_b
                       sequence_parallel: bool = True, schedules: Sequence[str] = tuple(SCHEDULES),
                       max_virtual_stages: int = 4, invalid: Optional[Counter] = None,
                       pipeline: bool = True, whole_batch_loss: bool = False,
-                      context_parallel: bool = True, min_cp_tokens: int = MIN_CP_TOKENS) -> Iterator[Layout]:
+                      context_parallel: bool = True, min_cp_tokens: int = MIN_CP_TOKENS,
+                      ring_attention: bool = True) -> Iterator[Layout]:
     """Every valid layout (see the module docstring); the sizes turned away are counted in ``invalid``.
     ``context_parallel=False``: ``cp = 1`` only (a strategy without context parallelism); ``min_cp_tokens``: the
-    fewest tokens of a sequence a context-parallel rank may keep (`MIN_CP_TOKENS`).
+    fewest tokens of a sequence a context-parallel rank may keep (`MIN_CP_TOKENS`); ``ring_attention=False``:
+    context parallelism all-gathers the keys and values only (a model with attention dropout, which ring attention
+    refuses).
     ``pipeline=False``: ``pp = 1`` only (a model that cannot train under a pipeline). ``whole_batch_loss``: the
     model adds a loss of the whole batch (its routers' load-balancing loss), which a pipeline computes under GPipe
     only, without sequence parallelism (`lightning_hybrid.parallel.pipeline.aux`)."""
@@ -176,11 +181,12 @@ def enumerate_layouts(model: ModelSpec, cluster: Cluster, devices: int, global_b
                     if pp > 1 and whole_batch_loss:
                         yield from _schedules(model, dims, cp, b, m, pipeline_layers, False,
                                               [s for s in schedules if s == "gpipe"], max_virtual_stages, invalid,
-                                              recomputes)
+                                              recomputes, ring_attention=ring_attention)
                         continue
                     yield from _schedules(model, dims, cp, b, m, pipeline_layers, sequence_parallel, schedules,
                                           max_virtual_stages, invalid, recomputes,
-                                          _node_shard(dims.dp, tp, cp, cluster.devices_per_node), cluster.ep_folding)
+                                          _node_shard(dims.dp, tp, cp, cluster.devices_per_node), cluster.ep_folding,
+                                          ring_attention)
 
 
 def _node_shard(dp: int, tp: int, cp: int, devices_per_node: int) -> Optional[int]:
@@ -191,9 +197,11 @@ def _node_shard(dp: int, tp: int, cp: int, devices_per_node: int) -> Optional[in
 
 
 def _schedules(model, dims, cp, b, m, pipeline_layers, sequence_parallel, schedules, max_virtual_stages, invalid,
-               recomputes=RECOMPUTE_CHOICES, node_shard: Optional[int] = None, ep_folding: bool = False):
+               recomputes=RECOMPUTE_CHOICES, node_shard: Optional[int] = None, ep_folding: bool = False,
+               ring_attention: bool = True):
     tp, pp, dp = dims.tp, dims.pp, dims.dp
     choices = [("1f1b", 1)] if pp == 1 else []
+    attentions = CP_ATTENTION if cp > 1 and ring_attention else CP_ATTENTION[:1]
     for name in (schedules if pp > 1 else ()):
         per_rank = SCHEDULES[name].stages_per_rank
         for v in (range(2, max_virtual_stages + 1) if per_rank == 0 else (per_rank,)):
@@ -220,8 +228,10 @@ def _schedules(model, dims, cp, b, m, pipeline_layers, sequence_parallel, schedu
                 for ac, recompute in recomputes:
                     for sp in ((True,) if fold else (False, True) if tp > 1 and sequence_parallel else (False,)):
                         for dp_shard in shards:
-                            yield Layout(dp, tp, pp, zero, b, m, name, v, ac, sp, ep=ep, cp=cp, recompute=recompute,
-                                         dp_shard=dp_shard, ep_folding=fold)
+                            for attention in attentions:
+                                yield Layout(dp, tp, pp, zero, b, m, name, v, ac, sp, ep=ep, cp=cp,
+                                             recompute=recompute, dp_shard=dp_shard, ep_folding=fold,
+                                             cp_attention=attention)
 
 
 def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: int,

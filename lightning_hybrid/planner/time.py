@@ -114,7 +114,9 @@ Context parallelism (`Layout.cp` = ``c``; `lightning_hybrid.parallel.context_par
   the link the cp group spans (``c`` ranks ``tp`` apart: NVLink while ``c tp`` fits in a node; `Cluster.link`).
   Not overlapped with computation (attention waits for the gathered keys; the implementation's collectives are
   synchronous): on the critical path (``cp_comm``), and in the pipeline bubble like the rest of a micro-batch's
-  time;
+  time. Ring attention (`Layout.cp_attention` ``"ring"``): point-to-point transfers of the rank's own K/V (and in
+  backward of their fp32 gradients) at each of the ring's ``c`` steps, under that step's attention: what exceeds
+  it shows (`kv_exchange_time`); its merges' traffic replaces the gathered K/V's (`context_attention_traffic`);
 * DP: the gradients are reduced (and ZeRO-sharded) over the ``dp c`` ranks (``tp`` apart), the experts' over
   ``dp c/ep``; the optimizer steps ``1/(dp c)`` under ZeRO.
 
@@ -248,7 +250,8 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     keys = s * model.attention_span() if cluster.window_kernels else s
     selective = mode in ("attention", "pointwise")
     core_recompute = tokens * 4 * h * keys / t if selective or (cp > 1 and mode == "none") else 0.0
-    cp_traffic = context_attention_traffic(model, b, prec, t, cp)
+    ring = lay.cp_attention == "ring"
+    cp_traffic = context_attention_traffic(model, b, prec, t, cp, ring)
 
     # LoRA (``model.lora_rank``): a frozen weight has no weight-gradient GEMM, one pass of the weights' fewer (the
     # adapters' own GEMMs, r/h of a weight's, are left out).
@@ -313,7 +316,8 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
         latency = 2 * 2 * (t - 1) * tp_link.latency
         under = model.block_column_weights() * tokens * 2 / t * shape / flops
         block_tp = (tp_count - 2) * one + latency + max(0.0, 2 * one - latency - under)
-    block_cp = kv_exchange_time(model, lay, cluster)  # per block, dense or MoE
+    # per block, dense or MoE; a ring's transfers under its attention's steps (one forward pass's core)
+    block_cp = kv_exchange_time(model, lay, cluster, tokens * 4 * h * keys / t / (flops * cluster.attention_speed))
     mask_cp = mask_gather_time(model, lay, cluster)  # per micro-batch: the positions, for its mask
     head_passes = 2 if model.lora_rank else 3  # (never recomputed; frozen under LoRA)
     head_gemms = 2 * head_passes * tokens * h * model.vocab / t / flops * (1 + cluster.matmul_k0 / h)
@@ -461,7 +465,8 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     else:
         tp_colls = 0
     ep_colls = m * max(k for _, k in counts) * (5 + 3 * recompute) if ep > 1 else 0
-    cp_colls = m * (max(d + k for d, k in counts) * 2 * kv_exchanges(lay) + 1) if cp > 1 else 0
+    exchanges = 3 * (cp - 1) + cp if ring else 2 * kv_exchanges(lay)  # a ring's steps: one send and receive each
+    cp_colls = m * (max(d + k for d, k in counts) * exchanges + 1) if cp > 1 else 0
     pp_colls = m * 2 * per_rank if lay.pp > 1 else 0
     dp_messages = sum(k for *_, k in groups)
     if lay.zero_stage == 3:

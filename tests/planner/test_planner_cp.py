@@ -1,6 +1,7 @@
 """The planner on context parallelism: activations per rank and the masks of documents, the key/value
-exchanges' time and bytes, the search enumerating ``cp`` only where the sequence splits and picking it for
-long sequences, the layout's label and strategy arguments, the command line and ``parallel=auto``."""
+exchanges' time and bytes, ring attention's, the search enumerating ``cp`` only where the sequence splits and picking
+it for long sequences (and the ring where the all-gather does not fit), the layout's label and strategy arguments,
+the command line and ``parallel=auto``."""
 
 from __future__ import annotations
 
@@ -334,8 +335,9 @@ def test_command_line_and_parallel_auto_name_cp(capsys, monkeypatch):
         "trainer": {"devices": 8, "num_nodes": 1, "accumulate_grad_batches": 1, "accelerator": "gpu"},
         "planner": {"cluster": "h100", "global_batch": None, "show": 3}})
     out_cfg, why = choose_layout(cfg)
+    # (the stand-in takes no cp_attention: the all-gather only)
     best = plan(ModelSpec.from_gpt({k: v for k, v in cfg.model.items() if k != "_target_"}, 98304, name="gpt"),
-                load_cluster("h100"), 8, 8).best.layout
+                load_cluster("h100"), 8, 8, ring_attention=False).best.layout
     assert best.cp > 1 and out_cfg.parallel.cp == best.cp and out_cfg.parallel.dp == best.dp
     assert out_cfg.trainer.devices == 8 and why.endswith(f"planner: running {best.label()}") and " cp" in why
     # A run's own layout read back for its prediction: cp from the world (dp without it) or from parallel.cp.
@@ -360,3 +362,108 @@ def test_parallel_auto_plans_for_documents_when_the_data_packs_or_pads_rows():
     assert _documents(sft) and not _documents(corpus)
     assert not _documents(OmegaConf.merge(sft, {"planner": {"documents": False}}))
     assert _documents(OmegaConf.merge(corpus, {"planner": {"documents": True}}))
+
+
+# ------------------------------------------------------------------------------------------------ ring attention
+def test_ring_attention_memory_time_and_bytes_by_hand():
+    from lightning_hybrid.planner.context_memory import context_transient_bytes, gathered_kv_bytes
+    from lightning_hybrid.planner.time import kv_exchange_bytes, kv_exchange_time
+
+    m = model_spec("n_layer=2,n_embd=64,n_head=4,n_kv_head=2,block_size=4096")  # 4 heads (2 kv heads) of 16
+    ring = Layout(1, 2, 1, 0, 2, 3, cp=4, cp_attention="ring")
+    gather = dataclasses.replace(ring, cp_attention="all_gather")
+    # What the ring holds (its backward, measured: `ring_transient_bytes`), u the rank's own K and V at its 2 query
+    # heads, fp32: two ranks' K/V (the kv heads, 1/2 of u each), two ranks' fp32 gradients of them, five fp32
+    # tensors of the queries' size (u/2 each), and one chunk pair's K/V repeated to the query heads (u/2).
+    u = 2 * 2 * (4096 // 4) * 2 * 16 * 4
+    held = 2 * u / 2 + 2 * u / 2 + 5 * u / 2 + u / 2
+    assert context_transient_bytes(m, 2, "32-true", 2, 4, ring=True) == held
+    assert context_transient_bytes(m, 2, "32-true", 2, 4) == 2 * gathered_kv_bytes(m, 2, 4, 2, 4) == 2 * 4 * u
+    assert context_transient_bytes(m, 2, "32-true", 2, 4, documents=True, ring=True) == held  # no mask either way
+    # Bytes a rank sends per block and micro-batch: cp - 1 transfers of its K/V (kv heads) in the forward, its
+    # recomputation and the backward, and cp of their fp32 gradients; 2 blocks x 3 micro-batches.
+    kv = u / 2
+    assert kv_exchange_bytes(m, ring, precision="32-true") == 2 * 3 * (3 * 3 * kv + 4 * kv)
+    # Time: each step's transfer under 1/cp of the pass's attention (the backward's under twice that); what exceeds
+    # it shows, and the last gradients' transfer home always does.
+    link = Link(1e9, 1e-6)
+    cluster = dataclasses.replace(load_cluster("a100"), precision="32-true", intra=link, inter=link)
+    home = link.latency + kv / link.bandwidth
+    assert kv_exchange_time(m, ring, cluster, attention=1.0) == pytest.approx(home)  # all hidden but the last
+    step = link.latency + kv / link.bandwidth
+    both = link.latency + 2 * kv / link.bandwidth
+    exposed = 2 * 3 * step + (step + 2 * both + step) + home  # nothing to hide under
+    assert kv_exchange_time(m, ring, cluster) == pytest.approx(exposed)
+    under = 4 * 0.4 * step  # a quarter of it a step: 0.4 of a transfer hidden forward, 0.8 of one backward
+    part = 2 * 3 * 0.6 * step + (0.2 * step + 2 * (both - 0.8 * step) + 0.2 * step) + home
+    assert kv_exchange_time(m, ring, cluster, attention=under) == pytest.approx(part)
+    # In the step: the forward pass's attention core at the kernel's speed is what estimate_time hands it.
+    tokens, h, flops = 2 * 4096 // 4, 64, cluster.achievable_flops("32-true")
+    attention = tokens * 4 * h * 4096 / 2 / (flops * cluster.attention_speed)
+    t = estimate_time(m, ring, cluster)
+    positions = 3 * link.latency + 3 / 4 * 8 * 2 * 4096 / link.bandwidth
+    assert t.cp_comm == pytest.approx(3 * (2 * kv_exchange_time(m, ring, cluster, attention) + positions))
+    # A long sequence's attention hides the ring's transfers but the gradients' last (fp32, home): at cp2 (NVLink)
+    # 2/3 of the all-gathers' three exchanges of the rank's own K/V (bf16); at cp4 less than half.
+    long, h100 = model_spec("llama2-7b", seq_len=131072), load_cluster("h100")
+    for cp, ratio in ((2, 2 / 3), (4, 0.5)):
+        ring_t, gather_t = (estimate_time(long, Layout(1, 8, 1, 0, 1, 8, cp=cp, cp_attention=kind,
+                                                       sequence_parallel=True), h100).cp_comm
+                            for kind in ("ring", "all_gather"))
+        assert ring_t < gather_t * ratio * 1.01
+
+
+def test_ring_attention_in_the_search_label_arguments_and_command_line(capsys):
+    from lightning_hybrid.planner.__main__ import parse_layout
+    from lightning_hybrid.planner.search import enumerate_layouts, evaluate
+
+    lay = Layout(2, 2, 1, 1, 1, 4, cp=2, cp_attention="ring")
+    assert lay.label() == "dp2xtp2 cp2 ring zero1 mb1x4"
+    assert lay.strategy_kwargs(HybridStrategy)["cp_attention"] == "ring"
+    assert "cp_attention" not in dataclasses.replace(lay, cp_attention="all_gather").strategy_kwargs(HybridStrategy)
+    with pytest.raises(ValueError, match="takes no cp_attention"):
+        lay.strategy_kwargs(_StrategyWithCP)
+    for bad in ({"cp_attention": "ring"}, {"cp_attention": "ulysses", "cp": 2}):
+        with pytest.raises(ValueError, match="cp_attention="):
+            Layout(2, 1, 1, 0, 1, 1, **bad)
+    m = model_spec("llama2-7b", seq_len=131072)
+    assert parse_layout("dp1xtp8 cp2 ring mb1x8", m, 16, 8).cp_attention == "ring"
+    with pytest.raises(ValueError, match="needs cp > 1"):
+        parse_layout("dp2xtp8 ring mb1x4", m, 16, 8)
+    # Every CP layout in both kinds (ring_attention=False: the all-gather only); none without CP.
+    h100 = load_cluster("h100")
+    layouts = list(enumerate_layouts(m, h100, 16, 8))
+    rings = [x for x in layouts if x.cp_attention == "ring"]
+    assert rings and all(x.cp > 1 for x in rings)
+    assert len(rings) == sum(x.cp > 1 for x in layouts) // 2
+    assert not any(x.cp_attention == "ring" for x in enumerate_layouts(m, h100, 16, 8, ring_attention=False))
+    # Where the whole sequence's keys and values do not fit and the ring's do, the ring is what fits.
+    # (A small vocabulary: the attention's transient, not the head's loss, is the larger one.)
+    wide = ModelSpec("wide", n_layer=8, hidden=4096, heads=32, kv_heads=32, ffn=16384, vocab=256, seq_len=131072)
+    gather = Layout(1, 1, 1, 0, 1, 8, cp=8, recompute="pointwise")
+    ring = dataclasses.replace(gather, cp_attention="ring")
+    peaks = [estimate_memory(wide, x, "bf16-mixed").total for x in (gather, ring)]
+    assert peaks[1] < peaks[0]
+    from lightning_hybrid.planner.cluster import USABLE_MEMORY
+
+    tight = dataclasses.replace(h100, memory=(peaks[0] + peaks[1]) / 2 / USABLE_MEMORY)
+    assert evaluate(wide, gather, tight, 8).reason and not evaluate(wide, ring, tight, 8).reason
+    assert planner_main(["--model", "llama2-7b", "--seq-len", "131072", "--cluster", "h100", "--devices", "16",
+                         "--global-batch", "8", "--layout", "dp1xtp8 cp2 ring mb1x8 pw sp"]) == 0
+    assert "cp2 ring" in capsys.readouterr().out
+
+
+def test_parallel_auto_tries_ring_attention_only_for_models_attending_without_dropout():
+    from omegaconf import OmegaConf
+
+    from lightning_hybrid.planner.auto import _recipe_layout, _without_attention_dropout
+
+    gpt = OmegaConf.create({"model": {"_target_": "lightning_hybrid.models.GPTLightningModule", "dropout": 0.0}})
+    assert _without_attention_dropout(gpt)
+    assert not _without_attention_dropout(OmegaConf.merge(gpt, {"model": {"dropout": 0.1}}))
+    assert not _without_attention_dropout(OmegaConf.create({"model": {"_target_": "my.Module"}}))  # unknown: no ring
+    # A run's own layout read back for its prediction names its cp_attention.
+    run = OmegaConf.create({"data": {"batch_size": 4}, "trainer": {"accumulate_grad_batches": 1}, "parallel": {
+        "zero_stage": 0, "micro_batches": None, "schedule": None, "virtual_stages": None, "cp": 2,
+        "activation_checkpointing": False, "cp_attention": "ring"}})
+    assert _recipe_layout(run, {"dp": 2, "tp": 1, "pp": 1})[0].cp_attention == "ring"

@@ -34,7 +34,11 @@ from torch import Tensor
 
 from lightning_hybrid.core.document_attention import causal_band
 
-__all__ = ["ring_attention"]
+__all__ = ["CP_ATTENTION", "ring_attention"]
+
+#: The values of the strategy's ``cp_attention``: the keys and values all-gathered (`ContextParallel`'s default), or
+#: passed around the CP group (`ring_attention`).
+CP_ATTENTION = ("all_gather", "ring")
 
 
 def ring_attention(query: Tensor, key: Tensor, value: Tensor, labels: Optional[Tensor], group: dist.ProcessGroup,
