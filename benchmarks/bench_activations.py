@@ -58,6 +58,7 @@ import statistics
 import sys
 import time
 import warnings
+from functools import partial
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -557,13 +558,16 @@ def _ring_time_worker(cfg: dict) -> dict:
         q, k, v = (torch.randn(1, cfg["heads"], seq // dist.get_world_size(), 64, generator=g).requires_grad_()
                    for _ in range(3))
         labels = (torch.arange(seq) * 4 // seq)[None] if kind == "packed" else None  # four documents
-        times: dict = {"fused": [], "explicit": []}
+        times: dict = {"fused": [], "explicit": [], "checkpointed": []}
         for _ in range(cfg["rounds"] + 1):  # the first round warms up
             for name in times:
-                ring._kernel = fused if name == "fused" else (lambda t: "explicit")
+                ring._kernel = (lambda t: "explicit") if name == "explicit" else fused
+                attend = ring.ring_attention
+                if name == "checkpointed":  # as ContextParallel ran it before: backward runs the forward ring again
+                    attend = partial(torch.utils.checkpoint.checkpoint, ring.ring_attention, use_reentrant=False)
                 dist.barrier()
                 start = time.perf_counter()
-                ring.ring_attention(q, k, v, labels, dist.group.WORLD).sum().backward()
+                attend(q, k, v, labels, dist.group.WORLD).sum().backward()
                 dist.barrier()
                 times[name].append(time.perf_counter() - start)
         ring._kernel = fused
@@ -575,17 +579,84 @@ def _ring_time_worker(cfg: dict) -> dict:
 def run_ring_time(args) -> list[str]:
     """The ring's attention alone at cp 2: SDPA's fused kernel per chunk pair against the explicit fp32 scores."""
     result = run_distributed(_ring_time_worker, 2, {"cases": RING_TIMES, "heads": 8, "rounds": RING_ROUNDS})[0]
-    rows = ["| T | batches | fused kernel, ms | explicit scores, ms | fused / explicit (median of rounds) |",
-            "|---:|---|---:|---:|---:|"]
+    rows = ["| T | batches | fused kernel, ms | explicit scores, ms | fused / explicit (median of rounds) |"
+            " checkpointed, ms | fused / checkpointed |", "|---:|---|---:|---:|---:|---:|---:|"]
     for (seq, kind), t in result.items():
         ratio = statistics.median(f / e for f, e in zip(t["fused"], t["explicit"]))
+        again = statistics.median(f / c for f, c in zip(t["fused"], t["checkpointed"]))
         rows.append(f"| {seq} | {kind} | {statistics.median(t['fused']) * 1e3:.0f} |"
-                    f" {statistics.median(t['explicit']) * 1e3:.0f} | {ratio:.2f} |")
+                    f" {statistics.median(t['explicit']) * 1e3:.0f} | {ratio:.2f} |"
+                    f" {statistics.median(t['checkpointed']) * 1e3:.0f} | {again:.2f} |")
     return ["The ring's attention alone (`ring_attention`, forward and backward, 2 gloo ranks, one thread each; one"
             " sequence of T tokens, 8 heads of 64, fp32; packed: four documents): each chunk pair on SDPA's fused"
             " CPU kernel (`_scaled_dot_product_flash_attention_for_cpu` with the pair's mask, its log-sum-exp and"
-            " backward) against the explicit fp32 scores (what runs on devices without such a kernel), alternately"
-            f" in {RING_ROUNDS} rounds after one warm-up.", "", *rows, ""]
+            " backward) against the explicit fp32 scores (what runs on devices without such a kernel), and the fused"
+            " ring as `ContextParallel` ran it before (checkpointed: backward runs the forward ring again; now the"
+            f" ring keeps its output and log-sum-exp), alternately in {RING_ROUNDS} rounds after one warm-up.", "",
+            *rows, ""]
+
+
+#: (cp, query heads, key/value heads, dtype) of the ring's transient against the planner's `ring_transient_bytes`.
+RING_TRANSIENTS = [(cp, heads, kv, dtype) for cp in (2, 4) for heads, kv in ((4, 4), (8, 1))
+                   for dtype in ("float32", "bfloat16")]
+
+
+def _ring_transient_worker(cfg: dict) -> list[dict]:
+    """One rank: ``ring_attention`` alone on this rank's zigzag chunks of a (1, heads, T, 32) attention (key/value
+    heads ``kv``), the live tensor bytes it adds at its peak beyond its inputs -- in forward beyond the output, in
+    backward beyond the output and its gradient -- after one warm-up call (the kernels' one-time checks)."""
+    from lightning_hybrid.parallel.context_parallel.ring import ring_attention
+
+    dist.init_process_group("gloo")
+    out = []
+    for cp, heads, kv, dtype in cfg["cases"]:
+        if cp != dist.get_world_size():
+            continue
+        g = torch.Generator().manual_seed(dist.get_rank())
+        n, dt = cfg["seq"] // cp, getattr(torch, dtype)
+        q = torch.randn(1, heads, n, 32, generator=g).to(dt).requires_grad_()
+        k, v = (torch.randn(1, kv, n, 32, generator=g).to(dt).requires_grad_() for _ in range(2))
+        grad = torch.randn(1, heads, n, 32, generator=g).to(dt)
+        ring_attention(q, k, v, None, dist.group.WORLD).backward(grad)
+        q.grad = k.grad = v.grad = None
+        tracker = LiveTensorTracker("cpu")
+        with tracker:
+            output = ring_attention(q, k, v, None, dist.group.WORLD)
+            forward = tracker.peak - output.untyped_storage().nbytes()
+            tracker.reset_peak()
+            base = tracker.total
+            output.backward(grad)
+            backward = tracker.peak - base
+        out.append({"case": (cp, heads, kv, dtype), "forward": forward, "backward": backward})
+    dist.destroy_process_group()
+    return out
+
+
+def run_ring_transient(args) -> list[str]:
+    """What ring attention holds at its peak, measured, against the planner's `ring_transient_bytes`."""
+    from lightning_hybrid.planner import ModelSpec
+    from lightning_hybrid.planner.context_memory import ring_transient_bytes
+
+    seq, rows = 2048, []
+    for cp in (2, 4):
+        cases = [c for c in RING_TRANSIENTS if c[0] == cp]
+        measured = max(run_distributed(_ring_transient_worker, cp, {"cases": cases, "seq": seq}),
+                       key=lambda r: sum(x["backward"] for x in r))
+        for row in measured:
+            cp, heads, kv, dtype = row["case"]
+            element = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+            spec = ModelSpec("ring", 1, heads * 32, heads, kv, 4 * heads * 32, 256, seq)
+            unit = 2 * (seq // cp) * heads * 32 * element  # the rank's own K and V at every query head
+            predicted = ring_transient_bytes(spec, 1, element, 1, cp)
+            rows.append(f"| {cp} | {heads} / {kv} | {dtype} | {row['forward'] / unit:.2f} |"
+                        f" {row['backward'] / unit:.2f} | {predicted / unit:.2f} | {predicted / row['backward']:.2f} |")
+    return ["What the ring holds (`ring_attention` alone, cp gloo ranks, one sequence of T = 2048 tokens, heads of"
+            " 32; the live tensor bytes it adds at its peak beyond its inputs and output, and in backward beyond the"
+            " output's gradient, the highest rank), in units of u = the rank's own K and V at every query head,"
+            " against the planner's `ring_transient_bytes` (`lightning_hybrid/planner/context_memory.py`), which"
+            " takes the backward's:", "",
+            "| cp | heads / kv heads | dtype | forward, u | backward, u | planner, u | planner / backward |",
+            "|---:|---|---|---:|---:|---:|---:|", *rows, ""]
 
 
 def run_ring(args) -> str:
@@ -619,6 +690,7 @@ def run_ring(args) -> str:
         *rows,
         "",
         *run_ring_time(args),
+        *run_ring_transient(args),
     ]
     text = "\n".join(lines)
     print(text, flush=True)

@@ -356,15 +356,17 @@ def block_activations(model: ModelSpec, layout: Layout, precision: str) -> tuple
     experts included; 0 when the model has none); under context parallelism the rank's ``1/cp`` of them, without
     what the attention's transient counts (`context_transient_bytes`): `KORTHIKANTI`'s scores, and without
     activation checkpointing less `context_unsaved_split` (the checkpointed attention's logsumexp; a rotary model's
-    fp32 Q and K kept as its inputs). With activation checkpointing this is the block being recomputed (its count
-    without recompute)."""
+    fp32 Q and K kept as its inputs; not for ring attention, which is not checkpointed: ``1/cp`` of what the block
+    keeps at ``cp = 1``). With activation checkpointing this is the block being recomputed (its count without
+    recompute)."""
     return _block_activations(model, layout.micro_batch, layout.tp, layout.sequence_parallel, layout.cp,
-                              layout.recompute_mode, layout.activation_checkpointing, precision)
+                              layout.recompute_mode, layout.activation_checkpointing, precision,
+                              layout.cp_attention == "ring")
 
 
 @functools.lru_cache(maxsize=4096)
 def _block_activations(model: ModelSpec, b: int, t: int, sp: bool, cp: int, mode: str, checkpointing: bool,
-                       precision: str) -> tuple[float, float]:
+                       precision: str, ring: bool = False) -> tuple[float, float]:
     """`block_activations` of the layout fields it reads (cached: the search asks for the same ones often)."""
     e = PRECISIONS[precision][3]
     coeffs = block_coefficients(model, precision)
@@ -378,7 +380,8 @@ def _block_activations(model: ModelSpec, b: int, t: int, sp: bool, cp: int, mode
     elif cp > 1:
         if precision in MEGATRON_PRECISIONS:  # Korthikanti: the scores of the layer being computed are the transient's
             coeffs = dataclasses.replace(coeffs, scores=0.0)
-        elif not checkpointing:  # the attention is checkpointed: SDPA's output not kept
+        elif not checkpointing and not ring:  # the attention is checkpointed: SDPA's output not kept (the ring
+            # is not: it keeps what SDPA keeps at cp=1)
             coeffs = dataclasses.replace(coeffs, split=coeffs.split - context_unsaved_split(model, e))
     dense = block_activation_bytes(coeffs, s, b, h, model.heads, t, sp, cp)
     if not model.experts:

@@ -134,8 +134,9 @@ def kv_exchange_bytes(model: ModelSpec, layout: Layout, *, precision: str = "bf1
     ring. 0 for ``cp = 1``. Not counted: the tokens' positions gathered for the mask (``8 b s (cp -
     1)/cp`` bytes per micro-batch), and on gloo the backward's all-reduce in place of the reduce-scatter (twice the
     volume; `estimate_time` counts both). Ring attention (`Layout.cp_attention` ``"ring"``): per block and
-    micro-batch ``cp - 1`` transfers of the rank's own K and V in each of the three passes (the forward, its
-    recomputation, the backward) and ``cp`` of their fp32 gradients in backward (`ring_kv_bytes`)."""
+    micro-batch ``cp - 1`` transfers of the rank's own K and V in each pass (the forward, its recomputation where
+    the layer or its attention core is recomputed, the backward) and ``cp`` of their fp32 gradients in backward
+    (`ring_kv_bytes`)."""
     layout.check_model(model)
     if layout.cp == 1:
         return 0.0
@@ -144,7 +145,8 @@ def kv_exchange_bytes(model: ModelSpec, layout: Layout, *, precision: str = "bf1
     count = max(blocks) if pipeline_rank is None else blocks[pipeline_rank]
     if layout.cp_attention == "ring":
         kv, grads = ring_kv_bytes(model, layout, element, gathers_kv_heads)
-        return count * layout.micro_batches * (layout.cp - 1) * (3 * kv + grads / (layout.cp - 1) * layout.cp)
+        passes = 3 if layout.recompute_mode in ("full", "attention", "pointwise") else 2
+        return count * layout.micro_batches * ((layout.cp - 1) * passes * kv + layout.cp * grads)
     kv = gathered_kv_bytes(model, layout.micro_batch, element, layout.tp, layout.cp)
     volume = ring_volume(layout.cp, kv * (model.kv_heads / model.heads if gathers_kv_heads else 1.0), "all_gather")
     return kv_exchanges(layout) * count * layout.micro_batches * volume
@@ -170,11 +172,11 @@ def kv_exchange_time(model: ModelSpec, layout: Layout, cluster: Cluster, attenti
     Ring attention (`Layout.cp_attention` ``"ring"``; ``attention``: seconds of the block's attention core in one
     forward pass): each of its ``cp`` steps sends the keys and values to the next rank (`ring_kv_bytes`) while it
     attends to the ones it holds -- a point-to-point transfer each way over the same link, under ``1/cp`` of the
-    pass's attention (the zigzag split balances the steps), of which what exceeds that compute shows. Two forward
-    rings (the forward and its recomputation: the implementation checkpoints the ring as it does the all-gather,
-    and a checkpointed layer recomputes it), ``cp - 1`` transfers each; in backward (twice the compute a step) the
-    ``cp - 1`` transfers of the keys carry the gradients gathered so far one step behind them, and the last
-    gradients' transfer home shows whole."""
+    pass's attention (the zigzag split balances the steps), of which what exceeds that compute shows. One forward
+    ring (the implementation does not checkpoint the ring: it keeps what SDPA keeps), two where the layer or its
+    attention core is recomputed (full or selective recompute), ``cp - 1`` transfers each; in backward (twice the
+    compute a step) the ``cp - 1`` transfers of the keys carry the gradients gathered so far one step behind them,
+    and the last gradients' transfer home shows whole."""
     cp = layout.cp
     if cp == 1:
         return 0.0
@@ -188,7 +190,8 @@ def kv_exchange_time(model: ModelSpec, layout: Layout, cluster: Cluster, attenti
         step = attention / cp
         forward = (cp - 1) * shows(kv, step)
         backward = shows(kv, 2 * step) + (cp - 2) * shows(kv + grads, 2 * step) + shows(grads, 2 * step)
-        return 2 * forward + backward + link.latency + grads / link.bandwidth
+        forwards = 2 if layout.recompute_mode in ("full", "attention", "pointwise") else 1
+        return forwards * forward + backward + link.latency + grads / link.bandwidth
     kv = gathered_kv_bytes(model, layout.micro_batch, PRECISIONS[cluster.precision][3], layout.tp, cp)
     if cluster.cp_gathers_kv_heads:  # grouped-query attention's own K/V heads gathered, repeated after
         kv *= model.kv_heads / model.heads

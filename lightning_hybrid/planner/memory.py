@@ -139,8 +139,9 @@ selective) it does not: the layer's own recomputation regathers and recomputes. 
   CUDA the memory-efficient and cuDNN ones) keep no ``(s/c) x s`` scores. This transient is counted in the
   larger-of with the head's (`estimate_memory`): the head's loss and a block's backward are not alive at once.
   Ring attention (`Layout.cp_attention` ``"ring"``) holds no whole-sequence K/V: its transient is two ranks' K/V and
-  their fp32 gradients and a few fp32 tensors of the rank's queries' size (`ring_transient_bytes`, measured), and
-  what a block keeps is the same (its own q, k, v under the checkpoint, as the all-gather's).
+  their fp32 gradients and a few fp32 tensors of the rank's queries' size (`ring_transient_bytes`, measured); the
+  ring is not checkpointed (it keeps the rank's own q, k, v, output and log-sum-exp, what SDPA keeps at ``c = 1``),
+  so a held block keeps ``1/c`` of its ``c = 1`` activations, without `context_unsaved_split`.
 
 The head, a checkpointed block's input and the pipeline's boundary tensors are ``1/c`` too. Model states: the
 ``cp`` ranks of a replica hold the same parameters and reduce their gradients together with the ``dp`` ranks, so

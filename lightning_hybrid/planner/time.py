@@ -117,6 +117,7 @@ Context parallelism (`Layout.cp` = ``c``; `lightning_hybrid.parallel.context_par
   time. Ring attention (`Layout.cp_attention` ``"ring"``): point-to-point transfers of the rank's own K/V (and in
   backward of their fp32 gradients) at each of the ring's ``c`` steps, under that step's attention: what exceeds
   it shows (`kv_exchange_time`); its merges' traffic replaces the gathered K/V's (`context_attention_traffic`);
+  not checkpointed of its own, so without recomputation its attention core runs no second forward;
 * DP: the gradients are reduced (and ZeRO-sharded) over the ``dp c`` ranks (``tp`` apart), the experts' over
   ``dp c/ep``; the optimizer steps ``1/(dp c)`` under ZeRO.
 
@@ -249,8 +250,8 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     # Sliding windows: the attention core on the keys the windows leave, where the kernel skips the rest.
     keys = s * model.attention_span() if cluster.window_kernels else s
     selective = mode in ("attention", "pointwise")
-    core_recompute = tokens * 4 * h * keys / t if selective or (cp > 1 and mode == "none") else 0.0
-    ring = lay.cp_attention == "ring"
+    ring = lay.cp_attention == "ring"  # (not checkpointed of its own: no second forward)
+    core_recompute = tokens * 4 * h * keys / t if selective or (cp > 1 and mode == "none" and not ring) else 0.0
     cp_traffic = context_attention_traffic(model, b, prec, t, cp, ring)
 
     # LoRA (``model.lora_rank``): a frozen weight has no weight-gradient GEMM, one pass of the weights' fewer (the
@@ -465,7 +466,8 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     else:
         tp_colls = 0
     ep_colls = m * max(k for _, k in counts) * (5 + 3 * recompute) if ep > 1 else 0
-    exchanges = 3 * (cp - 1) + cp if ring else 2 * kv_exchanges(lay)  # a ring's steps: one send and receive each
+    rings = 3 if mode in ("full", "attention", "pointwise") else 2  # a ring's passes: forward (again), backward
+    exchanges = rings * (cp - 1) + cp if ring else 2 * kv_exchanges(lay)  # a ring's steps: a send and receive each
     cp_colls = m * (max(d + k for d, k in counts) * exchanges + 1) if cp > 1 else 0
     pp_colls = m * 2 * per_rank if lay.pp > 1 else 0
     dp_messages = sum(k for *_, k in groups)

@@ -380,10 +380,13 @@ def test_ring_attention_memory_time_and_bytes_by_hand():
     assert context_transient_bytes(m, 2, "32-true", 2, 4, ring=True) == held
     assert context_transient_bytes(m, 2, "32-true", 2, 4) == 2 * gathered_kv_bytes(m, 2, 4, 2, 4) == 2 * 4 * u
     assert context_transient_bytes(m, 2, "32-true", 2, 4, documents=True, ring=True) == held  # no mask either way
-    # Bytes a rank sends per block and micro-batch: cp - 1 transfers of its K/V (kv heads) in the forward, its
-    # recomputation and the backward, and cp of their fp32 gradients; 2 blocks x 3 micro-batches.
+    # Bytes a rank sends per block and micro-batch: cp - 1 transfers of its K/V (kv heads) in the forward and the
+    # backward (the ring is not checkpointed; with activation checkpointing the recomputed forward's too), and cp of
+    # their fp32 gradients; 2 blocks x 3 micro-batches.
     kv = u / 2
-    assert kv_exchange_bytes(m, ring, precision="32-true") == 2 * 3 * (3 * 3 * kv + 4 * kv)
+    assert kv_exchange_bytes(m, ring, precision="32-true") == 2 * 3 * (2 * 3 * kv + 4 * kv)
+    checkpointed = dataclasses.replace(ring, activation_checkpointing=True)
+    assert kv_exchange_bytes(m, checkpointed, precision="32-true") == 2 * 3 * (3 * 3 * kv + 4 * kv)
     # Time: each step's transfer under 1/cp of the pass's attention (the backward's under twice that); what exceeds
     # it shows, and the last gradients' transfer home always does.
     link = Link(1e9, 1e-6)
@@ -392,10 +395,11 @@ def test_ring_attention_memory_time_and_bytes_by_hand():
     assert kv_exchange_time(m, ring, cluster, attention=1.0) == pytest.approx(home)  # all hidden but the last
     step = link.latency + kv / link.bandwidth
     both = link.latency + 2 * kv / link.bandwidth
-    exposed = 2 * 3 * step + (step + 2 * both + step) + home  # nothing to hide under
+    exposed = 3 * step + (step + 2 * both + step) + home  # nothing to hide under
     assert kv_exchange_time(m, ring, cluster) == pytest.approx(exposed)
+    assert kv_exchange_time(m, checkpointed, cluster) == pytest.approx(exposed + 3 * step)  # the recomputed ring
     under = 4 * 0.4 * step  # a quarter of it a step: 0.4 of a transfer hidden forward, 0.8 of one backward
-    part = 2 * 3 * 0.6 * step + (0.2 * step + 2 * (both - 0.8 * step) + 0.2 * step) + home
+    part = 3 * 0.6 * step + (0.2 * step + 2 * (both - 0.8 * step) + 0.2 * step) + home
     assert kv_exchange_time(m, ring, cluster, attention=under) == pytest.approx(part)
     # In the step: the forward pass's attention core at the kernel's speed is what estimate_time hands it.
     tokens, h, flops = 2 * 4096 // 4, 64, cluster.achievable_flops("32-true")
@@ -403,6 +407,16 @@ def test_ring_attention_memory_time_and_bytes_by_hand():
     t = estimate_time(m, ring, cluster)
     positions = 3 * link.latency + 3 / 4 * 8 * 2 * 4096 / link.bandwidth
     assert t.cp_comm == pytest.approx(3 * (2 * kv_exchange_time(m, ring, cluster, attention) + positions))
+    # Not checkpointed: no second forward of the attention core (the all-gather's checkpoint recomputes it), and a
+    # held block keeps 1/cp of what it keeps at cp=1 (the ring's output and log-sum-exp, as SDPA keeps them).
+    flat = dataclasses.replace(cluster, memory_bandwidth=float("inf"))
+    core = 3 * 2 * tokens * 4 * h * 4096 / 2 / flat.achievable_flops("32-true")  # micro-batches x blocks x ...
+    assert estimate_time(m, gather, flat).compute - estimate_time(m, ring, flat).compute == pytest.approx(core)
+    from lightning_hybrid.planner.activations import block_activations
+
+    whole = block_activations(m, dataclasses.replace(gather, cp=1), "32-true")[0]
+    assert block_activations(m, ring, "32-true")[0] == pytest.approx(whole / 4)
+    assert block_activations(m, gather, "32-true")[0] < whole / 4  # the checkpointed attention's output not kept
     # A long sequence's attention hides the ring's transfers but the gradients' last (fp32, home): at cp2 (NVLink)
     # 2/3 of the all-gathers' three exchanges of the rank's own K/V (bf16); at cp4 less than half.
     long, h100 = model_spec("llama2-7b", seq_len=131072), load_cluster("h100")

@@ -26,7 +26,9 @@ NCCL runs at full bandwidth, and it leaves SDPA's kernels and any mask untouched
 checkpointed, so a layer keeps only its own keys and values for backward, which gathers them again; what grows with
 ``T`` per rank beyond its ``T / cp`` tokens is the layer being computed's: the whole sequence's keys and values (and
 their gradients). ``cp_attention="ring"`` passes them around the group instead (`ring`: partial attentions merged
-by their log-sum-exp, two ranks' keys and values at a time), checkpointed alike.
+by their log-sum-exp, two ranks' keys and values at a time), not checkpointed: what it keeps (the rank's own
+queries, keys, values, output and log-sum-exp) is what SDPA keeps at ``cp = 1`` over ``cp``, and its backward then
+runs no second forward ring.
 """
 
 from __future__ import annotations
@@ -97,7 +99,8 @@ class ContextParallel:
     through the same wrapper. ``calls`` counts the attentions caught (a module whose layers make none does not
     reach its attention through SDPA: refused by the strategy after the first step). ``recompute_attention``:
     backward gathers the keys and values again and recomputes the attention rather than keeping them (off where
-    activation checkpointing recomputes the layers: their recomputation, or a selective policy, decides).
+    activation checkpointing recomputes the layers: their recomputation, or a selective policy, decides; the ring
+    never checkpoints its own: it keeps no whole-sequence keys and values).
     """
 
     def __init__(self, group: dist.ProcessGroup, recompute_attention: bool = True,
@@ -191,9 +194,10 @@ class ContextParallel:
                                  " use cp_attention='all_gather', or no attention dropout.")
             labels = docs if chunk is None else self._chunk_labels(positions, docs, chunk, query.device)
             ring = (query, key, value, labels, self.group, scale, window)
-            # Checkpointed as the all-gather: a layer keeps its own queries, keys and values, not the ring's output.
-            return ring_attention(*ring) if not self.recompute_attention else checkpoint(ring_attention, *ring,
-                                                                                         use_reentrant=False)
+            # Not checkpointed (unlike the all-gather, whose whole-sequence keys and values it would keep): the ring
+            # keeps the rank's own queries, keys and values, its output and log-sum-exp -- what SDPA keeps at cp=1,
+            # 1/cp of it -- so its backward runs no second forward ring.
+            return ring_attention(*ring)
         if chunk is not None:  # attention chunks: a document is cut where a chunk starts (same document and chunk)
             spans = self._chunk_spans(positions, 0 if docs is None else docs, chunk, query.device)
         args = (query, key, value, spans, dropout_p, scale, window)

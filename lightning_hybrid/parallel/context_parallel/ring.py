@@ -10,8 +10,8 @@ FlashAttention merges key blocks. A chunk pair that the causal order masks whole
 ring again: each block's gradients are recomputed from the saved output and log-sum-exp (FlashAttention's
 backward), the query gradient stays, and the key and value gradients travel one step behind their keys and values,
 home after the last step -- every transfer but that last one under a step's compute, in both passes. What a rank
-keeps for backward is its own queries, keys, values, output and log-sum-exp (only its
-queries, keys and values where `ContextParallel` checkpoints it, as it does the all-gather); what it
+keeps for backward is its own queries, keys, values, output and log-sum-exp (`ContextParallel` does not checkpoint
+the ring: that is what SDPA keeps at cp=1, over cp; a checkpointed layer recomputes it whole); what it
 holds beyond that at any time is two ranks' keys and values (in backward also their gradients, and this step's
 part of them) and one chunk pair's kernel's working set (its mask as an additive bias, its output).
 
