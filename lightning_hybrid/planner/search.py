@@ -148,7 +148,7 @@ def enumerate_layouts(model: ModelSpec, cluster: Cluster, devices: int, global_b
     ``context_parallel=False``: ``cp = 1`` only (a strategy without context parallelism); ``min_cp_tokens``: the
     fewest tokens of a sequence a context-parallel rank may keep (`MIN_CP_TOKENS`); ``ring_attention=False``:
     context parallelism all-gathers the keys and values only (a model with attention dropout, which ring attention
-    refuses).
+    refuses); else each ring layout comes right after its all-gather twin (`plan` relies on it).
     ``pipeline=False``: ``pp = 1`` only (a model that cannot train under a pipeline). ``whole_batch_loss``: the
     model adds a loss of the whole batch (its routers' load-balancing loss), which a pipeline computes under GPipe
     only, without sequence parallelism (`lightning_hybrid.parallel.pipeline.aux`)."""
@@ -224,6 +224,9 @@ def _schedules(model, dims, cp, b, m, pipeline_layers, sequence_parallel, schedu
             for zero in ((0, 1, 2, 3) if dp * cp > 1 else (0,)):
                 if ep > 1 and zero not in EP_ZERO_STAGES:
                     continue
+                # what `resolve_grad_reduce` would choose where there is nothing to choose (no ZeRO-3 accumulation):
+                # the search's candidates need no resolving copy then
+                reduce = "auto" if zero == 3 and pp == 1 and m > 1 else "window"
                 shards = (None, node_shard) if zero == 3 and ep == 1 and node_shard is not None else (None,)
                 for ac, recompute in recomputes:
                     for sp in ((True,) if fold else (False, True) if tp > 1 and sequence_parallel else (False,)):
@@ -231,7 +234,7 @@ def _schedules(model, dims, cp, b, m, pipeline_layers, sequence_parallel, schedu
                             for attention in attentions:
                                 yield Layout(dp, tp, pp, zero, b, m, name, v, ac, sp, ep=ep, cp=cp,
                                              recompute=recompute, dp_shard=dp_shard, ep_folding=fold,
-                                             cp_attention=attention)
+                                             cp_attention=attention, grad_reduce=reduce)
 
 
 def evaluate(model: ModelSpec, layout: Layout, cluster: Cluster, global_batch: int,
@@ -268,8 +271,17 @@ def plan(model: ModelSpec, cluster: Cluster, devices: int, global_batch: int, *,
         raise ValueError(f"devices={devices}, global_batch={global_batch}: both must be positive integers.")
     check_fp8(fp8, cluster, model)
     result = Plan(model, cluster, devices, global_batch)
+    usable, twin = USABLE_MEMORY * cluster.memory, None
     for layout in enumerate_layouts(model, cluster, devices, global_batch, invalid=result.invalid, **search):
+        # A ring's layout comes right after its all-gather twin (`enumerate_layouts`), whose memory differs in
+        # activations alone: where the twin's model states and buffers do not fit by themselves, neither do the
+        # ring's (not evaluated).
+        if layout.cp_attention == "ring" and twin is not None and (
+                twin.memory.total - twin.memory.activations > usable):
+            result.invalid["ring attention: the model states alone do not fit"] += 1
+            continue
         candidate = evaluate(model, layout, cluster, global_batch, documents, compile, fp8)
+        twin = candidate if layout.cp_attention == "all_gather" and layout.cp > 1 else None
         (result.ranked if candidate.fits else result.too_big).append(candidate)
     result.ranked.sort(key=lambda c: (c.time.total, c.memory.total))
     result.too_big.sort(key=lambda c: c.memory.total)

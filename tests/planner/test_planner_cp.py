@@ -462,6 +462,13 @@ def test_ring_attention_in_the_search_label_arguments_and_command_line(capsys):
 
     tight = dataclasses.replace(h100, memory=(peaks[0] + peaks[1]) / 2 / USABLE_MEMORY)
     assert evaluate(wide, gather, tight, 8).reason and not evaluate(wide, ring, tight, 8).reason
+    # The search skips a ring whose all-gather twin does not fit by more than the ring's transient saves: every
+    # skipped one, evaluated, does not fit.
+    result = plan(m, h100, 16, 8)
+    skipped = sum(n for why, n in result.invalid.items() if why.startswith("ring attention"))
+    seen = {c.layout.label() for c in result.ranked + result.too_big}
+    unseen = [x for x in rings if evaluate(m, x, h100, 8).layout.label() not in seen]
+    assert skipped == len(unseen) > 0 and not any(evaluate(m, x, h100, 8).fits for x in unseen)
     assert planner_main(["--model", "llama2-7b", "--seq-len", "131072", "--cluster", "h100", "--devices", "16",
                          "--global-batch", "8", "--layout", "dp1xtp8 cp2 ring mb1x8 pw sp"]) == 0
     assert "cp2 ring" in capsys.readouterr().out
