@@ -174,17 +174,16 @@ class GradientSync:
                " To read or change gradients in on_after_backward at every batch, use"
                " HybridStrategy(grad_reduce='micro_batch'): each batch's gradient is then reduce-scattered into"
                " p.grad, and the hook changes one device's gradient (its shard).")
-        held = [p for p in self.module.parameters() if p.requires_grad and p.grad is None]
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        for p in held:
-            p.grad = ShardedGradient(p, names.get(id(p), f"a parameter of shape {tuple(p.shape)}"), 3, why)
+        held = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and p.grad is None]
+        for name, p in held:
+            p.grad = ShardedGradient(p, name, 3, why)
         try:
             yield
-            assigned = [names.get(id(p)) for p in held if not isinstance(p.grad, ShardedGradient)]
+            assigned = [name for name, p in held if not isinstance(p.grad, ShardedGradient)]
             if assigned:  # ``p.grad = ...`` in the hook: FSDP2 would never see it
                 raise RuntimeError(f"p.grad of {assigned} assigned in on_after_backward: {why}")
         finally:
-            for p in held:
+            for _, p in held:
                 p.grad = None
 
     def pipeline_step(self, run: Callable[[], T], first_in_window: bool) -> T:

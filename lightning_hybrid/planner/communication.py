@@ -19,7 +19,7 @@ from .placement import moe_block_count, pipeline_stages, rank_layers
 
 __all__ = ["all_to_all_bytes", "all_to_all_time", "deepep_node_copies", "ep_all_to_all_time", "kv_exchange_bytes",
            "kv_exchange_time", "kv_exchanges", "mask_gather_time", "pipeline_boundaries", "pipeline_p2p_time",
-           "ring_kv_bytes", "ring_time", "ring_volume"]
+           "ring_forwards", "ring_kv_bytes", "ring_time", "ring_volume"]
 
 def ring_volume(n: int, nbytes: float, op: str = "all_reduce") -> float:
     """Bytes each rank sends in a ring ``op`` over ``n`` ranks: ``2 (n-1)/n B`` for all-reduce, ``(n-1)/n B``
@@ -145,11 +145,17 @@ def kv_exchange_bytes(model: ModelSpec, layout: Layout, *, precision: str = "bf1
     count = max(blocks) if pipeline_rank is None else blocks[pipeline_rank]
     if layout.cp_attention == "ring":
         kv, grads = ring_kv_bytes(model, layout, element, gathers_kv_heads)
-        passes = 3 if layout.recompute_mode in ("full", "attention", "pointwise") else 2
+        passes = ring_forwards(layout) + 1  # and the backward's
         return count * layout.micro_batches * ((layout.cp - 1) * passes * kv + layout.cp * grads)
     kv = gathered_kv_bytes(model, layout.micro_batch, element, layout.tp, layout.cp)
     volume = ring_volume(layout.cp, kv * (model.kv_heads / model.heads if gathers_kv_heads else 1.0), "all_gather")
     return kv_exchanges(layout) * count * layout.micro_batches * volume
+
+
+def ring_forwards(layout: Layout) -> int:
+    """Forward rings of ring attention per block and micro-batch: 1 (the implementation does not checkpoint the
+    ring), 2 where the layer or its attention core is recomputed (full or selective recompute)."""
+    return 2 if layout.recompute_mode in ("full", "attention", "pointwise") else 1
 
 
 def ring_kv_bytes(model: ModelSpec, layout: Layout, element: float, kv_heads: bool = True) -> tuple[float, float]:
@@ -190,8 +196,7 @@ def kv_exchange_time(model: ModelSpec, layout: Layout, cluster: Cluster, attenti
         step = attention / cp
         forward = (cp - 1) * shows(kv, step)
         backward = shows(kv, 2 * step) + (cp - 2) * shows(kv + grads, 2 * step) + shows(grads, 2 * step)
-        forwards = 2 if layout.recompute_mode in ("full", "attention", "pointwise") else 1
-        return forwards * forward + backward + link.latency + grads / link.bandwidth
+        return ring_forwards(layout) * forward + backward + link.latency + grads / link.bandwidth
     kv = gathered_kv_bytes(model, layout.micro_batch, PRECISIONS[cluster.precision][3], layout.tp, cp)
     if cluster.cp_gathers_kv_heads:  # grouped-query attention's own K/V heads gathered, repeated after
         kv *= model.kv_heads / model.heads

@@ -169,6 +169,7 @@ from .communication import (
     mask_gather_time,
     pipeline_boundaries,
     pipeline_p2p_time,
+    ring_forwards,
     ring_time,
     ring_volume,
 )
@@ -251,7 +252,8 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     keys = s * model.attention_span() if cluster.window_kernels else s
     selective = mode in ("attention", "pointwise")
     ring = lay.cp_attention == "ring"  # (not checkpointed of its own: no second forward)
-    core_recompute = tokens * 4 * h * keys / t if selective or (cp > 1 and mode == "none" and not ring) else 0.0
+    core_flops = tokens * 4 * h * keys / t  # the attention core's forward of the rank's tokens
+    core_recompute = core_flops if selective or (cp > 1 and mode == "none" and not ring) else 0.0
     cp_traffic = context_attention_traffic(model, b, prec, t, cp, ring)
 
     # LoRA (``model.lora_rank``): a frozen weight has no weight-gradient GEMM, one pass of the weights' fewer (the
@@ -318,7 +320,7 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
         under = model.block_column_weights() * tokens * 2 / t * shape / flops
         block_tp = (tp_count - 2) * one + latency + max(0.0, 2 * one - latency - under)
     # per block, dense or MoE; a ring's transfers under its attention's steps (one forward pass's core)
-    block_cp = kv_exchange_time(model, lay, cluster, tokens * 4 * h * keys / t / (flops * cluster.attention_speed))
+    block_cp = kv_exchange_time(model, lay, cluster, core_flops / (flops * cluster.attention_speed))
     mask_cp = mask_gather_time(model, lay, cluster)  # per micro-batch: the positions, for its mask
     head_passes = 2 if model.lora_rank else 3  # (never recomputed; frozen under LoRA)
     head_gemms = 2 * head_passes * tokens * h * model.vocab / t / flops * (1 + cluster.matmul_k0 / h)
@@ -466,8 +468,9 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
     else:
         tp_colls = 0
     ep_colls = m * max(k for _, k in counts) * (5 + 3 * recompute) if ep > 1 else 0
-    rings = 3 if mode in ("full", "attention", "pointwise") else 2  # a ring's passes: forward (again), backward
-    exchanges = rings * (cp - 1) + cp if ring else 2 * kv_exchanges(lay)  # a ring's steps: a send and receive each
+    # a ring's steps, a send and receive each: cp - 1 per pass (forward, again where recomputed, backward) and the
+    # gradients' last transfer home
+    exchanges = (ring_forwards(lay) + 1) * (cp - 1) + cp if ring else 2 * kv_exchanges(lay)
     cp_colls = m * (max(d + k for d, k in counts) * exchanges + 1) if cp > 1 else 0
     pp_colls = m * 2 * per_rank if lay.pp > 1 else 0
     dp_messages = sum(k for *_, k in groups)
