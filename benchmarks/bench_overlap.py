@@ -17,7 +17,10 @@ with its parameter gathers under the next forward against the same run gathering
 dp2 x pp2 (ZeRO-1, 1F1B) with each stage's buckets reduced during its last backward against the same run reducing
 them after the schedule (`GradientSync.reduce_during_last_backward`; goal: faster), and tp2 (no sequence
 parallelism) with each column layer's input gradient all-reduced under its weight gradient's GEMM against the same run
-reducing it after the layer's backward (`ColumnParallelLinear.overlap_backward`). Step time: the slower rank's
+reducing it after the layer's backward (`ColumnParallelLinear.overlap_backward`), and tp2 with sequence parallelism
+with each unit's input gradient reduce-scattered under its column layers' weight-gradient GEMMs
+(`lightning_hybrid.parallel.tensor_parallel.unit_backward`) against the same run reduce-scattering it after the unit's
+backward (goal: faster). Step time: the slower rank's
 ``on_train_batch_start -> end``, the median over the timed steps after two warm-up steps; ``--rounds`` rounds, each
 running every layout once (every other round in reverse order), a pair's ratio taken within each round and its median
 over the rounds reported (the machine is shared: its load drifts between rounds more than within one).
@@ -87,6 +90,10 @@ CPU_RUNS = {
                                                         True),
     "tp2, input gradients reduced after each layer's backward": (2, dict(tp=2), True, False),
     "tp2, input gradients reduced under the weight gradients' GEMMs": (2, dict(tp=2), True, True),
+    "tp2 sp, input gradients reduce-scattered after the unit's backward": (2, dict(tp=2, sequence_parallel=True),
+                                                                           True, False),
+    "tp2 sp, input gradients reduce-scattered under the weight gradients' GEMMs": (
+        2, dict(tp=2, sequence_parallel=True), True, True),
 }
 #: (run, the run it is compared with, what the goal is, goal met when the ratio is below: None for no goal).
 CPU_PAIRS = [
@@ -98,6 +105,10 @@ CPU_PAIRS = [
     ("tp2, input gradients reduced under the weight gradients' GEMMs",
      "tp2, input gradients reduced after each layer's backward",
      "tp2 step, input gradients reduced under the weight gradients' GEMMs / after each layer's backward", None),
+    ("tp2 sp, input gradients reduce-scattered under the weight gradients' GEMMs",
+     "tp2 sp, input gradients reduce-scattered after the unit's backward",
+     "tp2 SP step, input gradients reduce-scattered under the weight gradients' GEMMs / after the unit's backward",
+     1.0),
 ]
 CPU_MODEL = dict(n_layer=8, n_embd=256, n_head=8, block_size=128, mlp="swiglu")
 

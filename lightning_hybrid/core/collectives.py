@@ -123,16 +123,26 @@ def _all_to_all(parts: Tensor, group: dist.ProcessGroup) -> Tensor:
 def reduce_scatter(parts: Tensor, group: dist.ProcessGroup) -> Tensor:
     """``parts`` ``[world, ...]`` (contiguous; index ``r`` is this rank's contribution to rank ``r``) -> the sum
     over the ranks of their contributions to this rank, ``[...]``."""
+    if _functional():
+        if dist.get_backend(group) == dist.Backend.GLOO:
+            return _all_to_all(parts, group).sum(0)
+        scattered = _C10D.reduce_scatter_tensor(parts.flatten(0, 1), "sum", parts.size(0), group.group_name)
+        return _C10D.wait_tensor(scattered)
+    return start_reduce_scatter(parts, group)()
+
+
+def start_reduce_scatter(parts: Tensor, group: dist.ProcessGroup) -> Callable[[], Tensor]:
+    """`reduce_scatter` started now (never functional: for eager backward code that computes while it runs); the
+    function returned waits for it and gives its result."""
     if dist.get_backend(group) == dist.Backend.GLOO:
         # Gloo reduce-scatters by all-reducing (2 (n-1)/n of the bytes, and its time); an all-to-all of the parts
         # and a local sum move (n-1)/n, like NCCL's reduce-scatter.
-        return _all_to_all(parts, group).sum(0)
-    if _functional():
-        scattered = _C10D.reduce_scatter_tensor(parts.flatten(0, 1), "sum", parts.size(0), group.group_name)
-        return _C10D.wait_tensor(scattered)
+        received = torch.empty_like(parts)
+        work = dist.all_to_all_single(received, parts, group=group, async_op=True)
+        return lambda: (work.wait(), received.sum(0))[1]
     out = parts.new_empty(parts.shape[1:])
-    dist.reduce_scatter_single(out, parts.flatten(0, 1), group=group)
-    return out
+    work = dist.reduce_scatter_single(out, parts.flatten(0, 1), group=group, async_op=True)
+    return lambda: (work.wait(), out)[1]
 
 
 # ---------------------------------------------------------------------------------------------- split tensors
@@ -296,6 +306,13 @@ def seq_reduce_scatter(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     world = dist.get_world_size(group)
     _check_seq(x, world)
     return reduce_scatter(_rank_major(x, world), group)
+
+
+def start_seq_reduce_scatter(x: Tensor, group: dist.ProcessGroup) -> Callable[[], Tensor]:
+    """`seq_reduce_scatter` started now (eager); the function returned waits for it and gives its result."""
+    world = dist.get_world_size(group)
+    _check_seq(x, world)
+    return start_reduce_scatter(_rank_major(x, world), group)
 
 
 def seq_split(x: Tensor, group: dist.ProcessGroup) -> Tensor:

@@ -28,8 +28,9 @@ Per micro-batch of ``b`` sequences (``T = b s`` tokens) and per block on one dev
   core and the element-wise ops have no TP collective, the reductions are kept, and sequence parallelism's
   all-gathers, which the recomputation runs again, are what SP's backward gathers again without recompute too --
   `lightning_hybrid.parallel.activation_checkpointing`); not
-  overlapped with compute in this codebase's TP layers (unless ``async_tp``) but for the backward's all-reduces
-  without sequence parallelism, which run under the column layers' weight-gradient GEMMs in eager blocks
+  overlapped with compute in this codebase's TP layers (unless ``async_tp``) but for the backward's reductions of
+  the units' input gradients -- the all-reduces without sequence parallelism, the reduce-scatters with it (eager
+  blocks outside any checkpoint) -- which run under the column layers' weight-gradient GEMMs
   (`Cluster.tp_grad_reduce_overlap`: what exceeds those GEMMs and the latency show); for a runtime that overlaps
   them with the GEMMs (`Cluster.tp_comm_overlap`, Megatron-Core) only the latency and what exceeds the block's GEMM
   time show; torch's async TP (this codebase's ``async_tp``, torchtitan's; `Cluster.tp_overlap_backward` False)
@@ -310,15 +311,18 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
         one = block_tp / tp_count
         latency = overlapped * 2 * (t - 1) * tp_link.latency
         block_tp = (tp_count - overlapped) * one + latency + max(0.0, overlapped * one - latency - under)
-    elif cluster.tp_grad_reduce_overlap and t > 1 and not cluster.compute_units and not lay.sequence_parallel and (
-            mode in ("none", "full")):
-        # Without sequence parallelism the backward's two all-reduces (a unit's input gradient) run under the units'
-        # column layers' weight-gradient GEMMs (`Cluster.tp_grad_reduce_overlap`): what exceeds those and the
-        # latency show. Selective recompute runs the layers' collectives functional: nothing overlapped there.
+    elif cluster.tp_grad_reduce_overlap and t > 1 and not cluster.compute_units and (
+            mode == "none" or (mode == "full" and not lay.sequence_parallel)):
+        # The backward's reductions of the two units' input gradients run under the units' column layers'
+        # weight-gradient GEMMs (`Cluster.tp_grad_reduce_overlap`): what exceeds those and the latency show. Without
+        # sequence parallelism two all-reduces; with it two reduce-scatters (half of their pairs' time; the unit's
+        # entry defers the weight gradients, `lightning_hybrid.parallel.tensor_parallel.unit_backward`, outside any
+        # checkpoint). Selective recompute runs the layers' collectives functional: nothing overlapped there.
         one = block_tp / tp_count
-        latency = 2 * 2 * (t - 1) * tp_link.latency
+        hidden, steps = (one, 2 * (t - 1)) if lay.sequence_parallel else (2 * one, 4 * (t - 1))
+        latency = steps * tp_link.latency
         under = model.block_column_weights() * tokens * 2 / t * shape / flops
-        block_tp = (tp_count - 2) * one + latency + max(0.0, 2 * one - latency - under)
+        block_tp = block_tp - hidden + latency + max(0.0, hidden - latency - under)
     # per block, dense or MoE; a ring's transfers under its attention's steps (one forward pass's core)
     block_cp = kv_exchange_time(model, lay, cluster, core_flops / (flops * cluster.attention_speed))
     mask_cp = mask_gather_time(model, lay, cluster)  # per micro-batch: the positions, for its mask

@@ -206,8 +206,10 @@ def runs_on_4_ranks() -> dict:
     return {
         "dp2xtp2-sp-padded-gpt": (dict(dp=2, tp=2, sequence_parallel=True), gpt(), {"data": "padded", **GPT_CHECK},
                                   (RTOL, PARAM_ATOL)),
-        "tp2xpp2-sp-packed-gpt": (dict(tp=2, pp=2, micro_batches=2, sequence_parallel=True), gpt(),
-                                  {"data": "packed", **GPT_CHECK}, (RTOL, PARAM_ATOL)),
+        # Zero bubble: the inputs' gradients and the weights' in two passes, through SP's unit backward.
+        "tp2xpp2-sp-zero_bubble-packed-gpt": (dict(tp=2, pp=2, micro_batches=2, schedule="zero_bubble",
+                                                   sequence_parallel=True), gpt(n_layer=4),
+                                              {"data": "packed", **GPT_CHECK}, (RTOL, PARAM_ATOL)),
         "dp2xtp2-sp-packed-llama": (dict(dp=2, tp=2, sequence_parallel=True), partial(_lm, "llama"),
                                     {"data": "packed", **GPT_CHECK}, HF_TOLERANCES),
         "dp2xpp2-zero3-packed-gpt_neox": (dict(dp=2, pp=2, zero_stage=3, micro_batches=2),

@@ -229,17 +229,23 @@ def test_async_tp_hides_the_forwards_tp_collectives_alone_and_matches_torchtitan
     assert planner_main([*args, "--async-tp"]) == 0 and "predicted step" in capsys.readouterr().out
 
 
-def test_the_backward_all_reduces_without_sp_run_under_the_column_layers_weight_gradients():
-    """This codebase's column layers without sequence parallelism (`Cluster.tp_grad_reduce_overlap`): the backward's
-    two all-reduces a block run under the column layers' weight-gradient GEMMs -- less TP time than reducing after the
-    layer's backward, never less than the forward's two; nothing changes under sequence parallelism, under selective
-    recompute (functional collectives), on CPU (the ranks share the cores) or for a runtime without it."""
+def test_the_backward_reductions_run_under_the_column_layers_weight_gradients():
+    """This codebase's column layers (`Cluster.tp_grad_reduce_overlap`): the backward's two reductions of a block's
+    units' input gradients run under the column layers' weight-gradient GEMMs -- without sequence parallelism two
+    all-reduces (less TP time than reducing after the layer's backward, never less than the forward's two), with it
+    two reduce-scatters, half a pair each, outside checkpoints (`unit_backward`: at most a quarter of the block's TP
+    time hidden); nothing changes under selective recompute (functional collectives), under SP inside activation
+    checkpointing, on CPU (the ranks share the cores) or for a runtime without it."""
     m, h100 = model_spec("llama3-70b"), load_cluster("h100")
     late = dataclasses.replace(h100, tp_grad_reduce_overlap=False)
     plain = Layout(32, 8, 1, 3, 2, 1)
     under, after = (estimate_time(m, plain, c).tp_comm for c in (h100, late))
     assert after / 2 <= under < after  # the forward's half shows whole
-    for lay in (dataclasses.replace(plain, sequence_parallel=True), dataclasses.replace(plain, recompute="attention")):
+    sp = dataclasses.replace(plain, sequence_parallel=True)
+    under, after = (estimate_time(m, sp, c).tp_comm for c in (h100, late))
+    assert after * 3 / 4 <= under < after  # the forward's two pairs and the backward's all-gathers show whole
+    for lay in (dataclasses.replace(sp, activation_checkpointing=True), dataclasses.replace(plain, recompute="attention"),
+                dataclasses.replace(sp, recompute="attention")):
         assert estimate_time(m, lay, h100).tp_comm == estimate_time(m, lay, late).tp_comm
     full = dataclasses.replace(plain, activation_checkpointing=True)
     assert estimate_time(m, full, h100).tp_comm < estimate_time(m, full, late).tp_comm

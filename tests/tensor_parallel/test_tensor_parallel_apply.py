@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_hybrid.core.collectives import gather_shard, split_shard, sum_grads_over_tp_
@@ -300,6 +301,81 @@ def _column_overlap_checks(res, group):
                                                          and orders[False] == ["mm", "mm", "allreduce_"])
 
 
+class _Backward(TorchDispatchMode):
+    """The backward's products and collectives, in order (``mm``; ``comm`` for any c10d collective)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] == "mm":
+            self.ops.append("mm")
+        elif func.namespace == "c10d":
+            self.ops.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+def _unit_backward_checks(res, group, hf_ids):
+    """Sequence parallelism's unit backward (`unit_backward`, ``ColumnParallelLinear.overlap_backward``): the
+    reduce-scatter of each unit's input gradient (an all-to-all on gloo) runs before its column layers' weight
+    gradients are computed, not after them, and the gradients are bit for bit those of the ordinary backward --
+    Llama (nn.Linear q/k/v, gate/up) and GPT-2 (fused Conv1D), fp32 and bf16 autocast; a backward run twice over a
+    kept graph gives twice the gradients; and split as torch's zero-bubble schedule splits it (the inputs'
+    gradients first, by ``autograd.grad``, then the weights' from what reached the unit) it gives the same."""
+    ok, even = res["ok"], torch.cat([hf_ids, hf_ids[:, :5]], dim=1)
+    for make in (tiny_llama, tiny_gpt2):
+        for amp in (False, True):
+            got, gaps = {}, {}
+            for overlap in (False, True):
+                torch.manual_seed(0)
+                model = make()
+                apply_tp(model, group, resolve_tp_plan(model, 2), run_example=lambda m=model: m(input_ids=even),
+                         sequence_parallel=True, split_logits=True)
+                for module in model.modules():  # the instances: the class's default stays as it is
+                    if isinstance(module, ColumnParallelLinear):
+                        module.overlap_backward = overlap
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                    loss = model(input_ids=even, labels=even).loss
+                with _Backward() as order:
+                    loss.backward()
+                got[overlap] = [p.grad.clone() for p in model.parameters()]
+                ops = order.ops
+                # products between each all-to-all (a unit's reduce-scatter) and the next collective
+                gaps[overlap] = [next((j for j, op in enumerate(ops[i + 1:]) if op != "mm"), len(ops) - i - 1)
+                                 for i, op in enumerate(ops) if op.startswith("alltoall")]
+            key = f"unit_backward/{make.__name__}/{'bf16' if amp else 'fp32'}"
+            ok[f"{key}/bit_identical"] = all(torch.equal(a, b) for a, b in zip(got[False], got[True]))
+            ok[f"{key}/reduce_scatter_under_weight_gradients"] = (
+                len(gaps[True]) == 4 and min(gaps[True]) > 0 and gaps[False] == [0] * 4)
+        model.zero_grad()
+        loss = model(input_ids=even, labels=even).loss
+        loss.backward(retain_graph=True)
+        once = [p.grad.clone() for p in model.parameters()]
+        loss.backward()
+        ok[f"unit_backward/{make.__name__}/twice"] = all(torch.equal(2 * a, p.grad)
+                                                          for a, p in zip(once, model.parameters()))
+        model.zero_grad()
+        embeds = model.get_input_embeddings()(even).detach().requires_grad_(True)
+        loss = model(inputs_embeds=embeds, labels=even).loss
+        (reference,) = torch.autograd.grad(loss, embeds, retain_graph=True)
+        loss.backward(retain_graph=True)
+        params = [p for p in model.parameters() if p.grad is not None]  # (not the embedding's, unused)
+        whole = [p.grad.clone() for p in params]
+        model.zero_grad()
+        (split,) = torch.autograd.grad(loss, embeds, retain_graph=True)  # the inputs' pass: no weight gradient
+        weights = torch.autograd.grad(loss, params, retain_graph=True)  # then the weights' (the layers again)
+        ok[f"unit_backward/{make.__name__}/split_passes"] = torch.equal(split, reference) and all(
+            torch.equal(w, a) for w, a in zip(weights, whole))
+        model.zero_grad()  # as the zero-bubble schedule runs them: the weights' pass from what reached the units
+        embeds.grad = None
+        loss = model(inputs_embeds=embeds, labels=even).loss
+        _, groups = stage_backward_input([loss], None, [embeds], iter(params))
+        stage_backward_weight(iter(params), groups)
+        ok[f"unit_backward/{make.__name__}/zero_bubble_passes"] = torch.equal(embeds.grad, reference) and all(
+            torch.equal(p.grad, a) for p, a in zip(params, whole))
+
+
 def _selective_recompute_checks(res, group, hf_ids):
     """Selective recompute of split layers (eager attention, dropout 0.1, with and without SP) gives exactly
     the gradients of the same split model without recompute, and its backward communicates no more than without
@@ -381,6 +457,7 @@ def _tp_worker() -> dict:
     _check_model(res, "llama", group, tiny_llama, _hf_loss, 128, lambda m: m(input_ids=hf_ids))
     _check_model(res, "gpt2", group, tiny_gpt2, _hf_loss, 128, lambda m: m(input_ids=hf_ids))
     _sequence_parallel_checks(res, group, ids, hf_ids)
+    _unit_backward_checks(res, group, hf_ids)
     _split_logits_checks(res, group)
     _selective_recompute_checks(res, group, hf_ids)
     # A wrong explicit split (parts that are not the layout of the fused projection) is named, not trained.
@@ -410,7 +487,8 @@ def _assert_close(results, prefix: str):
     assert checked, f"no checks recorded under {prefix!r}"
 
 
-@pytest.mark.parametrize("prefix", ["col/", "conv1d_col/", "row/", "conv1d_row/", "emb/", "col_overlap/"])
+@pytest.mark.parametrize("prefix", ["col/", "conv1d_col/", "row/", "conv1d_row/", "emb/", "col_overlap/",
+                                    "unit_backward/"])
 def test_tp_layers_match_unsplit(tp_results, prefix):
     _assert_close(tp_results, prefix)
 

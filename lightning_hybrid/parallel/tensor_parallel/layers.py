@@ -41,6 +41,7 @@ from lightning_hybrid.core.collectives import (
 from lightning_hybrid.core.devices import local_tensor
 from lightning_hybrid.core.linears import linear_shape, lora_base
 from lightning_hybrid.core.split_logits import SplitLogits
+from lightning_hybrid.parallel.tensor_parallel.unit_backward import deferred_column
 
 
 def _shard(t: Tensor, spec: ShardSpec, group: dist.ProcessGroup) -> nn.Parameter:
@@ -62,10 +63,14 @@ class ColumnParallelLinear(nn.Module):
     sequence_parallel = False
     float8 = None  # a `lightning_hybrid.parallel.float8.Float8Matmul`: the GEMMs in float8 (``fp8``)
     float8_split = "out"  # which features TP splits: what `lightning_hybrid.parallel.float8` reads
-    #: Without sequence parallelism, the input gradient's all-reduce runs under the weight gradient's GEMM
-    #: (`_ColumnLinear`; ``False``: after the layer's backward, as before -- `benchmarks/bench_overlap.py --cpu`
-    #: compares the two in one run).
+    #: The input gradient's reduction runs under weight-gradient GEMMs: without sequence parallelism the layer's
+    #: all-reduce under its own (`_ColumnLinear`), with it the unit's reduce-scatter under every column layer's of
+    #: the unit (`lightning_hybrid.parallel.tensor_parallel.unit_backward`); ``False``: after the backward of the
+    #: layer, or of every consumer of the unit's input -- `benchmarks/bench_overlap.py --cpu` compares the two.
     overlap_backward = True
+    #: Set by the unit's entry (sequence parallelism) for the length of its forward: a
+    #: `lightning_hybrid.parallel.tensor_parallel.unit_backward.UnitGrads` that takes this layer's weight gradients.
+    unit_grads = None
 
     def __init__(
         self,
@@ -94,7 +99,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         weight = self.weight.t() if self.transposed else self.weight
-        if self.float8 is None and not self.sequence_parallel and self.overlap_backward and (
+        if self.unit_grads is not None and self.unit_grads.feeds(self, x) and torch.is_grad_enabled():
+            y = deferred_column(self, x, self.unit_grads)  # sequence parallel, eager: its weight's gradient deferred
+        elif self.float8 is None and not self.sequence_parallel and self.overlap_backward and (
                 torch.is_grad_enabled() and not functional_collectives_active()):
             # Eager, without sequence parallelism: one op whose backward all-reduces the input's gradient while it
             # computes the weight's (under compile and a selective checkpoint the op-by-op form below).

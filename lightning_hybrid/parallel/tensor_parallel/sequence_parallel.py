@@ -22,7 +22,8 @@ parameters between the units (norm weights, row biases) then see only this rank'
 each block on sequence parts finds them, and training sums their gradients over TP.
 
 A unit keeps its input's sequence shard for backward, not the gathered sequence, and all-gathers it again there
-(`_regather_hooks`), as Megatron does. `apply_tp` refuses SP, naming the blocks, where it would change results:
+(`lightning_hybrid.parallel.tensor_parallel.unit_backward.Regather`), as Megatron does; its column layers' weight
+gradients are computed under the reduce-scatter of its input's gradient (`unit_backward`). `apply_tp` refuses SP, naming the blocks, where it would change results:
 a block that is itself a column/row unit (`blocks_without_regions`), a model doing something between the blocks
 of a run (`chain_breaks`, from `recording_chain`), or a paired unit left replicated (`replicated_sequence_blocks`).
 """
@@ -36,14 +37,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from lightning_hybrid.core.collectives import (
-    gather_sequence,
-    gather_sequence_for_tp,
-    seq_all_gather,
-    split_sequence,
-    start_seq_all_gather,
-)
+from lightning_hybrid.core.collectives import gather_sequence, gather_sequence_for_tp, split_sequence
+from lightning_hybrid.parallel.tensor_parallel.layers import ColumnParallelLinear
 from lightning_hybrid.parallel.tensor_parallel.plan import TPPlan, Unit, block_of
+from lightning_hybrid.parallel.tensor_parallel.unit_backward import Regather, UnitGrads, gather_unit_input
 from lightning_hybrid.parallel.tensor_parallel.variants import Variant
 from lightning_hybrid.parallel.tensor_parallel.verify import main_input, replace_main_input
 
@@ -191,78 +188,55 @@ def gather_sequence_at_entry(unit: nn.Module, group: dist.ProcessGroup) -> None:
     entry. What the unit's layers keep of it for their backward is this rank's part, all-gathered again in
     backward (as Megatron does), so the gathered sequence does not stay alive from forward to backward; that
     all-gather starts when the unit's backward starts (a hook on its output's gradient), under the backward of
-    its row layer and attention, and is waited for where the column layers need it. (Inside activation
-    checkpointing the checkpoint decides what is kept: nothing is changed there.)"""
+    its row layer and attention, and is waited for where the column layers' weight gradients need it. Those are
+    deferred to the gather's own backward, under the reduce-scatter of the input's gradient
+    (`lightning_hybrid.parallel.tensor_parallel.unit_backward`; ``ColumnParallelLinear.overlap_backward``). (Inside
+    activation checkpointing the checkpoint decides what is kept: nothing is changed there.)"""
     scopes: list = []
 
     def pre(module, args, kwargs):
-        shard = None
-
-        def gather(x: Tensor) -> Tensor:
-            nonlocal shard
-            shard = x
-            return gather_sequence_for_tp(x, group)
-
-        args, kwargs = replace_main_input(args, kwargs, gather)
-        full = main_input(args, kwargs)
         # Saved-tensor hooks already active mean activation checkpointing: it decides what is kept. Under
         # torch.compile the compiler decides (dynamo cannot trace saved-tensor hooks): the unit keeps its gathered
         # input, as without sequence parallelism.
-        scope, prefetch = None, None
         keep_shard = (
             torch.is_grad_enabled()
             and not torch.compiler.is_compiling()
             and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
         )
-        if keep_shard:
-            pack, unpack, prefetch = _regather_hooks(shard, full, group)
-            scope = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        columns = [c for c in module.modules() if isinstance(c, ColumnParallelLinear) and c.sequence_parallel
+                   and c.overlap_backward and c.float8 is None and c.weight.requires_grad]
+        state = UnitGrads(columns, group) if keep_shard and columns else None
+        regather = None
+
+        def gather(x: Tensor) -> Tensor:
+            nonlocal regather
+            full = gather_sequence_for_tp(x, group) if state is None else gather_unit_input(x, state)
+            if keep_shard:
+                regather = Regather(x, full, group, takers=int(state is not None))
+            return full
+
+        args, kwargs = replace_main_input(args, kwargs, gather)
+        scope = None
+        if regather is not None:
+            scope = torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack)
             scope.__enter__()
-        scopes.append((scope, prefetch))
+        if state is not None:
+            state.regather = regather
+            for column in columns:
+                column.unit_grads = state
+        scopes.append((scope, regather, columns if state is not None else []))
         return args, kwargs
 
     def post(module, args, kwargs, output):
-        scope, prefetch = scopes.pop()
+        scope, regather, columns = scopes.pop()
+        for column in columns:
+            column.unit_grads = None
         if scope is None:
             return
         scope.__exit__(None, None, None)
         main = next((t for t in tree_leaves(output) if isinstance(t, Tensor)), None)
         if main is not None and main.requires_grad:
-            main.register_hook(lambda grad: prefetch())
+            main.register_hook(lambda grad: regather.prefetch())
 
     unit.register_forward_pre_hook(pre, with_kwargs=True)
     unit.register_forward_hook(post, with_kwargs=True, always_call=True)
-
-
-def _regather_hooks(shard: Tensor, full: Tensor, group: dist.ProcessGroup) -> tuple[Callable, Callable, Callable]:
-    """Saved-tensor hooks that keep ``shard`` instead of ``full`` (or a view of it) and all-gather it again
-    on unpacking; one gather serves all the views unpacked in a row (q, k and v keep the same input). The third
-    function starts that all-gather early (it returns ``None``: a gradient hook that changes nothing)."""
-    storage = full.untyped_storage()._cdata
-    shard = shard.detach()
-    cache: dict = {}
-
-    def pack(t: Tensor):
-        if t.untyped_storage()._cdata != storage:
-            return t
-        cache["pending"] = cache.get("pending", 0) + 1
-        return ("regather", t.size(), t.stride(), t.storage_offset())
-
-    def prefetch() -> None:
-        if cache.get("pending") and "full" not in cache and "started" not in cache:
-            cache["started"] = start_seq_all_gather(shard, group)
-
-    def unpack(packed):
-        if not isinstance(packed, tuple) or not packed or packed[0] != "regather":
-            return packed
-        if "full" not in cache:
-            started = cache.pop("started", None)
-            cache["full"] = started() if started is not None else seq_all_gather(shard, group)
-        regathered = cache["full"]
-        cache["pending"] -= 1
-        if not cache["pending"]:
-            del cache["full"]
-        _, size, stride, offset = packed
-        return regathered.as_strided(size, stride, offset)
-
-    return pack, unpack, prefetch
