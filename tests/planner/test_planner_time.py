@@ -244,8 +244,8 @@ def test_the_backward_reductions_run_under_the_column_layers_weight_gradients():
     sp = dataclasses.replace(plain, sequence_parallel=True)
     under, after = (estimate_time(m, sp, c).tp_comm for c in (h100, late))
     assert after * 3 / 4 <= under < after  # the forward's two pairs and the backward's all-gathers show whole
-    for lay in (dataclasses.replace(sp, activation_checkpointing=True), dataclasses.replace(plain, recompute="attention"),
-                dataclasses.replace(sp, recompute="attention")):
+    for lay in (dataclasses.replace(sp, activation_checkpointing=True),
+                dataclasses.replace(plain, recompute="attention"), dataclasses.replace(sp, recompute="attention")):
         assert estimate_time(m, lay, h100).tp_comm == estimate_time(m, lay, late).tp_comm
     full = dataclasses.replace(plain, activation_checkpointing=True)
     assert estimate_time(m, full, h100).tp_comm < estimate_time(m, full, late).tp_comm

@@ -23,9 +23,10 @@ each block on sequence parts finds them, and training sums their gradients over 
 
 A unit keeps its input's sequence shard for backward, not the gathered sequence, and all-gathers it again there
 (`lightning_hybrid.parallel.tensor_parallel.unit_backward.Regather`), as Megatron does; its column layers' weight
-gradients are computed under the reduce-scatter of its input's gradient (`unit_backward`). `apply_tp` refuses SP, naming the blocks, where it would change results:
-a block that is itself a column/row unit (`blocks_without_regions`), a model doing something between the blocks
-of a run (`chain_breaks`, from `recording_chain`), or a paired unit left replicated (`replicated_sequence_blocks`).
+gradients are computed under the reduce-scatter of its input's gradient (`unit_backward`). `apply_tp` refuses SP,
+naming the blocks, where it would change results: a block that is itself a column/row unit
+(`blocks_without_regions`), a model doing something between the blocks of a run (`chain_breaks`, from
+`recording_chain`), or a paired unit left replicated (`replicated_sequence_blocks`).
 """
 
 from __future__ import annotations
