@@ -15,9 +15,10 @@ These are the planner's predictions (`benchmarks/PLANNER.md` says how close they
 fresh process group, every pair in the same run: ZeRO-1 against ZeRO-0 at dp2 (goal: <= 1.05x ZeRO-0's step), ZeRO-1
 with its parameter gathers under the next forward against the same run gathering in the step,
 dp2 x pp2 (ZeRO-1, 1F1B) with each stage's buckets reduced during its last backward against the same run reducing
-them after the schedule (`GradientSync.reduce_during_last_backward`; goal: faster), and tp2 (no sequence
-parallelism) with each column layer's input gradient all-reduced under its weight gradient's GEMM against the same run
-reducing it after the layer's backward (`ColumnParallelLinear.overlap_backward`), and tp2 with sequence parallelism
+them after the schedule (`GradientSync.reduce_during_last_backward`; goal: faster), tp2 (no sequence parallelism)
+with the sum of each unit's column layers' input gradients all-reduced once under their weight gradients' GEMMs
+(`lightning_hybrid.parallel.tensor_parallel.unit_backward`) against the same run all-reducing each layer's after the
+layer's backward (`ColumnParallelLinear.overlap_backward`; goal: faster), and tp2 with sequence parallelism
 with each unit's input gradient reduce-scattered under its column layers' weight-gradient GEMMs
 (`lightning_hybrid.parallel.tensor_parallel.unit_backward`) against the same run reduce-scattering it after the unit's
 backward (goal: faster). Step time: the slower rank's
@@ -49,6 +50,7 @@ from lightning_hybrid.planner import ModelSpec  # noqa: E402
 from lightning_hybrid.planner.cluster import CLUSTER_PRESETS  # noqa: E402
 from lightning_hybrid.planner.model import MODEL_PRESETS  # noqa: E402
 from lightning_hybrid.planner.search import plan  # noqa: E402
+from lightning_hybrid.runs.memory import PeakMemoryMonitor  # noqa: E402
 from lightning_hybrid.testing import run_distributed  # noqa: E402
 
 GOAL = 0.99
@@ -88,8 +90,8 @@ CPU_RUNS = {
     "dp2xpp2 zero1, reduced after the schedule": (4, dict(dp=2, pp=2, zero_stage=1, micro_batches=4), False, True),
     "dp2xpp2 zero1, reduced during the last backward": (4, dict(dp=2, pp=2, zero_stage=1, micro_batches=4), True,
                                                         True),
-    "tp2, input gradients reduced after each layer's backward": (2, dict(tp=2), True, False),
-    "tp2, input gradients reduced under the weight gradients' GEMMs": (2, dict(tp=2), True, True),
+    "tp2, input gradients all-reduced after each layer's backward": (2, dict(tp=2), True, False),
+    "tp2, input gradients all-reduced once a unit under the weight gradients' GEMMs": (2, dict(tp=2), True, True),
     "tp2 sp, input gradients reduce-scattered after the unit's backward": (2, dict(tp=2, sequence_parallel=True),
                                                                            True, False),
     "tp2 sp, input gradients reduce-scattered under the weight gradients' GEMMs": (
@@ -102,9 +104,10 @@ CPU_PAIRS = [
      "ZeRO-1 dp2 step, gathered under the next forward / in the step", None),
     ("dp2xpp2 zero1, reduced during the last backward", "dp2xpp2 zero1, reduced after the schedule",
      "dp2xpp2 ZeRO-1 step, reduced during the last backward / after the schedule", 1.0),
-    ("tp2, input gradients reduced under the weight gradients' GEMMs",
-     "tp2, input gradients reduced after each layer's backward",
-     "tp2 step, input gradients reduced under the weight gradients' GEMMs / after each layer's backward", None),
+    ("tp2, input gradients all-reduced once a unit under the weight gradients' GEMMs",
+     "tp2, input gradients all-reduced after each layer's backward",
+     "tp2 step, input gradients all-reduced once a unit under the weight gradients' GEMMs / after each layer's"
+     " backward", 1.0),
     ("tp2 sp, input gradients reduce-scattered under the weight gradients' GEMMs",
      "tp2 sp, input gradients reduce-scattered after the unit's backward",
      "tp2 SP step, input gradients reduce-scattered under the weight gradients' GEMMs / after the unit's backward",
@@ -113,7 +116,7 @@ CPU_PAIRS = [
 CPU_MODEL = dict(n_layer=8, n_embd=256, n_head=8, block_size=128, mlp="swiglu")
 
 
-def _cpu_worker(kwargs: dict, during: bool, tp_overlap: bool, steps: int) -> list[float]:
+def _cpu_worker(kwargs: dict, during: bool, tp_overlap: bool, steps: int) -> tuple[list[float], int]:
     import logging
     import warnings
 
@@ -131,11 +134,12 @@ def _cpu_worker(kwargs: dict, during: bool, tp_overlap: bool, steps: int) -> lis
     module = GPTLightningModule(config=GPTConfig(**CPU_MODEL), lr=1e-3)
     data = ByteCorpusDataModule(max_bytes=400_000, block_size=CPU_MODEL["block_size"], batch_size=8)
     timer = StepTimer(2)
+    peak = PeakMemoryMonitor(steps=1)  # the first (warm-up) step's: the tracker's Python time stays out of the timing
     trainer = L.Trainer(accelerator="cpu", devices=len_world(kwargs), strategy=HybridStrategy(**kwargs),
                         max_steps=2 + steps, limit_val_batches=0, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[peak, timer])
     trainer.fit(module, data)
-    return timer.times
+    return timer.times, peak.peak.total
 
 
 def len_world(kwargs: dict) -> int:
@@ -148,14 +152,16 @@ def cpu_rows(steps: int, rounds: int) -> tuple[list[str], list[str]]:
     import statistics
 
     times: dict[str, list[float]] = {name: [] for name in CPU_RUNS}
+    peaks: dict[str, int] = {}
     for round_ in range(rounds):  # every run once a round, every other round in reverse order
         for name in CPU_RUNS if round_ % 2 == 0 else reversed(CPU_RUNS):
             world, kwargs, during, tp_overlap = CPU_RUNS[name]
             ranks = run_distributed(_cpu_worker, world, kwargs, during, tp_overlap, steps)
-            times[name].append(statistics.median(max(step) for step in zip(*ranks)))
+            times[name].append(statistics.median(max(step) for step in zip(*(r[0] for r in ranks))))
+            peaks[name] = max(r[1] for r in ranks)
             print(f"round {round_ + 1}, {name}: {times[name][-1]:.3f} s", flush=True)
     rows = [f"| {name} | {statistics.median(t):.3f} | {' '.join(f'{x:.3f}' for x in t)} |"
-            for name, t in times.items()]
+            f" {peaks[name] / 2**20:.1f} |" for name, t in times.items()]
     goals = []
     for run, base, what, goal in CPU_PAIRS:
         ratios = [a / b for a, b in zip(times[run], times[base])]
@@ -231,8 +237,9 @@ def main(argv=None) -> int:
             " other round in reverse order), each compared with its pair within a round; the machine is shared (a run"
             " can be twice as slow as the last one).",
             "",
-            "| run | step s (median over the rounds; a round's: the median step of the slower rank) | each round |",
-            "|---|---:|---|",
+            "| run | step s (median over the rounds; a round's: the median step of the slower rank) | each round |"
+            " peak MiB (live tensors, the first step, the highest rank) |",
+            "|---|---:|---|---:|",
             *measured,
             "",
             *goals,

@@ -116,10 +116,9 @@ class Cluster:
     sequence parallelism where not (torch's micro-pipelined async TP: this codebase's ``async_tp=True``, the CLI's
     ``--async-tp``, torchtitan's -- what its published speed-ups agree with); ``tp_grad_reduce_overlap``
     (``True``): the backward's reduction of a TP unit's input gradient (an all-reduce; a reduce-scatter under
-    sequence parallelism, outside activation checkpointing) runs under its column layers' weight-gradient GEMMs
-    (this codebase's column layers in eager blocks -- neither compiled nor under a selective checkpoint, whose
-    collectives are functional; Megatron's asynchronous all-reduce and reduce-scatter; ``False`` for Megatron-LM
-    2021 and its forks); ``grad_reduce_overlap_pp``
+    sequence parallelism, outside any checkpoint) runs under its column layers' weight-gradient GEMMs (this
+    codebase's units when not compiled; Megatron's asynchronous all-reduce and reduce-scatter; ``False`` for
+    Megatron-LM 2021 and its forks and for torchtitan's DTensor TP); ``grad_reduce_overlap_pp``
     (``True``): under PP each stage's gradient buckets are reduced during its last micro-batch's backward (this
     codebase, Megatron-Core's ``--overlap-grad-reduce``; ``False`` for a runtime that reduces after the schedule,
     Megatron-LM 2021); ``param_gather_overlap`` (``True``): ZeRO 1-2's all-gather of the

@@ -317,21 +317,24 @@ class _Backward(TorchDispatchMode):
 
 
 def _unit_backward_checks(res, group, hf_ids):
-    """Sequence parallelism's unit backward (`unit_backward`, ``ColumnParallelLinear.overlap_backward``): the
-    reduce-scatter of each unit's input gradient (an all-to-all on gloo) runs before its column layers' weight
-    gradients are computed, not after them, and the gradients are bit for bit those of the ordinary backward --
-    Llama (nn.Linear q/k/v, gate/up) and GPT-2 (fused Conv1D), fp32 and bf16 autocast; a backward run twice over a
-    kept graph gives twice the gradients; and split as torch's zero-bubble schedule splits it (the inputs'
-    gradients first, by ``autograd.grad``, then the weights' from what reached the unit) it gives the same."""
-    ok, even = res["ok"], torch.cat([hf_ids, hf_ids[:, :5]], dim=1)
-    for make in (tiny_llama, tiny_gpt2):
+    """A paired unit's backward (`unit_backward`, ``ColumnParallelLinear.overlap_backward``), Llama (nn.Linear q/k/v,
+    gate/up) and GPT-2 (fused Conv1D), fp32 and bf16 autocast. With sequence parallelism the reduce-scatter of each
+    unit's input gradient (an all-to-all on gloo) runs before its column layers' weight gradients are computed, not
+    after them, bit for bit the ordinary backward's gradients; without it one all-reduce a unit (not one a column
+    layer: Llama's q, k, v, gate and up reduced five times a block), the gradients equal within fp32 rounding (the
+    sum over TP taken once). Either way a backward run twice over a kept graph gives twice the gradients, and split as
+    torch's zero-bubble schedule splits it (the inputs' gradients first, then the weights' from what reached the
+    units) it gives the same."""
+    ok, err, even = res["ok"], res["err"], torch.cat([hf_ids, hf_ids[:, :5]], dim=1)
+    for sp, make in ((True, tiny_llama), (True, tiny_gpt2), (False, tiny_llama), (False, tiny_gpt2)):
+        name = f"{make.__name__}{'/sp' if sp else ''}"
         for amp in (False, True):
             got, gaps = {}, {}
             for overlap in (False, True):
                 torch.manual_seed(0)
                 model = make()
                 apply_tp(model, group, resolve_tp_plan(model, 2), run_example=lambda m=model: m(input_ids=even),
-                         sequence_parallel=True, split_logits=True)
+                         sequence_parallel=sp, split_logits=True)
                 for module in model.modules():  # the instances: the class's default stays as it is
                     if isinstance(module, ColumnParallelLinear):
                         module.overlap_backward = overlap
@@ -340,21 +343,29 @@ def _unit_backward_checks(res, group, hf_ids):
                 with _Backward() as order:
                     loss.backward()
                 got[overlap] = [p.grad.clone() for p in model.parameters()]
-                ops = order.ops
-                # products between each all-to-all (a unit's reduce-scatter) and the next collective
+                ops, reduction = order.ops, "alltoall" if sp else "allreduce"
+                # products between each reduction of an input gradient and the next collective
                 gaps[overlap] = [next((j for j, op in enumerate(ops[i + 1:]) if op != "mm"), len(ops) - i - 1)
-                                 for i, op in enumerate(ops) if op.startswith("alltoall")]
-            key = f"unit_backward/{make.__name__}/{'bf16' if amp else 'fp32'}"
-            ok[f"{key}/bit_identical"] = all(torch.equal(a, b) for a, b in zip(got[False], got[True]))
-            ok[f"{key}/reduce_scatter_under_weight_gradients"] = (
-                len(gaps[True]) == 4 and min(gaps[True]) > 0 and gaps[False] == [0] * 4)
+                                 for i, op in enumerate(ops) if op.startswith(reduction)]
+            key = f"unit_backward/{name}/{'bf16' if amp else 'fp32'}"
+            if sp:
+                ok[f"{key}/bit_identical"] = all(torch.equal(a, b) for a, b in zip(got[False], got[True]))
+                ok[f"{key}/reduce_scatter_under_weight_gradients"] = (
+                    len(gaps[True]) == 4 and min(gaps[True]) > 0 and gaps[False] == [0] * 4)
+            else:
+                if not amp:
+                    err[f"{key}/grads"] = max(_err(a, b) for a, b in zip(got[True], got[False]))
+                # The LM head's own all-reduce (a lone column layer) and one a unit; one a column layer before
+                # (GPT-2's c_attn and c_fc: one column layer a unit).
+                per_layer = 11 if make is tiny_llama else 5
+                ok[f"{key}/one_all_reduce_a_unit"] = (len(gaps[True]) == 5 and min(gaps[True]) > 0
+                                                      and len(gaps[False]) == per_layer)
         model.zero_grad()
         loss = model(input_ids=even, labels=even).loss
         loss.backward(retain_graph=True)
         once = [p.grad.clone() for p in model.parameters()]
         loss.backward()
-        ok[f"unit_backward/{make.__name__}/twice"] = all(torch.equal(2 * a, p.grad)
-                                                          for a, p in zip(once, model.parameters()))
+        ok[f"unit_backward/{name}/twice"] = all(torch.equal(2 * a, p.grad) for a, p in zip(once, model.parameters()))
         model.zero_grad()
         embeds = model.get_input_embeddings()(even).detach().requires_grad_(True)
         loss = model(inputs_embeds=embeds, labels=even).loss
@@ -365,14 +376,14 @@ def _unit_backward_checks(res, group, hf_ids):
         model.zero_grad()
         (split,) = torch.autograd.grad(loss, embeds, retain_graph=True)  # the inputs' pass: no weight gradient
         weights = torch.autograd.grad(loss, params, retain_graph=True)  # then the weights' (the layers again)
-        ok[f"unit_backward/{make.__name__}/split_passes"] = torch.equal(split, reference) and all(
+        ok[f"unit_backward/{name}/split_passes"] = torch.equal(split, reference) and all(
             torch.equal(w, a) for w, a in zip(weights, whole))
         model.zero_grad()  # as the zero-bubble schedule runs them: the weights' pass from what reached the units
         embeds.grad = None
         loss = model(inputs_embeds=embeds, labels=even).loss
         _, groups = stage_backward_input([loss], None, [embeds], iter(params))
         stage_backward_weight(iter(params), groups)
-        ok[f"unit_backward/{make.__name__}/zero_bubble_passes"] = torch.equal(embeds.grad, reference) and all(
+        ok[f"unit_backward/{name}/zero_bubble_passes"] = torch.equal(embeds.grad, reference) and all(
             torch.equal(p.grad, a) for p, a in zip(params, whole))
 
 

@@ -30,6 +30,7 @@ from lightning_hybrid.core.linears import lora_base
 from lightning_hybrid.parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
+    deferrable_columns,
     is_tp_split,
     shard_embedding,
     split_adapted,
@@ -45,6 +46,7 @@ from lightning_hybrid.parallel.tensor_parallel.sequence_parallel import (
     replicated_sequence_blocks,
     sequence_runs,
 )
+from lightning_hybrid.parallel.tensor_parallel.unit_backward import reduce_at_entry
 from lightning_hybrid.parallel.tensor_parallel.variants import Variant
 from lightning_hybrid.parallel.tensor_parallel.verify import Captured, capture_inputs, check_block, main_input
 
@@ -127,6 +129,8 @@ def apply_variant(
     unit = root.get_submodule(unit_name)
     if sequence_parallel:
         gather_sequence_at_entry(unit, group)
+    elif is_paired(variant):  # one all-reduce of the column layers' input gradients, under their weights'
+        reduce_at_entry(unit, group, functools.partial(deferrable_columns, sequence_parallel=False))
     for attr in variant.divide:
         owner = unit
         if attr.startswith("config."):

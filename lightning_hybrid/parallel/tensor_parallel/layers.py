@@ -63,13 +63,15 @@ class ColumnParallelLinear(nn.Module):
     sequence_parallel = False
     float8 = None  # a `lightning_hybrid.parallel.float8.Float8Matmul`: the GEMMs in float8 (``fp8``)
     float8_split = "out"  # which features TP splits: what `lightning_hybrid.parallel.float8` reads
-    #: The input gradient's reduction runs under weight-gradient GEMMs: without sequence parallelism the layer's
-    #: all-reduce under its own (`_ColumnLinear`), with it the unit's reduce-scatter under every column layer's of
-    #: the unit (`lightning_hybrid.parallel.tensor_parallel.unit_backward`); ``False``: after the backward of the
-    #: layer, or of every consumer of the unit's input -- `benchmarks/bench_overlap.py --cpu` compares the two.
+    #: The input gradient's reduction runs under weight-gradient GEMMs: fed its unit's input, the unit's one
+    #: reduction (an all-reduce; with sequence parallelism a reduce-scatter) under all the unit's column layers'
+    #: (`lightning_hybrid.parallel.tensor_parallel.unit_backward`); fed anything else without sequence parallelism,
+    #: the layer's all-reduce under its own (`_ColumnLinear`). ``False``: after the backward of each layer (without
+    #: SP) or of the unit's every consumer (with it) -- `benchmarks/bench_overlap.py --cpu` compares the two.
     overlap_backward = True
-    #: Set by the unit's entry (sequence parallelism) for the length of its forward: a
-    #: `lightning_hybrid.parallel.tensor_parallel.unit_backward.UnitGrads` that takes this layer's weight gradients.
+    #: Set by the unit's entry for the length of its forward: a
+    #: `lightning_hybrid.parallel.tensor_parallel.unit_backward.UnitGrads` that takes this layer's weight gradients
+    #: (and, without sequence parallelism, reduces its input gradient with the unit's other column layers').
     unit_grads = None
 
     def __init__(
@@ -100,7 +102,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         weight = self.weight.t() if self.transposed else self.weight
         if self.unit_grads is not None and self.unit_grads.feeds(self, x) and torch.is_grad_enabled():
-            y = deferred_column(self, x, self.unit_grads)  # sequence parallel, eager: its weight's gradient deferred
+            y = deferred_column(self, x, self.unit_grads)  # its weight's gradient (and reduction) the unit's
         elif self.float8 is None and not self.sequence_parallel and self.overlap_backward and (
                 torch.is_grad_enabled() and not functional_collectives_active()):
             # Eager, without sequence parallelism: one op whose backward all-reduces the input's gradient while it
@@ -128,6 +130,13 @@ class ColumnParallelLinear(nn.Module):
             f" gather_output={'on demand' if self.split_logits else self.gather_output}"
             f"{', Conv1D layout' if self.transposed else ''}"
         )
+
+
+def deferrable_columns(unit: nn.Module, sequence_parallel: bool) -> list[ColumnParallelLinear]:
+    """The column layers of ``unit`` whose weight gradients its entry can take over
+    (`lightning_hybrid.parallel.tensor_parallel.unit_backward`): with ``overlap_backward``, trained, not float8."""
+    return [c for c in unit.modules() if isinstance(c, ColumnParallelLinear) and c.overlap_backward
+            and c.sequence_parallel == sequence_parallel and c.float8 is None and c.weight.requires_grad]
 
 
 class RowParallelLinear(nn.Module):

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from lightning_hybrid.core.collectives import gather_sequence, gather_sequence_for_tp, split_sequence
-from lightning_hybrid.parallel.tensor_parallel.layers import ColumnParallelLinear
+from lightning_hybrid.parallel.tensor_parallel.layers import deferrable_columns
 from lightning_hybrid.parallel.tensor_parallel.plan import TPPlan, Unit, block_of
 from lightning_hybrid.parallel.tensor_parallel.unit_backward import Regather, UnitGrads, gather_unit_input
 from lightning_hybrid.parallel.tensor_parallel.variants import Variant
@@ -204,8 +204,7 @@ def gather_sequence_at_entry(unit: nn.Module, group: dist.ProcessGroup) -> None:
             and not torch.compiler.is_compiling()
             and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
         )
-        columns = [c for c in module.modules() if isinstance(c, ColumnParallelLinear) and c.sequence_parallel
-                   and c.overlap_backward and c.float8 is None and c.weight.requires_grad]
+        columns = deferrable_columns(module, sequence_parallel=True)
         state = UnitGrads(columns, group) if keep_shard and columns else None
         regather = None
 

@@ -23,15 +23,21 @@ output gradients, for the call that wants them; the engine says which it is (`_w
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_hybrid.core.autocast import autocast_inputs
-from lightning_hybrid.core.collectives import seq_all_gather, start_seq_all_gather, start_seq_reduce_scatter
+from lightning_hybrid.core.collectives import (
+    seq_all_gather,
+    start_all_reduce,
+    start_seq_all_gather,
+    start_seq_reduce_scatter,
+)
 
 
 class Regather:
@@ -85,15 +91,40 @@ class Regather:
 
 class UnitGrads:
     """What a unit's column layers leave for its entry's backward: per layer, the output gradients of its calls on
-    the gathered input (`stash`) and the dtype its GEMM saw the input in."""
+    the unit's input (`stash`) and the dtype its GEMM saw the input in; without sequence parallelism also the sum of
+    their input gradients (`add_input_grad`), which the entry all-reduces."""
 
-    def __init__(self, columns: list, group: dist.ProcessGroup):
-        self.columns, self.group = columns, group
-        self.full = None  # a weak reference to the gathered input: the layers fed it defer
+    def __init__(self, columns: list, group: dist.ProcessGroup, sequence_parallel: bool = True):
+        self.columns, self.group, self.sequence_parallel = columns, group, sequence_parallel
+        self.full = None  # a weak reference to the unit's input (gathered under SP): the layers fed it defer
         self.regather: Optional[Regather] = None
         self.grads: list[list[Tensor]] = [[] for _ in columns]
         self.tasks: list = [None] * len(columns)  # the backward call each layer's gradients came from
         self.dtypes: list = [None] * len(columns)
+        self.input_grad: Optional[Tensor] = None
+        self.input_task = None
+        self.zero: Optional[Tensor] = None
+
+    def add_input_grad(self, grad: Tensor) -> None:
+        """A column layer's input gradient (no sequence parallelism): summed here, in the running backward call."""
+        task = torch._C._current_graph_task_id()
+        if self.input_task != task or self.input_grad is None:
+            self.input_grad, self.input_task = grad, task
+        else:
+            self.input_grad = self.input_grad + grad
+
+    def nothing(self, like: Tensor) -> Tensor:
+        """A zero gradient for the unit's input (a broadcast scalar, no memory), what the column layers give autograd
+        in place of the input gradients they leave here: the entry then receives a gradient however the backward is
+        split (torch's zero-bubble schedule keeps what reaches a node, and skips a node that received nothing)."""
+        if self.zero is None or self.zero.shape != like.shape or self.zero.dtype != like.dtype:
+            self.zero = like.new_zeros(()).expand(like.shape)
+        return self.zero
+
+    def take_input_grad(self) -> Optional[Tensor]:
+        grad, self.input_grad = (self.input_grad, None) if self.input_task == torch._C._current_graph_task_id() \
+            else (None, None)
+        return grad
 
     def feeds(self, layer, x: Tensor) -> bool:
         return self.full is not None and self.full() is x and any(c is layer for c in self.columns)
@@ -109,10 +140,12 @@ class UnitGrads:
     def clear(self) -> None:
         self.grads = [[] for _ in self.columns]
 
-    def weight_grads(self, wanted: list[bool]) -> list[Optional[Tensor]]:
-        """Per column layer, the weight's and the bias's gradients (``None`` where not ``wanted`` or not used)."""
+    def weight_grads(self, wanted: list[bool], full: Optional[Tensor] = None) -> list[Optional[Tensor]]:
+        """Per column layer, the weight's and the bias's gradients (``None`` where not ``wanted`` or not used), from
+        the unit's input ``full`` (under SP: all-gathered again)."""
         out: list[Optional[Tensor]] = []
-        full = self.regather.take() if any(self.grads) else None
+        if full is None and any(self.grads):
+            full = self.regather.take()
         inputs: dict = {}
         for slot, layer in enumerate(self.columns):
             grads, (want_w, want_b) = self.grads[slot], wanted[2 * slot: 2 * slot + 2]
@@ -183,16 +216,65 @@ class _UnitGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         state = ctx.state
-        edges = iter(ctx.next_functions)  # one per tensor input
-        nodes = [next(edges)[0] if tensor else None for tensor in ctx.tensors]
-        want_input = ctx.needs_input_grad[0] and _wanted(nodes[0]) is not False
+        nodes, want_input = _nodes(ctx)
         finish = start_seq_reduce_scatter(grad, state.group) if want_input else None
-        wanted = [needs and _wanted(node) is not False for needs, node in zip(ctx.needs_input_grad[2:], nodes[2:])]
-        grads = [None] * len(wanted)
-        if any(wanted):  # else (the inputs' pass of a zero-bubble schedule) they wait for the weights' pass
-            grads = state.weight_grads(wanted)
-            state.clear()
+        grads = _weight_grads(ctx, state, nodes)
         return (finish() if finish is not None else None), None, *grads
+
+
+def _nodes(ctx) -> tuple[list, bool]:
+    """A unit entry's input nodes (one per input; ``None`` for a non-tensor) and whether the running backward call
+    wants the input's gradient."""
+    edges = iter(ctx.next_functions)  # one per tensor input
+    nodes = [next(edges)[0] if tensor else None for tensor in ctx.tensors]
+    return nodes, ctx.needs_input_grad[0] and _wanted(nodes[0]) is not False
+
+
+def _weight_grads(ctx, state: UnitGrads, nodes: list, full: Optional[Tensor] = None) -> list[Optional[Tensor]]:
+    """The column weights' gradients the running backward call wants; where it wants none (the inputs' pass of a
+    zero-bubble schedule) their output gradients wait for the call that does."""
+    wanted = [needs and _wanted(node) is not False for needs, node in zip(ctx.needs_input_grad[2:], nodes[2:])]
+    if not any(wanted):
+        return [None] * len(wanted)
+    grads = state.weight_grads(wanted, full)
+    state.clear()
+    return grads
+
+
+class _UnitEntry(torch.autograd.Function):
+    """Without sequence parallelism. Forward: the unit's input as it is (a view). Backward: the all-reduce of its
+    column layers' input gradients started, the deferred weight gradients computed, the all-reduce waited for and
+    the gradient of the input's other consumers (replicated over TP: not reduced) added."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, state: UnitGrads, *weights: Optional[Tensor]) -> Tensor:
+        ctx.state = state
+        ctx.set_materialize_grads(False)
+        ctx.tensors = [isinstance(t, Tensor) for t in (x, state, *weights)]
+        ctx.save_for_backward(x)
+        out = x.view_as(x)
+        state.full = weakref.ref(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Optional[Tensor]):
+        state, (x,) = ctx.state, ctx.saved_tensors
+        nodes, want_input = _nodes(ctx)
+        columns = state.take_input_grad()
+        finish = start_all_reduce(columns.contiguous(), state.group) if want_input and columns is not None else None
+        grads = _weight_grads(ctx, state, nodes, x)
+        grad_x = None
+        if want_input:
+            grad_x = finish() if finish is not None else None
+            if grad is not None and grad is not state.zero:  # the input's other consumers' gradient
+                grad_x = grad if grad_x is None else grad_x + grad
+        return grad_x, None, *grads
+
+
+def enter_unit(x: Tensor, state: UnitGrads) -> Tensor:
+    """The unit's input (no sequence parallelism) through one node that also takes its column layers' weights
+    (`_UnitEntry`)."""
+    return _UnitEntry.apply(x, state, *_weight_edges(state.columns))
 
 
 def gather_unit_input(shard: Tensor, state: UnitGrads) -> Tensor:
@@ -218,9 +300,13 @@ class _DeferredColumn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         (weight,) = ctx.saved_tensors
+        state = ctx.state
         grad2d = grad.reshape(-1, grad.size(-1))
-        ctx.state.stash(ctx.slot, grad2d)
+        state.stash(ctx.slot, grad2d)
         grad_x = grad2d.mm(weight).view(*grad.shape[:-1], weight.size(-1)).to(ctx.x_dtype)
+        if not state.sequence_parallel:  # a part of the sum over TP: the unit's entry reduces the layers' sum
+            state.add_input_grad(grad_x)
+            grad_x = state.nothing(grad_x)
         return grad_x, None, None, None, None
 
 
@@ -233,3 +319,33 @@ def deferred_column(layer, x: Tensor, state: UnitGrads) -> Tensor:
     weight, *bias = autocast_inputs(weight, *([] if bias is None else [bias]))
     slot = next(i for i, c in enumerate(state.columns) if c is layer)
     return _DeferredColumn.apply(x, weight, bias[0] if bias else None, state, slot)
+
+
+def reduce_at_entry(unit: nn.Module, group: dist.ProcessGroup, columns_of: Callable[[nn.Module], list]) -> None:
+    """Hooks of a paired unit without sequence parallelism: its main input enters through `_UnitEntry`, whose
+    backward all-reduces the sum of its column layers' (``columns_of(unit)``) input gradients once, under their
+    weight gradients -- one all-reduce a unit where each column layer reduced its own (three for separate q, k and
+    v). Not compiled (the compiler traces the backward: the layers keep their own form there); inside activation
+    checkpointing, selective or not, the checkpoint keeps (or recomputes) the input the entry keeps, and the
+    backward, which no checkpoint runs again, reduces as outside."""
+    from lightning_hybrid.parallel.tensor_parallel.verify import replace_main_input  # (verify imports the layers)
+
+    entered: list = []
+
+    def pre(module, args, kwargs):
+        active = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        columns = columns_of(module) if active else []
+        entered.append(columns)
+        if not columns:
+            return None
+        state = UnitGrads(columns, group, sequence_parallel=False)
+        for column in columns:
+            column.unit_grads = state
+        return replace_main_input(args, kwargs, lambda x: enter_unit(x, state))
+
+    def post(module, args, kwargs, output):
+        for column in entered.pop():
+            column.unit_grads = None
+
+    unit.register_forward_pre_hook(pre, with_kwargs=True)
+    unit.register_forward_hook(post, with_kwargs=True, always_call=True)
