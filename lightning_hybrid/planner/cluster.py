@@ -116,7 +116,7 @@ class Cluster:
     sequence parallelism where not (torch's micro-pipelined async TP: this codebase's ``async_tp=True``, the CLI's
     ``--async-tp``, torchtitan's -- what its published speed-ups agree with); ``tp_grad_reduce_overlap``
     (``True``): the backward's reduction of a TP unit's input gradient (an all-reduce; a reduce-scatter under
-    sequence parallelism, outside any checkpoint) runs under its column layers' weight-gradient GEMMs (this
+    sequence parallelism) runs under its column layers' weight-gradient GEMMs, whatever is recomputed (this
     codebase's units when not compiled; Megatron's asynchronous all-reduce and reduce-scatter; ``False`` for
     Megatron-LM 2021 and its forks and for torchtitan's DTensor TP); ``grad_reduce_overlap_pp``
     (``True``): under PP each stage's gradient buckets are reduced during its last micro-batch's backward (this

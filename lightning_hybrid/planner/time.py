@@ -29,8 +29,8 @@ Per micro-batch of ``b`` sequences (``T = b s`` tokens) and per block on one dev
   all-gathers, which the recomputation runs again, are what SP's backward gathers again without recompute too --
   `lightning_hybrid.parallel.activation_checkpointing`); not
   overlapped with compute in this codebase's TP layers (unless ``async_tp``) but for the backward's reductions of
-  the units' input gradients -- the all-reduces without sequence parallelism, the reduce-scatters with it outside
-  any checkpoint; not compiled -- which run under the column layers' weight-gradient GEMMs
+  the units' input gradients -- the all-reduces without sequence parallelism, the reduce-scatters with it; not
+  compiled -- which run under the column layers' weight-gradient GEMMs
   (`Cluster.tp_grad_reduce_overlap`: what exceeds those GEMMs and the latency show); for a runtime that overlaps
   them with the GEMMs (`Cluster.tp_comm_overlap`, Megatron-Core) only the latency and what exceeds the block's GEMM
   time show; torch's async TP (this codebase's ``async_tp``, torchtitan's; `Cluster.tp_overlap_backward` False)
@@ -311,13 +311,14 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
         one = block_tp / tp_count
         latency = overlapped * 2 * (t - 1) * tp_link.latency
         block_tp = (tp_count - overlapped) * one + latency + max(0.0, overlapped * one - latency - under)
-    elif cluster.tp_grad_reduce_overlap and t > 1 and not cluster.compute_units and (
-            mode == "none" or not lay.sequence_parallel):
+    elif cluster.tp_grad_reduce_overlap and t > 1 and not cluster.compute_units and not (
+            fp8 and not cluster.fp8_fused_casts):
         # The backward's reductions of the two units' input gradients run under the units' column layers'
         # weight-gradient GEMMs (`Cluster.tp_grad_reduce_overlap`; the unit's entry defers them,
-        # `lightning_hybrid.parallel.tensor_parallel.unit_backward`): what exceeds those and the latency show.
-        # Without sequence parallelism two all-reduces, whatever is recomputed; with it two reduce-scatters (half of
-        # their pairs' time) outside any checkpoint.
+        # `lightning_hybrid.parallel.tensor_parallel.unit_backward`), whatever is recomputed: what exceeds those and
+        # the latency show. Without sequence parallelism two all-reduces; with it two reduce-scatters (half of their
+        # pairs' time). Not torchao's float8 linears (no fused casts): one op each, input and weight gradients
+        # together, reduced after it.
         one = block_tp / tp_count
         hidden, steps = (one, 2 * (t - 1)) if lay.sequence_parallel else (2 * one, 4 * (t - 1))
         latency = steps * tp_link.latency

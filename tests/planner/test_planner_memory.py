@@ -61,10 +61,7 @@ def test_selective_recompute_in_memory_time_and_search():
     flat = dataclasses.replace(load_cluster("a100"), memory_bandwidth=float("inf"), matmul_k0=0.0)
     extra = m.n_layer * s * 4 * h * s / 8 / flat.achievable_flops("bf16-mixed")
     assert estimate_time(m, sel, flat).compute - estimate_time(m, none, flat).compute == pytest.approx(extra)
-    # (With the backward's reduce-scatters under the weight gradients -- eager, outside checkpoints -- fewer show.)
-    late = dataclasses.replace(flat, tp_grad_reduce_overlap=False)
-    assert estimate_time(m, sel, flat).tp_comm == estimate_time(m, none, late).tp_comm
-    assert estimate_time(m, none, flat).tp_comm < estimate_time(m, none, late).tp_comm
+    assert estimate_time(m, sel, flat).tp_comm == estimate_time(m, none, flat).tp_comm
     # The search offers it.
     result = plan(model_spec("small"), load_cluster("cpu"), devices=2, global_batch=4)
     assert {c.layout.recompute_mode for c in result.ranked} == {"none", "full", "attention", "pointwise"}
@@ -172,8 +169,7 @@ def test_pointwise_recompute_keeps_what_the_planner_counts():
     # The planner's order, one layout (32-true, GPT-3: LayerNorm, GELU): full < pointwise < none < attention in
     # memory (this codebase's "attention" keeps the LayerNorms' fp32 outputs and every projection's output, more
     # than SDPA's output and logsumexp it drops); in time none < attention < pointwise (the element-wise ops once
-    # more) < full, with no TP collective more than none's (but for the backward's reduce-scatters, which none hides
-    # under the weight gradients: `Cluster.tp_grad_reduce_overlap`).
+    # more) < full, with no TP collective more than none's.
     m = model_spec("gpt3-175b")
     none, full, sel, pw = (Layout(1, 8, 1, 0, 1, 1, activation_checkpointing=ac, sequence_parallel=True, recompute=r)
                            for ac, r in ((False, "full"), (True, "full"), (False, "attention"), (False, "pointwise")))
@@ -186,8 +182,7 @@ def test_pointwise_recompute_keeps_what_the_planner_counts():
     a100 = dataclasses.replace(load_cluster("a100"), precision="32-true")
     times = [estimate_time(m, lay, a100) for lay in (none, sel, pw, full)]
     assert [t.compute for t in times] == sorted(t.compute for t in times) and len({t.compute for t in times}) == 4
-    late = dataclasses.replace(a100, tp_grad_reduce_overlap=False)
-    assert times[0].tp_comm < times[2].tp_comm == estimate_time(m, none, late).tp_comm < times[3].tp_comm
+    assert times[2].tp_comm == times[0].tp_comm < times[3].tp_comm
     # Without memory traffic the same FLOPs as selective recompute: the attention core's forward once more.
     flat = dataclasses.replace(a100, memory_bandwidth=float("inf"))
     assert estimate_time(m, pw, flat).compute == pytest.approx(estimate_time(m, sel, flat).compute)

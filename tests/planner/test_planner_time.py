@@ -233,9 +233,8 @@ def test_the_backward_reductions_run_under_the_column_layers_weight_gradients():
     """This codebase's column layers (`Cluster.tp_grad_reduce_overlap`): the backward's two reductions of a block's
     units' input gradients run under the column layers' weight-gradient GEMMs -- without sequence parallelism two
     all-reduces (less TP time than reducing after the layer's backward, never less than the forward's two), with it
-    two reduce-scatters, half a pair each, outside checkpoints (`unit_backward`: at most a quarter of the block's TP
-    time hidden); nothing changes under SP inside activation checkpointing or selective recompute, on CPU (the ranks
-    share the cores) or for a runtime without it."""
+    two reduce-scatters, half a pair each (`unit_backward`: at most a quarter of the block's TP time hidden), whatever
+    is recomputed; nothing changes on CPU (the ranks share the cores) or for a runtime without it."""
     m, h100 = model_spec("llama3-70b"), load_cluster("h100")
     late = dataclasses.replace(h100, tp_grad_reduce_overlap=False)
     plain = Layout(32, 8, 1, 3, 2, 1)
@@ -244,12 +243,10 @@ def test_the_backward_reductions_run_under_the_column_layers_weight_gradients():
     sp = dataclasses.replace(plain, sequence_parallel=True)
     under, after = (estimate_time(m, sp, c).tp_comm for c in (h100, late))
     assert after * 3 / 4 <= under < after  # the forward's two pairs and the backward's all-gathers show whole
-    for lay in (dataclasses.replace(sp, activation_checkpointing=True), dataclasses.replace(sp, recompute="attention"),
-                dataclasses.replace(sp, recompute="pointwise")):
-        assert estimate_time(m, lay, h100).tp_comm == estimate_time(m, lay, late).tp_comm
-    for lay in (dataclasses.replace(plain, activation_checkpointing=True),
-                dataclasses.replace(plain, recompute="attention"), dataclasses.replace(plain, recompute="pointwise")):
-        assert estimate_time(m, lay, h100).tp_comm < estimate_time(m, lay, late).tp_comm
+    for base in (plain, sp):
+        for lay in (dataclasses.replace(base, activation_checkpointing=True),
+                    dataclasses.replace(base, recompute="attention"), dataclasses.replace(base, recompute="pointwise")):
+            assert estimate_time(m, lay, h100).tp_comm < estimate_time(m, lay, late).tp_comm
     cpu = dataclasses.replace(h100, compute_units=2)
     assert estimate_time(m, plain, cpu).tp_comm == estimate_time(m, plain, dataclasses.replace(
         cpu, tp_grad_reduce_overlap=False)).tp_comm

@@ -360,6 +360,29 @@ def _unit_backward_checks(res, group, hf_ids):
                 per_layer = 11 if make is tiny_llama else 5
                 ok[f"{key}/one_all_reduce_a_unit"] = (len(gaps[True]) == 5 and min(gaps[True]) > 0
                                                       and len(gaps[False]) == per_layer)
+        if make is tiny_llama:  # inside checkpoints, full and selective: the same gradients, the same order
+            for mode in ("full", "attention"):
+                torch.manual_seed(0)
+                ckpt = make()
+                apply_tp(ckpt, group, resolve_tp_plan(ckpt, 2), run_example=lambda m=ckpt: m(input_ids=even),
+                         sequence_parallel=sp, split_logits=True)
+                ckpt(input_ids=even, labels=even).loss.backward()
+                plain = [p.grad.clone() for p in ckpt.parameters()]
+                apply_activation_checkpointing(ckpt, ["model.layers.0"], recompute_selection(mode))
+                ckpt.zero_grad()
+                loss = ckpt(input_ids=even, labels=even).loss
+                with _Backward() as order:
+                    loss.backward()
+                ops, reduction = order.ops, "alltoall" if sp else "allreduce"
+                gaps = [next((j for j, op in enumerate(ops[i + 1:]) if op != "mm"), len(ops) - i - 1)
+                        for i, op in enumerate(ops) if op.startswith(reduction)]
+                # (+ the recomputed layer's row layers' reductions when it is recomputed whole -- as far as the
+                # recomputation goes: torch stops it once it has what backward needs; the units' four under weight
+                # gradients)
+                least = 4 + (not sp)
+                counted = least <= len(gaps) <= least + 2 * (mode == "full")
+                ok[f"unit_backward/{name}/checkpoint_{mode}"] = counted and sum(g > 0 for g in gaps) >= least and all(
+                    torch.equal(a, p.grad) for a, p in zip(plain, ckpt.parameters()))
         model.zero_grad()
         loss = model(input_ids=even, labels=even).loss
         loss.backward(retain_graph=True)

@@ -191,21 +191,21 @@ def gather_sequence_at_entry(unit: nn.Module, group: dist.ProcessGroup) -> None:
     all-gather starts when the unit's backward starts (a hook on its output's gradient), under the backward of
     its row layer and attention, and is waited for where the column layers' weight gradients need it. Those are
     deferred to the gather's own backward, under the reduce-scatter of the input's gradient
-    (`lightning_hybrid.parallel.tensor_parallel.unit_backward`; ``ColumnParallelLinear.overlap_backward``). (Inside
-    activation checkpointing the checkpoint decides what is kept: nothing is changed there.)"""
+    (`lightning_hybrid.parallel.tensor_parallel.unit_backward`; ``ColumnParallelLinear.overlap_backward``), also
+    inside a checkpoint, where the checkpoint decides what is kept (the gathered input, recomputed or kept: not
+    gathered again). Compiled, the unit keeps the op-by-op form (the compiler traces its backward)."""
     scopes: list = []
 
     def pre(module, args, kwargs):
         # Saved-tensor hooks already active mean activation checkpointing: it decides what is kept. Under
         # torch.compile the compiler decides (dynamo cannot trace saved-tensor hooks): the unit keeps its gathered
         # input, as without sequence parallelism.
-        keep_shard = (
-            torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()
-            and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-        )
-        columns = deferrable_columns(module, sequence_parallel=True)
-        state = UnitGrads(columns, group) if keep_shard and columns else None
+        grad = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        keep_shard = grad and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        columns = deferrable_columns(module, sequence_parallel=True) if grad else []
+        state = UnitGrads(columns, group) if columns else None
+        if state is not None:  # inside a checkpoint the entry keeps the gathered input as the checkpoint keeps it
+            state.keeps_input = not keep_shard
         regather = None
 
         def gather(x: Tensor) -> Tensor:

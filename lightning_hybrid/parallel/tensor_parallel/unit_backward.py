@@ -97,7 +97,8 @@ class UnitGrads:
     def __init__(self, columns: list, group: dist.ProcessGroup, sequence_parallel: bool = True):
         self.columns, self.group, self.sequence_parallel = columns, group, sequence_parallel
         self.full = None  # a weak reference to the unit's input (gathered under SP): the layers fed it defer
-        self.regather: Optional[Regather] = None
+        self.regather: Optional[Regather] = None  # under SP outside checkpoints: the input gathered again
+        self.keeps_input = False  # under SP inside a checkpoint: the entry keeps the gathered input (the checkpoint's)
         self.grads: list[list[Tensor]] = [[] for _ in columns]
         self.tasks: list = [None] * len(columns)  # the backward call each layer's gradients came from
         self.dtypes: list = [None] * len(columns)
@@ -210,6 +211,8 @@ class _UnitGather(torch.autograd.Function):
         ctx.state = state
         ctx.tensors = [isinstance(t, Tensor) for t in (shard, state, *weights)]  # the inputs with an edge
         full = seq_all_gather(shard, state.group)
+        if state.keeps_input:
+            ctx.save_for_backward(full)
         state.full = weakref.ref(full)
         return full
 
@@ -218,7 +221,7 @@ class _UnitGather(torch.autograd.Function):
         state = ctx.state
         nodes, want_input = _nodes(ctx)
         finish = start_seq_reduce_scatter(grad, state.group) if want_input else None
-        grads = _weight_grads(ctx, state, nodes)
+        grads = _weight_grads(ctx, state, nodes, ctx.saved_tensors[0] if state.keeps_input else None)
         return (finish() if finish is not None else None), None, *grads
 
 
