@@ -1,21 +1,27 @@
-"""A sequence-parallel unit's backward: its input's reduce-scatter under its column layers' weight-gradient GEMMs.
+"""A TP unit's backward: the reduction of its input's gradient under its column layers' weight-gradient GEMMs.
 
-Under sequence parallelism a paired unit (an attention or MLP module) all-gathers its input along the sequence at
-entry, and its backward reduce-scatters the gradient of the gathered input. That gradient is the sum of what every
-consumer of the input gives back (q, k and v, or gate and up): complete only once the last column layer's backward
-has run, and each of those has already computed its weight's gradient by then, so an ordinary backward has nothing
-left to compute while the reduce-scatter runs. Megatron-Core defers the weight gradients; so does this module:
+A paired unit (an attention or MLP module) reduces its input's gradient over TP in backward: an all-reduce, or under
+sequence parallelism, where it all-gathered its input along the sequence at entry, a reduce-scatter. That gradient is
+the sum of what every consumer of the input gives back (q, k and v, or gate and up): complete only once the last
+column layer's backward has run, and each of those has already computed its weight's gradient by then, so an
+ordinary backward has nothing left to compute while the reduction runs. Megatron-Core defers the weight gradients; so
+does this module:
 
-* the unit's entry is one autograd node (`gather_unit_input`, `_UnitGather`) that takes the unit's column weights
-  (and biases) as inputs, through views (`_weight_edges`);
-* a column layer fed the gathered input computes its input gradient only (`deferred_column`) and leaves its output
-  gradient with the unit (`UnitGrads.stash`);
-* the entry's backward, which autograd runs after every consumer of the gathered input, starts the reduce-scatter,
-  computes each column weight's and bias's gradient from those output gradients and the input all-gathered again
-  (`Regather`: the unit keeps its input's sequence shard, not the gathered sequence, as Megatron does), then waits.
+* the unit's entry is one autograd node that takes the unit's column weights (and biases) as inputs, through views
+  (`_weight_edges`): `_UnitGather` under SP (forward: the all-gather), `_UnitEntry` without (forward: a view);
+* a column layer fed the unit's input computes its input gradient only (`deferred_column`) and leaves its output
+  gradient with the unit (`UnitGrads.stash`); without SP also its input gradient, which is a per-rank part to be
+  summed over TP (`UnitGrads.add_input_grad`), where the input's other consumers give replicated gradients;
+* the entry's backward, which autograd runs after every consumer of the input, starts the reduction (the
+  reduce-scatter of the input's gradient; without SP the all-reduce of the column layers' summed input gradients),
+  computes each column weight's and bias's gradient from those output gradients and the input, then waits (and
+  adds the other consumers' gradient). Under SP the input is the shard all-gathered again (`Regather`: the unit keeps
+  its input's sequence shard, not the gathered sequence, as Megatron does), or inside a checkpoint what the
+  checkpoint keeps.
 
-The products, operand layouts and sums are those of ``F.linear``'s own backward: bit for bit the ordinary gradients
-(`tests/tensor_parallel/test_tensor_parallel_apply.py`). Where a backward call wants the input's gradient but not the
+The products, operand layouts and sums are those of ``F.linear``'s own backward: under SP bit for bit the ordinary
+gradients; without it the sum over TP is taken once a unit, not once a layer (equal within rounding;
+`tests/tensor_parallel/test_tensor_parallel_apply.py`). Where a backward call wants the input's gradient but not the
 weights' (`torch.distributed.pipelining`'s zero-bubble schedule splits the two passes) the weights' wait, with their
 output gradients, for the call that wants them; the engine says which it is (`_wanted`).
 """
