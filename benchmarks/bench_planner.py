@@ -483,8 +483,9 @@ def async_tp_rows() -> list[str]:
 #: vocabulary 151,936, untied embeddings, SwiGLU, no biases.
 QWEN3_235B = ModelSpec("qwen3-235b-a22b", 94, 4096, 64, 4, 12288, 151936, 4096, gated_mlp=True, bias=False,
                        learned_positions=False, experts=128, top_k=8, expert_ffn=1536, head_size=128, extra_norms=256)
-#: The Qwen3 runs' TP collectives: not overlapped (no --tp-comm-overlap in their 2025 commands; `MOE_PUBLISHED`).
-QWEN3_2025 = {"tp_comm_overlap": False}
+#: The Qwen3 runs' TP collectives: not overlapped (no --tp-comm-overlap in their 2025 commands; `MOE_PUBLISHED`) but
+#: for Megatron's asynchronous reductions under the weight gradients.
+QWEN3_2025 = {"tp_comm_overlap": False, "tp_row_gather_overlap": False}
 MODELZOO = ("yanring/Megatron-MoE-ModelZoo (linked from Megatron-LM's megatron/core/transformer/moe/README.md),"
             " commit e8650517d60d71ab73fc6b3b0388cac4ba435181")
 #: Megatron-Core MoE runs on H100 in BF16, per-GPU TFLOP/s as Megatron-LM counts them (`megatron_flops_per_token`):

@@ -118,7 +118,10 @@ class Cluster:
     (``True``): the backward's reduction of a TP unit's input gradient (an all-reduce; a reduce-scatter under
     sequence parallelism) runs under its column layers' weight-gradient GEMMs, whatever is recomputed (this
     codebase's units when not compiled; Megatron's asynchronous all-reduce and reduce-scatter; ``False`` for
-    Megatron-LM 2021 and its forks and for torchtitan's DTensor TP); ``grad_reduce_overlap_pp``
+    Megatron-LM 2021 and its forks and for torchtitan's DTensor TP); ``tp_row_gather_overlap`` (``True``, with
+    ``tp_grad_reduce_overlap``): under sequence parallelism a row layer's backward all-gathers its output gradient
+    under this rank's part of its input gradient, outside a selective checkpoint (this codebase; ``False`` for
+    Megatron, whose row layer gathers, then computes); ``grad_reduce_overlap_pp``
     (``True``): under PP each stage's gradient buckets are reduced during its last micro-batch's backward (this
     codebase, Megatron-Core's ``--overlap-grad-reduce``; ``False`` for a runtime that reduces after the schedule,
     Megatron-LM 2021); ``param_gather_overlap`` (``True``): ZeRO 1-2's all-gather of the
@@ -181,6 +184,7 @@ class Cluster:
     tp_comm_overlap: bool = False
     tp_overlap_backward: bool = True
     tp_grad_reduce_overlap: bool = True
+    tp_row_gather_overlap: bool = True
     grad_reduce_overlap_pp: bool = True
     cp_gathers_kv_heads: bool = True
     pp_scatter_gather: bool = False

@@ -30,7 +30,9 @@ Per micro-batch of ``b`` sequences (``T = b s`` tokens) and per block on one dev
   `lightning_hybrid.parallel.activation_checkpointing`); not
   overlapped with compute in this codebase's TP layers (unless ``async_tp``) but for the backward's reductions of
   the units' input gradients -- the all-reduces without sequence parallelism, the reduce-scatters with it; not
-  compiled -- which run under the column layers' weight-gradient GEMMs
+  compiled -- which run under the column layers' weight-gradient GEMMs, and with sequence parallelism (not under a
+  selective checkpoint) the row layers' all-gathers of their output gradients, under this rank's part of their input
+  gradients
   (`Cluster.tp_grad_reduce_overlap`: what exceeds those GEMMs and the latency show); for a runtime that overlaps
   them with the GEMMs (`Cluster.tp_comm_overlap`, Megatron-Core) only the latency and what exceeds the block's GEMM
   time show; torch's async TP (this codebase's ``async_tp``, torchtitan's; `Cluster.tp_overlap_backward` False)
@@ -324,6 +326,11 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
         latency = steps * tp_link.latency
         under = model.block_column_weights() * tokens * 2 / t * shape / flops
         block_tp = block_tp - hidden + latency + max(0.0, hidden - latency - under)
+        if lay.sequence_parallel and mode in ("none", "full") and cluster.tp_row_gather_overlap:
+            # The row layers' eager backward (`unit_backward.sequence_row`; a selective checkpoint keeps them one op
+            # each): the two all-gathers of their output gradients under this rank's part of their input gradients.
+            rows = (model.block_matmul_weights() - model.block_column_weights()) * tokens * 2 / t / t * shape / flops
+            block_tp = block_tp - one + latency + max(0.0, one - latency - rows)
     # per block, dense or MoE; a ring's transfers under its attention's steps (one forward pass's core)
     block_cp = kv_exchange_time(model, lay, cluster, core_flops / (flops * cluster.attention_speed))
     mask_cp = mask_gather_time(model, lay, cluster)  # per micro-batch: the positions, for its mask

@@ -317,10 +317,11 @@ class _Backward(TorchDispatchMode):
 
 
 def _unit_backward_checks(res, group, hf_ids):
-    """A paired unit's backward (`unit_backward`, ``ColumnParallelLinear.overlap_backward``), Llama (nn.Linear q/k/v,
-    gate/up) and GPT-2 (fused Conv1D), fp32 and bf16 autocast. With sequence parallelism the reduce-scatter of each
-    unit's input gradient (an all-to-all on gloo) runs before its column layers' weight gradients are computed, not
-    after them, bit for bit the ordinary backward's gradients; without it one all-reduce a unit (not one a column
+    """A paired unit's backward (`unit_backward`, ``overlap_backward``), Llama (nn.Linear q/k/v, gate/up) and GPT-2
+    (fused Conv1D), fp32 and bf16 autocast. With sequence parallelism the reduce-scatter of each unit's input
+    gradient (an all-to-all on gloo) runs before its column layers' weight gradients are computed, not after them,
+    and the row layers compute their input gradients part by part (this rank's while the all-gather of the output
+    gradient runs), bit for bit the ordinary backward's gradients; without it one all-reduce a unit (not one a column
     layer: Llama's q, k, v, gate and up reduced five times a block), the gradients equal within fp32 rounding (the
     sum over TP taken once). Either way a backward run twice over a kept graph gives twice the gradients, and split as
     torch's zero-bubble schedule splits it (the inputs' gradients first, then the weights' from what reached the
@@ -329,14 +330,14 @@ def _unit_backward_checks(res, group, hf_ids):
     for sp, make in ((True, tiny_llama), (True, tiny_gpt2), (False, tiny_llama), (False, tiny_gpt2)):
         name = f"{make.__name__}{'/sp' if sp else ''}"
         for amp in (False, True):
-            got, gaps = {}, {}
+            got, gaps, products = {}, {}, {}
             for overlap in (False, True):
                 torch.manual_seed(0)
                 model = make()
                 apply_tp(model, group, resolve_tp_plan(model, 2), run_example=lambda m=model: m(input_ids=even),
                          sequence_parallel=sp, split_logits=True)
                 for module in model.modules():  # the instances: the class's default stays as it is
-                    if isinstance(module, ColumnParallelLinear):
+                    if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                         module.overlap_backward = overlap
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
                     loss = model(input_ids=even, labels=even).loss
@@ -344,6 +345,7 @@ def _unit_backward_checks(res, group, hf_ids):
                     loss.backward()
                 got[overlap] = [p.grad.clone() for p in model.parameters()]
                 ops, reduction = order.ops, "alltoall" if sp else "allreduce"
+                products[overlap] = ops.count("mm")
                 # products between each reduction of an input gradient and the next collective
                 gaps[overlap] = [next((j for j, op in enumerate(ops[i + 1:]) if op != "mm"), len(ops) - i - 1)
                                  for i, op in enumerate(ops) if op.startswith(reduction)]
@@ -352,6 +354,9 @@ def _unit_backward_checks(res, group, hf_ids):
                 ok[f"{key}/bit_identical"] = all(torch.equal(a, b) for a, b in zip(got[False], got[True]))
                 ok[f"{key}/reduce_scatter_under_weight_gradients"] = (
                     len(gaps[True]) == 4 and min(gaps[True]) > 0 and gaps[False] == [0] * 4)
+                # The row layers' input gradients part by part, this rank's under the all-gather: one product more
+                # for each of the 4 (tp 2).
+                ok[f"{key}/row_input_gradients_by_parts"] = products[True] == products[False] + 4
             else:
                 if not amp:
                     err[f"{key}/grads"] = max(_err(a, b) for a, b in zip(got[True], got[False]))
@@ -374,6 +379,7 @@ def _unit_backward_checks(res, group, hf_ids):
                 with _Backward() as order:
                     loss.backward()
                 ops, reduction = order.ops, "alltoall" if sp else "allreduce"
+                products[overlap] = ops.count("mm")
                 gaps = [next((j for j, op in enumerate(ops[i + 1:]) if op != "mm"), len(ops) - i - 1)
                         for i, op in enumerate(ops) if op.startswith(reduction)]
                 # (+ the recomputed layer's row layers' reductions when it is recomputed whole -- as far as the

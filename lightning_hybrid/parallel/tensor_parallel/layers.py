@@ -41,7 +41,7 @@ from lightning_hybrid.core.collectives import (
 from lightning_hybrid.core.devices import local_tensor
 from lightning_hybrid.core.linears import linear_shape, lora_base
 from lightning_hybrid.core.split_logits import SplitLogits
-from lightning_hybrid.parallel.tensor_parallel.unit_backward import deferred_column
+from lightning_hybrid.parallel.tensor_parallel.unit_backward import deferred_column, linear_weight_grad, sequence_row
 
 
 def _shard(t: Tensor, spec: ShardSpec, group: dist.ProcessGroup) -> nn.Parameter:
@@ -150,6 +150,10 @@ class RowParallelLinear(nn.Module):
     sequence_parallel = False
     float8 = None  # as `ColumnParallelLinear.float8`
     float8_split = "in"
+    #: Under sequence parallelism, eager: the backward's all-gather of the output gradient runs under this rank's part
+    #: of the input gradient (`lightning_hybrid.parallel.tensor_parallel.unit_backward.sequence_row`); ``False``:
+    #: before the layer's backward, as `benchmarks/bench_overlap.py --cpu` compares.
+    overlap_backward = True
 
     def __init__(self, linear: nn.Module, group: dist.ProcessGroup, input_is_parallel: bool):
         super().__init__()
@@ -176,6 +180,9 @@ class RowParallelLinear(nn.Module):
             # after the reduction, as below).
             x, weight = autocast_inputs(x, weight)
             return row_parallel_linear(x, weight, self.bias, self.group, self.sequence_parallel)
+        elif self.sequence_parallel and self.overlap_backward and torch.is_grad_enabled():
+            y = sequence_row(*autocast_inputs(x, weight), self.group)
+            return y if self.bias is None else y + self.bias
         else:
             partial = F.linear(x, weight)
         reduce = reduce_scatter_sequence if self.sequence_parallel else reduce_from_tp
@@ -220,13 +227,7 @@ class _ColumnLinear(torch.autograd.Function):
             finish = start_all_reduce(grad_x, ctx.group)
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            x2d = x.reshape(-1, x.size(-1))
-            # ``F.linear`` multiplies by ``weight.t()``; its gradient comes in that operand's layout (column-major
-            # when ``weight`` is row-major, an nn.Linear's; row-major for a Conv1D's transposed view).
-            if weight.stride(-1) == 1 and weight.stride(0) == weight.size(-1):
-                grad_weight = grad2d.t().mm(x2d)
-            else:
-                grad_weight = x2d.t().mm(grad2d).t()
+            grad_weight = linear_weight_grad(grad2d, x.reshape(-1, x.size(-1)), weight)
         grad_bias = grad2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if finish is not None:
             grad_x = finish()

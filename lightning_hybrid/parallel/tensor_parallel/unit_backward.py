@@ -40,6 +40,8 @@ from torch import Tensor, nn
 from lightning_hybrid.core.autocast import autocast_inputs
 from lightning_hybrid.core.collectives import (
     seq_all_gather,
+    seq_reduce_scatter,
+    start_all_gather,
     start_all_reduce,
     start_seq_all_gather,
     start_seq_reduce_scatter,
@@ -195,6 +197,60 @@ def _weight_edges(columns: list) -> list[Optional[Tensor]]:
         for p in (layer.weight, layer.bias):
             edges.append(p.view_as(p) if p is not None and p.requires_grad else None)
     return edges
+
+
+def linear_weight_grad(grad2d: Tensor, x2d: Tensor, weight: Tensor) -> Tensor:
+    """The gradient of ``weight`` in ``F.linear(x, weight)`` as torch's own backward computes it: ``F.linear``
+    multiplies by ``weight.t()``, whose gradient comes in that operand's layout (column-major when ``weight`` is
+    row-major, an nn.Linear's; row-major for a Conv1D's transposed view)."""
+    if weight.stride(-1) == 1 and weight.stride(0) == weight.size(-1):
+        return grad2d.t().mm(x2d)
+    return x2d.t().mm(grad2d).t()
+
+
+class _SequenceRow(torch.autograd.Function):
+    """A row layer under sequence parallelism, eager: ``x W^T`` reduce-scattered along the sequence. Backward: the
+    all-gather of the output's gradient started, this rank's part of the input's gradient computed from its own part
+    while the others arrive, then theirs and the weight's gradient -- each the product ``F.linear``'s backward
+    computes (on rows of it, for the input's): bit for bit the ordinary backward's. A backward call that wants only
+    one of the two (the zero-bubble schedule's passes) computes that one."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, group: dist.ProcessGroup) -> Tensor:
+        partial = F.linear(x, weight)
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.dtype = group, partial.dtype
+        return seq_reduce_scatter(partial, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        group = ctx.group
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        (x_node, _), (w_node, _) = ctx.next_functions
+        want_x = ctx.needs_input_grad[0] and _wanted(x_node) is not False
+        want_w = ctx.needs_input_grad[1] and _wanted(w_node) is not False
+        # Under autocast an fp32 bias added after the reduction makes the output fp32: the product's gradient in the
+        # product's dtype, as the op-by-op form's addition hands it back.
+        grad = grad.to(ctx.dtype).contiguous()
+        finish = start_all_gather(grad, group)  # [world * B, T/tp, out]: the ranks' parts, rank after rank
+        local = grad.matmul(weight) if want_x else None
+        parts = finish().view(world, *grad.shape)
+        grad_x = grad_w = None
+        if want_x:
+            pieces = [local if j == rank else parts[j].matmul(weight) for j in range(world)]
+            grad_x = torch.stack(pieces, 1).flatten(1, 2)  # [B, world, T/tp, in] -> [B, T, in]
+        if want_w:
+            whole = parts.transpose(0, 1).reshape(-1, grad.size(-1))  # the sequence in order, [B T, out]
+            grad_w = linear_weight_grad(whole, x.reshape(-1, x.size(-1)), weight)
+        return grad_x, grad_w, None
+
+
+def sequence_row(x: Tensor, weight: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """A sequence-parallel row layer's ``reduce_scatter(x W^T)`` (``x``, ``weight`` cast as autocast casts them),
+    its backward's all-gather under this rank's part of the input gradient (`_SequenceRow`). The weight enters as a
+    view, so that the engine can say whether a backward call wants its gradient."""
+    return _SequenceRow.apply(x, weight.view_as(weight), group)
 
 
 def _wanted(node) -> Optional[bool]:
