@@ -32,8 +32,8 @@ Per micro-batch of ``b`` sequences (``T = b s`` tokens) and per block on one dev
   the units' input gradients -- the all-reduces without sequence parallelism, the reduce-scatters with it; not
   compiled -- which run under the column layers' weight-gradient GEMMs, and with sequence parallelism (not under a
   selective checkpoint) the row layers' all-gathers of their output gradients, under this rank's part of their input
-  gradients
-  (`Cluster.tp_grad_reduce_overlap`: what exceeds those GEMMs and the latency show); for a runtime that overlaps
+  gradients (`Cluster.tp_grad_reduce_overlap`, `Cluster.tp_row_gather_overlap`: what exceeds those GEMMs and the
+  latency show); for a runtime that overlaps
   them with the GEMMs (`Cluster.tp_comm_overlap`, Megatron-Core) only the latency and what exceeds the block's GEMM
   time show; torch's async TP (this codebase's ``async_tp``, torchtitan's; `Cluster.tp_overlap_backward` False)
   overlaps the forward's collectives alone, with the forward's GEMMs, under sequence parallelism;
