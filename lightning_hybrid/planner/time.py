@@ -28,12 +28,10 @@ Per micro-batch of ``b`` sequences (``T = b s`` tokens) and per block on one dev
   core and the element-wise ops have no TP collective, the reductions are kept, and sequence parallelism's
   all-gathers, which the recomputation runs again, are what SP's backward gathers again without recompute too --
   `lightning_hybrid.parallel.activation_checkpointing`); not
-  overlapped with compute in this codebase's TP layers (unless ``async_tp``) but for the backward's reductions of
-  the units' input gradients -- the all-reduces without sequence parallelism, the reduce-scatters with it; not
-  compiled -- which run under the column layers' weight-gradient GEMMs, and with sequence parallelism (not under a
-  selective checkpoint) the row layers' all-gathers of their output gradients, under this rank's part of their input
-  gradients (`Cluster.tp_grad_reduce_overlap`, `Cluster.tp_row_gather_overlap`: what exceeds those GEMMs and the
-  latency show); for a runtime that overlaps
+  overlapped with compute in this codebase's TP layers (unless ``async_tp``) but for the backward's (not compiled):
+  the units' reductions under the column layers' weight-gradient GEMMs and SP's row all-gathers under their own part
+  (`Cluster.tp_grad_reduce_overlap`, `Cluster.tp_row_gather_overlap`: what exceeds and the latency show); for a
+  runtime that overlaps
   them with the GEMMs (`Cluster.tp_comm_overlap`, Megatron-Core) only the latency and what exceeds the block's GEMM
   time show; torch's async TP (this codebase's ``async_tp``, torchtitan's; `Cluster.tp_overlap_backward` False)
   overlaps the forward's collectives alone, with the forward's GEMMs, under sequence parallelism;
@@ -315,12 +313,9 @@ def estimate_time(model: ModelSpec, layout: Layout, cluster: Cluster,
         block_tp = (tp_count - overlapped) * one + latency + max(0.0, overlapped * one - latency - under)
     elif cluster.tp_grad_reduce_overlap and t > 1 and not cluster.compute_units and not (
             fp8 and not cluster.fp8_fused_casts):
-        # The backward's reductions of the two units' input gradients run under the units' column layers'
-        # weight-gradient GEMMs (`Cluster.tp_grad_reduce_overlap`; the unit's entry defers them,
-        # `lightning_hybrid.parallel.tensor_parallel.unit_backward`), whatever is recomputed: what exceeds those and
-        # the latency show. Without sequence parallelism two all-reduces; with it two reduce-scatters (half of their
-        # pairs' time). Not torchao's float8 linears (no fused casts): one op each, input and weight gradients
-        # together, reduced after it.
+        # The two units' input-gradient reductions under their column layers' weight-gradient GEMMs, whatever is
+        # recomputed (`unit_backward`): two all-reduces, or under SP two reduce-scatters (half their pairs' time).
+        # Not torchao's float8 linears (no fused casts): one op for both gradients, reduced after it.
         one = block_tp / tp_count
         hidden, steps = (one, 2 * (t - 1)) if lay.sequence_parallel else (2 * one, 4 * (t - 1))
         latency = steps * tp_link.latency
