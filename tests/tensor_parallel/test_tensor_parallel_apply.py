@@ -302,7 +302,7 @@ def _column_overlap_checks(res, group):
 
 
 class _Backward(TorchDispatchMode):
-    """The backward's products and collectives, in order (``mm``; ``comm`` for any c10d collective)."""
+    """The backward's products and collectives, in order (``mm``; a c10d collective by its op's name)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -379,7 +379,6 @@ def _unit_backward_checks(res, group, hf_ids):
                 with _Backward() as order:
                     loss.backward()
                 ops, reduction = order.ops, "alltoall" if sp else "allreduce"
-                products[overlap] = ops.count("mm")
                 gaps = [next((j for j, op in enumerate(ops[i + 1:]) if op != "mm"), len(ops) - i - 1)
                         for i, op in enumerate(ops) if op.startswith(reduction)]
                 # (+ the recomputed layer's row layers' reductions when it is recomputed whole -- as far as the
