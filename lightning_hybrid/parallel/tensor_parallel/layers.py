@@ -101,7 +101,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         weight = self.weight.t() if self.transposed else self.weight
-        if self.unit_grads is not None and self.unit_grads.feeds(self, x) and torch.is_grad_enabled():
+        if self.unit_grads is not None and self.unit_grads.feeds(x) and torch.is_grad_enabled():
             y = deferred_column(self, x, self.unit_grads)  # its weight's gradient (and reduction) the unit's
         elif self.float8 is None and not self.sequence_parallel and self.overlap_backward and (
                 torch.is_grad_enabled() and not functional_collectives_active()):

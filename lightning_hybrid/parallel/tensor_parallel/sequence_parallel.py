@@ -203,9 +203,8 @@ def gather_sequence_at_entry(unit: nn.Module, group: dist.ProcessGroup) -> None:
         grad = torch.is_grad_enabled() and not torch.compiler.is_compiling()
         keep_shard = grad and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
         columns = deferrable_columns(module, sequence_parallel=True) if grad else []
-        state = UnitGrads(columns, group) if columns else None
-        if state is not None:  # inside a checkpoint the entry keeps the gathered input as the checkpoint keeps it
-            state.keeps_input = not keep_shard
+        # (inside a checkpoint the entry keeps the gathered input as the checkpoint keeps it)
+        state = UnitGrads(columns, group, keeps_input=not keep_shard) if columns else None
         regather = None
 
         def gather(x: Tensor) -> Tensor:

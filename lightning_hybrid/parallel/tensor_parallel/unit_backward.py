@@ -102,11 +102,12 @@ class UnitGrads:
     the unit's input (`stash`) and the dtype its GEMM saw the input in; without sequence parallelism also the sum of
     their input gradients (`add_input_grad`), which the entry all-reduces."""
 
-    def __init__(self, columns: list, group: dist.ProcessGroup, sequence_parallel: bool = True):
+    def __init__(self, columns: list, group: dist.ProcessGroup, sequence_parallel: bool = True,
+                 keeps_input: bool = False):
         self.columns, self.group, self.sequence_parallel = columns, group, sequence_parallel
         self.full = None  # a weak reference to the unit's input (gathered under SP): the layers fed it defer
         self.regather: Optional[Regather] = None  # under SP outside checkpoints: the input gathered again
-        self.keeps_input = False  # under SP inside a checkpoint: the entry keeps the gathered input (the checkpoint's)
+        self.keeps_input = keeps_input  # under SP inside a checkpoint: the entry keeps the gathered input
         self.grads: list[list[Tensor]] = [[] for _ in columns]
         self.tasks: list = [None] * len(columns)  # the backward call each layer's gradients came from
         self.dtypes: list = [None] * len(columns)
@@ -135,8 +136,9 @@ class UnitGrads:
             else (None, None)
         return grad
 
-    def feeds(self, layer, x: Tensor) -> bool:
-        return self.full is not None and self.full() is x and any(c is layer for c in self.columns)
+    def feeds(self, x: Tensor) -> bool:
+        """Whether ``x`` is the unit's input (the entry gives this state to the unit's own column layers only)."""
+        return self.full is not None and self.full() is x
 
     def stash(self, slot: int, grad2d: Tensor) -> None:
         """A call's output gradient, from the running backward call: those of an earlier call (a graph kept and
@@ -163,10 +165,10 @@ class UnitGrads:
                 dtype = self.dtypes[slot]
                 if dtype not in inputs:
                     inputs[dtype] = full.to(dtype).reshape(-1, full.size(-1))
-                x2d = inputs[dtype]
+                x2d, weight = inputs[dtype], layer.weight.t() if layer.transposed else layer.weight  # as multiplied
                 for g in grads:
-                    grad_w = _add(grad_w, _weight_grad(g, x2d, layer))
-                grad_w = grad_w.to(layer.weight.dtype)
+                    grad_w = _add(grad_w, linear_weight_grad(g, x2d, weight))
+                grad_w = (grad_w.t() if layer.transposed else grad_w).to(layer.weight.dtype)
             if grads and want_b and layer.bias is not None:
                 for g in grads:
                     grad_b = _add(grad_b, g.sum(0))
@@ -177,15 +179,6 @@ class UnitGrads:
 
 def _add(total: Optional[Tensor], t: Tensor) -> Tensor:
     return t if total is None else total + t
-
-
-def _weight_grad(grad2d: Tensor, x2d: Tensor, layer) -> Tensor:
-    """``F.linear``'s weight gradient, in its operand layout (torch's ``mm_mat2_backward``): ``grad^T x`` for an
-    nn.Linear's row-major ``[out, in]`` weight; for a Conv1D's ``[in, out]`` (multiplied as ``weight.t().t()``)
-    computed as ``(x^T grad)^T`` and transposed into its layout."""
-    if layer.transposed:
-        return x2d.t().mm(grad2d)
-    return grad2d.t().mm(x2d)
 
 
 def _weight_edges(columns: list) -> list[Optional[Tensor]]:
@@ -382,7 +375,7 @@ def deferred_column(layer, x: Tensor, state: UnitGrads) -> Tensor:
     weight = weight.t() if layer.transposed else weight
     bias = None if layer.bias is None else layer.bias.detach()
     weight, *bias = autocast_inputs(weight, *([] if bias is None else [bias]))
-    slot = next(i for i, c in enumerate(state.columns) if c is layer)
+    slot = next(i for i, c in enumerate(state.columns) if c is layer)  # (the layer is one of them: `feeds`)
     return _DeferredColumn.apply(x, weight, bias[0] if bias else None, state, slot)
 
 
